@@ -1,0 +1,241 @@
+"""Public entry point: `parallelize(model, mesh, example_inputs) -> ParallelModule`.
+
+capture -> recognise -> plan -> lower -> run (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from autopar.capture import Captured, capture, split_example_inputs
+from autopar.mesh import MeshInfo, mesh_info
+from autopar.plan import CommRow, Plan
+from autopar.planner import build_plan
+from autopar.spec import placements_from_str
+from passes import meta as M
+from passes.context import PassContext
+from passes.lower import LowerContext, collective_nodes, lower_pass
+from passes.pipeline import RECOGNISE, run_passes
+
+
+class ParallelModule(nn.Module):
+    """The model as a distributed program: parameters are DTensors under their original names.
+
+    `pm(*inputs)` takes the same global inputs as the model and returns the same outputs on every
+    rank; after `backward()` every parameter's gradient is its full single-device gradient,
+    sharded like the parameter. `pm.plan` is what was chosen; `pm.graph_module` is the rewritten
+    local program, with every collective an explicit node.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm):
+        super().__init__()
+        self.plan = plan
+        self._captured = captured
+        self._mesh = mesh
+        object.__setattr__(self, "_gm", gm)
+        pls = plan.param_placements()
+        # parameters: one DTensor per distinct tensor, registered under every original name
+        made: dict[int, nn.Parameter] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in made:
+                placements = pls.get(fqn) or self._placement_of_alias(model, p, pls)
+                data = p.detach()
+                if isinstance(data, DTensor):
+                    raise ValueError(f"parameter {fqn} is already a DTensor; pass the unparallelised model")
+                made[id(p)] = nn.Parameter(shard_tensor(data, mesh, placements), requires_grad=p.requires_grad)
+            self._register(fqn, made[id(p)])
+        for fqn, b in model.named_buffers(remove_duplicate=False):
+            persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
+            self._register(fqn, b, buffer=True, persistent=persistent)
+        self._feeds = []
+        for ph, kind, name in captured.input_kinds:
+            self._feeds.append((kind, name if kind != "constant" else captured.constants[ph]))
+
+    @staticmethod
+    def _placement_of_alias(model, p, pls):
+        for fqn, q in model.named_parameters(remove_duplicate=False):
+            if q is p and fqn in pls:
+                return pls[fqn]
+        raise AssertionError("parameter missing from the plan")
+
+    def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for part in path:
+            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if buffer:
+            mod.register_buffer(leaf, value, persistent=persistent)
+        else:
+            mod.register_parameter(leaf, value)
+
+    def _lookup(self, fqn: str):
+        mod = self
+        *path, leaf = fqn.split(".")
+        for part in path:
+            mod = getattr(mod, part)
+        return getattr(mod, leaf)
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        return self._gm
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        cap = self._captured
+        if spec != cap.in_spec or len(flat) != len(cap.example_shapes):
+            raise ValueError(
+                "ParallelModule was captured for inputs structured like the example inputs "
+                f"({cap.in_spec}), got {spec}. Fix: call it with the same positional/keyword inputs as "
+                "example_inputs, or call autopar.parallelize again with new example inputs.")
+        for i, (a, s) in enumerate(zip(flat, cap.example_shapes)):
+            if s is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != s):
+                got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                raise ValueError(
+                    f"input {i} has shape {got} but the model was parallelised for example inputs of shape {s}; "
+                    "autopar specialises the program to the example shapes. Fix: call autopar.parallelize "
+                    "again with example inputs of the new shape (e.g. one ParallelModule per sequence length).")
+        it = iter(flat)
+        feeds = []
+        for kind, ref in self._feeds:
+            if kind == "param":
+                p = self._lookup(ref)
+                feeds.append(p.to_local() if isinstance(p, DTensor) else p)
+            elif kind == "buffer":
+                feeds.append(self._lookup(ref))
+            elif kind == "constant":
+                feeds.append(ref)
+            else:
+                feeds.append(next(it))
+        outs = self._gm(*feeds)
+        return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
+
+
+def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """A DTensor of `full` (rank 0's copy, broadcast) with `placements`, sliced locally (no scatter).
+
+    Slicing here rather than in `distribute_tensor` gives `_StridedShard` the same layout on real
+    process groups and under LocalTensorMode.
+    """
+    from autopar.runtime.collectives import _take_chunk
+    from autopar.spec import is_shard
+
+    replicated = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)  # broadcast from rank 0
+    local = replicated.to_local()
+    for ax, p in enumerate(placements):
+        if is_shard(p):
+            k = getattr(p, "split_factor", 1)
+            local = _take_chunk(local, p.dim, mesh.size(ax), mesh.get_local_rank(ax), k)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def _non_persistent(model: nn.Module, fqn: str) -> set[str]:
+    mod = model
+    for part in fqn.split(".")[:-1]:
+        mod = getattr(mod, part)
+    return set(getattr(mod, "_non_persistent_buffers_set", ()))
+
+
+def _agree_across_ranks(plan: Plan, mesh: DeviceMesh) -> None:
+    """Every rank must run the same plan: compare a hash of it, raise on mismatch (never hang)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from torch.distributed._local_tensor import local_tensor_mode
+    if local_tensor_mode() is not None:
+        return  # one process simulates every rank: the plan is shared by construction
+    digest = int(hashlib.sha256(plan.to_json().encode()).hexdigest()[:12], 16)
+    mine = torch.tensor([digest, -digest], dtype=torch.int64,
+                        device="cuda" if mesh.device_type == "cuda" else "cpu")
+    got = mine.clone()
+    dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    if got[0] != digest or -got[1] != digest:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: ranks computed different plans (hash {digest:x} here); every rank must "
+            "call parallelize with the same model, mesh, example input shapes and options.")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
+                memory_limit=None) -> ParallelModule:
+    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+    info = mesh_info(mesh)
+    if cluster is not None or memory_limit is not None:
+        raise NotImplementedError("cluster= and memory_limit= feed the cost model and ILP planner (issue #3), "
+                                  "which is not implemented yet; leave them None")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise TypeError(f"overrides must be a dict {{key: form}}, got {type(overrides).__name__}")
+    args, kwargs = split_example_inputs(example_inputs)
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    with maybe_disable_local_tensor_mode():  # tracing runs on fake tensors, never on simulated ranks
+        captured = capture(model, args, kwargs)
+    ctx = PassContext(captured)
+    run_passes(captured.gm, ctx, RECOGNISE)
+    chosen = _tie_placements(_resolve_plan(plan, ctx, info, overrides, captured), model)
+    _agree_across_ranks(chosen, mesh)
+    placements = {}
+    fqn_pls = chosen.param_placements()
+    for ph, fqn in captured.param_fqns.items():
+        placements[ph] = fqn_pls[fqn]
+    placements.update(chosen.input_placements())
+    lctx = LowerContext(info, placements, set(captured.user_inputs))
+    gm = lower_pass(captured.gm, lctx)
+    comms = []
+    for n in collective_nodes(gm):
+        c = n.meta[M.COMM]
+        comms.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
+                             bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
+    chosen = chosen.with_comms(comms, lctx.notes)
+    return ParallelModule(model, mesh, captured, chosen, gm)
+
+
+def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
+    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
+    groups: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(fqn)
+    pls = dict(plan.params)
+    replicated = "R" * len(plan.mesh)
+    for names in groups.values():
+        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
+        if len(chosen) > 1:
+            raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
+                             "give the structures that share them compatible forms")
+        if chosen:
+            for n in names:
+                pls[n] = next(iter(chosen))
+    return dataclasses.replace(plan, params=tuple(pls.items()))
+
+
+def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured) -> Plan:
+    if isinstance(plan, str) and plan in ("auto", "megatron", "dp"):
+        batch = {}
+        flat_shapes = captured.example_shapes
+        first = next((s for s in flat_shapes if s), None)
+        for ph, s in zip(captured.user_inputs, flat_shapes):
+            batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
+        return build_plan(ctx, info, plan, overrides, batch)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be 'auto', 'megatron', 'dp', a Plan or a path to a saved plan; got {plan!r}")
+    if overrides:
+        raise ValueError("overrides apply to the named plans ('auto', 'megatron', 'dp'); edit a saved Plan directly")
+    if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
+        raise ValueError(f"the plan was made for mesh {plan.mesh}, but this mesh is "
+                         f"{tuple(zip(info.names, info.sizes))}; re-plan for this mesh")
+    missing = set(captured.param_fqns.values()) - set(dict(plan.params))
+    if missing:
+        raise ValueError(f"the plan has no placement for parameters {sorted(missing)[:5]}; it was made for another model")
+    return plan

@@ -1,0 +1,165 @@
+"""Plans: what was chosen for every recognised structure and parameter, as readable data.
+
+A `Plan` is frozen, round-trips through JSON, is keyed by names a person can read (module paths,
+parameter FQNs, input names), prints as a table and diffs against another plan. After lowering,
+`ParallelModule.plan` also lists every collective inserted with the bytes it moves per step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, replace
+
+from autopar.spec import placements_from_str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    key: str  # module path of the structure, e.g. "h.0.attn"
+    kind: str  # linear | embedding | attention | mlp | loss
+    form: str  # replicate | colwise | rowwise | vocab | heads | tp
+    axis: str | None = None  # mesh axis the form uses
+    params: tuple[tuple[str, str], ...] = ()  # (parameter fqn, placements) of the structure's own parameters
+    note: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommRow:
+    module: str
+    fn: str
+    axis: str
+    forward: str
+    backward: str
+    bytes_forward: int
+    bytes_backward: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    name: str
+    mesh: tuple[tuple[str, int], ...]
+    strategies: tuple[Strategy, ...] = ()
+    params: tuple[tuple[str, str], ...] = ()  # every parameter fqn -> placements, e.g. ("h.0.fc.weight", "RS(0)")
+    inputs: tuple[tuple[str, str], ...] = ()  # user input name -> placements
+    comms: tuple[CommRow, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for fqn, pls in self.params + self.inputs:
+            got = placements_from_str(pls)
+            if len(got) != len(self.mesh):
+                raise ValueError(f"plan entry {fqn!r} has placements {pls!r} for {len(got)} axes, "
+                                 f"but the plan's mesh {self.mesh} has {len(self.mesh)}")
+
+    # ------------------------------------------------------------------ data
+    def param_placements(self) -> dict[str, tuple]:
+        return {k: placements_from_str(v) for k, v in self.params}
+
+    def input_placements(self) -> dict[str, tuple]:
+        return {k: placements_from_str(v) for k, v in self.inputs}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        return cls(name=d["name"], mesh=tuple(tuple(m) for m in d["mesh"]),
+                   strategies=tuple(Strategy(**{**s, "params": tuple(tuple(p) for p in s["params"])})
+                                    for s in d["strategies"]),
+                   params=tuple(tuple(p) for p in d["params"]), inputs=tuple(tuple(p) for p in d["inputs"]),
+                   comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]))
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_json(f.read())
+
+    def with_comms(self, comms, notes=()) -> "Plan":
+        return replace(self, comms=tuple(comms), notes=tuple(self.notes) + tuple(notes))
+
+    # ------------------------------------------------------------------ reading
+    def comm_bytes_per_step(self) -> int:
+        return sum(c.bytes_forward + c.bytes_backward for c in self.comms)
+
+    def comm_counts(self) -> dict[str, int]:
+        """Collectives executed per step, by kind and pass, e.g. {'all_reduce.forward': 4}."""
+        out: dict[str, int] = defaultdict(int)
+        for c in self.comms:
+            if c.forward != "-":
+                out[f"{c.forward}.forward"] += 1
+            if c.backward != "-":
+                out[f"{c.backward}.backward"] += 1
+        return dict(out)
+
+    def table(self) -> str:
+        by_module: dict[str, list[CommRow]] = defaultdict(list)
+        for c in self.comms:
+            by_module[c.module].append(c)
+        rows = [("module", "kind", "form", "placements", "collectives (fwd/bwd)", "bytes/step")]
+        shown = set()
+        for s in self.strategies:
+            comms = [c for m, cs in by_module.items() if m == s.key or m.startswith(s.key + ".") for c in cs]
+            shown.update(id(c) for c in comms)
+            pls = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in s.params) or "-"
+            rows.append((s.key, s.kind, s.form + (f"@{s.axis}" if s.axis else ""), pls, _comm_summary(comms),
+                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms))))
+        rest = [c for c in self.comms if id(c) not in shown]
+        if rest:
+            rows.append(("(other)", "", "", "", _comm_summary(rest),
+                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest))))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.inputs:
+            lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.comms:
+            lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
+                         "sent per rank per step (forward + backward)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def diff(self, other: "Plan") -> str:
+        """Lines that differ between two plans: strategies by key, parameters by fqn, inputs by name."""
+        out = []
+        a = {s.key: s for s in self.strategies}
+        b = {s.key: s for s in other.strategies}
+        for k in sorted(set(a) | set(b)):
+            fa = f"{a[k].form}@{a[k].axis}" if k in a else "-"
+            fb = f"{b[k].form}@{b[k].axis}" if k in b else "-"
+            if fa != fb:
+                out.append(f"{k}: {fa} -> {fb}")
+        for label, x, y in (("param", dict(self.params), dict(other.params)),
+                            ("input", dict(self.inputs), dict(other.inputs))):
+            for k in sorted(set(x) | set(y)):
+                if x.get(k) != y.get(k):
+                    out.append(f"{label} {k}: {x.get(k, '-')} -> {y.get(k, '-')}")
+        return "\n".join(out) if out else "(plans are identical)"
+
+
+def _comm_summary(comms: list[CommRow]) -> str:
+    if not comms:
+        return "-"
+    counts: dict[str, int] = defaultdict(int)
+    for c in comms:
+        counts[f"{c.forward}/{c.backward}@{c.axis}"] += 1
+    return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items()))
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,282 @@
+"""Hand plans and overrides: which form each recognised structure takes on which mesh axis.
+
+- `megatron`: tensor parallel on the last mesh axis (attention by heads, MLPs colwise -> rowwise,
+  vocab-parallel embedding, LM head and cross-entropy), data parallel on the other axes.
+- `dp`: every parameter replicated, the batch sharded over all axes.
+- `auto`: until the ILP planner lands (issue #3), the megatron heuristic, which parallelises every
+  mesh axis (tensor parallel where the model's structure allows it, data parallel elsewhere).
+
+A form whose precondition fails is not chosen by a heuristic (the structure stays replicated and
+the plan notes why); forcing it through `overrides` raises a ValueError that says what to change.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from autopar.mesh import MeshInfo
+from autopar.plan import Plan, Strategy
+from autopar.spec import R, Placement, Shard, fmt_placements
+from passes import attention as attention_form
+from passes import embedding as embedding_form
+from passes import linear as linear_form
+from passes import loss as loss_form
+from passes.context import PassContext, Site
+
+KIND_FORMS = {
+    "linear": linear_form.FORMS,
+    "embedding": embedding_form.FORMS,
+    "attention": attention_form.FORMS,
+    "loss": loss_form.FORMS,
+    "mlp": ("replicate", "tp"),
+    "moe": ("replicate", "expert"),
+    "norm": ("replicate", "sequence"),
+}
+NOT_YET = {("attention", "ulysses"): "issue #4 (sequence/context parallel)",
+           ("attention", "ring"): "issue #4 (sequence/context parallel)",
+           ("norm", "sequence"): "issue #4 (Megatron sequence parallel)",
+           ("moe", "expert"): "issue #5 (expert parallel)"}
+
+
+def _attention_ok(site: Site, t: int) -> str | None:
+    h, kv = site.info["heads"], site.info["kv_heads"]
+    if h % t:
+        return f"{h} heads do not divide over {t} ranks"
+    if kv % t and t % kv:
+        return f"{kv} KV heads neither divide over nor into {t} ranks"
+    if not site.info["q"] or not site.info["out"]:
+        return "its q or output projection is not a recognised linear"
+    fused = [s for s in site.info["q"] if s in site.info["k"]]
+    if fused and fused[0].info["parts"] == 1:
+        return "its fused QKV projection splits into unequal parts (GQA): not sharded yet"
+    if fused and kv % t:
+        return "its fused QKV projection has fewer KV heads than ranks: not sharded yet"
+    return None
+
+
+class _Planner:
+    def __init__(self, ctx: PassContext, mesh: MeshInfo):
+        self.ctx, self.mesh = ctx, mesh
+        self.linear: dict[str, tuple[str, str | None]] = {}  # linear key -> (form, axis)
+        self.site_form: dict[str, tuple[str, str | None]] = {}
+        self.emb: dict[str, tuple[str, str | None]] = {}
+        self.notes: list[str] = []
+
+    # ------------------------------------------------------------------ forms of composite sites
+    def set_attention(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if form == "heads":
+            t = self.mesh.axis(axis).size
+            why = _attention_ok(site, t)
+            if why:
+                if forced:
+                    raise ValueError(
+                        f"attention {site.key}: form 'heads' on mesh axis {axis!r} (size {t}) is not possible: {why} "
+                        f"(the model has {site.info['heads']} heads, {site.info['kv_heads']} KV heads; mesh "
+                        f"{self.mesh.describe()}). Fix: use an axis whose size divides the head count, or "
+                        f"'replicate' for this attention.")
+                self.notes.append(f"attention {site.key} replicated: {why}")
+                form = "replicate"
+        if form in ("ulysses", "ring"):
+            raise NotImplementedError(f"attention form {form!r} is not implemented yet ({NOT_YET[('attention', form)]})")
+        self.site_form[site.key] = (form, axis if form != "replicate" else None)
+        kv_sharded = form == "heads" and site.info["kv_heads"] % self.mesh.axis(axis).size == 0
+        for s in site.info["q"]:
+            self.linear[s.key] = ("colwise", axis) if form == "heads" else ("replicate", None)
+        for s in site.info["k"] + site.info["v"]:
+            if s in site.info["q"]:
+                continue
+            self.linear[s.key] = ("colwise", axis) if kv_sharded else ("replicate", None)
+        for s in site.info["out"]:
+            self.linear[s.key] = ("rowwise", axis) if form == "heads" else ("replicate", None)
+
+    def set_mlp(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if form == "tp":
+            t = self.mesh.axis(axis).size
+            if site.info["features"] % t:
+                if forced:
+                    raise ValueError(f"mlp {site.key}: {site.info['features']} hidden features do not divide over "
+                                     f"axis {axis!r} of size {t}. Fix: 'replicate' or another axis.")
+                self.notes.append(f"mlp {site.key} replicated: {site.info['features']} features % {t} != 0")
+                form = "replicate"
+        self.site_form[site.key] = (form, axis if form != "replicate" else None)
+        for s in site.info["col"]:
+            self.linear[s.key] = ("colwise", axis) if form == "tp" else ("replicate", None)
+        for s in site.info["row"]:
+            self.linear[s.key] = ("rowwise", axis) if form == "tp" else ("replicate", None)
+
+    def set_loss(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if form == "vocab":
+            t = self.mesh.axis(axis).size
+            why = None
+            if not site.info["vocab_ok"]:
+                why = "vocab-parallel cross-entropy needs 2-D logits, no class weights and no label smoothing"
+            elif site.info["vocab"] % t:
+                why = f"vocab {site.info['vocab']} does not divide over {t} ranks"
+            elif not site.info["head"]:
+                why = "the logits do not come from a recognised linear"
+            if why:
+                if forced:
+                    raise ValueError(f"loss {site.key}: form 'vocab' on axis {axis!r} is not possible: {why}. "
+                                     "Fix: use 'replicate' for the loss.")
+                self.notes.append(f"loss {site.key} not vocab-parallel: {why}")
+                form = "replicate"
+        self.site_form[site.key] = (form, axis if form != "replicate" else None)
+        for s in site.info["head"]:
+            self.linear[s.key] = ("colwise", axis) if form == "vocab" else ("replicate", None)
+
+    def set_embedding(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if form == "vocab":
+            t = self.mesh.axis(axis).size
+            if site.info["vocab"] % t:
+                if forced:
+                    raise ValueError(f"embedding {site.key}: vocab {site.info['vocab']} does not divide over axis "
+                                     f"{axis!r} of size {t}; uneven vocab shards are not supported yet. "
+                                     "Fix: pad the vocabulary to a multiple of the axis size, or 'replicate'.")
+                self.notes.append(f"embedding {site.key} replicated: vocab {site.info['vocab']} % {t} != 0")
+                form = "replicate"
+        self.emb[site.key] = (form, axis if form != "replicate" else None)
+        self.site_form[site.key] = self.emb[site.key]
+
+    def set_form(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if site.kind == "linear":
+            if form not in linear_form.FORMS:
+                raise ValueError(f"linear {site.key}: unknown form {form!r}; valid: {', '.join(linear_form.FORMS)}")
+            self.linear[site.key] = (form, axis if form != "replicate" else None)
+        else:
+            getattr(self, f"set_{site.kind}")(site, form, axis, forced)
+
+    # ------------------------------------------------------------------ placements
+    def placements(self) -> dict[str, list[Placement]]:
+        ctx, mesh = self.ctx, self.mesh
+        pls: dict[str, list[Placement]] = {p: [R] * len(mesh.sizes) for p in ctx.captured.param_fqns}
+        owner: dict[tuple[str, int], str] = {}
+
+        def assign(placeholder: str, axis: str, p: Placement, who: str) -> None:
+            ax = mesh.names.index(axis)
+            old = pls[placeholder][ax]
+            if old != R and old != p:
+                raise ValueError(
+                    f"parameter {ctx.captured.param_fqns[placeholder]} would need two placements on axis "
+                    f"{axis!r}: {old} for {owner[(placeholder, ax)]} and {p} for {who} (tied weights?). "
+                    "Fix: give both structures compatible forms through overrides, e.g. the embedding "
+                    "'vocab' with the LM head 'colwise', or both 'replicate'.")
+            pls[placeholder][ax] = p
+            owner[(placeholder, ax)] = who
+
+        for site in ctx.of_kind("linear"):
+            form, axis = self.linear.get(site.key, ("replicate", None))
+            if form == "replicate":
+                continue
+            for ph, p in linear_form.linear_placements(site, form, 0, 1, mesh.axis(axis).size).items():
+                if p != R:
+                    assign(ph, axis, p, f"linear {site.key} ({form})")
+        for site in ctx.of_kind("embedding"):
+            form, axis = self.emb.get(site.key, ("replicate", None))
+            w = site.params["weight"]
+            if form == "vocab":
+                assign(w, axis, Shard(0), f"embedding {site.key} (vocab)")
+        return pls
+
+    def strategies(self, pls) -> list[Strategy]:
+        fqns = self.ctx.captured.param_fqns
+        covered = set()
+        out = []
+        for site in self.ctx.sites:
+            if site.kind == "linear":
+                continue
+            form, axis = self.site_form.get(site.key, ("replicate", None))
+            members = []
+            if site.kind == "attention":
+                members = site.info["q"] + site.info["k"] + site.info["v"] + site.info["out"]
+            elif site.kind == "mlp":
+                members = site.info["col"] + site.info["row"]
+            elif site.kind == "loss":
+                members = site.info["head"]
+            own = dict(site.params)
+            for m in members:
+                covered.add(m.key)
+                own.update({f"{m.key}.{r}": p for r, p in m.params.items()})
+            params = tuple((fqns[p], fmt_placements(pls[p])) for p in dict.fromkeys(own.values()))
+            out.append(Strategy(key=site.key, kind=site.kind, form=form, axis=axis, params=params))
+        for site in self.ctx.of_kind("linear"):
+            if site.key in covered:
+                continue
+            form, axis = self.linear.get(site.key, ("replicate", None))
+            params = tuple((fqns[p], fmt_placements(pls[p])) for p in site.params.values())
+            out.append(Strategy(key=site.key, kind="linear", form=form, axis=axis, params=params))
+        return out
+
+
+def _parse_form(value: str, mesh: MeshInfo, default_axis: str) -> tuple[str, str]:
+    if not isinstance(value, str):
+        raise ValueError(f"override values are form names like 'colwise' or 'colwise@tp', got {value!r}")
+    form, _, axis = value.partition("@")
+    axis = axis or default_axis
+    mesh.axis(axis)  # validates
+    return form, axis
+
+
+def _match(ctx: PassContext, key: str) -> list[Site]:
+    if key in KIND_FORMS:
+        return [s for s in ctx.sites if s.kind == key]
+    return [s for s in ctx.sites if fnmatch.fnmatchcase(s.key, key)]
+
+
+def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
+               input_batch: dict[str, int]) -> Plan:
+    """The plan `name` ("megatron", "dp", "auto") for the recognised sites, with overrides applied."""
+    if name not in ("megatron", "dp", "auto"):
+        raise ValueError(f"plan must be 'auto', 'megatron', 'dp', a Plan or a path to a saved plan; got {name!r}")
+    tp = mesh.names[-1]
+    tp_on = name in ("megatron", "auto") and mesh.sizes[-1] > 1
+    dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name == "dp" or n != tp]
+    planner = _Planner(ctx, mesh)
+    for site in ctx.sites:
+        if site.kind == "attention":
+            planner.set_attention(site, "heads" if tp_on else "replicate", tp, False)
+    for site in ctx.sites:
+        if site.kind == "mlp":
+            planner.set_mlp(site, "tp" if tp_on else "replicate", tp, False)
+        elif site.kind == "loss":
+            planner.set_loss(site, "vocab" if tp_on and site.info["vocab"] else "replicate", tp, False)
+    for site in ctx.of_kind("embedding"):
+        planner.set_embedding(site, "vocab" if tp_on else "replicate", tp, False)
+    for key, value in (overrides or {}).items():
+        kind_key = key if key in KIND_FORMS else None
+        sites = _match(ctx, key)
+        form, axis = _parse_form(value, mesh, tp)
+        if kind_key and form not in KIND_FORMS[kind_key]:
+            raise ValueError(f"override {key!r}: unknown form {form!r}; valid forms for {kind_key}: "
+                             f"{', '.join(KIND_FORMS[kind_key])}")
+        if kind_key and (kind_key, form) in NOT_YET:
+            raise NotImplementedError(f"override {key!r}: form {form!r} is not implemented yet "
+                                      f"({NOT_YET[(kind_key, form)]})")
+        if not sites:
+            found = sorted({s.key for s in ctx.sites})
+            raise ValueError(f"override {key!r} matches no recognised structure; keys are a kind "
+                             f"({', '.join(KIND_FORMS)}) or a module-path glob over: {', '.join(found) or '(none)'}")
+        for s in sites:
+            if form not in KIND_FORMS[s.kind]:
+                raise ValueError(f"override {key!r}: {s.kind} {s.key} has no form {form!r}; valid: "
+                                 f"{', '.join(KIND_FORMS[s.kind])}")
+            planner.set_form(s, form, axis, True)
+    pls = planner.placements()
+    strategies = planner.strategies(pls)
+    # parameters of tied weights share one placement; every fqn is listed
+    fqn_pls = {}
+    for ph, fqn in ctx.captured.param_fqns.items():
+        fqn_pls[fqn] = fmt_placements(pls[ph])
+    inputs = {}
+    dp_size = 1
+    for n in dp_axes:
+        dp_size *= mesh.axis(n).size
+    for ph, batch in input_batch.items():
+        p = [R] * len(mesh.sizes)
+        if batch and batch % dp_size == 0 and dp_size > 1:
+            for n in dp_axes:
+                p[mesh.names.index(n)] = Shard(0)
+        elif dp_size > 1 and batch:
+            planner.notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
+        inputs[ph] = fmt_placements(p)
+    return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
+                params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), notes=tuple(planner.notes))

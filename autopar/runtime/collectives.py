@@ -1,0 +1,259 @@
+"""Autograd-correct collectives, each one fixed forward/backward pair (DESIGN.md §3).
+
+| function           | forward                     | backward                         | placement change |
+|--------------------|-----------------------------|----------------------------------|------------------|
+| `all_reduce`       | all-reduce (sum)            | identity                         | P -> R           |
+| `grad_all_reduce`  | identity                    | all-reduce (sum)                 | R -> R, partial grads (Megatron's f) |
+| `all_gather`       | all-gather along dim        | local chunk (no communication)   | S(d) -> R        |
+| `all_gather_rs`    | all-gather along dim        | reduce-scatter                   | S(d) -> R, partial grads (SP's g) |
+| `split`            | local chunk (no comm.)      | all-gather                       | R -> S(d)        |
+| `reduce_scatter`   | reduce-scatter along dim    | all-gather                       | P -> S(d)        |
+| `all_to_all`       | all-to-all (split a, cat b) | all-to-all (split b, cat a)      | S(a) -> S(b)     |
+
+Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
+Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
+run on NCCL and gloo alike and are simulated by `LocalTensorMode`. `_StridedShard` layouts pass
+`split_factor`: the tensor dim is k equal blocks, each block sharded over the axis.
+
+`record_comms()` collects one `CommRecord` per collective executed (forward and backward), with
+the bytes each rank sends under ring algorithms, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+from autopar.mesh import AxisRef, resolve_axis
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
+    axis: str
+    pass_: str  # forward | backward
+    numel: int  # elements of the full (logical) tensor moved
+    send_bytes: int  # bytes each rank sends (ring / pairwise algorithms)
+
+
+_RECORDERS: list[list[CommRecord]] = []
+
+
+@contextlib.contextmanager
+def record_comms():
+    records: list[CommRecord] = []
+    _RECORDERS.append(records)
+    try:
+        yield records
+    finally:
+        _RECORDERS.remove(records)
+
+
+def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward: bool) -> None:
+    if not _RECORDERS:
+        return
+    p, size = axis.size, t.element_size()
+    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
+              "reduce_scatter": (p - 1) / p, "all_to_all": (p - 1) / p}[kind]
+    rec = CommRecord(kind, axis.name, "backward" if backward else "forward", full_numel,
+                     round(factor * full_numel * size))
+    for r in _RECORDERS:
+        r.append(rec)
+
+
+# ----------------------------------------------------------------------------- raw collectives
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(t)
+
+
+def _raw_all_reduce(x: torch.Tensor, axis: AxisRef, backward: bool = False, op: str = "sum") -> torch.Tensor:
+    _record("all_reduce", axis, x, x.numel(), backward)
+    return _wait(_c10d.all_reduce(x.contiguous(), op, axis.group_name))
+
+
+def _to_blocks(x: torch.Tensor, dim: int, n: int, k: int) -> torch.Tensor:
+    # (.., k*n*m, ..) in block-major order -> rank-major order: rank r's pieces of all k blocks adjacent
+    shape = list(x.shape)
+    m = shape[dim] // (k * n)
+    y = x.unflatten(dim, (k, n, m)).transpose(dim, dim + 1)
+    return y.flatten(dim, dim + 2)
+
+
+def _from_blocks(x: torch.Tensor, dim: int, n: int, k: int) -> torch.Tensor:
+    shape = list(x.shape)
+    m = shape[dim] // (k * n)
+    y = x.unflatten(dim, (n, k, m)).transpose(dim, dim + 1)
+    return y.flatten(dim, dim + 2)
+
+
+def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    n = axis.size
+    _record("all_gather", axis, x, x.numel() * n, backward)
+    y = _wait(_c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name))
+    y = y.movedim(0, dim)  # (.., n*local, ..) in rank-major order
+    if split_factor > 1:
+        y = _from_blocks(y, dim, n, split_factor)
+    return y.contiguous()
+
+
+def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    n = axis.size
+    _record("reduce_scatter", axis, x, x.numel(), backward)
+    if split_factor > 1:
+        x = _to_blocks(x, dim, n, split_factor)
+    y = _wait(_c10d.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", n, axis.group_name))
+    return y.movedim(0, dim).contiguous()
+
+
+@maybe_run_for_local_tensor
+def _take_chunk(x: torch.Tensor, dim: int, n: int, index: int, split_factor: int) -> torch.Tensor:
+    if split_factor > 1:
+        blocks = x.chunk(split_factor, dim)
+        return torch.cat([b.chunk(n, dim)[index] for b in blocks], dim).contiguous()
+    return x.chunk(n, dim)[index].contiguous()
+
+
+def _raw_split(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    if x.shape[dim] % (axis.size * split_factor):
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over axis {axis}")
+    return _take_chunk(x, dim, axis.size, axis.local_rank(), split_factor)
+
+
+def _raw_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef, backward: bool = False):
+    n = axis.size
+    _record("all_to_all", axis, x, x.numel(), backward)
+    # chunks along split_dim go to ranks 0..n-1; received chunks are concatenated along cat_dim
+    chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1))  # (n, s/n, ...)
+    send = chunks.contiguous().flatten(0, 1)
+    recv = _wait(_c10d.all_to_all_single(send, None, None, axis.group_name))
+    recv = recv.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., local split, ...)
+    # recv[j] is rank j's piece: concatenate along cat_dim (shifted by the leading n)
+    return torch.cat(recv.unbind(0), dim=cat_dim).contiguous()
+
+
+# ----------------------------------------------------------------------------- autograd pairs
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        return _raw_all_reduce(x, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.axis = axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _raw_all_reduce(g, ctx.axis, backward=True), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, split_factor, reduce_grad):
+        ctx.args = (dim, axis, split_factor, reduce_grad)
+        return _raw_all_gather(x, dim, axis, split_factor)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, axis, split_factor, reduce_grad = ctx.args
+        if reduce_grad:
+            return _raw_reduce_scatter(g, dim, axis, split_factor, backward=True), None, None, None, None
+        return _raw_split(g, dim, axis, split_factor), None, None, None, None
+
+
+class _Split(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, split_factor):
+        ctx.args = (dim, axis, split_factor)
+        return _raw_split(x, dim, axis, split_factor)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, axis, split_factor = ctx.args
+        return _raw_all_gather(g, dim, axis, split_factor, backward=True), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, split_factor):
+        ctx.args = (dim, axis, split_factor)
+        return _raw_reduce_scatter(x, dim, axis, split_factor)
+
+    @staticmethod
+    def backward(ctx, g):
+        dim, axis, split_factor = ctx.args
+        return _raw_all_gather(g, dim, axis, split_factor, backward=True), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, axis):
+        ctx.args = (split_dim, cat_dim, axis)
+        return _raw_all_to_all(x, split_dim, cat_dim, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        split_dim, cat_dim, axis = ctx.args
+        return _raw_all_to_all(g, cat_dim, split_dim, axis, backward=True), None, None, None
+
+
+# ----------------------------------------------------------------------------- graph-callable API
+
+def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
+    """P -> R: sum over the axis; backward identity."""
+    return _AllReduce.apply(x, resolve_axis(axis))
+
+
+def grad_all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
+    """R consumed by sharded work: identity; backward sums the partial gradients over the axis."""
+    return _GradAllReduce.apply(x, resolve_axis(axis))
+
+
+def all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    """S(dim) -> R; backward takes this rank's chunk of the (replicated) gradient."""
+    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, False)
+
+
+def all_gather_rs(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    """S(dim) -> R feeding sharded work; backward reduce-scatters the partial gradients."""
+    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, True)
+
+
+def split(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    """R -> S(dim): keep this rank's chunk; backward all-gathers."""
+    return _Split.apply(x, dim, resolve_axis(axis), split_factor)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    """P -> S(dim); backward all-gathers."""
+    return _ReduceScatter.apply(x, dim, resolve_axis(axis), split_factor)
+
+
+def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> torch.Tensor:
+    """S(cat_dim) -> S(split_dim); backward is the inverse all-to-all."""
+    return _AllToAll.apply(x, split_dim, cat_dim, resolve_axis(axis))
+
+
+# What each graph-callable collective moves, forward and backward (used to count and price them).
+COLLECTIVES: dict[object, tuple[str, str]] = {
+    all_reduce: ("all_reduce", "-"),
+    grad_all_reduce: ("-", "all_reduce"),
+    all_gather: ("all_gather", "-"),
+    all_gather_rs: ("all_gather", "reduce_scatter"),
+    split: ("-", "all_gather"),
+    reduce_scatter: ("reduce_scatter", "all_gather"),
+    all_to_all: ("all_to_all", "all_to_all"),
+}

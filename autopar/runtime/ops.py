@@ -1,0 +1,139 @@
+"""Parallel forms of ops whose sharded version is not the op itself on local shards.
+
+- `vocab_parallel_embedding`: the weight is sharded on the vocabulary (rows); ids outside this
+  rank's rows look up row 0 and are zeroed, so the output is Partial (summed by the caller's
+  all-reduce or reduce-scatter). Backward needs no communication.
+- `vocab_parallel_cross_entropy`: logits sharded on the vocabulary; 3 all-reduces of b*s fp32
+  values forward (max, target logit, sum of exps), none backward (Megatron's
+  `_VocabParallelCrossEntropy`). Returns per-token losses, replicated over the vocab axis.
+- `loss_reduce`: sum / mean of per-token losses where the batch is sharded: the mean divides by the
+  *global* count of valid tokens (all-reduced, no gradient), so the result is Partial over the
+  batch axes and the all-reduce that follows gives exactly the single-device mean.
+- `gqa_kv_heads`: the KV heads that this rank's query heads attend to, when KV heads are
+  replicated because there are fewer of them than the tensor-parallel degree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
+
+from autopar.mesh import AxisRef, resolve_axis
+from autopar.runtime.collectives import _raw_all_reduce
+
+
+@maybe_run_for_local_tensor
+def _vocab_local_ids(ids: torch.Tensor, rank: int, rows: int):
+    start = rank * rows
+    outside = (ids < start) | (ids >= start + rows)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: AxisRef | str) -> torch.Tensor:
+    axis = resolve_axis(axis)
+    local_ids, outside = _vocab_local_ids(ids, axis.local_rank(), weight.shape[0])
+    out = F.embedding(local_ids, weight)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+@maybe_run_for_local_tensor
+def _vocab_local_targets(target: torch.Tensor, rank: int, cols: int, ignore_index: int):
+    start = rank * cols
+    outside = (target < start) | (target >= start + cols) | (target == ignore_index)
+    return (target - start).masked_fill(outside, 0), outside
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, axis, ignore_index):
+        # logits: (N, V/t) local columns, target: (N,) global class ids
+        ctx.in_dtype = logits.dtype
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # at least fp32
+        local_max = logits.amax(dim=-1)
+        global_max = _raw_all_reduce(local_max, axis, op="max")
+        shifted = logits - global_max.unsqueeze(-1)
+        local_t, outside = _vocab_local_targets(target, axis.local_rank(), logits.shape[-1], ignore_index)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = _raw_all_reduce(target_logit, axis)
+        exp = shifted.exp()
+        sum_exp = _raw_all_reduce(exp.sum(dim=-1), axis)
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        g = g.masked_fill(ignored, 0.0)
+        grad = softmax * g.unsqueeze(-1)
+        onehot = torch.zeros_like(grad).scatter_(-1, local_t.unsqueeze(-1), 1.0)
+        grad = grad - onehot * (g * (~outside)).unsqueeze(-1)
+        return grad.to(ctx.in_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token losses (fp32) of vocab-sharded logits (N, V/t) against global targets (N,)."""
+    axis = resolve_axis(axis)
+    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
+
+
+def loss_reduce(losses: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
+                count_axes: tuple[AxisRef, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """Reduce per-token losses like `F.cross_entropy` does, with the count taken over the global batch."""
+    if reduction == 0:  # none
+        return losses.to(out_dtype)
+    total = losses.sum()
+    if reduction == 2:  # sum
+        return total.to(out_dtype)
+    count = (target != ignore_index).sum().to(total.dtype)
+    with torch.no_grad():
+        for axis in count_axes:
+            count = _raw_all_reduce(count, resolve_axis(axis))
+    return (total / count).to(out_dtype)
+
+
+def cross_entropy_sharded_batch(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
+                                label_smoothing: float, count_axes: tuple[AxisRef, ...]) -> torch.Tensor:
+    """`aten.cross_entropy_loss` on a batch-sharded (N, C) input: local sum / global valid count."""
+    losses = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
+                             label_smoothing=label_smoothing)
+    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype)
+
+
+def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef, reduction: int,
+                                      ignore_index: int, count_axes: tuple[AxisRef, ...]) -> torch.Tensor:
+    losses = vocab_parallel_cross_entropy(logits, target, axis, ignore_index)
+    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype)
+
+
+def sum_div(x: torch.Tensor, dims, keepdim: bool, divisor: int) -> torch.Tensor:
+    """A mean over dims that are sharded: local sum divided by the global element count (Partial)."""
+    if dims is None:
+        return x.sum() / divisor
+    return x.sum(dims, keepdim=keepdim) / divisor
+
+
+def mse_loss_sharded(a: torch.Tensor, b: torch.Tensor, reduction: int, divisor: int) -> torch.Tensor:
+    sq = (a - b).pow(2)
+    if reduction == 0:
+        return sq
+    return sq.sum() / (divisor if reduction == 1 else 1)
+
+
+@maybe_run_for_local_tensor
+def _kv_head_index(rank: int, q_heads_local: int, group: int, num_kv_heads: int, device: torch.device):
+    first = rank * q_heads_local // group
+    last = ((rank + 1) * q_heads_local - 1) // group
+    return torch.arange(first, last + 1, device=device).clamp_(max=num_kv_heads - 1)
+
+
+def gqa_kv_heads(kv: torch.Tensor, axis: AxisRef, num_q_heads: int) -> torch.Tensor:
+    """(B, Hkv, S, D) replicated -> the KV heads this rank's query-head shard needs."""
+    axis = resolve_axis(axis)
+    num_kv = kv.shape[1]
+    q_local = num_q_heads // axis.size
+    index = _kv_head_index(axis.local_rank(), q_local, num_q_heads // num_kv, num_kv, kv.device)
+    return kv.index_select(1, index)

@@ -1,0 +1,87 @@
+"""Placements per mesh axis, in PyTorch's own vocabulary.
+
+A value's layout is a tuple with one `torch.distributed.tensor` placement per mesh axis:
+`Shard(d)` (dim d split over the axis), `Replicate()`, `Partial()` (each rank holds a summand) or
+`_StridedShard(d, split_factor=k)` (dim d seen as k equal blocks, each block split over the axis:
+the layout of a fused QKV weight sharded per head). Printed compactly as `S(0)R`, `P`, `SS(0,3)`.
+
+Gradient convention (what makes every inserted collective's backward right): the gradient of a
+value placed `R` is itself replicated and complete on every rank. A rule that consumes an `R`
+input while producing a sharded or partial output therefore receives a partial gradient for that
+input, and the lowering wraps the input in `grad_all_reduce` (identity forward, all-reduce
+backward), Megatron's `f`.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = [
+    "Placement", "Partial", "Replicate", "Shard", "_StridedShard", "R", "P",
+    "is_shard", "shard_dim", "fmt", "fmt_placements", "placement_from_str",
+]
+
+R = Replicate()
+P = Partial()
+
+
+def is_shard(p: Placement | None) -> bool:
+    return isinstance(p, (Shard, _StridedShard))
+
+
+def shard_dim(p: Placement) -> int:
+    assert is_shard(p), p
+    return p.dim
+
+
+def is_strided(p: Placement | None) -> bool:
+    return isinstance(p, _StridedShard)
+
+
+def with_dim(p: Placement, dim: int) -> Placement:
+    """The same kind of shard on another tensor dim."""
+    if isinstance(p, _StridedShard):
+        return _StridedShard(dim, split_factor=p.split_factor)
+    return Shard(dim)
+
+
+def fmt(p: Placement) -> str:
+    if isinstance(p, _StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
+
+
+def fmt_placements(pls) -> str:
+    return "".join(fmt(p) for p in pls)
+
+
+def placement_from_str(text: str) -> Placement:
+    text = text.strip()
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    if text.startswith("SS(") and text.endswith(")"):
+        dim, factor = text[3:-1].split(",")
+        return _StridedShard(int(dim), split_factor=int(factor))
+    if text.startswith("S(") and text.endswith(")"):
+        return Shard(int(text[2:-1]))
+    raise ValueError(f"cannot parse placement {text!r}: expected R, P, S(d) or SS(d,k)")
+
+
+def placements_from_str(text: str) -> tuple[Placement, ...]:
+    out, i = [], 0
+    while i < len(text):
+        if text[i] in "RP" and not text.startswith("SS", i):
+            out.append(placement_from_str(text[i]))
+            i += 1
+        else:
+            j = text.index(")", i) + 1
+            out.append(placement_from_str(text[i:j]))
+            i = j
+    return tuple(out)

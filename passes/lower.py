@@ -1,0 +1,367 @@
+"""Lowering: propagate placements through the graph and emit the local SPMD program.
+
+Contract (what `lower_pass` guarantees for the rewritten graph):
+- Placeholders: parameters and buffers arrive as local shards with the placements the plan gave
+  them; user inputs arrive global (the same on every rank) and are sliced in the graph by `split`
+  nodes to the plan's input placements (e.g. the batch over data-parallel axes).
+- Every node gets `meta[PLACEMENTS]` (one placement per mesh axis) from its op's rule
+  (`passes.rules`). Where an input's placement differs from what the rule requires, one explicit
+  collective node per mesh axis is inserted (`autopar.runtime.collectives`, each a fixed
+  forward/backward pair); where the rule consumes an `R` input into a sharded or partial output,
+  the input is wrapped in `grad_all_reduce` (its gradient is partial). An all-gather followed by
+  `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter).
+- Shape literals are rewritten to local shapes (`view(b, s, heads, d)` -> `view(b, s, heads/t, d)`)
+  and ops whose sharded form differs are replaced by their parallel form
+  (`autopar.runtime.ops`: vocab-parallel embedding and cross-entropy, global-count means, GQA).
+- Every graph output is replicated (`R` on every axis): `pm(*inputs)` returns on every rank what
+  the model returns.
+- `meta["val"]` keeps the *global* fake value; local shapes follow from it and the placements.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from autopar.mesh import MeshInfo
+from autopar.runtime import collectives as C
+from autopar.runtime import ops as O
+from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt_placements, is_shard
+from passes import meta as M
+from passes.rules import RULES, arg, replicate_rule, shape
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CommInfo:
+    """One inserted collective: what it moves forward and backward, on which axis, for which module."""
+
+    fn: str
+    forward: str
+    backward: str
+    axis: str
+    axis_size: int
+    bytes_forward: int
+    bytes_backward: int
+    module: str
+
+
+@dataclass
+class LowerContext:
+    mesh: MeshInfo
+    placements: dict[str, tuple[Placement, ...]]  # placeholder name -> placements
+    user_inputs: set[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return list(stack.values())[-1][0]
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _local_numel(node: fx.Node, pls, sizes) -> int:
+    shp = list(shape(node))
+    numel = math.prod(shp)
+    for p, n in zip(pls, sizes):
+        if is_shard(p):
+            numel //= n
+    return numel
+
+
+def local_shape(global_shape, pls, sizes) -> list[int]:
+    out = list(global_shape)
+    for p, n in zip(pls, sizes):
+        if is_shard(p):
+            if out[p.dim] % n:
+                raise NotImplementedError(
+                    f"dim {p.dim} of size {out[p.dim]} does not divide over a mesh axis of size {n}: "
+                    "uneven shards are not supported yet")
+            out[p.dim] //= n
+    return out
+
+
+def _comm_elems(fn, m: int, p: int) -> tuple[float, float]:
+    """Elements each rank sends (forward, backward) for collective fn on a local input of m elements."""
+    ar, gather, scatter = 2 * (p - 1) / p * m, (p - 1) * m, (p - 1) / p * m
+    return {C.all_reduce: (ar, 0), C.grad_all_reduce: (0, ar), C.all_gather: (gather, 0),
+            C.all_gather_rs: (gather, gather), C.split: (0, scatter), C.reduce_scatter: (scatter, scatter),
+            C.all_to_all: (scatter, scatter)}[fn]
+
+
+class _Lowerer:
+    def __init__(self, gm: fx.GraphModule, ctx: LowerContext):
+        self.gm, self.graph, self.ctx = gm, gm.graph, ctx
+        self.axes = ctx.mesh.axes
+        self.sizes = ctx.mesh.sizes
+        self.all_r = (R,) * len(self.axes)
+        self.pl: dict[fx.Node, object] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+
+    # ------------------------------------------------------------------ collectives
+    def _emit(self, fn, x: fx.Node, args: tuple, new_pls: tuple, before: fx.Node, ax: int) -> fx.Node:
+        numel = _local_numel(x, self.pl[x], self.sizes)
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(fn, (x,) + args)
+        node.meta["val"] = x.meta["val"]
+        node.meta[M.PLACEMENTS] = new_pls
+        node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+        fwd, bwd = C.COLLECTIVES[fn]
+        p = self.sizes[ax]
+        fwd_elems, bwd_elems = _comm_elems(fn, numel, p)
+        itemsize = x.meta["val"].element_size()
+        node.meta[M.COMM] = CommInfo(fn.__name__, fwd, bwd, self.axes[ax].name, p, round(fwd_elems * itemsize),
+                                     round(bwd_elems * itemsize), module_path(before))
+        self.pl[node] = new_pls
+        return node
+
+    def redistribute(self, src: fx.Node, req: tuple, f_axes: tuple[int, ...], before: fx.Node) -> fx.Node:
+        cur = self.pl[src]
+        if tuple(cur) == tuple(req) and not f_axes:
+            return src
+        key = (src, tuple(req), f_axes)
+        if key in self.cache:
+            return self.cache[key]
+        x, pls = src, list(cur)
+        for ax, axis in enumerate(self.axes):
+            c, r = pls[ax], req[ax]
+            if c == r:
+                if ax in f_axes:
+                    x = self._emit(C.grad_all_reduce, x, (axis.key,), tuple(pls), before, ax)
+                continue
+            for fn, args, new in self._transition(c, r, ax in f_axes, axis.key):
+                pls[ax] = new
+                x = self._emit(fn, x, args, tuple(pls), before, ax)
+        self.cache[key] = x
+        return x
+
+    def _transition(self, c: Placement, r: Placement, want_f: bool, axis):
+        """The collectives taking one axis from placement c to r: [(fn, args after x, placement after)]."""
+        sf = lambda p: p.split_factor if isinstance(p, _StridedShard) else 1  # noqa: E731
+        if isinstance(c, Partial) and isinstance(r, Replicate):
+            steps = [(C.all_reduce, (axis,), R)]
+            return steps + ([(C.grad_all_reduce, (axis,), R)] if want_f else [])
+        if isinstance(c, Partial) and is_shard(r):
+            return [(C.reduce_scatter, (r.dim, axis, sf(r)), r)]
+        if is_shard(c) and isinstance(r, Replicate):
+            return [((C.all_gather_rs if want_f else C.all_gather), (c.dim, axis, sf(c)), R)]
+        if isinstance(c, Replicate) and is_shard(r):
+            return [(C.split, (r.dim, axis, sf(r)), r)]
+        if is_shard(c) and is_shard(r):
+            if sf(c) == 1 and sf(r) == 1:
+                return [(C.all_to_all, (r.dim, c.dim, axis), r)]
+            return [(C.all_gather, (c.dim, axis, sf(c)), R), (C.split, (r.dim, axis, sf(r)), r)]
+        raise AssertionError(f"no collective turns {c} into {r}")
+
+    # ------------------------------------------------------------------ nodes
+    def run(self) -> None:
+        g = self.graph
+        for node in list(g.nodes):
+            if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+                g.erase_node(node)
+        self._decompose_row_parallel_bias()
+        for node in list(g.nodes):
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                self._output(node)
+
+    def _placeholder(self, node: fx.Node) -> None:
+        want = self.ctx.placements.get(node.name, self.all_r)
+        if node.name not in self.ctx.user_inputs:
+            self.pl[node] = tuple(want)
+            return
+        self.pl[node] = self.all_r
+        if tuple(want) != self.all_r and _is_tensor_node(node):
+            users = list(node.users)
+            first = next(n for n in self.graph.nodes if n.op != "placeholder")
+            sliced = self.redistribute(node, tuple(want), (), first)
+            for u in users:
+                u.replace_input_with(node, sliced)
+
+    def _tensor_inputs(self, node: fx.Node) -> list[fx.Node]:
+        flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+        return [a for a in flat if _is_tensor_node(a)]
+
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            parent = self.pl.get(node.args[0])
+            if isinstance(parent, list):
+                self.pl[node] = parent[node.args[1]]
+            elif parent is not None:
+                self.pl[node] = parent
+            return
+        tin = self._tensor_inputs(node)
+        val = node.meta.get("val")
+        multi = isinstance(val, (list, tuple))
+        if not tin and not isinstance(val, torch.Tensor) and not multi:
+            return
+        rule = RULES.get(node.target)
+        if rule is None:
+            rule = replicate_rule
+            if any(p != R for t in tin for p in self.pl[t]):
+                self.ctx.notes.append(
+                    f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: no sharding rule, "
+                    "its sharded inputs are gathered")
+        n_out = len(val) if multi else 1
+        reqs = [[None] * len(self.axes) for _ in tin]
+        outs = [[None] * len(self.axes) for _ in range(n_out)]
+        for ax, size in enumerate(self.sizes):
+            in_p = [self.pl[t][ax] for t in tin]
+            req, out = rule(node, tin, in_p, size)
+            for i, p in enumerate(req):
+                reqs[i][ax] = p
+            out_list = out if isinstance(out, list) else [out]
+            for j, p in enumerate(out_list):
+                outs[j][ax] = p
+        outs_t = [tuple(o) for o in outs]
+        # emit redistributions, one per tensor input position
+        new_inputs = []
+        for t, req in zip(tin, reqs):
+            f_axes = tuple(ax for ax in range(len(self.axes))
+                           if isinstance(req[ax], Replicate) and any(not isinstance(o[ax], Replicate) for o in outs_t)
+                           and t.meta["val"].dtype.is_floating_point)
+            new_inputs.append(self.redistribute(t, tuple(req), f_axes, node))
+        it = iter(new_inputs)
+        flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+        flat = [next(it) if _is_tensor_node(a) else a for a in flat]
+        node.args, node.kwargs = pytree.tree_unflatten(flat, spec)
+        self.pl[node] = outs_t if multi else outs_t[0]
+        node.meta[M.PLACEMENTS] = self.pl[node]
+        self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _output(self, node: fx.Node) -> None:
+        flat, spec = pytree.tree_flatten(node.args)
+        flat = [self.redistribute(a, self.all_r, (), node) if _is_tensor_node(a) and a in self.pl else a for a in flat]
+        node.args = pytree.tree_unflatten(flat, spec)
+
+    # ------------------------------------------------------------------ local forms
+    def _decompose_row_parallel_bias(self) -> None:
+        """A row-parallel linear's bias is added once, after the reduction: split it from the matmul."""
+        for node in list(self.graph.nodes):
+            if node.op != "call_function":
+                continue
+            if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+                x, w, b = node.args[:3]
+                wpl = self.ctx.placements.get(getattr(w, "name", None), ())
+                if any(is_shard(p) and p.dim == 1 for p in wpl):
+                    with self.graph.inserting_before(node):
+                        mm = self.graph.call_function(aten.linear.default, (x, w))
+                        mm.meta.update(node.meta)
+                        node.target, node.args = aten.add.Tensor, (mm, b)
+            elif node.target is aten.addmm.default:
+                b, x, w = node.args[:3]
+                wpl = self.ctx.placements.get(getattr(w, "name", None), ())
+                if any(is_shard(p) and p.dim == 0 for p in wpl):
+                    with self.graph.inserting_before(node):
+                        mm = self.graph.call_function(aten.mm.default, (x, w))
+                        mm.meta.update(node.meta)
+                        node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
+
+    def _sharded_axes(self, pls, dims=None):
+        return [ax for ax, p in enumerate(pls) if is_shard(p) and (dims is None or p.dim in dims)]
+
+    def _localize(self, node: fx.Node, reqs, outs) -> None:
+        t = node.target
+        out = outs[0]
+        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+                 aten.expand.default):
+            if self._sharded_axes(out):
+                node.target = aten.expand.default if t is aten.expand.default else aten.reshape.default
+                node.args = (node.args[0], local_shape(shape(node), out, self.sizes))
+                node.kwargs = {}
+        elif t in (aten.split.Tensor, aten.split_with_sizes.default):
+            dim = arg(node, 2, "dim", 0)
+            nd = len(shape(node.args[0]))
+            dim = dim + nd if dim < 0 else dim
+            factor = math.prod(self.sizes[ax] for ax in self._sharded_axes(reqs[0], [dim]))
+            if factor > 1:
+                sizes = node.args[1]
+                sizes = [s // factor for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // factor
+                node.args = (node.args[0], sizes) + tuple(node.args[2:])
+        elif t is aten.embedding.default:
+            vocab_axes = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 0]
+            if vocab_axes:
+                node.target = O.vocab_parallel_embedding
+                node.args, node.kwargs = (node.args[0], node.args[1], self.axes[vocab_axes[0]].key), {}
+        elif t is aten.cross_entropy_loss.default:
+            self._localize_cross_entropy(node, reqs, out)
+        elif t is aten.mse_loss.default:
+            batch_axes = self._sharded_axes(reqs[0])
+            if batch_axes:
+                reduction = arg(node, 2, "reduction", 1)
+                node.target = O.mse_loss_sharded
+                node.args, node.kwargs = (node.args[0], node.args[1], reduction, math.prod(shape(node.args[0]))), {}
+        elif t in (aten.mean.dim, aten.mean.default):
+            if any(isinstance(p, Partial) for p in out) and self._sharded_axes(reqs[0]):
+                x = node.args[0]
+                nd = len(shape(x))
+                dims = None if t is aten.mean.default else arg(node, 1, "dim", None)
+                red = range(nd) if not dims else [d + nd if d < 0 else d for d in dims]
+                count = math.prod(shape(x)[d] for d in red)
+                keepdim = False if t is aten.mean.default else bool(arg(node, 2, "keepdim", False))
+                node.target = O.sum_div
+                node.args, node.kwargs = (x, None if dims is None else list(red), keepdim, count), {}
+        elif t is aten.scaled_dot_product_attention.default:
+            q_heads = shape(node.args[0])[1]
+            for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
+                if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate):
+                    args = list(node.args)
+                    with self.graph.inserting_before(node):
+                        for i in (1, 2):
+                            if shape(args[i])[1] == q_heads:
+                                continue
+                            sel = self.graph.call_function(O.gqa_kv_heads, (args[i], self.axes[ax].key, q_heads))
+                            sel.meta["val"] = args[i].meta["val"]
+                            args[i] = sel
+                    node.args = tuple(args)
+
+    def _localize_cross_entropy(self, node: fx.Node, reqs, out) -> None:
+        x, target = node.args[0], node.args[1]
+        reduction = arg(node, 3, "reduction", 1)
+        ignore_index = arg(node, 4, "ignore_index", -100)
+        smoothing = arg(node, 5, "label_smoothing", 0.0)
+        vocab = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]
+        batch = tuple(self.axes[ax].key for ax, p in enumerate(reqs[1]) if is_shard(p) and p.dim == 0)
+        if vocab:
+            node.target = O.vocab_parallel_cross_entropy_loss
+            node.args = (x, target, self.axes[vocab[0]].key, reduction, ignore_index, batch)
+            node.kwargs = {}
+        elif batch and reduction != 0:
+            node.target = O.cross_entropy_sharded_batch
+            node.args = (x, target, reduction, ignore_index, smoothing, batch)
+            node.kwargs = {}
+
+
+def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    _Lowerer(gm, ctx).run()
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C.COLLECTIVES]
+
+
+def placements_str(node: fx.Node) -> str:
+    pls = node.meta.get(M.PLACEMENTS)
+    if pls is None:
+        return "-"
+    if isinstance(pls, list):
+        return ",".join(fmt_placements(p) for p in pls)
+    return fmt_placements(pls)

@@ -1,0 +1,7 @@
+"""The node.meta keys that passes share, declared once."""
+
+KIND = "autopar_kind"  # recognised structure: "linear", "embedding", "attention", "loss"
+PLACEMENTS = "autopar_placements"  # tuple of placements per mesh axis (list of tuples for multi-output ops)
+COMM = "autopar_comm"  # on inserted collective nodes: CommInfo
+ORIGIN = "autopar_origin"  # module path of the node a collective was inserted for
+REPLICATED = "autopar_replicated"  # why an op was replicated (no rule / precondition)

@@ -1,0 +1,32 @@
+"""The ordered pass pipeline. The runner lints the graph after each pass and names the pass on failure."""
+
+from __future__ import annotations
+
+from torch import fx
+
+from passes.attention import recognise_attention_pass
+from passes.embedding import recognise_embedding_pass
+from passes.linear import recognise_linear_pass
+from passes.loss import recognise_loss_pass
+from passes.mlp import recognise_mlp_pass
+
+# recognition: each pass adds Sites to the PassContext; none mutates the graph
+RECOGNISE = [
+    recognise_linear_pass,
+    recognise_embedding_pass,
+    recognise_attention_pass,
+    recognise_loss_pass,
+    recognise_mlp_pass,
+]
+
+
+def run_passes(gm: fx.GraphModule, ctx, passes) -> fx.GraphModule:
+    done = []
+    for p in passes:
+        try:
+            gm = p(gm, ctx)
+            gm.graph.lint()
+        except Exception as e:
+            raise type(e)(f"{e}\n(in pass {p.__name__}; passes before it: {[d.__name__ for d in done]})") from e
+        done.append(p)
+    return gm

@@ -1,0 +1,537 @@
+"""Sharding rules: one small function per op, registered by decorator in a table keyed by op.
+
+A rule sees one mesh axis at a time: the placements of the node's tensor inputs on that axis
+and the axis size, and returns `(required input placements, output placement)` (a list of output
+placements for ops with several outputs). Rules never mutate the graph; the lowering inserts the
+collectives that turn each input's placement into the required one, and wraps an input that must
+be `R` in `grad_all_reduce` when the output is not `R` (its gradient is then partial).
+
+An op without a rule is replicated: every input is made `R` and the output is `R`; the lowering
+reports it ("replicated: no sharding rule for aten.X"). Never a guess.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable
+
+import torch
+from torch import fx
+
+from autopar.spec import P, R, Placement, Partial, Replicate, Shard, _StridedShard, is_shard, with_dim
+
+aten = torch.ops.aten
+Decision = tuple[list[Placement], "Placement | list[Placement]"]
+Rule = Callable[[fx.Node, list[fx.Node], list[Placement], int], Decision]
+RULES: dict[object, Rule] = {}
+
+
+def register(*targets) -> Callable[[Rule], Rule]:
+    def deco(fn: Rule) -> Rule:
+        for t in targets:
+            RULES[t] = fn
+        return fn
+    return deco
+
+
+def shape(n) -> tuple[int, ...]:
+    v = n.meta.get("val")
+    return tuple(int(s) for s in v.shape)
+
+
+def ndim(n) -> int:
+    return len(shape(n))
+
+
+def arg(node: fx.Node, i: int, name: str, default=None):
+    if len(node.args) > i:
+        return node.args[i]
+    return node.kwargs.get(name, default)
+
+
+def _norm(d: int, nd: int) -> int:
+    return d + nd if d < 0 else d
+
+
+def all_r(tin, ins) -> Decision:
+    return [R] * len(ins), R
+
+
+def replicate_rule(node, tin, ins, n) -> Decision:
+    outs = node.meta.get("val")
+    if isinstance(outs, (list, tuple)):
+        return [R] * len(ins), [R] * len(outs)
+    return [R] * len(ins), R
+
+
+def _divisible(size: int, n: int, p: Placement) -> bool:
+    k = p.split_factor if isinstance(p, _StridedShard) else 1
+    return size % (n * k) == 0
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+UNARY_LINEAR = {aten.neg.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
+                aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
+                aten.detach.default, aten.positive.default}
+ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
+SCALING = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+
+ELEMENTWISE = [
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
+    aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.neg.default, aten.pow.Tensor_Scalar,
+    aten.pow.Tensor_Tensor, aten.rsqrt.default, aten.sqrt.default, aten.exp.default, aten.log.default,
+    aten.silu.default, aten.gelu.default, aten.relu.default, aten.tanh.default, aten.sigmoid.default,
+    aten.cos.default, aten.sin.default, aten.abs.default, aten.erf.default, aten.reciprocal.default,
+    aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
+    aten.dropout.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+    aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
+    aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
+    aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
+    aten.logical_not.default, aten.logical_and.default, aten.bitwise_not.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.minimum.default,
+    aten.maximum.default, aten.clamp.default, aten.float_power.Tensor_Scalar, aten.square.default,
+    aten.softplus.default, aten.log1p.default, aten.expm1.default, aten.gelu.default, aten.mish.default,
+    aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.relu6.default,
+]
+
+
+@register(*ELEMENTWISE)
+def elementwise_rule(node, tin, ins, n) -> Decision:
+    out = shape(node)
+    nd = len(out)
+    # a non-broadcast sharded input decides the output's shard dim
+    choice: Placement | None = None
+    for t, p in zip(tin, ins):
+        if is_shard(p):
+            s = shape(t)
+            od = p.dim + nd - len(s)
+            if s[p.dim] == out[od]:
+                choice = with_dim(p, od)
+                break
+    if choice is not None:
+        req = []
+        for t, p in zip(tin, ins):
+            s = shape(t)
+            d = choice.dim - (nd - len(s))
+            if d >= 0 and s[d] == out[choice.dim] and s[d] != 1:
+                req.append(with_dim(choice, d))
+            else:
+                req.append(R)
+        return req, choice
+    partial = [isinstance(p, Partial) for p in ins]
+    if any(partial):
+        t = node.target
+        if t in UNARY_LINEAR or (t in ADDITIVE and all(partial)):
+            return list(ins), P
+        if t in SCALING and sum(partial) == 1 and (t is not aten.div.Tensor or partial[0]):
+            return list(ins), P
+    return [R] * len(ins), R
+
+
+# ----------------------------------------------------------------------------- views
+
+def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int], list[int]]]:
+    """Group dims of two shapes with equal element counts into runs of equal products."""
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        I, O, pa, pb = [], [], 1, 1
+        if i < len(a):
+            I.append(i); pa = a[i]; i += 1
+        if j < len(b):
+            O.append(j); pb = b[j]; j += 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                I.append(i); pa *= a[i]; i += 1
+            elif j < len(b):
+                O.append(j); pb *= b[j]; j += 1
+            else:
+                break
+        groups.append((I, O))
+    return groups
+
+
+def map_view_dim(a, b, d: int, n: int, p: Placement) -> int | None:
+    """The output dim carrying input dim d's shard through a view a -> b, if the shard stays contiguous."""
+    for I, O in view_groups(a, b):
+        if d in I:
+            first_in = next((i for i in I if a[i] != 1), None)
+            first_out = next((o for o in O if b[o] != 1), None)
+            if first_in != d or first_out is None:
+                return None
+            if isinstance(p, _StridedShard) and (len(O) != 1 or len(I) != 1):
+                return None
+            return first_out if _divisible(b[first_out], n, p) else None
+    return None
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+          aten.unflatten.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
+          aten.view_as.default, aten.reshape_as.default)
+def view_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    req = [R] * len(ins)
+    if isinstance(p, Partial):
+        return [P] + req[1:], P
+    if not is_shard(p):
+        return req, R
+    od = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
+    if od is None:
+        return req, R
+    return [p] + req[1:], with_dim(p, od)
+
+
+@register(aten.expand.default)
+def expand_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if isinstance(p, Partial):
+        return [R], R
+    if not is_shard(p):
+        return [R], R
+    s, out = shape(tin[0]), shape(node)
+    od = p.dim + len(out) - len(s)
+    if s[p.dim] != out[od]:
+        return [R], R
+    return [p], with_dim(p, od)
+
+
+@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.swapaxes.default)
+def permute_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if not is_shard(p):
+        return [p], p
+    nd = ndim(tin[0])
+    if node.target is aten.permute.default:
+        perm = [_norm(d, nd) for d in node.args[1]]
+    else:
+        d0, d1 = (0, 1) if node.target is aten.t.default else (_norm(node.args[1], nd), _norm(node.args[2], nd))
+        perm = list(range(nd))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    return [p], with_dim(p, perm.index(p.dim))
+
+
+@register(aten.select.int)
+def select_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    dim = _norm(node.args[1], ndim(tin[0]))
+    if not is_shard(p):
+        return [p] if isinstance(p, Replicate) else [R], R if not isinstance(p, Partial) else P
+    if p.dim == dim:
+        return [R], R
+    return [p], with_dim(p, p.dim - (p.dim > dim))
+
+
+@register(aten.slice.Tensor)
+def slice_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if isinstance(p, Partial):
+        return [P], P
+    if not is_shard(p):
+        return [R], R
+    s = shape(tin[0])
+    dim = _norm(arg(node, 1, "dim", 0), len(s))
+    if dim != p.dim:
+        return [p], p
+    start, end, step = arg(node, 2, "start", None), arg(node, 3, "end", None), arg(node, 4, "step", 1)
+    if (start in (None, 0)) and (end is None or end >= s[dim]) and step == 1:
+        return [p], p
+    return [R], R
+
+
+def _split_outputs(node) -> int:
+    return len(node.meta["val"])
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int)
+def split_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    k = _split_outputs(node)
+    s = shape(tin[0])
+    if node.target is aten.unbind.int:
+        dim = _norm(arg(node, 1, "dim", 0), len(s))
+    else:
+        dim = _norm(arg(node, 2, "dim", 0), len(s))
+    if isinstance(p, Partial):
+        return [P], [P] * k
+    if not is_shard(p):
+        return [R], [R] * k
+    if p.dim != dim:
+        od = p.dim - (node.target is aten.unbind.int and p.dim > dim)
+        return [p], [with_dim(p, od)] * k
+    sizes = [int(v.shape[dim]) for v in node.meta["val"]]
+    if isinstance(p, _StridedShard) and p.split_factor == k and len(set(sizes)) == 1 and sizes[0] % n == 0:
+        return [p], [Shard(dim)] * k
+    return [R], [R] * k
+
+
+@register(aten.cat.default)
+def cat_rule(node, tin, ins, n) -> Decision:
+    out = shape(node)
+    dim = _norm(arg(node, 1, "dim", 0), len(out))
+    shards = [p for p in ins if is_shard(p)]
+    if shards and not isinstance(shards[0], _StridedShard) and shards[0].dim != dim:
+        p = shards[0]
+        return [p] * len(ins), p
+    if ins and all(isinstance(p, Partial) for p in ins):
+        return list(ins), P
+    return [R] * len(ins), R
+
+
+# ----------------------------------------------------------------------------- matmuls
+
+def _linear_like(x_p, w_p, x_nd, w_in_dim: int, bias: bool) -> tuple[Placement, Placement, Placement]:
+    """x (..., k) against a weight with `in` on dim w_in_dim; returns (x required, w required, out)."""
+    w_out_dim = 1 - w_in_dim
+    last = x_nd - 1
+    if is_shard(w_p) and w_p.dim == w_out_dim:  # column-parallel
+        return R, w_p, with_dim(w_p, last)
+    if is_shard(w_p) and w_p.dim == w_in_dim:  # row-parallel: x sharded on features -> partial sums
+        assert not bias, "row-parallel bias must be added after the reduction (decompose_bias)"
+        return Shard(last), w_p, P
+    # replicated weight
+    if is_shard(x_p) and x_p.dim < last:
+        return x_p, R, x_p
+    if isinstance(x_p, Partial) and not bias:
+        return P, R, P
+    return R, R, R
+
+
+@register(aten.linear.default)
+def linear_rule(node, tin, ins, n) -> Decision:
+    bias = len(tin) > 2
+    xr, wr, out = _linear_like(ins[0], ins[1], ndim(tin[0]), 1, bias)
+    req = [xr, wr]
+    if bias:
+        req.append(with_dim(wr, 0) if is_shard(wr) else R)
+    return req, out
+
+
+@register(aten.mm.default)
+def mm_rule(node, tin, ins, n) -> Decision:
+    a, b = ins
+    if is_shard(b) and b.dim == 1:
+        return [R, b], with_dim(b, 1)
+    if is_shard(b) and b.dim == 0:
+        return [Shard(1), b], P
+    if is_shard(a) and a.dim == 0:
+        return [a, R], a
+    if isinstance(a, Partial) and not is_shard(b):
+        return [P, R], P
+    if isinstance(b, Partial) and not is_shard(a):
+        return [R, P], P
+    return [R, R], R
+
+
+@register(aten.addmm.default)
+def addmm_rule(node, tin, ins, n) -> Decision:
+    req, out = mm_rule(node, tin[1:], ins[1:], n)
+    assert not isinstance(out, Partial), "row-parallel addmm bias must be added after the reduction"
+    bias_p = R
+    if is_shard(out) and out.dim == 1 and ndim(tin[0]) >= 1 and shape(tin[0])[-1] != 1:
+        bias_p = with_dim(out, ndim(tin[0]) - 1)
+    return [bias_p] + req, out
+
+
+@register(aten.matmul.default, aten.bmm.default)
+def matmul_rule(node, tin, ins, n) -> Decision:
+    a, b = ins
+    sa, sb, out = shape(tin[0]), shape(tin[1]), shape(node)
+    if len(sa) < 2 or len(sb) < 2:
+        return [R, R], R
+    nd = len(out)
+    if len(sb) == 2:  # x @ W
+        if is_shard(b) and b.dim == 1:
+            return [R, b], with_dim(b, nd - 1)
+        if is_shard(b) and b.dim == 0:
+            return [Shard(len(sa) - 1), b], P
+        if is_shard(a) and a.dim < len(sa) - 1:
+            return [a, R], with_dim(a, a.dim + nd - len(sa))
+        if isinstance(a, Partial):
+            return [P, R], P
+        return [R, R], R
+    # batched: (..., m, k) @ (..., k, n)
+    oa, ob = nd - len(sa), nd - len(sb)
+    for p, s, off, other_s, other_off, first in ((a, sa, oa, sb, ob, True), (b, sb, ob, sa, oa, False)):
+        if not is_shard(p) or isinstance(p, _StridedShard):
+            continue
+        od = p.dim + off
+        if od < nd - 2 and s[p.dim] == out[od]:  # batch dim
+            d_other = od - other_off
+            other_req = Shard(d_other) if d_other >= 0 and other_s[d_other] != 1 else R
+            return ([p, other_req] if first else [other_req, p]), Shard(od)
+        if first and p.dim == len(s) - 2:  # m
+            return [p, R], Shard(nd - 2)
+        if not first and p.dim == len(s) - 1:  # n
+            return [R, p], Shard(nd - 1)
+        if first and p.dim == len(s) - 1:  # k: contract both
+            return [p, Shard(len(sb) - 2)], P
+        if not first and p.dim == len(s) - 2:
+            return [Shard(len(sa) - 1), p], P
+    if isinstance(a, Partial) and not isinstance(b, Partial):
+        return [P, R], P
+    if isinstance(b, Partial) and not isinstance(a, Partial):
+        return [R, P], P
+    return [R, R], R
+
+
+@register(aten.outer.default)
+def outer_rule(node, tin, ins, n) -> Decision:
+    a, b = ins
+    if is_shard(a):
+        return [a, R], Shard(0)
+    if is_shard(b):
+        return [R, b], Shard(1)
+    return [R, R], R
+
+
+# ----------------------------------------------------------------------------- reductions
+
+def _reduced_dims(node, nd) -> tuple[list[int], bool]:
+    if node.target in (aten.sum.default, aten.mean.default):
+        return list(range(nd)), False
+    dims = arg(node, 1, "dim", None)
+    keepdim = bool(arg(node, 2, "keepdim", False))
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(nd)), keepdim
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(_norm(d, nd) for d in dims), keepdim
+
+
+@register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
+def sum_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if isinstance(p, Partial):
+        return [P], P
+    if not is_shard(p):
+        return [R], R
+    dims, keepdim = _reduced_dims(node, ndim(tin[0]))
+    if p.dim in dims:
+        return [p], P
+    return [p], with_dim(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+
+
+@register(aten.amax.default, aten.amin.default)
+def amax_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if not is_shard(p):
+        return [R], R
+    dims, keepdim = _reduced_dims(node, ndim(tin[0]))
+    if p.dim in dims:
+        return [R], R
+    return [p], with_dim(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+
+
+@register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+          aten.cumsum.default, aten.diff.default)
+def along_dim_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    if not is_shard(p):
+        return [R] * len(ins), R
+    nd = ndim(tin[0])
+    dim = _norm(arg(node, 1, "dim", -1), nd)
+    if p.dim == dim:
+        return [R] * len(ins), R
+    return [p] + [R] * (len(ins) - 1), p
+
+
+@register(aten.layer_norm.default)
+def layer_norm_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    nd = ndim(tin[0])
+    normalized = len(node.args[1])
+    if is_shard(p) and not isinstance(p, _StridedShard) and p.dim < nd - normalized:
+        return [p] + [R] * (len(ins) - 1), p
+    return [R] * len(ins), R
+
+
+@register(aten.pad.default, aten.constant_pad_nd.default)
+def pad_rule(node, tin, ins, n) -> Decision:
+    p = ins[0]
+    nd = ndim(tin[0])
+    padded = len(node.args[1]) // 2
+    if is_shard(p) and p.dim < nd - padded:
+        return [p], p
+    return [R], R
+
+
+# ----------------------------------------------------------------------------- embedding, attention, losses
+
+@register(aten.embedding.default)
+def embedding_rule(node, tin, ins, n) -> Decision:
+    w, ids = ins
+    out_nd = ndim(node)
+    if is_shard(w) and w.dim == 0 and not isinstance(w, _StridedShard):
+        return [w, R], P  # vocab-parallel: masked lookup, partial sums
+    if is_shard(w) and w.dim == 1:
+        return [w, R], with_dim(w, out_nd - 1)
+    if is_shard(ids):
+        return [R, ids], ids
+    return [R, R], R
+
+
+@register(aten.scaled_dot_product_attention.default)
+def sdpa_rule(node, tin, ins, n) -> Decision:
+    q = ins[0]
+    has_mask = len(tin) > 3
+    sq, sk = shape(tin[0]), shape(tin[1])
+    if not is_shard(q) or isinstance(q, _StridedShard) or q.dim >= 2:
+        return [R] * len(ins), R
+    req = [q]
+    if q.dim == 0:
+        req += [q, q]
+    else:  # heads
+        if sk[1] == sq[1] or sk[1] % n == 0:
+            req += [Shard(1), Shard(1)]
+        else:  # fewer KV heads than ranks: keep them replicated, pick per rank (gqa_kv_heads)
+            req += [R, R]
+    if has_mask:
+        sm = shape(tin[3])
+        md = q.dim + len(sm) - 4
+        req.append(Shard(md) if md >= 0 and sm[md] != 1 else R)
+    return req, q
+
+
+@register(aten.cross_entropy_loss.default)
+def cross_entropy_rule(node, tin, ins, n) -> Decision:
+    x, t = ins[0], ins[1]
+    reduction = arg(node, 3, "reduction", 1)
+    smoothing = arg(node, 5, "label_smoothing", 0.0)
+    weighted = len(tin) > 2
+    nd = ndim(tin[0])
+    if weighted or any(isinstance(p, Partial) for p in ins):
+        return [R] * len(ins), R
+    if is_shard(x) and x.dim == 1 and nd == 2 and smoothing == 0.0 and not isinstance(x, _StridedShard):
+        return [x, R], R  # vocab-parallel cross-entropy
+    if is_shard(x) and x.dim == 0 or (is_shard(t) and t.dim == 0 and not is_shard(x)):
+        return [Shard(0), Shard(0)], (Shard(0) if reduction == 0 else P)
+    return [R] * len(ins), R
+
+
+@register(aten.mse_loss.default)
+def mse_rule(node, tin, ins, n) -> Decision:
+    a, b = ins
+    reduction = arg(node, 2, "reduction", 1)
+    p = a if is_shard(a) else b if is_shard(b) else None
+    if p is None or isinstance(p, _StridedShard) or shape(tin[0]) != shape(tin[1]):
+        return [R, R], R
+    return [p, p], (p if reduction == 0 else P)
+
+
+@register(aten.broadcast_tensors.default)
+def broadcast_tensors_rule(node, tin, ins, n) -> Decision:
+    outs = node.meta["val"]
+    if len(set(shape(t) for t in tin)) == 1:
+        shards = [p for p in ins if is_shard(p)]
+        if shards:
+            return [shards[0]] * len(ins), [shards[0]] * len(outs)
+    return [R] * len(ins), [R] * len(outs)
+
+
+FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default, aten.zeros.default,
+             aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
+             aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.tril.default,
+             aten.triu.default, aten.lift_fresh_copy.default]
+for _t in FACTORIES:
+    RULES.setdefault(_t, replicate_rule)
