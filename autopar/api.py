@@ -138,7 +138,12 @@ def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     for ax, p in enumerate(placements):
         if is_shard(p):
             k = getattr(p, "split_factor", 1)
-            local = _take_chunk(local, p.dim, mesh.size(ax), mesh.get_local_rank(ax), k)
+            local = _take_chunk(local, p.dim, mesh.size(ax), mesh.get_local_rank(ax), k).clone()
+    from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
+    lm = enabled_local_tensor_mode()
+    if lm is not None and not isinstance(local, LocalTensor):
+        # simulated ranks each own their copy (an in-place optimizer step must not run once per rank on one tensor)
+        local = lm.rank_map(lambda r: local.detach().clone())
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 

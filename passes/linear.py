@@ -38,7 +38,12 @@ def _param_of(node, params) -> tuple[str | None, bool]:
 
 def _fused_parts(node: fx.Node, out_features: int) -> int:
     """k when the output is split into k equal feature blocks (fused QKV / gate-up), else 1."""
-    for u in node.users:
+    users = list(node.users)
+    while len(users) == 1 and users[0].target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default) \
+            and int(users[0].meta["val"].shape[-1]) == out_features:
+        node = users[0]  # e.g. GPT-2's Conv1D: addmm on (b*s, h) viewed back to (b, s, 3h)
+        users = list(node.users)
+    for u in users:
         if u.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
             dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
             nd = len(node.meta["val"].shape)

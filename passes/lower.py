@@ -121,8 +121,10 @@ class _Lowerer:
         p = self.sizes[ax]
         fwd_elems, bwd_elems = _comm_elems(fn, numel, p)
         itemsize = x.meta["val"].element_size()
+        # a reduction belongs to the module that produced the partial sums, the rest to the consumer
+        owner = self._origin if fn in (C.all_reduce, C.reduce_scatter) else before
         node.meta[M.COMM] = CommInfo(fn.__name__, fwd, bwd, self.axes[ax].name, p, round(fwd_elems * itemsize),
-                                     round(bwd_elems * itemsize), module_path(before))
+                                     round(bwd_elems * itemsize), module_path(owner) or module_path(before))
         self.pl[node] = new_pls
         return node
 
@@ -134,6 +136,7 @@ class _Lowerer:
         if key in self.cache:
             return self.cache[key]
         x, pls = src, list(cur)
+        self._origin = src
         for ax, axis in enumerate(self.axes):
             c, r = pls[ax], req[ax]
             if c == r:
@@ -171,6 +174,7 @@ class _Lowerer:
             if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
                 g.erase_node(node)
         self._decompose_row_parallel_bias()
+        self.needs_grad = self._needs_grad()
         for node in list(g.nodes):
             if node.op == "placeholder":
                 self._placeholder(node)
@@ -178,6 +182,19 @@ class _Lowerer:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
+
+    def _needs_grad(self) -> set[fx.Node]:
+        """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
+        out: set[fx.Node] = set()
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                v = node.meta.get("val")
+                if node.name not in self.ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
+                        and node.name in self.ctx.placements:
+                    out.add(node)
+            elif any(a in out for a in node.all_input_nodes):
+                out.add(node)
+        return out
 
     def _placeholder(self, node: fx.Node) -> None:
         want = self.ctx.placements.get(node.name, self.all_r)
@@ -233,7 +250,7 @@ class _Lowerer:
         for t, req in zip(tin, reqs):
             f_axes = tuple(ax for ax in range(len(self.axes))
                            if isinstance(req[ax], Replicate) and any(not isinstance(o[ax], Replicate) for o in outs_t)
-                           and t.meta["val"].dtype.is_floating_point)
+                           and t in self.needs_grad)
             new_inputs.append(self.redistribute(t, tuple(req), f_axes, node))
         it = iter(new_inputs)
         flat, spec = pytree.tree_flatten((node.args, node.kwargs))

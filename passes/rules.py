@@ -71,11 +71,11 @@ def _divisible(size: int, n: int, p: Placement) -> bool:
 
 # ----------------------------------------------------------------------------- elementwise
 
-UNARY_LINEAR = {aten.neg.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
-                aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default,
-                aten.detach.default, aten.positive.default}
 ADDITIVE = {aten.add.Tensor, aten.sub.Tensor}
-SCALING = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar}
+
+
+def t_is_additive(node) -> bool:
+    return node.target in ADDITIVE
 
 ELEMENTWISE = [
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
@@ -120,13 +120,10 @@ def elementwise_rule(node, tin, ins, n) -> Decision:
             else:
                 req.append(R)
         return req, choice
-    partial = [isinstance(p, Partial) for p in ins]
-    if any(partial):
-        t = node.target
-        if t in UNARY_LINEAR or (t in ADDITIVE and all(partial)):
-            return list(ins), P
-        if t in SCALING and sum(partial) == 1 and (t is not aten.div.Tensor or partial[0]):
-            return list(ins), P
+    # Partial inputs are reduced at their first consumer (the lowering caches the all-reduce per value,
+    # so every consumer shares it); only a sum of partials stays partial.
+    if ins and t_is_additive(node) and all(isinstance(p, Partial) for p in ins):
+        return list(ins), P
     return [R] * len(ins), R
 
 
@@ -172,8 +169,6 @@ def map_view_dim(a, b, d: int, n: int, p: Placement) -> int | None:
 def view_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
     req = [R] * len(ins)
-    if isinstance(p, Partial):
-        return [P] + req[1:], P
     if not is_shard(p):
         return req, R
     od = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
@@ -185,8 +180,6 @@ def view_rule(node, tin, ins, n) -> Decision:
 @register(aten.expand.default)
 def expand_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
-    if isinstance(p, Partial):
-        return [R], R
     if not is_shard(p):
         return [R], R
     s, out = shape(tin[0]), shape(node)
@@ -216,7 +209,7 @@ def select_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
     dim = _norm(node.args[1], ndim(tin[0]))
     if not is_shard(p):
-        return [p] if isinstance(p, Replicate) else [R], R if not isinstance(p, Partial) else P
+        return [R], R
     if p.dim == dim:
         return [R], R
     return [p], with_dim(p, p.dim - (p.dim > dim))
@@ -225,8 +218,6 @@ def select_rule(node, tin, ins, n) -> Decision:
 @register(aten.slice.Tensor)
 def slice_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
-    if isinstance(p, Partial):
-        return [P], P
     if not is_shard(p):
         return [R], R
     s = shape(tin[0])
@@ -252,8 +243,6 @@ def split_rule(node, tin, ins, n) -> Decision:
         dim = _norm(arg(node, 1, "dim", 0), len(s))
     else:
         dim = _norm(arg(node, 2, "dim", 0), len(s))
-    if isinstance(p, Partial):
-        return [P], [P] * k
     if not is_shard(p):
         return [R], [R] * k
     if p.dim != dim:
@@ -273,8 +262,6 @@ def cat_rule(node, tin, ins, n) -> Decision:
     if shards and not isinstance(shards[0], _StridedShard) and shards[0].dim != dim:
         p = shards[0]
         return [p] * len(ins), p
-    if ins and all(isinstance(p, Partial) for p in ins):
-        return list(ins), P
     return [R] * len(ins), R
 
 
@@ -292,8 +279,6 @@ def _linear_like(x_p, w_p, x_nd, w_in_dim: int, bias: bool) -> tuple[Placement, 
     # replicated weight
     if is_shard(x_p) and x_p.dim < last:
         return x_p, R, x_p
-    if isinstance(x_p, Partial) and not bias:
-        return P, R, P
     return R, R, R
 
 
@@ -316,10 +301,6 @@ def mm_rule(node, tin, ins, n) -> Decision:
         return [Shard(1), b], P
     if is_shard(a) and a.dim == 0:
         return [a, R], a
-    if isinstance(a, Partial) and not is_shard(b):
-        return [P, R], P
-    if isinstance(b, Partial) and not is_shard(a):
-        return [R, P], P
     return [R, R], R
 
 
@@ -347,8 +328,6 @@ def matmul_rule(node, tin, ins, n) -> Decision:
             return [Shard(len(sa) - 1), b], P
         if is_shard(a) and a.dim < len(sa) - 1:
             return [a, R], with_dim(a, a.dim + nd - len(sa))
-        if isinstance(a, Partial):
-            return [P, R], P
         return [R, R], R
     # batched: (..., m, k) @ (..., k, n)
     oa, ob = nd - len(sa), nd - len(sb)
@@ -368,10 +347,6 @@ def matmul_rule(node, tin, ins, n) -> Decision:
             return [p, Shard(len(sb) - 2)], P
         if not first and p.dim == len(s) - 2:
             return [Shard(len(sa) - 1), p], P
-    if isinstance(a, Partial) and not isinstance(b, Partial):
-        return [P, R], P
-    if isinstance(b, Partial) and not isinstance(a, Partial):
-        return [R, P], P
     return [R, R], R
 
 
@@ -402,8 +377,6 @@ def _reduced_dims(node, nd) -> tuple[list[int], bool]:
 @register(aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default)
 def sum_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
-    if isinstance(p, Partial):
-        return [P], P
     if not is_shard(p):
         return [R], R
     dims, keepdim = _reduced_dims(node, ndim(tin[0]))
