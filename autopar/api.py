@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture import Captured, capture, split_example_inputs
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.plan import CommRow, Plan
+from autopar.runtime.ops import advance_rng_stream, new_rng_stream
 from autopar.planner import build_plan
 from autopar.spec import placements_from_str
 from passes import meta as M
@@ -120,6 +122,7 @@ class ParallelModule(nn.Module):
                 feeds.append(ref)
             else:
                 feeds.append(next(it))
+        advance_rng_stream(self._rng_stream)
         outs = self._gm(*feeds)
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
 
@@ -194,7 +197,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     for ph, fqn in captured.param_fqns.items():
         placements[ph] = fqn_pls[fqn]
     placements.update(chosen.input_placements())
-    lctx = LowerContext(info, placements, set(captured.user_inputs))
+    stream = f"pm{next(_STREAMS)}"
+    new_rng_stream(stream, _agreed_seed(mesh))
+    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
@@ -202,7 +207,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         comms.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                              bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
     chosen = chosen.with_comms(comms, lctx.notes)
-    return ParallelModule(model, mesh, captured, chosen, gm)
+    pm = ParallelModule(model, mesh, captured, chosen, gm)
+    pm._rng_stream = stream
+    return pm
+
+
+_STREAMS = itertools.count()
+
+
+def _agreed_seed(mesh: DeviceMesh) -> int:
+    """A dropout seed that every rank agrees on (rank 0's draw, broadcast)."""
+    from torch.distributed._local_tensor import local_tensor_mode, maybe_disable_local_tensor_mode
+    with maybe_disable_local_tensor_mode():
+        seed = torch.randint(0, 2**31 - 1, (1,))
+    if dist.is_initialized() and dist.get_world_size() > 1 and local_tensor_mode() is None:
+        seed = seed.to("cuda" if mesh.device_type == "cuda" else "cpu")
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _tie_placements(plan: Plan, model: nn.Module) -> Plan:

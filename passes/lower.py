@@ -57,6 +57,7 @@ class LowerContext:
     mesh: MeshInfo
     placements: dict[str, tuple[Placement, ...]]  # placeholder name -> placements
     user_inputs: set[str]
+    rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,6 +109,7 @@ class _Lowerer:
         self.all_r = (R,) * len(self.axes)
         self.pl: dict[fx.Node, object] = {}
         self.cache: dict[tuple, fx.Node] = {}
+        self._dropout_count = 0
 
     # ------------------------------------------------------------------ collectives
     def _emit(self, fn, x: fx.Node, args: tuple, new_pls: tuple, before: fx.Node, ax: int) -> fx.Node:
@@ -314,6 +316,13 @@ class _Lowerer:
             if vocab_axes:
                 node.target = O.vocab_parallel_embedding
                 node.args, node.kwargs = (node.args[0], node.args[1], self.axes[vocab_axes[0]].key), {}
+        elif t is aten.dropout.default:
+            p, train = node.args[1], node.args[2]
+            if train and p > 0:
+                sharded = tuple(self.axes[ax].key for ax in self._sharded_axes(out))
+                node.target = O.parallel_dropout
+                node.args = (node.args[0], p, train, self.ctx.rng_stream, self._dropout_count, sharded)
+                self._dropout_count += 1
         elif t is aten.cross_entropy_loss.default:
             self._localize_cross_entropy(node, reqs, out)
         elif t is aten.mse_loss.default:

@@ -137,3 +137,38 @@ def gqa_kv_heads(kv: torch.Tensor, axis: AxisRef, num_q_heads: int) -> torch.Ten
     q_local = num_q_heads // axis.size
     index = _kv_head_index(axis.local_rank(), q_local, num_q_heads // num_kv, num_kv, kv.device)
     return kv.index_select(1, index)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+# Megatron's RNG-tracker semantics: a dropout on a value replicated over an axis draws the same mask
+# on every rank of that axis (replicas stay identical); on a sharded value each shard draws its own.
+# Masks come from a generator seeded by (stream seed agreed across ranks, step, node, shard coordinates).
+_RNG_STREAMS: dict[str, list[int]] = {}  # stream key -> [seed, step]
+
+
+def new_rng_stream(key: str, seed: int) -> None:
+    _RNG_STREAMS[key] = [seed, 0]
+
+
+def advance_rng_stream(key: str) -> None:
+    _RNG_STREAMS[key][1] += 1
+
+
+@maybe_run_for_local_tensor
+def _dropout_keep(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=x.device).manual_seed(int(seed) % (2**63 - 1))
+    return torch.rand(x.shape, generator=g, device=x.device, dtype=torch.float32) >= p
+
+
+def parallel_dropout(x: torch.Tensor, p: float, train: bool, stream: str, node_index: int,
+                     sharded_axes: tuple[str, ...]) -> torch.Tensor:
+    if not train or p == 0.0:
+        return x
+    seed, step = _RNG_STREAMS[stream]
+    seed = seed * 1_000_003 + step * 7919 + node_index * 104_729
+    for i, key in enumerate(sharded_axes):
+        axis = resolve_axis(key)
+        seed = seed + (axis.local_rank() + 1) * 15_485_863 * (i + 1)
+    keep = _dropout_keep(x, p, seed)
+    return x * keep.to(x.dtype) / (1.0 - p)

@@ -1,0 +1,127 @@
+"""Bad input gets a clear error: what, got, why, how to fix; and nothing is lost."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import autopar
+from autopar.models import GPT, GPTConfig, MLP
+
+
+def _fake_world(world: int) -> None:
+    if dist.is_initialized() and dist.get_world_size() == world and dist.get_backend() == "fake":
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=world)
+
+
+@pytest.fixture
+def world4():
+    _fake_world(4)
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(**kw)
+    model = GPT(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len))
+    return model, (ids, torch.randint(0, cfg.vocab_size, (4, cfg.seq_len)))
+
+
+def test_mesh_size_must_equal_world_size(world4):
+    model, inputs = _gpt()
+    mesh = DeviceMesh("cpu", [0, 1])
+    with pytest.raises(ValueError, match=r"mesh has 2 devices.*world has 4 ranks.*init_device_mesh"):
+        autopar.parallelize(model, mesh, inputs)
+
+
+def test_mesh_must_be_a_device_mesh(world4):
+    model, inputs = _gpt()
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        autopar.parallelize(model, (2, 2), inputs)
+
+
+def test_forced_heads_not_divisible_says_why_and_fix(world4):
+    model, inputs = _gpt(num_heads=3, hidden=24)
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with pytest.raises(ValueError, match=r"attention h\.0\.attn.*'heads'.*3 heads do not divide over 4.*Fix"):
+            autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads"})
+
+
+def test_heuristic_replicates_indivisible_heads_and_still_matches(world4):
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, inputs = _gpt(num_heads=3, hidden=24)
+        ref = copy.deepcopy(model)
+        with LocalTensorMode(4):
+            mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+            pm = autopar.parallelize(model, mesh, inputs)
+            assert any("3 heads do not divide over 4" in n for n in pm.plan.notes)
+            loss = pm(*inputs)
+            err = (loss - ref(*inputs).detach()).abs()
+            assert max(float(v) for v in err._local_tensors.values()) < 1e-12
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # branches on a tensor value: cannot be traced
+            return self.fc(x).sum()
+        return x.sum()
+
+
+def test_uncapturable_model_raises_capture_error(world4):
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,))
+        with pytest.raises(autopar.CaptureError, match=r"(?s)could not capture DataDependent.*Why:.*Fix:"):
+            autopar.parallelize(DataDependent(), mesh, (torch.randn(8, 4),))
+
+
+def test_overrides_unknown_key_form_and_not_yet_implemented(world4):
+    model, inputs = _gpt()
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with pytest.raises(ValueError, match=r"matches no recognised structure.*h\.0\.attn"):
+            autopar.parallelize(model, mesh, inputs, overrides={"decoder.*": "replicate"})
+        with pytest.raises(ValueError, match=r"unknown form 'diagonal'.*replicate, colwise, rowwise"):
+            autopar.parallelize(model, mesh, inputs, overrides={"linear": "diagonal"})
+        with pytest.raises(NotImplementedError, match=r"'ulysses' is not implemented yet.*#4"):
+            autopar.parallelize(model, mesh, inputs, overrides={"attention": "ulysses"})
+        with pytest.raises(ValueError, match=r"axis 'dp' does not exist.*\('tp',\)"):
+            autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@dp"})
+        with pytest.raises(NotImplementedError, match="issue #3"):
+            autopar.parallelize(model, mesh, inputs, memory_limit=2**30)
+
+
+def test_call_with_other_shapes_says_to_reparallelize(world4):
+    torch.manual_seed(0)
+    model = MLP()
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,))
+        pm = autopar.parallelize(model, mesh, (torch.randn(8, 16), torch.randn(8, 16)))
+        with pytest.raises(ValueError, match=r"shape \(4, 16\).*\(8, 16\).*parallelize again"):
+            pm(torch.randn(4, 16), torch.randn(4, 16))
+
+
+def test_model_is_not_modified_by_a_failed_parallelize(world4):
+    model, inputs = _gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        with pytest.raises(ValueError):
+            autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@nope"})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
