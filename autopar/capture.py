@@ -88,6 +88,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
                 "running statistics; autopar does not support models that mutate buffers in forward yet. "
                 "Fix: use a norm without running statistics (LayerNorm/RMSNorm) or put the model in eval mode.")
     gm = ep.graph_module
+    for node in list(gm.graph.nodes):  # dtype/device asserts of the trace: not part of the computation
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) == len(sig.input_specs)
     kinds, params, buffers, consts, users = [], {}, {}, {}, []
