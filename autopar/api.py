@@ -20,7 +20,7 @@ from autopar.capture import Captured, capture, split_example_inputs
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.plan import CommRow, Plan
 from autopar.runtime.ops import advance_rng_stream, new_rng_stream
-from autopar.planner import build_plan
+from autopar.planner import PLANS, build_plan
 from autopar.spec import placements_from_str
 from passes import meta as M
 from passes.context import PassContext
@@ -199,7 +199,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     placements.update(chosen.input_placements())
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, _agreed_seed(mesh))
-    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream)
+    fsdp_axes = tuple(i for i, n in enumerate(info.names)
+                      if any(ph in captured.param_fqns and pl[i] != Replicate() for ph, pl in placements.items())
+                      and chosen.name == "fsdp")
+    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=fsdp_axes)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
@@ -245,7 +248,7 @@ def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
 
 
 def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured) -> Plan:
-    if isinstance(plan, str) and plan in ("auto", "megatron", "dp"):
+    if isinstance(plan, str) and plan in PLANS:
         batch = {}
         flat_shapes = captured.example_shapes
         first = next((s for s in flat_shapes if s), None)
@@ -255,9 +258,9 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured) -> Plan:
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be 'auto', 'megatron', 'dp', a Plan or a path to a saved plan; got {plan!r}")
+        raise TypeError(f"plan must be one of {PLANS}, a Plan or a path to a saved plan; got {plan!r}")
     if overrides:
-        raise ValueError("overrides apply to the named plans ('auto', 'megatron', 'dp'); edit a saved Plan directly")
+        raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
     if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
         raise ValueError(f"the plan was made for mesh {plan.mesh}, but this mesh is "
                          f"{tuple(zip(info.names, info.sizes))}; re-plan for this mesh")

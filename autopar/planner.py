@@ -3,6 +3,8 @@
 - `megatron`: tensor parallel on the last mesh axis (attention by heads, MLPs colwise -> rowwise,
   vocab-parallel embedding, LM head and cross-entropy), data parallel on the other axes.
 - `dp`: every parameter replicated, the batch sharded over all axes.
+- `fsdp`: the batch sharded over all axes and every parameter sharded on dim 0 over them (ZeRO-3 /
+  FSDP2): gathered before use (all-gather forward, reduce-scatter of the gradient backward).
 - `auto`: until the ILP planner lands (issue #3), the megatron heuristic, which parallelises every
   mesh axis (tensor parallel where the model's structure allows it, data parallel elsewhere).
 
@@ -207,6 +209,24 @@ class _Planner:
         return out
 
 
+PLANS = ("auto", "megatron", "dp", "fsdp")
+
+
+def _shard_parameters(ctx: PassContext, mesh: MeshInfo, pls, axes: list[str], notes: list[str]) -> None:
+    """FSDP: dim 0 of every parameter over the data-parallel axes (nested, in axis order)."""
+    size = 1
+    for n in axes:
+        size *= mesh.axis(n).size
+    for ph, fqn in ctx.captured.param_fqns.items():
+        dims = ctx.captured.gm.graph.find_nodes(op="placeholder", target=ph)
+        shape = tuple(dims[0].meta["val"].shape) if dims else ()
+        if not shape or shape[0] % size:
+            notes.append(f"parameter {fqn} {shape} stays replicated: dim 0 does not divide over {size} ranks")
+            continue
+        for n in axes:
+            pls[ph][mesh.names.index(n)] = Shard(0)
+
+
 def _parse_form(value: str, mesh: MeshInfo, default_axis: str) -> tuple[str, str]:
     if not isinstance(value, str):
         raise ValueError(f"override values are form names like 'colwise' or 'colwise@tp', got {value!r}")
@@ -224,12 +244,13 @@ def _match(ctx: PassContext, key: str) -> list[Site]:
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int]) -> Plan:
-    """The plan `name` ("megatron", "dp", "auto") for the recognised sites, with overrides applied."""
-    if name not in ("megatron", "dp", "auto"):
-        raise ValueError(f"plan must be 'auto', 'megatron', 'dp', a Plan or a path to a saved plan; got {name!r}")
+    """The plan `name` ("megatron", "dp", "fsdp", "auto") for the recognised sites, with overrides applied."""
+    if name not in PLANS:
+        raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or a path to a saved plan; "
+                         f"got {name!r}")
     tp = mesh.names[-1]
     tp_on = name in ("megatron", "auto") and mesh.sizes[-1] > 1
-    dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name == "dp" or n != tp]
+    dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
     planner = _Planner(ctx, mesh)
     for site in ctx.sites:
         if site.kind == "attention":
@@ -261,6 +282,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                                  f"{', '.join(KIND_FORMS[s.kind])}")
             planner.set_form(s, form, axis, True)
     pls = planner.placements()
+    if name == "fsdp":
+        _shard_parameters(ctx, mesh, pls, dp_axes, planner.notes)
     strategies = planner.strategies(pls)
     # parameters of tied weights share one placement; every fqn is listed
     fqn_pls = {}

@@ -58,6 +58,7 @@ class LowerContext:
     placements: dict[str, tuple[Placement, ...]]  # placeholder name -> placements
     user_inputs: set[str]
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
+    gather_param_axes: tuple[int, ...] = ()  # FSDP axes: parameters sharded there are gathered before use
     notes: list[str] = field(default_factory=list)
 
 
@@ -119,6 +120,8 @@ class _Lowerer:
         node.meta["val"] = x.meta["val"]
         node.meta[M.PLACEMENTS] = new_pls
         node.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+        if x in self.needs_grad:
+            self.needs_grad.add(node)
         fwd, bwd = C.COLLECTIVES[fn]
         p = self.sizes[ax]
         fwd_elems, bwd_elems = _comm_elems(fn, numel, p)
@@ -139,7 +142,12 @@ class _Lowerer:
             return self.cache[key]
         x, pls = src, list(cur)
         self._origin = src
-        for ax, axis in enumerate(self.axes):
+        # Nested shards of one dim (S(0) on two axes) were split outer axis first: gather the inner
+        # axis first (reverse axis order), then split in axis order.
+        unshard = [ax for ax in reversed(range(len(self.axes))) if is_shard(pls[ax]) and pls[ax] != req[ax]]
+        rest = [ax for ax in range(len(self.axes)) if ax not in unshard]
+        for ax in unshard + rest:
+            axis = self.axes[ax]
             c, r = pls[ax], req[ax]
             if c == r:
                 if ax in f_axes:
@@ -202,6 +210,15 @@ class _Lowerer:
         want = self.ctx.placements.get(node.name, self.all_r)
         if node.name not in self.ctx.user_inputs:
             self.pl[node] = tuple(want)
+            gather = [ax for ax in self.ctx.gather_param_axes if is_shard(want[ax])]
+            if gather and node.users:
+                # FSDP: all-gather the parameter forward; its gradient is reduce-scattered backward
+                req = tuple(R if ax in gather else p for ax, p in enumerate(want))
+                users = list(node.users)
+                first = next(n for n in self.graph.nodes if n.op != "placeholder")
+                full = self.redistribute(node, req, (), first)
+                for u in users:
+                    u.replace_input_with(node, full)
             return
         self.pl[node] = self.all_r
         if tuple(want) != self.all_r and _is_tensor_node(node):
@@ -372,8 +389,31 @@ class _Lowerer:
             node.kwargs = {}
 
 
+def _fuse_gather_grad_reduce(gm: fx.GraphModule) -> None:
+    """all_gather whose every user is grad_all_reduce on the same axis -> all_gather_rs (SP's g, FSDP).
+
+    The gradient of the gathered value is then partial on every rank; reduce-scattering it moves
+    half the bytes of all-reducing it and taking a chunk.
+    """
+    for g in list(gm.graph.nodes):
+        if g.op != "call_function" or g.target is not C.all_gather:
+            continue
+        axis = g.args[2]
+        users = list(g.users)
+        if not users or any(u.target is not C.grad_all_reduce or u.args[1] != axis for u in users):
+            continue
+        g.target = C.all_gather_rs
+        info = g.meta[M.COMM]
+        g.meta[M.COMM] = CommInfo("all_gather_rs", "all_gather", "reduce_scatter", info.axis, info.axis_size,
+                                  info.bytes_forward, info.bytes_forward, info.module)
+        for u in users:
+            u.replace_all_uses_with(g)
+            gm.graph.erase_node(u)
+
+
 def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     _Lowerer(gm, ctx).run()
+    _fuse_gather_grad_reduce(gm)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
