@@ -209,7 +209,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         c = n.meta[M.COMM]
         comms.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                              bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
-    chosen = chosen.with_comms(comms, lctx.notes)
+    chosen = chosen.with_comms(comms, captured.notes + lctx.notes)
     pm = ParallelModule(model, mesh, captured, chosen, gm)
     pm._rng_stream = stream
     return pm

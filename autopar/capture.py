@@ -12,7 +12,7 @@ Hugging Face models are captured with their KV cache turned off (`config.use_cac
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
@@ -36,6 +36,7 @@ class Captured:
     out_spec: pytree.TreeSpec
     num_user_outputs: int
     example_shapes: list[tuple | None]  # per flattened user input: shape of tensors, None otherwise
+    notes: list[str] = field(default_factory=list)  # what capture had to do (opaque submodules)
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -63,23 +64,83 @@ def _no_kv_cache(model: nn.Module):
             cfg.use_cache = old
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
+def _failing_submodule(model: nn.Module, error: BaseException) -> str | None:
+    """The innermost proper submodule whose forward is on the failing trace's stack."""
+    names = {id(m): n for n, m in model.named_modules() if n}
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = names[id(owner)]
+        tb = tb.tb_next
+    return found
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _record_output(model: nn.Module, path: str, args: tuple, kwargs: dict):
+    """Run the model once eagerly on the example inputs; return what submodule `path` returned."""
+    seen = []
+    handle = model.get_submodule(path).register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        with torch.no_grad(), _no_kv_cache(model):
+            model(*args, **kwargs)
+    finally:
+        handle.remove()
+    if len(seen) != 1:
+        raise CaptureError(f"submodule {path} ran {len(seen)} times; an opaque submodule must run exactly once")
+    return seen[0]
+
+
+@contextlib.contextmanager
+def _opaque_forwards(model: nn.Module, keys: dict[str, str]):
+    from autopar.runtime.opaque import make_opaque_forward
+    mods = {path: model.get_submodule(path) for path in keys}
+    for path, mod in mods.items():
+        mod.forward = make_opaque_forward(keys[path])
+    try:
+        yield
+    finally:
+        for mod in mods.values():
+            del mod.forward
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16) -> Captured:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    try:
-        with _no_kv_cache(model):
-            ep = torch.export.export(model, args, kwargs, strict=False)
-    except Exception as e:  # noqa: BLE001 - re-raised with context
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CaptureError(
-            f"autopar could not capture {type(model).__name__} with torch.export (non-strict): "
-            f"{type(e).__name__}: {first}\n"
-            "Why: autopar rewrites the model's graph, so the whole forward must be traceable on fake "
-            "tensors; data-dependent Python control flow (branching on tensor values, .item(), "
-            "loops over nonzero()) cannot be traced.\n"
-            "Fix: make the branch static for the example inputs, or move the data-dependent part out "
-            "of forward. (Capturing such a submodule as one replicated opaque node is not implemented yet.)"
-        ) from e
+    from autopar.runtime import opaque
+    keys: dict[str, str] = {}  # module path -> opaque key
+    while True:
+        try:
+            with _no_kv_cache(model), _opaque_forwards(model, keys):
+                ep = torch.export.export(model, args, kwargs, strict=False)
+            break
+        except Exception as e:  # noqa: BLE001 - re-raised with context
+            path = _failing_submodule(model, e)
+            if path is None or path in keys or len(keys) >= max_opaque:
+                raise CaptureError(
+                    f"autopar could not capture {type(model).__name__} with torch.export (non-strict): "
+                    f"{_first_line(e)}\n"
+                    "Why: autopar rewrites the model's graph, so forward must be traceable on fake tensors; "
+                    "data-dependent Python control flow (branching on tensor values, .item(), loops over "
+                    "nonzero()) cannot be traced. A submodule where this happens is captured as one "
+                    "replicated opaque node, but here the failure is "
+                    + ("in the model's own forward." if path is None else f"in {path} again after making it opaque.")
+                    + "\nFix: make the branch static for the example inputs, or move the data-dependent part "
+                    "into a submodule.") from e
+            try:
+                out = _record_output(model, path, args, kwargs)
+            except Exception as e2:  # noqa: BLE001
+                raise CaptureError(
+                    f"autopar could not capture {type(model).__name__}: submodule {path} is not traceable "
+                    f"({_first_line(e)}) and running it eagerly on the example inputs to capture it as an opaque "
+                    f"node failed too: {_first_line(e2)}. Fix: pass real (not meta) example inputs and parameters.") \
+                    from e2
+            keys[path] = opaque.register(path, model.get_submodule(path), out, _first_line(e))
     sig = ep.graph_signature
     for spec in sig.output_specs:
         if spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
@@ -113,5 +174,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))
+    notes = [f"{path} captured as one opaque node, replicated on every rank: it is not traceable "
+             f"({opaque.describe(k).reason})" for path, k in keys.items()]
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
-                    ep.call_spec.out_spec, num_out, shapes)
+                    ep.call_spec.out_spec, num_out, shapes, notes)

@@ -21,6 +21,7 @@ class Strategy:
     form: str  # replicate | colwise | rowwise | vocab | heads | tp
     axis: str | None = None  # mesh axis the form uses
     params: tuple[tuple[str, str], ...] = ()  # (parameter fqn, placements) of the structure's own parameters
+    members: tuple[str, ...] = ()  # module paths of the layers it covers (collectives there are its own)
     note: str = ""
 
 
@@ -66,7 +67,8 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         return cls(name=d["name"], mesh=tuple(tuple(m) for m in d["mesh"]),
-                   strategies=tuple(Strategy(**{**s, "params": tuple(tuple(p) for p in s["params"])})
+                   strategies=tuple(Strategy(**{**s, "params": tuple(tuple(p) for p in s["params"]),
+                                                 "members": tuple(s.get("members", ()))})
                                     for s in d["strategies"]),
                    params=tuple(tuple(p) for p in d["params"]), inputs=tuple(tuple(p) for p in d["inputs"]),
                    comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]))
@@ -104,9 +106,11 @@ class Plan:
         rows = [("module", "kind", "form", "placements", "collectives (fwd/bwd)", "bytes/step")]
         shown = set()
         for s in self.strategies:
-            comms = [c for m, cs in by_module.items() if m == s.key or m.startswith(s.key + ".") for c in cs]
+            scopes = (s.key,) + s.members
+            comms = [c for m, cs in by_module.items() for c in cs if id(c) not in shown
+                     and any(m == k or m.startswith(k + ".") for k in scopes)]
             shown.update(id(c) for c in comms)
-            pls = ", ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in s.params) or "-"
+            pls = ", ".join(f"{_short(k, s.key)}={v}" for k, v in s.params) or "-"
             rows.append((s.key, s.kind, s.form + (f"@{s.axis}" if s.axis else ""), pls, _comm_summary(comms),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms))))
         rest = [c for c in self.comms if id(c) not in shown]
@@ -146,6 +150,10 @@ class Plan:
                 if x.get(k) != y.get(k):
                     out.append(f"{label} {k}: {x.get(k, '-')} -> {y.get(k, '-')}")
         return "\n".join(out) if out else "(plans are identical)"
+
+
+def _short(fqn: str, key: str) -> str:
+    return fqn[len(key) + 1:] if fqn.startswith(key + ".") else fqn
 
 
 def _comm_summary(comms: list[CommRow]) -> str:

@@ -199,7 +199,8 @@ class _Planner:
                 covered.add(m.key)
                 own.update({f"{m.key}.{r}": p for r, p in m.params.items()})
             params = tuple((fqns[p], fmt_placements(pls[p])) for p in dict.fromkeys(own.values()))
-            out.append(Strategy(key=site.key, kind=site.kind, form=form, axis=axis, params=params))
+            out.append(Strategy(key=site.key, kind=site.kind, form=form, axis=axis, params=params,
+                                members=tuple(m.key for m in members)))
         for site in self.ctx.of_kind("linear"):
             if site.key in covered:
                 continue

@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 from autopar.mesh import MeshInfo
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
+from autopar.runtime import opaque as _opaque  # noqa: F401  (registers autopar::opaque)
 from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt_placements, is_shard
 from passes import meta as M
 from passes.rules import RULES, arg, replicate_rule, shape
@@ -125,6 +126,8 @@ class _Lowerer:
         fwd, bwd = C.COLLECTIVES[fn]
         p = self.sizes[ax]
         fwd_elems, bwd_elems = _comm_elems(fn, numel, p)
+        if x not in self.needs_grad:  # no gradient flows back through it: its backward never runs
+            bwd, bwd_elems = "-", 0
         itemsize = x.meta["val"].element_size()
         # a reduction belongs to the module that produced the partial sums, the rest to the consumer
         owner = self._origin if fn in (C.all_reduce, C.reduce_scatter) else before
@@ -248,7 +251,7 @@ class _Lowerer:
         rule = RULES.get(node.target)
         if rule is None:
             rule = replicate_rule
-            if any(p != R for t in tin for p in self.pl[t]):
+            if any(p != R for t in tin for p in self.pl[t]) and node.target is not torch.ops.autopar.opaque.default:
                 self.ctx.notes.append(
                     f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: no sharding rule, "
                     "its sharded inputs are gathered")

@@ -24,7 +24,7 @@ def _common_prefix(keys: list[str]) -> str:
         if len(set(col)) != 1:
             break
         out.append(col[0])
-    return ".".join(out) or keys[0]
+    return ".".join(out) or "+".join(keys)
 
 
 def recognise_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
