@@ -185,6 +185,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if overrides is not None and not isinstance(overrides, dict):
         raise TypeError(f"overrides must be a dict {{key: form}}, got {type(overrides).__name__}")
     args, kwargs = split_example_inputs(example_inputs)
+    args, kwargs = _plain_inputs(args, kwargs)
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     with maybe_disable_local_tensor_mode():  # tracing runs on fake tensors, never on simulated ranks
         captured = capture(model, args, kwargs)
@@ -227,6 +228,18 @@ def _agreed_seed(mesh: DeviceMesh) -> int:
         seed = seed.to("cuda" if mesh.device_type == "cuda" else "cpu")
         dist.broadcast(seed, src=0)
     return int(seed.item())
+
+
+def _plain_inputs(args, kwargs):
+    """Inputs are global (the same on every rank): under LocalTensorMode, trace rank 0's copy."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    def plain(a):
+        if isinstance(a, LocalTensor):
+            return a.reconcile()  # raises if the simulated ranks disagree
+        return a
+
+    return pytree.tree_map(plain, (args, kwargs))
 
 
 def _tie_placements(plan: Plan, model: nn.Module) -> Plan:

@@ -157,11 +157,13 @@ def _short(fqn: str, key: str) -> str:
 
 
 def _comm_summary(comms: list[CommRow]) -> str:
+    comms = [c for c in comms if c.forward != "-" or c.backward != "-"]
     if not comms:
         return "-"
     counts: dict[str, int] = defaultdict(int)
     for c in comms:
-        counts[f"{c.forward}/{c.backward}@{c.axis}"] += 1
+        if c.forward != "-" or c.backward != "-":  # a split of a value without gradient moves nothing
+            counts[f"{c.forward}/{c.backward}@{c.axis}"] += 1
     return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items()))
 
 
