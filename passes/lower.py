@@ -130,11 +130,22 @@ class _Lowerer:
             bwd, bwd_elems = "-", 0
         itemsize = x.meta["val"].element_size()
         # a reduction belongs to the module that produced the partial sums, the rest to the consumer
-        owner = self._origin if fn in (C.all_reduce, C.reduce_scatter) else before
+        module = self._partial_origin(self._origin, ax) if fn in (C.all_reduce, C.reduce_scatter) else None
         node.meta[M.COMM] = CommInfo(fn.__name__, fwd, bwd, self.axes[ax].name, p, round(fwd_elems * itemsize),
-                                     round(bwd_elems * itemsize), module_path(owner) or module_path(before))
+                                     round(bwd_elems * itemsize), module if module is not None else module_path(before))
         self.pl[node] = new_pls
         return node
+
+    def _partial_origin(self, node: fx.Node, ax: int) -> str:
+        """The module that produced a partial value; for a sum of partials (x + y), the first addend's."""
+        seen = 0
+        while not module_path(node) and seen < 16:
+            parts = [a for a in node.all_input_nodes if isinstance(self.pl.get(a), tuple)
+                     and isinstance(self.pl[a][ax], Partial)]
+            if not parts:
+                return ""
+            node, seen = parts[0], seen + 1
+        return module_path(node)
 
     def redistribute(self, src: fx.Node, req: tuple, f_axes: tuple[int, ...], before: fx.Node) -> fx.Node:
         cur = self.pl[src]
