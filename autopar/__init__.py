@@ -1,8 +1,12 @@
 """autopar: give it an unmodified single-device model and a device mesh; get back the same model
 running as a distributed program, with every collective explicit in its graph."""
 
-from autopar.api import ParallelModule, parallelize
+from autopar.api import ParallelModule, parallelize, plan
 from autopar.capture import CaptureError
-from autopar.plan import CommRow, Plan, Strategy
+from autopar.plan import CommRow, Estimate, Plan, Strategy
+from autopar.profile import profile
+from autopar.solver import InfeasibleError
 
-__all__ = ["parallelize", "ParallelModule", "Plan", "Strategy", "CommRow", "CaptureError"]
+
+__all__ = ["parallelize", "plan", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
+           "CaptureError", "InfeasibleError"]

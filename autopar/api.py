@@ -175,13 +175,8 @@ def _agree_across_ranks(plan: Plan, mesh: DeviceMesh) -> None:
             "call parallelize with the same model, mesh, example input shapes and options.")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
-                memory_limit=None) -> ParallelModule:
-    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+def _prepare(model, mesh, example_inputs, overrides):
     info = mesh_info(mesh)
-    if cluster is not None or memory_limit is not None:
-        raise NotImplementedError("cluster= and memory_limit= feed the cost model and ILP planner (issue #3), "
-                                  "which is not implemented yet; leave them None")
     if overrides is not None and not isinstance(overrides, dict):
         raise TypeError(f"overrides must be a dict {{key: form}}, got {type(overrides).__name__}")
     args, kwargs = split_example_inputs(example_inputs)
@@ -191,19 +186,39 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         captured = capture(model, args, kwargs)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
-    chosen = _tie_placements(_resolve_plan(plan, ctx, info, overrides, captured), model)
+    return info, captured, ctx
+
+
+def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
+         overrides=None) -> Plan:
+    """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
+    and the model may live on the meta device. Returns the Plan with its cost estimate."""
+    info, captured, ctx = _prepare(model, mesh, example_inputs, overrides)
+    with _local_tensor_off():
+        chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
+    return _tie_placements(chosen, model).with_comms((), captured.notes)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
+                memory_limit=None) -> ParallelModule:
+    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+    if isinstance(mesh, dict):
+        raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
+                        "mesh given as axis sizes")
+    info, captured, ctx = _prepare(model, mesh, example_inputs, overrides)
+    chosen = _solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
+    chosen = _tie_placements(chosen, model)
     _agree_across_ranks(chosen, mesh)
     placements = {}
     fqn_pls = chosen.param_placements()
     for ph, fqn in captured.param_fqns.items():
         placements[ph] = fqn_pls[fqn]
     placements.update(chosen.input_placements())
+    data_axes = tuple(i for i in range(len(info.names))
+                      if any(getattr(p[i], "dim", None) == 0 for p in chosen.input_placements().values()))
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, _agreed_seed(mesh))
-    fsdp_axes = tuple(i for i, n in enumerate(info.names)
-                      if any(ph in captured.param_fqns and pl[i] != Replicate() for ph, pl in placements.items())
-                      and chosen.name == "fsdp")
-    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=fsdp_axes)
+    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
@@ -214,6 +229,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     pm = ParallelModule(model, mesh, captured, chosen, gm)
     pm._rng_stream = stream
     return pm
+
+
+def _local_tensor_off():
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    return maybe_disable_local_tensor_mode()
+
+
+def _solve_on_rank0(make_plan) -> Plan:
+    """Rank 0 plans; the plan is broadcast so every rank runs exactly the same one."""
+    from torch.distributed._local_tensor import local_tensor_mode
+    with _local_tensor_off():
+        if not dist.is_initialized() or dist.get_world_size() == 1 or local_tensor_mode() is not None \
+                or dist.get_backend() == "fake":
+            return make_plan()
+        box = [make_plan().to_json() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return Plan.from_json(box[0])
 
 
 _STREAMS = itertools.count()
@@ -260,14 +292,14 @@ def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
     return dataclasses.replace(plan, params=tuple(pls.items()))
 
 
-def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured) -> Plan:
+def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
     if isinstance(plan, str) and plan in PLANS:
         batch = {}
         flat_shapes = captured.example_shapes
         first = next((s for s in flat_shapes if s), None)
         for ph, s in zip(captured.user_inputs, flat_shapes):
             batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
-        return build_plan(ctx, info, plan, overrides, batch)
+        return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):

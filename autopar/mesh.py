@@ -81,7 +81,13 @@ class MeshInfo:
         return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes)) + ")"
 
 
-def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+def mesh_info(mesh: "DeviceMesh | dict[str, int]") -> MeshInfo:
+    if isinstance(mesh, dict):  # planning without processes: {"dp": 8, "tp": 8}
+        if not mesh or not all(isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in mesh.items()):
+            raise ValueError(f"a mesh given as a dict maps axis names to sizes, e.g. {{'dp': 8, 'tp': 8}}; got {mesh!r}")
+        if not 1 <= len(mesh) <= 3:
+            raise ValueError(f"autopar supports 1-D to 3-D meshes, got {len(mesh)} axes: {mesh}")
+        return MeshInfo(-1, tuple(mesh), tuple(mesh.values()), "meta")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}; "

@@ -37,6 +37,29 @@ class CommRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Estimate:
+    """What the cost model predicts for one training step, per device."""
+
+    step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    memory_bytes_per_device: int
+    comm_bytes_per_step: int
+    fits: bool
+    memory_limit_bytes: int
+    cluster: str
+    per_site: tuple[tuple[str, float, int], ...] = ()  # (structure key, time s, memory bytes)
+    solver: str = ""  # how the plan was found: status, gap, time
+
+    def summary(self) -> str:
+        return (f"estimate on {self.cluster}: {self.step_time_s * 1e3:.3f} ms/step "
+                f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms), "
+                f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
+                f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step"
+                + (f"; {self.solver}" if self.solver else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -45,6 +68,7 @@ class Plan:
     inputs: tuple[tuple[str, str], ...] = ()  # user input name -> placements
     comms: tuple[CommRow, ...] = ()
     notes: tuple[str, ...] = ()
+    estimate: Estimate | None = None
 
     def __post_init__(self):
         for fqn, pls in self.params + self.inputs:
@@ -71,7 +95,9 @@ class Plan:
                                                  "members": tuple(s.get("members", ()))})
                                     for s in d["strategies"]),
                    params=tuple(tuple(p) for p in d["params"]), inputs=tuple(tuple(p) for p in d["inputs"]),
-                   comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]))
+                   comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
+                   estimate=None if not d.get("estimate") else Estimate(
+                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -81,6 +107,9 @@ class Plan:
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
             return cls.from_json(f.read())
+
+    def with_estimate(self, estimate: "Estimate") -> "Plan":
+        return replace(self, estimate=estimate)
 
     def with_comms(self, comms, notes=()) -> "Plan":
         return replace(self, comms=tuple(comms), notes=tuple(self.notes) + tuple(notes))
@@ -103,7 +132,9 @@ class Plan:
         by_module: dict[str, list[CommRow]] = defaultdict(list)
         for c in self.comms:
             by_module[c.module].append(c)
-        rows = [("module", "kind", "form", "placements", "collectives (fwd/bwd)", "bytes/step")]
+        rows = [("module", "kind", "form", "placements", "collectives (fwd/bwd)", "bytes/step", "est. time",
+                 "est. memory")]
+        est = {k: (t, m) for k, t, m in self.estimate.per_site} if self.estimate else {}
         shown = set()
         for s in self.strategies:
             scopes = (s.key,) + s.members
@@ -111,12 +142,16 @@ class Plan:
                      and any(m == k or m.startswith(k + ".") for k in scopes)]
             shown.update(id(c) for c in comms)
             pls = ", ".join(f"{_short(k, s.key)}={v}" for k, v in s.params) or "-"
+            t_m = est.get(s.key)
             rows.append((s.key, s.kind, s.form + (f"@{s.axis}" if s.axis else ""), pls, _comm_summary(comms),
-                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms))))
+                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms)),
+                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
         rest = [c for c in self.comms if id(c) not in shown]
-        if rest:
+        if rest or "(other)" in est:
+            t_m = est.get("(other)")
             rows.append(("(other)", "", "", "", _comm_summary(rest),
-                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest))))
+                         _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest)),
+                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
         for i, r in enumerate(rows):
@@ -128,6 +163,8 @@ class Plan:
         if self.comms:
             lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
                          "sent per rank per step (forward + backward)")
+        if self.estimate:
+            lines.append(self.estimate.summary())
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

@@ -15,6 +15,7 @@ the plan notes why); forcing it through `overrides` raises a ValueError that say
 from __future__ import annotations
 
 import fnmatch
+import itertools
 
 from autopar.mesh import MeshInfo
 from autopar.plan import Plan, Strategy
@@ -213,19 +214,28 @@ class _Planner:
 PLANS = ("auto", "megatron", "dp", "fsdp")
 
 
-def _shard_parameters(ctx: PassContext, mesh: MeshInfo, pls, axes: list[str], notes: list[str]) -> None:
-    """FSDP: dim 0 of every parameter over the data-parallel axes (nested, in axis order)."""
+def _shard_parameters(ctx: PassContext, mesh: MeshInfo, pls, axes: list[str], notes: list[str],
+                      only: set[str] | None = None) -> set[str]:
+    """FSDP: shard each parameter over the data axes on a dim tensor parallelism leaves whole (dim 0 if
+    it can, else dim 1); returns the placeholders sharded."""
     size = 1
     for n in axes:
         size *= mesh.axis(n).size
+    done = set()
     for ph, fqn in ctx.captured.param_fqns.items():
-        dims = ctx.captured.gm.graph.find_nodes(op="placeholder", target=ph)
-        shape = tuple(dims[0].meta["val"].shape) if dims else ()
-        if not shape or shape[0] % size:
-            notes.append(f"parameter {fqn} {shape} stays replicated: dim 0 does not divide over {size} ranks")
+        if only is not None and ph not in only:
+            continue
+        nodes = ctx.captured.gm.graph.find_nodes(op="placeholder", target=ph)
+        shape = tuple(nodes[0].meta["val"].shape) if nodes else ()
+        taken = {p.dim for p in pls[ph] if getattr(p, "dim", None) is not None}
+        dim = next((d for d in range(min(2, len(shape))) if d not in taken and shape[d] % size == 0), None)
+        if dim is None:
+            notes.append(f"parameter {fqn} {shape} is not FSDP-sharded: no dim divides over {size} ranks")
             continue
         for n in axes:
-            pls[ph][mesh.names.index(n)] = Shard(0)
+            pls[ph][mesh.names.index(n)] = Shard(dim)
+        done.add(ph)
+    return done
 
 
 def _parse_form(value: str, mesh: MeshInfo, default_axis: str) -> tuple[str, str]:
@@ -244,25 +254,112 @@ def _match(ctx: PassContext, key: str) -> list[Site]:
 
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
-               input_batch: dict[str, int]) -> Plan:
-    """The plan `name` ("megatron", "dp", "fsdp", "auto") for the recognised sites, with overrides applied."""
+               input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
+               optimizer: str = "adam") -> Plan:
+    """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
+
+    "auto" asks the ILP (`autopar.solver`); the hand plans are built by the rules in this module's
+    docstring and then priced by the same cost model, so they can be compared (and may not fit).
+    """
+    from autopar import solver as ilp
+    from autopar.estimate import Candidate
+    from cost_model.hardware import load_cluster
+
     if name not in PLANS:
         raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or a path to a saved plan; "
                          f"got {name!r}")
+    clus = load_cluster(cluster, mesh.sizes)
     tp = mesh.names[-1]
-    tp_on = name in ("megatron", "auto") and mesh.sizes[-1] > 1
-    dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
     planner = _Planner(ctx, mesh)
-    for site in ctx.sites:
-        if site.kind == "attention":
-            planner.set_attention(site, "heads" if tp_on else "replicate", tp, False)
-    for site in ctx.sites:
-        if site.kind == "mlp":
-            planner.set_mlp(site, "tp" if tp_on else "replicate", tp, False)
-        elif site.kind == "loss":
-            planner.set_loss(site, "vocab" if tp_on and site.info["vocab"] else "replicate", tp, False)
-    for site in ctx.of_kind("embedding"):
-        planner.set_embedding(site, "vocab" if tp_on else "replicate", tp, False)
+    parsed = _parse_overrides(ctx, mesh, overrides, tp)
+    fsdp_sites: set[str] = set()
+    solution = None
+    if name == "auto":
+        forced = {s.key: Candidate(form=form, axis=axis) for s, form, axis in parsed if s.kind != "linear"}
+        check = _Planner(ctx, mesh)
+        for site, form, axis in parsed:  # a forced form whose precondition fails raises here, saying why
+            check.set_form(site, form, axis, True)
+        model_axes = {c.axis for c in forced.values() if c.axis}
+        options = [tuple(c) for r in range(len(mesh.names) + 1) for c in itertools.combinations(mesh.names, r)
+                   if not model_axes & set(c)]
+        solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit, forced=forced, optimizer=optimizer,
+                             data_axes_options=options)
+        for site in ilp.sites_for_planning(ctx):
+            cand = solution.choices[site.key]
+            planner.set_form(site, cand.form, cand.axis, True)
+            if cand.fsdp:
+                fsdp_sites.add(site.key)
+        dp_axes = list(solution.data_axes)
+        for site, form, axis in parsed:
+            if site.kind == "linear":
+                planner.set_form(site, form, axis, True)
+    else:
+        tp_on = name == "megatron" and mesh.sizes[-1] > 1
+        dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
+        for site in ctx.sites:
+            if site.kind == "attention":
+                planner.set_attention(site, "heads" if tp_on else "replicate", tp, False)
+        for site in ctx.sites:
+            if site.kind == "mlp":
+                planner.set_mlp(site, "tp" if tp_on else "replicate", tp, False)
+            elif site.kind == "loss":
+                planner.set_loss(site, "vocab" if tp_on and site.info["vocab"] else "replicate", tp, False)
+        for site in ctx.of_kind("embedding"):
+            planner.set_embedding(site, "vocab" if tp_on else "replicate", tp, False)
+        for site, form, axis in parsed:
+            planner.set_form(site, form, axis, True)
+        if name == "fsdp":
+            fsdp_sites = {s.key for s in ctx.sites} | {"(other)"}
+    pls = planner.placements()
+    if fsdp_sites:
+        from autopar.estimate import _params
+        owned = {p for s in ctx.sites for p in _params(s)}
+        phs = {p for s in ctx.sites if s.key in fsdp_sites for p in _params(s)}
+        if "(other)" in fsdp_sites:
+            phs |= set(ctx.captured.param_fqns) - owned
+        _shard_parameters(ctx, mesh, pls, dp_axes, planner.notes, only=phs)
+    strategies = planner.strategies(pls)
+    fqn_pls = {fqn: fmt_placements(pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
+    inputs = {}
+    dp_size = 1
+    for n in dp_axes:
+        dp_size *= mesh.axis(n).size
+    for ph, batch in input_batch.items():
+        p = [R] * len(mesh.sizes)
+        if batch and batch % dp_size == 0 and dp_size > 1:
+            for n in dp_axes:
+                p[mesh.names.index(n)] = Shard(0)
+        elif dp_size > 1 and batch:
+            planner.notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
+        inputs[ph] = fmt_placements(p)
+    if solution is None:
+        choices = {}
+        for s in ilp.sites_for_planning(ctx):
+            form, axis = (planner.linear.get(s.key, ("replicate", None)) if s.kind == "linear"
+                          else planner.site_form.get(s.key, ("replicate", None)))
+            if s.kind == "linear":
+                form, axis = "replicate", None  # lone linears are priced replicated
+            choices[s.key] = Candidate(form=form, axis=axis, fsdp=s.key in fsdp_sites)
+        solution = ilp.evaluate(ctx, mesh, clus, choices, tuple(dp_axes), optimizer)
+    limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
+    solver_note = ""
+    if name == "auto":
+        solver_note = (f"ILP {solution.status}, gap {solution.gap:.2%}, {solution.classes} site classes, "
+                       f"data axes {solution.data_axes or '()'}, solved in {solution.solve_s:.2f} s")
+    per_site = tuple((k, c.time_s, int(c.memory_bytes)) for k, c in solution.per_site.items())
+    from autopar.plan import Estimate
+    est = Estimate(step_time_s=solution.time_s, compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
+                   memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
+                   fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
+                   per_site=per_site, solver=solver_note)
+    return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
+                params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), notes=tuple(planner.notes),
+                estimate=est)
+
+
+def _parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None, tp: str):
+    """[(site, form, axis)] for every site an override names, validated."""
+    out = []
     for key, value in (overrides or {}).items():
         kind_key = key if key in KIND_FORMS else None
         sites = _match(ctx, key)
@@ -281,26 +378,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
             if form not in KIND_FORMS[s.kind]:
                 raise ValueError(f"override {key!r}: {s.kind} {s.key} has no form {form!r}; valid: "
                                  f"{', '.join(KIND_FORMS[s.kind])}")
-            planner.set_form(s, form, axis, True)
-    pls = planner.placements()
-    if name == "fsdp":
-        _shard_parameters(ctx, mesh, pls, dp_axes, planner.notes)
-    strategies = planner.strategies(pls)
-    # parameters of tied weights share one placement; every fqn is listed
-    fqn_pls = {}
-    for ph, fqn in ctx.captured.param_fqns.items():
-        fqn_pls[fqn] = fmt_placements(pls[ph])
-    inputs = {}
-    dp_size = 1
-    for n in dp_axes:
-        dp_size *= mesh.axis(n).size
-    for ph, batch in input_batch.items():
-        p = [R] * len(mesh.sizes)
-        if batch and batch % dp_size == 0 and dp_size > 1:
-            for n in dp_axes:
-                p[mesh.names.index(n)] = Shard(0)
-        elif dp_size > 1 and batch:
-            planner.notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
-        inputs[ph] = fmt_placements(p)
-    return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
-                params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), notes=tuple(planner.notes))
+            if (s.kind, form) in NOT_YET:
+                raise NotImplementedError(f"override {key!r}: form {form!r} is not implemented yet "
+                                          f"({NOT_YET[(s.kind, form)]})")
+            out.append((s, form, None if form == "replicate" else axis))
+    return out

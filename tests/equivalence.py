@@ -47,7 +47,7 @@ def loss_of(out) -> torch.Tensor:
     return out[0]
 
 
-def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="auto", overrides=None,
+def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="megatron", overrides=None,
                     steps: int = 1, lr: float = 0.1) -> Result:
     """Parallelise a deepcopy of `ref` on a mesh of `mesh_shape`, train `steps` steps with SGD next to
     `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo)."""
@@ -97,7 +97,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="au
     return res
 
 
-def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="auto", overrides=None, steps=1):
+def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", overrides=None, steps=1):
     """Run inside a gloo worker: build the same reference on every rank (seeded), compare."""
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)

@@ -83,7 +83,7 @@ class Run:
                 and (prefix is None or c.module == prefix or c.module.startswith(prefix + "."))]
 
 
-def parallel_run(local_world, model, inputs, shape, names, plan="auto", overrides=None) -> Run:
+def parallel_run(local_world, model, inputs, shape, names, plan="megatron", overrides=None) -> Run:
     world = 1
     for s in shape:
         world *= s

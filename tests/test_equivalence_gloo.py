@@ -63,9 +63,9 @@ def _param_names(make) -> set[str]:
 
 CASES = {
     # id: (world, make_ref, inputs_fn, mesh shape, axis names, plan, steps, tolerance)
-    "gpt-tp4": (4, make_gpt, token_inputs, (4,), ("tp",), "auto", 1, TOL),
-    "llama-dp2xtp2": (4, make_llama, token_inputs, (2, 2), ("dp", "tp"), "auto", 2, TOL),
-    "hf_llama-tp2": (2, make_hf_llama, hf_inputs, (2,), ("tp",), "auto", 1, HF_TOL),
+    "gpt-tp4": (4, make_gpt, token_inputs, (4,), ("tp",), "megatron", 1, TOL),
+    "llama-dp2xtp2": (4, make_llama, token_inputs, (2, 2), ("dp", "tp"), "megatron", 2, TOL),
+    "hf_llama-tp2": (2, make_hf_llama, hf_inputs, (2,), ("tp",), "megatron", 1, HF_TOL),
 }
 
 

@@ -112,7 +112,7 @@ def check(res, param_names: set[str], tol: float) -> None:
     assert not bad_params, f"parameters after the step differ from single-device: {bad_params}\n{res.plan}"
 
 
-def run(local_world, name, mesh, plan="auto", overrides=None, steps=1):
+def run(local_world, name, mesh, plan="megatron", overrides=None, steps=1):
     model, inputs, tol = build(name)
     numels = {n: p.numel() for n, p in model.named_parameters()}  # tied weights once, like pm.named_parameters()
     shape, axes = MESHES[mesh]
@@ -124,18 +124,24 @@ def run(local_world, name, mesh, plan="auto", overrides=None, steps=1):
     return res, numels, tol
 
 
-@pytest.mark.parametrize("plan", ["auto", "dp"])
+@pytest.mark.parametrize("plan", ["megatron", "dp", "fsdp"])
 @pytest.mark.parametrize("mesh", list(MESHES))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_equivalence(local_world, name, mesh, plan):
     res, numels, tol = run(local_world, name, mesh, plan)
     check(res, set(numels), tol)
     assert res.plan.name == plan
-    if plan == "auto":
+    if plan == "megatron":
         # tensor parallel on the last ("tp") axis: the equivalence is not that of a fully replicated model
         tp = len(MESHES[mesh][0]) - 1
         sharded = [n for n, p in res.plan.params if n in numels and is_shard(placements_from_str(p)[tp])]
-        assert sharded, f"auto plan shards nothing on tp:\n{res.plan}"
+        assert sharded, f"megatron plan shards nothing on tp:\n{res.plan}"
+        for n in sharded:
+            assert res.local_numel[n] < numels[n], (n, res.local_numel[n], numels[n])
+    if plan == "fsdp":
+        # parameters sharded over the data axes (those whose dims divide), gathered before use
+        sharded = [n for n, p in res.plan.params if n in numels and "S(" in p]
+        assert sharded, f"fsdp plan shards nothing:\n{res.plan}"
         for n in sharded:
             assert res.local_numel[n] < numels[n], (n, res.local_numel[n], numels[n])
     if plan == "dp":
@@ -147,7 +153,7 @@ def test_equivalence(local_world, name, mesh, plan):
 
 @pytest.mark.parametrize("name,mesh", [("gpt", "dp2xtp2"), ("llama", "dp2xtp2"), ("hf_gpt2", "tp2")])
 def test_two_optimizer_steps(local_world, name, mesh):
-    res, numels, tol = run(local_world, name, mesh, "auto", steps=2)
+    res, numels, tol = run(local_world, name, mesh, "megatron", steps=2)
     check(res, set(numels), tol)
 
 

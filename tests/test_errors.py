@@ -64,7 +64,7 @@ def test_heuristic_replicates_indivisible_heads_and_still_matches(world4):
         ref = copy.deepcopy(model)
         with LocalTensorMode(4):
             mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-            pm = autopar.parallelize(model, mesh, inputs)
+            pm = autopar.parallelize(model, mesh, inputs, plan="megatron")
             assert any("3 heads do not divide over 4" in n for n in pm.plan.notes)
             loss = pm(*inputs)
             err = (loss - ref(*inputs).detach()).abs()
@@ -103,8 +103,9 @@ def test_overrides_unknown_key_form_and_not_yet_implemented(world4):
             autopar.parallelize(model, mesh, inputs, overrides={"attention": "ulysses"})
         with pytest.raises(ValueError, match=r"axis 'dp' does not exist.*\('tp',\)"):
             autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@dp"})
-        with pytest.raises(NotImplementedError, match="issue #3"):
-            autopar.parallelize(model, mesh, inputs, memory_limit=2**30)
+        with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 0\.00 GiB.*least memory any plan needs is "
+                                                          r"0\.\d\d GiB.*Fix: raise memory_limit"):
+            autopar.parallelize(model, mesh, inputs, memory_limit=1024)
 
 
 def test_call_with_other_shapes_says_to_reparallelize(world4):

@@ -26,7 +26,7 @@ def test_256_rank_plan_shards_and_counts_collectives(rank):
         torch.manual_seed(0)
         model = Llama(cfg)
         ids = torch.randint(0, 256, (64, 16))
-        pm = autopar.parallelize(model, mesh, (ids, ids))
+        pm = autopar.parallelize(model, mesh, (ids, ids), plan="megatron")
         full = dict(model.named_parameters())
         for name, p in pm.named_parameters():
             tp_sharded = any(getattr(pl, "dim", None) is not None for pl in p.placements)

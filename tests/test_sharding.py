@@ -127,7 +127,7 @@ def gpt_plans(local_world):
     model, inputs = build("gpt")
     with local_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-        auto = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="auto")
+        auto = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="megatron")
         dp = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="dp")
     return model, inputs, auto.plan, dp.plan
 
@@ -168,7 +168,7 @@ def test_plan_json_round_trip(gpt_plans, tmp_path, local_world):
     # a saved plan drives parallelize to the same program
     with local_world(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=str(tmp_path / "auto.json"))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=str(tmp_path / f"{auto.name}.json"))
     assert pm.plan.params == auto.params and pm.plan.inputs == auto.inputs
     assert pm.plan.comms == auto.comms
 

@@ -1,0 +1,88 @@
+"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`.
+
+`profile` measures the mesh (see `autopar.profile`) and writes the JSON profile that
+`cost_model.load_cluster` reads. It joins the process group torchrun set up (initialising it
+with nccl on GPUs, gloo otherwise, when it is not initialised yet) and builds a mesh over the
+whole world: 1-D by default, or the shape given by --mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+
+def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
+    if text is None:
+        return (world,)
+    try:
+        shape = tuple(int(x) for x in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise SystemExit(f"--mesh {text!r}: expected sizes such as 2x4") from None
+    if math.prod(shape) != world:
+        raise SystemExit(f"--mesh {text!r} has {math.prod(shape)} devices but the world has {world} ranks; "
+                         f"give sizes whose product is {world}")
+    return shape
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.profile import profile
+
+    created = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            # a single process without torchrun: a 1-rank world
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29517")
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        created = True
+    try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, _parse_mesh(args.mesh, dist.get_world_size()))
+        dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
+        cluster = profile(mesh, args.out, dtypes=dtypes, progress=not args.quiet)
+        if dist.get_rank() == 0:
+            from cost_model.hardware import default_profile_path
+
+            where = args.out or default_profile_path(tuple(mesh.shape))
+            print(f"wrote {where}")
+            for dt, f in cluster.peak_flops.items():
+                print(f"  matmul {dt}: {f / 1e12:.3f} TFLOP/s")
+            print(f"  memory copy: {cluster.memory_bytes_per_s / 1e9:.2f} GB/s")
+            for i, link in enumerate(cluster.axis_links):
+                if link is not None:
+                    print(f"  axis {i} ({mesh.shape[i]} ranks): alpha {link.alpha_s * 1e6:.1f} us, "
+                          f"{link.bytes_per_s / 1e9:.3f} GB/s per rank")
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("profile", help="measure this mesh and write a JSON cluster profile")
+    p.add_argument("--out", help="where to write the JSON (default: the cache path load_cluster looks at)")
+    p.add_argument("--mesh", help="mesh shape over the world, e.g. 2x4 (default: 1-D over all ranks)")
+    p.add_argument("--dtypes", default="float32", help="comma-separated matmul dtypes (default: float32)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.command == "profile":
+        return _profile(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""The ILP that chooses the plan (`plan="auto"`). The only OR-Tools import in autopar.
+
+Sets
+  K   site classes: recognised structures (attention, MLP, embedding, loss, lone linear) grouped by
+      a Weisfeiler-Lehman hash of their subgraph (op and shape labels), so the L identical layers of
+      a transformer are one class with multiplicity n_k and are solved once.   `_classes`
+  C_k candidates of class k: replicate, or the class's form on a model axis (`heads`, `tp`,
+      `vocab`) where its preconditions hold, each with or without FSDP sharding of its
+      parameters over the data axes.                                          `_candidates`
+  D   the data axes: the batch is split over them, forms use the other axes. Every subset of the
+      mesh axes is tried (at most 8 for a 3-D mesh), one ILP each, and the best is kept.
+Variables
+  x[k,c] in {0,1}: class k takes candidate c.
+Constraints
+  sum_c x[k,c] = 1 for every k                                                 (one-hot)
+  tied parameters (an embedding and its LM head) take matching forms and FSDP  (`_tie`)
+  sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
+Objective
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication,
+  `autopar.estimate`), in integer nanoseconds for CP-SAT.
+Resharding edges: every form of this release takes and returns activations replicated on its model
+axis, so consecutive structures never reshard between them and edges cost nothing; forms that
+keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
+(e[u,v,c,c'] >= x[u,c] + x[v,c'] - 1).
+
+Determinism: CP-SAT runs single-threaded with a fixed seed; ties break by candidate order. A time
+limit bounds each solve; the gap between the best bound and the objective is reported.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import networkx as nx
+from ortools.sat.python import cp_model
+
+from autopar.estimate import Candidate, Cost, MeshCosting, SiteStats, _between, gather_stats, other_cost, site_cost, \
+    site_nodes
+from autopar.mesh import MeshInfo
+from autopar.planner import _attention_ok
+from cost_model.hardware import Cluster
+from passes.context import PassContext, Site
+
+
+class InfeasibleError(ValueError):
+    """No plan fits the memory limit."""
+
+
+@dataclass
+class Solution:
+    data_axes: tuple[str, ...]
+    choices: dict[str, Candidate]  # site key -> candidate
+    time_s: float
+    compute_s: float
+    comm_s: float
+    memory_bytes: float
+    comm_bytes: float
+    gap: float  # relative: (objective - bound) / objective
+    status: str
+    solve_s: float
+    classes: int
+    per_site: dict[str, Cost] = field(default_factory=dict)
+
+
+def sites_for_planning(ctx: PassContext) -> list[Site]:
+    composite = [s for s in ctx.sites if s.kind != "linear"]
+    covered = set()
+    for s in composite:
+        for role in ("q", "k", "v", "out", "col", "row", "head"):
+            covered.update(x.key for x in s.info.get(role, []))
+    return composite + [s for s in ctx.of_kind("linear") if s.key not in covered]
+
+
+def _signature(site: Site) -> str:
+    nodes = list(dict.fromkeys(_between(site) + site_nodes(site)))
+    g = nx.DiGraph()
+    for n in nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if hasattr(val, "shape") else ()
+        g.add_node(n.name, label=f"{n.target}:{shape}")
+    names = {n.name for n in nodes}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.name in names:
+                g.add_edge(a.name, n.name)
+    return site.kind + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
+
+
+def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:
+    groups: dict[str, list[Site]] = {}
+    for s in sites:
+        key = s.key if s.key in tied else _signature(s)
+        groups.setdefault(key, []).append(s)
+    return list(groups.values())
+
+
+def _form_ok(site: Site, form: str, t: int) -> bool:
+    info = site.info
+    if form == "heads":
+        return _attention_ok(site, t) is None
+    if form == "tp":
+        return info["features"] % t == 0
+    if form == "vocab" and site.kind == "embedding":
+        return info["vocab"] % t == 0
+    if form == "vocab" and site.kind == "loss":
+        return bool(info["vocab_ok"] and info["head"] and info["vocab"] % t == 0)
+    return False
+
+
+FORM_OF = {"attention": "heads", "mlp": "tp", "embedding": "vocab", "loss": "vocab"}
+
+
+def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None) -> list[Candidate]:
+    model_axes = [n for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and s > 1]
+    dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
+    forms = [("replicate", None)]
+    form = FORM_OF.get(site.kind)
+    if form:
+        forms += [(form, a) for a in model_axes if _form_ok(site, form, mesh.sizes[mesh.names.index(a)])]
+    out = []
+    for f, a in forms:
+        t = mesh.sizes[mesh.names.index(a)] if a else 1
+        fsdp_ok = dp > 1 and st.param_dim0 and all(d % (dp * t) == 0 for d in st.param_dim0)
+        for fsdp in ((False, True) if fsdp_ok else (False,)):
+            out.append(Candidate(form=f, axis=a, fsdp=fsdp))
+    if forced is not None:
+        keep = [c for c in out if c.form == forced.form and (forced.axis is None or c.axis == forced.axis)]
+        if not keep:
+            raise ValueError(f"{site.kind} {site.key}: the forced form {forced.label} is not possible with data axes "
+                             f"{data_axes} on mesh {mesh.describe()}")
+        out = keep
+    return out
+
+
+def _tied_pairs(ctx: PassContext, sites: list[Site]) -> list[tuple[Site, Site]]:
+    from autopar.estimate import _params
+    pairs = []
+    for a, b in itertools.combinations(sites, 2):
+        if _params(a) & _params(b):
+            pairs.append((a, b))
+    return pairs
+
+
+def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
+          forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
+          time_limit_s: float = 10.0, data_axes_options=None) -> Solution:
+    """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs)."""
+    t0 = time.perf_counter()
+    limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
+    stats, other, _ = gather_stats(ctx)
+    sites = sites_for_planning(ctx)
+    pairs = _tied_pairs(ctx, sites)
+    tied = {s.key for p in pairs for s in p}
+    classes = _classes(sites, tied)
+    forced = forced or {}
+    options = data_axes_options or [tuple(c) for r in range(len(mesh.names) + 1)
+                                    for c in itertools.combinations(mesh.names, r)]
+    best: Solution | None = None
+    least_memory = math.inf
+    for data_axes in options:
+        mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
+                         optimizer=optimizer)
+        try:
+            cands = [_candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key)) for cls in classes]
+        except ValueError:
+            continue
+        costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
+        base = other_cost(other, mc)
+        sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s)
+        least_memory = min(least_memory, mem_min)
+        if sol is None:
+            continue
+        sol.data_axes = tuple(data_axes)
+        if best is None or sol.time_s < best.time_s - 1e-12:
+            best = sol
+    if best is None:
+        raise InfeasibleError(
+            f"no plan fits {limit / 2**30:.2f} GiB per device on mesh {mesh.describe()}: the least memory any plan "
+            f"needs is {least_memory / 2**30:.2f} GiB per device (parameters, gradients, {optimizer} state and "
+            "activations). Fix: raise memory_limit, use more devices, a smaller batch, or an optimizer with less state.")
+    best.solve_s = time.perf_counter() - t0
+    best.classes = len(classes)
+    return best
+
+
+def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float):
+    model = cp_model.CpModel()
+    x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
+    for xs in x:
+        model.AddExactlyOne(xs)
+    index = {s.key: k for k, cls in enumerate(classes) for s in cls}
+    for a, b in pairs:  # tied parameters: the same vocab axis (or none) and the same FSDP choice
+        ka, kb = index[a.key], index[b.key]
+        for axis in {c.axis for c in cands[ka]} | {c.axis for c in cands[kb]}:
+            model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.axis == axis) ==
+                      sum(v for v, c in zip(x[kb], cands[kb]) if c.axis == axis))
+        model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.fsdp) ==
+                  sum(v for v, c in zip(x[kb], cands[kb]) if c.fsdp))
+    kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
+    ns = lambda s: int(round(s * 1e9))  # noqa: E731
+    mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))
+    # the least memory any plan of this family needs (reported when nothing fits)
+    mem_min = kib(base.memory_bytes) + sum(len(cls) * min(kib(c.memory_bytes) for c in cs)
+                                           for cls, cs in zip(classes, costs))
+    model.Add(mem + kib(base.memory_bytes) <= int(limit // 1024))
+    model.Minimize(sum(len(cls) * ns(c.time_s) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs)))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_time_in_seconds = time_limit_s
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, mem_min * 1024
+    choices, per_site = {}, {}
+    for cls, cs, cost, xs in zip(classes, cands, costs, x):
+        i = next(i for i, v in enumerate(xs) if solver.Value(v))
+        for s in cls:
+            choices[s.key] = cs[i]
+            per_site[s.key] = cost[i]
+    obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    gap = 0.0 if obj == 0 else max(0.0, (obj - bound) / obj)
+    name = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
+    return _total((), choices, per_site, base, gap, name), mem_min * 1024
+
+
+def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str) -> Solution:
+    costs = list(per_site.values()) + [base]
+    return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
+                    sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
+                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site))
+
+
+def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
+             data_axes: tuple[str, ...], optimizer: str = "adam") -> Solution:
+    """The cost of a given assignment (a hand plan) under the same model the ILP optimises."""
+    stats, other, _ = gather_stats(ctx)
+    mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
+                     optimizer=optimizer)
+    base = other_cost(other, mc)
+    per_site = {}
+    for site in sites_for_planning(ctx):
+        cand = choices.get(site.key, Candidate(form="replicate", axis=None))
+        per_site[site.key] = site_cost(site, stats[site.key], cand, mc)
+    return _total(data_axes, choices, per_site, base, 0.0, "evaluated")

@@ -1,0 +1,319 @@
+"""Analytical costs: collectives (alpha-beta, ring algorithms), compute (roofline), FLOPs and
+bytes per fx node, and the per-form communication volumes of DESIGN.md §3.
+
+Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) and bandwidth bw
+(bytes/s per rank, one direction, times `Link.efficiency`). `n` is in bytes and means:
+
+| kind             | n is                                | per-rank send | time                           |
+|------------------|-------------------------------------|---------------|--------------------------------|
+| "all_reduce"     | the tensor reduced (same on all)    | 2(p-1)/p · n  | 2(p-1)/p · n/bw + 2(p-1)·alpha |
+| "all_gather"     | the FULL gathered output (p shards) | (p-1)/p · n   | (p-1)/p · n/bw + (p-1)·alpha   |
+| "reduce_scatter" | the FULL input reduced (n/p out)    | (p-1)/p · n   | (p-1)/p · n/bw + (p-1)·alpha   |
+| "all_to_all"     | the local buffer on one rank        | (p-1)/p · n   | (p-1)/p · n/bw + (p-1)·alpha   |
+| "p2p"            | the block one rank sends            | n             | n/bw + alpha                   |
+
+A group of size 1 costs nothing. (Ring algorithms; tree all-reduce latency would be 2·log2(p)·alpha,
+not modelled.)
+
+Redistribution along one mesh axis (`redistribute_kind`, `redistribute_time_s`), with n the bytes
+of the tensor as that axis' group sees it (global bytes divided by its sharding on the other
+axes): `S(d)->R` all_gather(n); `P->R` all_reduce(n); `P->S(d)` reduce_scatter(n);
+`S(i)->S(j)` all_to_all(n/p, the local buffer); `R->S`, `R->P`, `S->P` and no change are free
+(a local slice, or zeros on all ranks but one).
+
+Compute (`compute_time_s`), roofline: `max(flops / (peak_flops[dtype]·flops_efficiency),
+bytes / (memory_bytes_per_s·memory_efficiency))`.
+
+FLOPs and bytes of one fx node (`node_cost`), from the global shapes in `node.meta["val"]`:
+- matmuls (`linear`, `mm`, `addmm`, `bmm`, `baddbmm`, `matmul`): `2·M·N·K`, i.e.
+  `2 · numel(out) · K` with K the contraction dim. Bias adds are not counted (as FlopCounterMode).
+- `scaled_dot_product_attention` (and the fused `_scaled_dot_product_*` kernels):
+  `2·B·s_q·s_kv·d + 2·B·s_q·s_kv·d_v` = `4·b·h·s_q·s_kv·d` for B = b·h query heads. With
+  `is_causal` it is halved: flash/memory-efficient kernels skip the masked half (FlopCounterMode
+  counts the full square). An explicit matmul-softmax-matmul attention is counted as its matmuls.
+- bytes of a tensor are its addressed elements (an expanded, stride-0 dim is read once).
+- `embedding`: bytes only (read the gathered rows and the indices, write the output).
+- pointwise and reduction ops (`torch.Tag.pointwise`/`reduction`, softmax, norms, losses,
+  dropout): flops = the largest numel among inputs and outputs; bytes = inputs + outputs.
+- views (`view`, `transpose`, `split`, `expand`, ... and `getitem`): free. `to`, `reshape`,
+  `flatten` and `contiguous` are views unless they change the dtype or the input's strides do
+  not allow a view (then they copy: bytes = in + out).
+- everything else: bytes = inputs + outputs, no flops.
+
+Per-form communication volumes, in elements each rank sends (multiply by bytes per element),
+notation of parallel-forms.md §0 (b batch, s sequence, h hidden, h_kv = kv heads · head dim,
+t/u/r/ep group sizes, Ψ parameters, T tokens on one rank, k top-k):
+- `tp_layer_volume_elems` Megatron TP, one transformer layer fwd+bwd: 4 all-reduces of b·s·h
+  (2 forward, 2 backward) = `8(t-1)/t · bsh`.
+- `sp_layer_volume_elems` Megatron SP: 4 all-gathers + 4 reduce-scatters of b·s·h = `8(t-1)/t · bsh`.
+- `vocab_embedding_volume_elems`: forward all-reduce of b·s·h `2(t-1)/t · bsh` (a reduce-scatter,
+  `(t-1)/t · bsh`, under SP); backward none.
+- `vocab_ce_volume_elems`: 3 all-reduces of b·s fp32 (max, target logit, sum-exp) `6(t-1)/t · bs`.
+- `ulysses_layer_volume_elems`: all-to-all of q,k,v (seq->heads) and o (heads->seq), local
+  buffers b·(s/u)·(2h + 2h_kv): `(u-1)/u² · bs(2h + 2h_kv)` forward, twice that fwd+bwd.
+- `ring_layer_volume_elems`: r-1 steps passing the local K,V block (2·b·(s/r)·h_kv):
+  `2bs·h_kv·(r-1)/r` forward; backward passes K,V and dK,dV, twice the forward: 3x fwd+bwd.
+- `expert_parallel_layer_volume_elems`: one all-to-all sends `k·T·h·(ep-1)/ep` (dropless, uniform
+  routing; `capacity_factor` cf pads it to `cf·k·T·h·(ep-1)/ep`); dispatch + combine, forward and
+  backward: 4 all-to-alls.
+- `dp_volume_elems` gradient all-reduce `2(p-1)/p · Ψ`; `fsdp_volume_elems` all-gather forward,
+  all-gather backward, reduce-scatter of gradients `3(p-1)/p · Ψ`.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from cost_model.hardware import Cluster, Link, dtype_name
+
+__all__ = [
+    "COLLECTIVES", "collective_time_s", "send_bytes", "redistribute_kind", "redistribute_time_s", "compute_time_s",
+    "NodeCost", "node_cost",
+    "tp_layer_volume_elems", "sp_layer_volume_elems", "vocab_embedding_volume_elems", "vocab_ce_volume_elems",
+    "ulysses_layer_volume_elems", "ring_layer_volume_elems", "expert_parallel_layer_volume_elems",
+    "dp_volume_elems", "fsdp_volume_elems",
+]
+
+aten = torch.ops.aten
+
+# kind -> (fraction of n each rank sends as a function of p, number of alpha steps)
+COLLECTIVES = {
+    "all_reduce": (lambda p: 2 * (p - 1) / p, lambda p: 2 * (p - 1)),
+    "all_gather": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "reduce_scatter": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "all_to_all": (lambda p: (p - 1) / p, lambda p: p - 1),
+    "p2p": (lambda p: 1.0, lambda p: 1),
+}
+
+
+def _collective(kind: str):
+    try:
+        return COLLECTIVES[kind]
+    except KeyError:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {sorted(COLLECTIVES)}") from None
+
+
+def send_bytes(kind: str, numel_bytes: int, group_size: int) -> float:
+    """Bytes one rank sends for a collective over `group_size` ranks (n as in the module table)."""
+    fraction, _ = _collective(kind)
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    return 0.0 if group_size == 1 else fraction(group_size) * numel_bytes
+
+
+def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link) -> float:
+    """Alpha-beta time of a ring collective (module table): send_bytes / bw + steps · alpha."""
+    _, steps = _collective(kind)
+    if group_size == 1:
+        return 0.0
+    return send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s + steps(group_size) * link.alpha_s
+
+
+def redistribute_kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that turns placement `src` into `dst` on one mesh axis (None: no communication)."""
+    sharded = (Shard, _StridedShard)
+    if src == dst or isinstance(src, Replicate) or (isinstance(dst, Partial) and not isinstance(src, Partial)):
+        return None
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
+    assert isinstance(src, sharded), src
+    return "all_gather" if isinstance(dst, Replicate) else "all_to_all"
+
+
+def redistribute_time_s(src: Placement, dst: Placement, numel_bytes: int, group_size: int, link: Link) -> float:
+    """Time to redistribute a tensor of `numel_bytes` (as the axis' group sees it) from `src` to `dst`."""
+    kind = redistribute_kind(src, dst)
+    if kind is None:
+        return 0.0
+    n = numel_bytes / group_size if kind == "all_to_all" else numel_bytes
+    return collective_time_s(kind, n, group_size, link)
+
+
+def compute_time_s(flops: float, bytes_moved: float, dtype, cluster: Cluster) -> float:
+    """Roofline: max(flops / achievable FLOP/s for dtype, bytes / achievable memory bandwidth)."""
+    flops_s = flops / cluster.peak_flops_for(dtype) if flops else 0.0
+    return max(flops_s, bytes_moved / cluster.effective_memory_bytes_per_s)
+
+
+# ------------------------------------------------------------------------------------- per node
+@dataclass(frozen=True, kw_only=True)
+class NodeCost:
+    flops: int = 0
+    bytes: int = 0  # memory traffic: tensors read + written
+    dtype: str = "float32"  # the dtype the FLOPs run in (peak_flops key)
+
+    def time_s(self, cluster: Cluster, *, divisor: float = 1) -> float:
+        """Roofline time when the work is split evenly over `divisor` devices."""
+        return compute_time_s(self.flops / divisor, self.bytes / divisor, self.dtype, cluster)
+
+
+_MATMULS = {
+    aten.linear.default: 0, aten.mm.default: 0, aten.bmm.default: 0, aten.matmul.default: 0,
+    aten.addmm.default: 1, aten.baddbmm.default: 1,
+}  # op -> index of the left operand (whose last dim is K)
+_SDPA = {
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+    _SDPA.add(aten._scaled_dot_product_cudnn_attention.default)
+_REDUCTION_LIKE = {
+    "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm", "native_layer_norm", "rms_norm",
+    "_fused_rms_norm", "group_norm", "native_group_norm", "batch_norm", "cross_entropy_loss", "nll_loss",
+    "nll_loss_forward", "mse_loss", "dropout", "native_dropout", "cumsum", "logsumexp",
+}
+_MAYBE_COPY = {"to", "_to_copy", "reshape", "contiguous", "flatten"}
+
+
+def _vals(x) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(x) if isinstance(v, torch.Tensor)]
+
+
+def _arg_vals(node: fx.Node) -> list[torch.Tensor]:
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [v for a in leaves if isinstance(a, fx.Node) for v in _vals(a.meta.get("val"))]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches: broadcast (stride-0) dims of an expanded view are read once."""
+    addressed = math.prod(int(n) for n, st in zip(t.shape, t.stride()) if st != 0)
+    return addressed * t.element_size()
+
+
+def _bound_args(node: fx.Node) -> dict:
+    """The node's arguments by schema name (defaults filled in)."""
+    schema = node.target._schema
+    out = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _val(x):
+    return x.meta.get("val") if isinstance(x, fx.Node) else None
+
+
+def _is_view(node: fx.Node) -> bool:
+    """An op returning an alias of its input without a copy (see the module docstring)."""
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or schema.is_mutable or not any(r.alias_info is not None for r in schema.returns):
+        return False
+    name = schema.name.split("::")[-1]
+    if name in _MAYBE_COPY:
+        src, out = _val(node.args[0]), _val(node)
+        if not isinstance(src, torch.Tensor) or not isinstance(out, torch.Tensor) or src.dtype != out.dtype:
+            return False
+        if name == "contiguous":
+            return src.is_contiguous()
+        try:  # reshape/flatten alias their input exactly when `view` could (same shape, same strides)
+            torch.empty_strided(src.shape, src.stride(), dtype=src.dtype, device="meta").view(out.shape)
+            return True
+        except RuntimeError:
+            return False
+    return True
+
+
+def _float_dtype(vals: list[torch.Tensor]) -> str:
+    for v in vals:
+        if v.is_floating_point():
+            return dtype_name(v.dtype)
+    return dtype_name(vals[0].dtype) if vals else "float32"
+
+
+def node_cost(node: fx.Node) -> NodeCost:
+    """FLOPs and bytes of one node from its global shapes (rules in the module docstring)."""
+    if node.op != "call_function" or _is_view(node):
+        return NodeCost()
+    outs, ins = _vals(node.meta.get("val")), _arg_vals(node)
+    io_bytes = sum(map(_nbytes, ins)) + sum(map(_nbytes, outs))
+    dtype = _float_dtype(ins + outs)
+    target = node.target
+    if target in _MATMULS and outs:
+        left = _val(node.args[_MATMULS[target]])
+        k = int(left.shape[-1])
+        return NodeCost(flops=2 * outs[0].numel() * k, bytes=io_bytes, dtype=dtype)
+    if target in _SDPA:
+        a = _bound_args(node)
+        q, k, v = _val(a["query"]), _val(a["key"]), _val(a["value"])
+        batch_heads = math.prod(int(x) for x in q.shape[:-2])
+        s_q, d, s_kv, d_v = int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2]), int(v.shape[-1])
+        flops = 2 * batch_heads * s_q * s_kv * (d + d_v)
+        if a.get("is_causal"):
+            flops //= 2
+        return NodeCost(flops=flops, bytes=io_bytes, dtype=dtype)
+    if target is aten.embedding.default:
+        rows = sum(map(_nbytes, outs))
+        return NodeCost(bytes=2 * rows + _nbytes(_val(node.args[1])), dtype=dtype)
+    tags = getattr(target, "tags", ())
+    name = getattr(target, "_schema", None) and target._schema.name.split("::")[-1]
+    if torch.Tag.pointwise in tags or torch.Tag.reduction in tags or name in _REDUCTION_LIKE:
+        return NodeCost(flops=max((v.numel() for v in ins + outs), default=0), bytes=io_bytes, dtype=dtype)
+    return NodeCost(bytes=io_bytes, dtype=dtype)
+
+
+# ------------------------------------------------------------------- per-form volumes (elements)
+def tp_layer_volume_elems(b: int, s: int, h: int, t: int) -> float:
+    """Megatron TP, one transformer layer, forward + backward: 4 all-reduces of b·s·h."""
+    return 8 * (t - 1) / t * b * s * h
+
+
+def sp_layer_volume_elems(b: int, s: int, h: int, t: int) -> float:
+    """Megatron SP, one layer, fwd + bwd: 4 all-gathers + 4 reduce-scatters of b·s·h."""
+    return 8 * (t - 1) / t * b * s * h
+
+
+def vocab_embedding_volume_elems(b: int, s: int, h: int, t: int, *, sequence_parallel: bool = False) -> float:
+    """Vocab-parallel embedding, forward only (backward is identity): all-reduce, or reduce-scatter under SP."""
+    return (1 if sequence_parallel else 2) * (t - 1) / t * b * s * h
+
+
+def vocab_ce_volume_elems(b: int, s: int, t: int) -> float:
+    """Parallel cross-entropy: 3 all-reduces of b·s fp32 values (max, target logit, sum of exps)."""
+    return 3 * 2 * (t - 1) / t * b * s
+
+
+def ulysses_layer_volume_elems(b: int, s: int, h: int, h_kv: int, u: int, *, backward: bool = True) -> float:
+    """Ulysses attention: all-to-alls of q, k, v, o; (u-1)/u² · bs(2h + 2h_kv) forward, x2 with backward."""
+    fwd = (u - 1) / u**2 * b * s * (2 * h + 2 * h_kv)
+    return 2 * fwd if backward else fwd
+
+
+def ring_layer_volume_elems(b: int, s: int, h_kv: int, r: int, *, backward: bool = True) -> float:
+    """Ring attention: r-1 steps of the local K,V block; backward sends K,V and dK,dV (2x forward)."""
+    fwd = 2 * b * s * h_kv * (r - 1) / r
+    return 3 * fwd if backward else fwd
+
+
+def expert_parallel_layer_volume_elems(tokens: int, k: int, h: int, ep: int, *,
+                                       capacity_factor: float | None = None, backward: bool = True) -> float:
+    """Expert parallel MoE layer: dispatch + combine all-to-alls of k·T·h·(ep-1)/ep each (x cf if capacity-padded)."""
+    per_a2a = (capacity_factor or 1.0) * k * tokens * h * (ep - 1) / ep
+    return (4 if backward else 2) * per_a2a
+
+
+def dp_volume_elems(num_params: int, p: int) -> float:
+    """Data parallel: gradient all-reduce per step, 2(p-1)/p · Ψ."""
+    return 2 * (p - 1) / p * num_params
+
+
+def fsdp_volume_elems(num_params: int, p: int) -> float:
+    """FSDP / ZeRO-3: all-gather fwd + all-gather bwd + gradient reduce-scatter, 3(p-1)/p · Ψ."""
+    return 3 * (p - 1) / p * num_params

@@ -1,0 +1,322 @@
+"""Hardware descriptions: what one device computes and how fast each mesh axis communicates.
+
+A `Cluster` is the cost model's view of the machines: dense peak FLOP/s per dtype, device memory
+bandwidth (HBM, or DRAM on a CPU host), device memory capacity, and two alpha-beta `Link`s, one for
+groups inside a node (NVLink, loopback) and one for groups that cross nodes (InfiniBand, Ethernet).
+
+Units and conventions:
+- `Link.alpha_s` is the latency of one step of a ring algorithm; `Link.bytes_per_s` is the
+  bandwidth *one rank sends at* (per direction), so a ring step moving m bytes takes
+  `alpha_s + m / (bytes_per_s * efficiency)`. (This is what nccl-tests calls bus bandwidth.)
+- `Cluster.peak_flops[dtype]` is the dense matmul peak for that dtype name ("bfloat16",
+  "float16", "float32", "float64"). "float32" is IEEE fp32 (no TF32), PyTorch's default for
+  matmuls (`torch.backends.cuda.matmul.allow_tf32 = False`).
+- Efficiencies are explicit fields (`Cluster.flops_efficiency`, `Cluster.memory_efficiency`,
+  `Link.efficiency`), never folded into the numbers. The presets carry datasheet peaks with
+  efficiency 1.0; a profile (`autopar.profile`) carries measured (achieved) numbers, also with
+  efficiency 1.0. Use `dataclasses.replace` to model an achievable fraction of a preset.
+
+Mesh topology (`axis_link`): meshes are row-major (the last axis varies fastest over global
+ranks), and ranks fill nodes in order, `gpus_per_node` per node. A group along axis `i` contains
+ranks `stride_i = prod(mesh_shape[i+1:])` apart, so it stays inside one node when
+`prod(mesh_shape[i:]) <= gpus_per_node`; such an axis uses `intra_node`, any other `inter_node`.
+A profiled `Cluster` also stores the link it measured for each axis of the mesh it was measured
+on (`mesh_shape`, `axis_links`); for that same mesh shape `axis_link` returns the measured link.
+
+`load_cluster(spec, mesh_shape)` resolves, in order: a `Cluster`; a preset name (`PRESETS`); a
+path to a JSON profile; or `None`, meaning the cached profile for this device and mesh at
+`default_profile_path(mesh_shape)` (`$XDG_CACHE_HOME/autopar/profile-<device>-<mesh>.json`,
+`~/.cache` when XDG_CACHE_HOME is unset) if one exists, else "cpu" when CUDA is unavailable,
+else the preset matching `torch.cuda.get_device_name()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "Link", "Cluster", "PRESETS", "load_cluster", "axis_link", "default_profile_path", "device_name",
+]
+
+_FORMAT = "autopar.cluster/1"
+GB = 1e9  # datasheets use decimal units
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """One alpha-beta link: a ring step moving m bytes takes alpha_s + m / (bytes_per_s * efficiency)."""
+
+    alpha_s: float  # latency of one algorithm step
+    bytes_per_s: float  # per-rank bandwidth, one direction (what a ring algorithm sends at)
+    efficiency: float = 1.0  # achievable fraction of bytes_per_s; 1.0 = use bytes_per_s as is
+
+    def __post_init__(self):
+        if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
+            raise ValueError(f"Link.alpha_s must be a finite number >= 0 seconds, got {self.alpha_s}")
+        if not (self.bytes_per_s > 0 and math.isfinite(self.bytes_per_s)):
+            raise ValueError(f"Link.bytes_per_s must be a finite number > 0, got {self.bytes_per_s}")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"Link.efficiency must be in (0, 1], got {self.efficiency}")
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """Per-device compute, memory and the links between devices; see the module docstring."""
+
+    name: str
+    gpus_per_node: int  # devices per node (ranks per host for CPU/gloo)
+    peak_flops: dict[str, float]  # dtype name -> dense FLOP/s
+    memory_bytes_per_s: float  # device memory bandwidth (HBM; DRAM per rank on a CPU host)
+    device_memory_bytes: int  # capacity per device
+    intra_node: Link
+    inter_node: Link
+    source: str  # where the numbers come from
+    flops_efficiency: float = 1.0  # achievable fraction of peak_flops
+    memory_efficiency: float = 1.0  # achievable fraction of memory_bytes_per_s
+    mesh_shape: tuple[int, ...] | None = None  # the mesh a profile measured (with axis_links)
+    axis_links: tuple[Link | None, ...] = ()  # measured link per axis of mesh_shape (None: size-1 axis)
+
+    def __post_init__(self):
+        if self.gpus_per_node < 1:
+            raise ValueError(f"cluster {self.name!r}: gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        if not self.peak_flops:
+            raise ValueError(f"cluster {self.name!r}: peak_flops is empty; give at least one dtype, e.g. "
+                             "{'float32': 1e12}")
+        for dtype, flops in self.peak_flops.items():
+            if not (flops > 0 and math.isfinite(flops)):
+                raise ValueError(f"cluster {self.name!r}: peak_flops[{dtype!r}] must be > 0, got {flops}")
+        if not self.memory_bytes_per_s > 0 or not self.device_memory_bytes > 0:
+            raise ValueError(f"cluster {self.name!r}: memory_bytes_per_s and device_memory_bytes must be > 0, "
+                             f"got {self.memory_bytes_per_s} and {self.device_memory_bytes}")
+        for name in ("flops_efficiency", "memory_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+        if self.axis_links and (self.mesh_shape is None or len(self.axis_links) != len(self.mesh_shape)):
+            raise ValueError(f"cluster {self.name!r}: axis_links has {len(self.axis_links)} entries but mesh_shape "
+                             f"is {self.mesh_shape}; give one link (or None) per mesh axis")
+
+    def peak_flops_for(self, dtype) -> float:
+        """Achievable FLOP/s for a dtype (name or torch.dtype): peak * flops_efficiency.
+
+        Integer and bool dtypes (index arithmetic, masks) use the float32 entry."""
+        name = dtype_name(dtype)
+        if name not in self.peak_flops:
+            if not _is_floating(name) and "float32" in self.peak_flops:
+                name = "float32"
+            else:
+                raise ValueError(
+                    f"cluster {self.name!r} has no peak FLOP/s for dtype {name!r}; it knows "
+                    f"{sorted(self.peak_flops)}. Fix: profile that dtype (autopar.profile(mesh, "
+                    f"dtypes=({name!r}, ...))) or add it to peak_flops.")
+        return self.peak_flops[name] * self.flops_efficiency
+
+    @property
+    def effective_memory_bytes_per_s(self) -> float:
+        return self.memory_bytes_per_s * self.memory_efficiency
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["format"] = _FORMAT
+        return json.dumps(data, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Cluster":
+        data = json.loads(text)
+        fmt = data.pop("format", None)
+        if fmt != _FORMAT:
+            raise ValueError(f"not an autopar cluster profile: format is {fmt!r}, expected {_FORMAT!r}")
+        data["intra_node"] = Link(**data["intra_node"])
+        data["inter_node"] = Link(**data["inter_node"])
+        if data.get("mesh_shape") is not None:
+            data["mesh_shape"] = tuple(data["mesh_shape"])
+        data["axis_links"] = tuple(None if x is None else Link(**x) for x in data.get("axis_links", ()))
+        return cls(**data)
+
+
+def dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16 or 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _is_floating(name: str) -> bool:
+    return "float" in name or name in ("half", "double")
+
+
+# ----------------------------------------------------------------------------------------- presets
+# Interconnect latencies (alpha) are not on any datasheet: they are order-of-magnitude values for
+# one NCCL ring step (a few microseconds over NVLink, more across an InfiniBand fabric). Measure
+# them with `python -m autopar profile` when they matter (small messages).
+_NVLINK_ALPHA_S = 2e-6  # assumed
+_IB_ALPHA_S = 5e-6  # assumed
+
+_H100_FLOPS = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column (dense = half the "with sparsity" figures):
+    "bfloat16": 989e12,  # BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
+    "float16": 989e12,  # FP16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
+    "float32": 67e12,  # FP32 (non-tensor-core; TF32 would be 494.5 dense)
+    "float64": 67e12,  # FP64 Tensor Core 67 TFLOPS
+}
+
+PRESETS: dict[str, Cluster] = {
+    "h100": Cluster(
+        name="h100",
+        gpus_per_node=8,  # DGX/HGX H100: 8 GPUs per node
+        peak_flops=dict(_H100_FLOPS),
+        memory_bytes_per_s=3.35e12,  # H100 SXM datasheet: HBM3 3.35 TB/s
+        device_memory_bytes=80 * 10**9,  # H100 SXM datasheet: 80 GB (decimal; torch reports about 79 GiB usable)
+        # H100 SXM datasheet: NVLink 900 GB/s total (both directions) -> 450 GB/s per direction
+        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=450 * GB),
+        # DGX H100: one ConnectX-7 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s per direction
+        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB),
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5), DGX H100 (8x ConnectX-7 NDR 400 Gb/s); "
+               "alphas assumed",
+    ),
+    "h200": Cluster(
+        name="h200",
+        gpus_per_node=8,  # HGX H200: 8 GPUs per node
+        peak_flops=dict(_H100_FLOPS),  # H200 SXM datasheet: same Tensor Core figures as H100 SXM
+        memory_bytes_per_s=4.8e12,  # H200 SXM datasheet: HBM3e 4.8 TB/s
+        device_memory_bytes=141 * 10**9,  # H200 SXM datasheet: 141 GB
+        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=450 * GB),  # NVLink 900 GB/s bidirectional
+        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB),  # 400 Gb/s NDR per GPU
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM), HGX H200 with 400 Gb/s NDR InfiniBand per GPU; "
+               "alphas assumed",
+    ),
+    "a100": Cluster(
+        name="a100",
+        gpus_per_node=8,  # DGX A100: 8 GPUs per node
+        peak_flops={
+            # NVIDIA A100 Tensor Core GPU datasheet, A100 80GB SXM column:
+            "bfloat16": 312e12,  # BF16 Tensor Core 312 TFLOPS (624 with sparsity)
+            "float16": 312e12,  # FP16 Tensor Core 312 TFLOPS
+            "float32": 19.5e12,  # FP32 19.5 TFLOPS (TF32 would be 156)
+            "float64": 19.5e12,  # FP64 Tensor Core 19.5 TFLOPS
+        },
+        memory_bytes_per_s=2.039e12,  # A100 80GB SXM datasheet: HBM2e 2,039 GB/s
+        device_memory_bytes=80 * 10**9,  # 80 GB
+        # A100 datasheet: NVLink 600 GB/s (both directions) -> 300 GB/s per direction
+        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=300 * GB),
+        # DGX A100: one ConnectX-6 200 Gb/s HDR InfiniBand port per GPU -> 25 GB/s per direction
+        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=25 * GB),
+        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 (8x ConnectX-6 HDR 200 Gb/s); "
+               "alphas assumed",
+    ),
+    # A small CPU host running one gloo rank per core (OMP_NUM_THREADS=1). The numbers are about
+    # half of what `torchrun --nproc-per-node 2 -m autopar profile` measured on a 2-core AMD EPYC VM
+    # (KVM, torch 2.13, 2 ranks): matmul fp32 101-107 GFLOP/s, bf16 444 (avx512_bf16; CPUs without
+    # it are far slower), fp16 3 (no fast kernel), fp64 55; copy 53-60 GB/s (read + write); gloo
+    # all_reduce over loopback alpha 72-115 us per step, 1.2-3.3 GB/s per rank (4 ranks on the 2
+    # cores: 119-154 us, 1.7-2.1 GB/s).
+    "cpu": Cluster(
+        name="cpu",
+        gpus_per_node=8,  # ranks per host
+        peak_flops={"bfloat16": 100e9, "float16": 1e9, "float32": 50e9, "float64": 25e9},
+        memory_bytes_per_s=20e9,
+        device_memory_bytes=8 * 2**30,  # per rank
+        intra_node=Link(alpha_s=200e-6, bytes_per_s=1e9),  # gloo over loopback
+        # assumed: TCP over 10 GbE (1.25 GB/s) shared by 8 ranks per host
+        inter_node=Link(alpha_s=500e-6, bytes_per_s=1.25e9 / 8),
+        source="conservative CPU/gloo host: about half of the numbers measured on a 2-core AMD EPYC VM "
+               "(1 thread per rank, gloo over loopback); inter-node assumed 10 GbE",
+    ),
+}
+
+_GPU_NAMES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))  # substring of get_device_name() -> preset
+
+
+# ---------------------------------------------------------------------------------------- loading
+def device_name() -> str:
+    """This process' device as used in profile file names: 'cpu' or the CUDA name, slugged."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def default_profile_path(mesh_shape: tuple[int, ...], device: str | None = None) -> Path:
+    """Where `autopar.profile` caches a profile and `load_cluster(None, mesh_shape)` looks for it."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autopar"
+    mesh = "x".join(str(int(s)) for s in mesh_shape)
+    return root / f"profile-{device or device_name()}-{mesh}.json"
+
+
+def _cached_profile(mesh_shape: tuple[int, ...] | None) -> Path | None:
+    """The cached profile for this device and mesh shape; else one for a mesh with as many devices."""
+    if mesh_shape is None:
+        return None
+    exact = default_profile_path(mesh_shape)
+    if exact.is_file():
+        return exact
+    world = math.prod(mesh_shape)
+    prefix = f"profile-{device_name()}-"
+    for path in sorted(exact.parent.glob(prefix + "*.json")):
+        dims = path.stem.removeprefix(prefix).split("x")
+        if all(d.isdigit() for d in dims) and math.prod(int(d) for d in dims) == world:
+            return path
+    return None
+
+
+def _preset_for_this_machine() -> Cluster:
+    import torch
+
+    if not torch.cuda.is_available():
+        return PRESETS["cpu"]
+    gpu = torch.cuda.get_device_name()
+    for needle, preset in _GPU_NAMES:
+        if needle in gpu.lower():
+            return PRESETS[preset]
+    warnings.warn(
+        f"autopar has no hardware preset for {gpu!r} (presets: {sorted(PRESETS)}); planning with the "
+        "'a100' preset. Fix: run `torchrun --nproc-per-node N -m autopar profile` once on this machine "
+        "(the profile is cached and used from then on), or pass a preset name.", stacklevel=3)
+    return PRESETS["a100"]
+
+
+def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
+                 mesh_shape: tuple[int, ...] | None = None) -> Cluster:
+    """A `Cluster` from a preset name, a Cluster, a JSON profile path, or None (see module docstring)."""
+    if isinstance(spec, Cluster):
+        return spec
+    if spec is None:
+        cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
+        if cached is not None:
+            return Cluster.from_json(cached.read_text())
+        return _preset_for_this_machine()
+    if isinstance(spec, str) and spec.lower() in PRESETS:
+        return PRESETS[spec.lower()]
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"cluster profile {str(path)!r} does not exist; write one with "
+                             f"`torchrun --nproc-per-node N -m autopar profile --out {path}`")
+        try:
+            return Cluster.from_json(path.read_text())
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"cluster profile {str(path)!r} is not a valid autopar profile: {e}") from e
+    raise ValueError(f"unknown cluster {spec!r}: expected one of the presets {sorted(PRESETS)}, a path to a JSON "
+                     "profile written by `python -m autopar profile`, a Cluster, or None (auto-detect)")
+
+
+def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis_index: int) -> Link:
+    """The link a collective along mesh axis `axis_index` runs over (see the module docstring)."""
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    if not -len(mesh_shape) <= axis_index < len(mesh_shape):
+        raise ValueError(f"mesh axis {axis_index} does not exist in a mesh of shape {mesh_shape}")
+    axis_index %= len(mesh_shape)
+    if cluster.mesh_shape == mesh_shape and cluster.axis_links and cluster.axis_links[axis_index] is not None:
+        return cluster.axis_links[axis_index]
+    span = math.prod(mesh_shape[axis_index:])  # ranks covered by one group and the faster axes inside it
+    return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
