@@ -1,0 +1,139 @@
+"""The ILP planner: optimal against exhaustive search, never worse than the hand plans under the
+same cost model, tensor parallel where it pays, infeasibility reported with the least memory,
+deterministic; golden plans for reference models."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import _prepare
+from autopar.estimate import Candidate
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from autopar.solver import _candidates, evaluate, gather_stats, sites_for_planning, solve
+from cost_model.hardware import load_cluster
+
+GOLDEN = Path(__file__).parent / "golden_plans.json"
+
+
+def _meta_llama(layers=2, hidden=1024, heads=16, kv=4, ffn=2816, vocab=32000, seq=2048, batch=16):
+    cfg = LlamaConfig(vocab_size=vocab, seq_len=seq, num_layers=layers, num_heads=heads, num_kv_heads=kv, hidden=hidden,
+                      ffn_hidden=ffn)
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def _meta_gpt(layers=2, hidden=1024, heads=16, vocab=32768, seq=1024, batch=16):
+    cfg = GPTConfig(vocab_size=vocab, seq_len=seq, num_layers=layers, num_heads=heads, hidden=hidden)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def test_ilp_objective_equals_exhaustive_search():
+    model, inputs = _meta_gpt(layers=2)
+    mesh = {"dp": 2, "tp": 4}
+    info, captured, ctx = _prepare(model, mesh, inputs, None)
+    cluster = load_cluster("h100")
+    best_exhaustive = float("inf")
+    sites = sites_for_planning(ctx)
+    stats, _, _ = gather_stats(ctx)
+    for data_axes in [(), ("dp",), ("tp",), ("dp", "tp")]:
+        cands = [_candidates(s, stats[s.key], info, data_axes, None) for s in sites]
+        for combo in itertools.product(*cands):
+            choice = dict(zip((s.key for s in sites), combo))
+            emb = next(s.key for s in sites if s.kind == "embedding" and "wte" in s.key)
+            loss = next(s.key for s in sites if s.kind == "loss")
+            if (choice[emb].axis, choice[emb].fsdp) != (choice[loss].axis, choice[loss].fsdp):
+                continue  # tied weights: one placement
+            sol = evaluate(ctx, info, cluster, choice, data_axes)
+            if sol.memory_bytes <= cluster.device_memory_bytes:
+                best_exhaustive = min(best_exhaustive, sol.time_s)
+    sol = solve(ctx, info, cluster)
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.time_s == pytest.approx(best_exhaustive, rel=1e-6)
+
+
+@pytest.mark.parametrize("cluster", ["h100", "a100", "cpu"])
+def test_auto_is_never_worse_than_any_hand_plan(cluster):
+    model, inputs = _meta_llama()
+    mesh = {"dp": 4, "tp": 8}
+    auto = autopar.plan(model, mesh, inputs, cluster=cluster, memory_limit=2**40)
+    for hand in ("megatron", "dp", "fsdp"):
+        other = autopar.plan(model, mesh, inputs, plan=hand, cluster=cluster, memory_limit=2**40)
+        assert auto.estimate.step_time_s <= other.estimate.step_time_s * (1 + 1e-9), (hand, auto.estimate, other.estimate)
+
+
+def test_auto_uses_tensor_parallel_when_it_pays_and_not_on_a_tiny_model():
+    model, inputs = _meta_llama(layers=2, hidden=4096, heads=32, kv=8, ffn=14336, vocab=128256, seq=4096, batch=8)
+    big = autopar.plan(model, {"dp": 8, "tp": 8}, inputs, cluster="h100")
+    forms = {s.kind: s.form for s in big.strategies}
+    assert forms["attention"] == "heads" and forms["mlp"] == "tp", big
+    assert big.estimate.fits
+    tiny, tiny_inputs = _meta_gpt(layers=1, hidden=32, heads=4, vocab=128, seq=16, batch=8)
+    small = autopar.plan(tiny, {"tp": 4}, tiny_inputs, cluster="cpu")
+    assert all(s.form == "replicate" for s in small.strategies), small
+
+
+def test_infeasible_memory_names_the_least_memory_any_plan_needs():
+    model, inputs = _meta_llama()
+    with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 0\.01 GiB.*least memory any plan needs is"):
+        autopar.plan(model, {"dp": 2, "tp": 2}, inputs, cluster="h100", memory_limit=0.01 * 2**30)
+    # hand plans are priced even when they do not fit
+    over = autopar.plan(model, {"dp": 2, "tp": 2}, inputs, plan="dp", cluster="h100", memory_limit=0.01 * 2**30)
+    assert over.estimate is not None and not over.estimate.fits
+
+
+def test_repeated_layers_are_one_class_and_planning_is_deterministic():
+    model, inputs = _meta_llama(layers=6)
+    a = autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="h100")
+    b = autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="h100")
+    assert a.params == b.params and a.strategies == b.strategies
+    assert "4 site classes" in a.estimate.solver  # attention, mlp, embedding, loss: 6 layers solved once
+
+
+def test_estimate_fields_and_json_round_trip():
+    model, inputs = _meta_llama()
+    p = autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="a100")
+    e = p.estimate
+    assert e.step_time_s == pytest.approx(e.compute_time_s + e.comm_time_s)
+    assert e.memory_bytes_per_device > 0 and e.comm_bytes_per_step > 0 and e.fits
+    assert autopar.Plan.from_json(p.to_json()) == p
+    text = str(p)
+    assert "est. time" in text and "estimate on a100" in text
+
+
+def _golden_models():
+    return {"llama-2L-h1024": _meta_llama(), "gpt-2L-h1024": _meta_gpt()}
+
+
+def _golden_entry(plan) -> dict:
+    return {"params": dict(plan.params), "inputs": dict(plan.inputs),
+            "forms": {s.key: f"{s.form}@{s.axis}" for s in plan.strategies}}
+
+
+def test_golden_plans():
+    """Refactors don't move plans: a change that moves one says so and regenerates golden_plans.json
+    (python tests/test_solver.py)."""
+    golden = json.loads(GOLDEN.read_text())
+    for name, (model, inputs) in _golden_models().items():
+        for cluster in ("h100", "cpu"):
+            got = _golden_entry(autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster=cluster))
+            assert got == golden[f"{name}/{cluster}"], f"plan for {name} on {cluster} moved"
+
+
+if __name__ == "__main__":
+    out = {}
+    for name, (model, inputs) in _golden_models().items():
+        for cluster in ("h100", "cpu"):
+            out[f"{name}/{cluster}"] = _golden_entry(autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster=cluster))
+    GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN}")
