@@ -2,7 +2,7 @@
 
 Machines are noisy (DESIGN.md §5), so two implementations are never timed in separate runs: their
 training steps alternate within one run (A B, B A, A B, ...), each step timed on every rank between
-a barrier and its end, and the slowest rank's time counts. The ratio is of the medians.
+a barrier and its end, and the slowest rank's time counts. Every process uses one thread.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,38 +55,63 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> t
     return loss.detach()
 
 
-def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: int) -> dict[str, list[float]]:
-    """Seconds per call of each step, alternating the order every round; slowest rank's time."""
+@dataclass
+class Timings:
+    wall_s: dict[str, list[float]]  # per step: wall-clock seconds on the slowest rank
+    cpu_s: dict[str, list[float]]  # per step: CPU seconds of the busiest rank's process
+
+
+def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: int,
+                budget_s: float = 25.0) -> Timings:
+    """Time each step, alternating the order every round (A B, B A, ...).
+
+    Stops after `iters` rounds, or earlier once `budget_s` seconds are spent (at least 5 rounds).
+    """
     names = list(steps)
     for _ in range(warmup):
         for n in names:
             steps[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     multi = dist.is_initialized() and dist.get_world_size() > 1
+    start = time.perf_counter()
     for i in range(iters):
         for n in names if i % 2 == 0 else reversed(names):
             if multi:
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             steps[n]()
-            times[n].append(time.perf_counter() - t0)
-    if multi:  # the step takes as long as its slowest rank
-        for n in names:
-            t = torch.tensor(times[n], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times[n] = t.tolist()
-    return times
+            wall[n].append(time.perf_counter() - t0)
+            cpu[n].append(time.process_time() - c0)
+        stop = torch.tensor([float(i >= 4 and time.perf_counter() - start > budget_s)])
+        if multi:  # every rank must run the same number of rounds
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item():
+            break
+    if multi:  # a step takes as long as its slowest rank
+        for d in (wall, cpu):
+            for n in names:
+                t = torch.tensor(d[n], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                d[n] = t.tolist()
+    return Timings(wall, cpu)
 
 
-def report(label: str, times: dict[str, list[float]], a: str, b: str) -> float:
-    ma, mb = statistics.median(times[a]), statistics.median(times[b])
-    print(f"  {a}: median {ma * 1e3:.1f} ms/step   {b}: median {mb * 1e3:.1f} ms/step")
-    print(f"RATIO {label} {a}/{b} = {ma / mb:.3f} (median of {len(times[a])} interleaved steps each)", flush=True)
-    return ma / mb
+def report(label: str, t: Timings, a: str, b: str) -> float:
+    """Print `RATIO label a/b = ...`, the ratio of the median wall-clock step times, and two
+    cross-checks that a busy machine disturbs less: the median of the ratios of steps run back to
+    back, and the ratio of median CPU times (time this process ran, not time it waited for a core)."""
+    med = {n: statistics.median(v) for n, v in t.wall_s.items()}
+    paired = statistics.median(x / y for x, y in zip(t.wall_s[a], t.wall_s[b]))
+    cpu = statistics.median(t.cpu_s[a]) / statistics.median(t.cpu_s[b])
+    print(f"  {a}: median {med[a] * 1e3:.1f} ms/step   {b}: median {med[b] * 1e3:.1f} ms/step")
+    print(f"RATIO {label} {a}/{b} = {med[a] / med[b]:.3f} (median wall time of {len(t.wall_s[a])} interleaved "
+          f"steps each; paired steps {paired:.3f}; CPU time {cpu:.3f})", flush=True)
+    return med[a] / med[b]
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(1)  # one core per rank: steadier timings on a small (often shared) CPU
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(*args)

@@ -25,7 +25,7 @@ def main() -> None:
     tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
     labels = torch.roll(tokens, shifts=-1, dims=1)
 
-    # 2 data-parallel groups x 2-way tensor parallel
+    # 2 data-parallel groups x 2-way tensor parallel; plan="auto" would let the planner choose
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, (tokens, labels), plan="megatron")
     if rank == 0:

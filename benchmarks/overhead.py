@@ -1,0 +1,70 @@
+"""autopar's own overhead: `parallelize` on a 1-rank mesh against the eager single-device model.
+
+On one rank nothing is communicated, so any difference in step time (forward + backward + AdamW
+step) is autopar's: the rewritten graph, DTensor parameters, input handling. Steps of the two
+alternate in one run; the ratio parallelize/eager of the median step times is printed (goal <= 1.05).
+
+    python benchmarks/overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.models import GPT, GPTConfig
+from common import MLPStack, interleaved, report, train_step
+
+BATCH = 4  # sequences per step in the transformer benchmark
+
+
+def _compare(name: str, desc: str, model, inputs, *, warmup: int, iters: int) -> None:
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="auto")
+    eager = copy.deepcopy(model)
+    with torch.no_grad():
+        a, b = pm(*inputs).item(), eager(*inputs).item()
+    print(f"{name} ({desc}): loss parallelize {a:.6f}  eager {b:.6f}")
+    assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (a, b)
+    opt_a = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    opt_b = torch.optim.AdamW(eager.parameters(), lr=1e-4)
+    times = interleaved({"parallelize": lambda: train_step(pm, opt_a, inputs),
+                         "eager": lambda: train_step(eager, opt_b, inputs)}, warmup=warmup, iters=iters)
+    report(f"overhead[{name}]", times, "parallelize", "eager")
+
+
+def run(quick: bool) -> None:
+    dim, ffn, num_layers, tokens = 512, 2048, 4, 512
+    torch.manual_seed(0)
+    model = MLPStack(dim, ffn, num_layers)
+    inputs = (torch.randn(4, tokens // 4, dim), torch.randn(4, tokens // 4, dim))
+    _compare("mlp_stack", f"dim={dim} ffn={ffn} layers={num_layers} tokens={tokens}", model, inputs,
+             warmup=3, iters=6 if quick else 100)
+
+    cfg = GPTConfig(vocab_size=2048, seq_len=128, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
+    _compare("gpt", f"hidden={cfg.hidden} layers={cfg.num_layers} heads={cfg.num_heads} seq={cfg.seq_len} batch={BATCH}",
+             model, (tokens, torch.roll(tokens, -1, dims=1)), warmup=3, iters=6 if quick else 100)
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # as each rank in tp_vs_parallelize_module.py: steadier timings
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)
+        try:
+            run("--quick" in sys.argv)
+        finally:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

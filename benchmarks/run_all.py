@@ -1,0 +1,38 @@
+"""Run every benchmark (each in a fresh process) and print their RATIO lines together at the end.
+
+    python benchmarks/run_all.py [--quick]        # or: make bench
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCHMARKS = ("tp_vs_parallelize_module.py", "overhead.py")
+GOALS = {"tp_vs_hand_plan": "<= 1.0", "overhead": "<= 1.05"}
+
+
+def main() -> None:
+    ratios = []
+    for script in BENCHMARKS:
+        print(f"== {script}", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), *sys.argv[1:]],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if line.startswith("RATIO "):
+                ratios.append(line.strip())
+        if proc.wait() != 0:
+            sys.exit(f"{script} failed with exit code {proc.returncode}")
+        print(f"   ({time.perf_counter() - t0:.0f} s)")
+    print("\n== summary (goals: " + ", ".join(f"{k} {v}" for k, v in GOALS.items()) + ")")
+    for line in ratios:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
