@@ -57,6 +57,10 @@ class ParallelModule(nn.Module):
         for fqn, b in model.named_buffers(remove_duplicate=False):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
             self._register(fqn, b, buffer=True, persistent=persistent)
+        # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
+        # contiguous chunk per rank, which checkpoint planners require; loading slices them back.
+        self._register_state_dict_hook(_strided_to_replicated)
+        self._register_load_state_dict_pre_hook(_replicated_to_strided, with_module=True)
         self._feeds = []
         for ph, kind, name in captured.input_kinds:
             self._feeds.append((kind, name if kind != "constant" else captured.constants[ph]))
@@ -127,7 +131,31 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
 
 
-def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+def _has_strided(t) -> bool:
+    from torch.distributed.tensor.placement_types import _StridedShard
+    return isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements)
+
+
+def _strided_to_replicated(module, state_dict, prefix, local_metadata):
+    for key, value in list(state_dict.items()):
+        if _has_strided(value):
+            full = value.full_tensor()
+            state_dict[key] = DTensor.from_local(full, value.device_mesh, [Replicate()] * value.device_mesh.ndim,
+                                                 run_check=False)
+    return state_dict
+
+
+def _replicated_to_strided(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    for name, param in module.named_parameters():
+        key = prefix + name
+        if key in state_dict and _has_strided(param) and not _has_strided(state_dict[key]):
+            value = state_dict[key]
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            state_dict[key] = shard_tensor(full.detach().to(param.dtype), param.device_mesh, param.placements,
+                                           broadcast=False)
+
+
+def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bool = True) -> DTensor:
     """A DTensor of `full` (rank 0's copy, broadcast) with `placements`, sliced locally (no scatter).
 
     Slicing here rather than in `distribute_tensor` gives `_StridedShard` the same layout on real
@@ -136,8 +164,10 @@ def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     from autopar.runtime.collectives import _take_chunk
     from autopar.spec import is_shard
 
-    replicated = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim)  # broadcast from rank 0
-    local = replicated.to_local()
+    if broadcast:
+        local = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim).to_local()  # broadcast from rank 0
+    else:
+        local = full
     for ax, p in enumerate(placements):
         if is_shard(p):
             k = getattr(p, "split_factor", 1)

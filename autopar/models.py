@@ -60,6 +60,14 @@ class GPTBlock(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig()):
         super().__init__()
@@ -70,6 +78,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
+        self.apply(_init_weights)
 
     def forward(self, tokens, labels=None):
         pos = torch.arange(tokens.shape[1], device=tokens.device)

@@ -52,10 +52,10 @@ class Estimate:
     solver: str = ""  # how the plan was found: status, gap, time
 
     def summary(self) -> str:
-        return (f"estimate on {self.cluster}: {self.step_time_s * 1e3:.3f} ms/step "
+        return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
                 f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms), "
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
-                f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step"
+                f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step (estimated)"
                 + (f"; {self.solver}" if self.solver else ""))
 
 

@@ -149,6 +149,34 @@ class _Planner:
             getattr(self, f"set_{site.kind}")(site, form, axis, forced)
 
     # ------------------------------------------------------------------ placements
+    def tie_embeddings(self, forced_keys: set[str]) -> None:
+        """An embedding and the LM head it is tied to take one placement: vocab-parallel both, or
+        replicated both. The side an override forced (or, by default, the one that cannot shard)
+        decides, and the plan notes it."""
+        from autopar.estimate import _params
+        for emb in self.ctx.of_kind("embedding"):
+            for loss in self.ctx.of_kind("loss"):
+                if not (_params(emb) & _params(loss)):
+                    continue
+                e, l_ = self.emb.get(emb.key, ("replicate", None)), self.site_form.get(loss.key, ("replicate", None))
+                if (e[0] == "vocab") == (l_[0] == "vocab") and e[1] == l_[1]:
+                    continue
+                if emb.key in forced_keys and loss.key in forced_keys:
+                    raise ValueError(
+                        f"embedding {emb.key} ({e[0]}) and loss {loss.key} ({l_[0]}) share a tied weight, which has one "
+                        "placement: force both 'vocab' (on one axis) or both 'replicate'")
+                if emb.key in forced_keys:
+                    leader = e
+                elif loss.key in forced_keys:
+                    leader = l_
+                else:
+                    leader = ("replicate", None)  # heuristics disagree: the weight stays replicated
+                vocab = leader[0] == "vocab"
+                self.set_embedding(emb, "vocab" if vocab else "replicate", leader[1], True)
+                self.set_loss(loss, "vocab" if vocab else "replicate", leader[1], True)
+                self.notes.append(f"embedding {emb.key} and loss {loss.key} share a tied weight: both "
+                                  f"{'vocab@' + str(leader[1]) if vocab else 'replicate'}")
+
     def placements(self) -> dict[str, list[Placement]]:
         ctx, mesh = self.ctx, self.mesh
         pls: dict[str, list[Placement]] = {p: [R] * len(mesh.sizes) for p in ctx.captured.param_fqns}
@@ -293,6 +321,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         for site, form, axis in parsed:
             if site.kind == "linear":
                 planner.set_form(site, form, axis, True)
+        planner.tie_embeddings(set())
     else:
         tp_on = name == "megatron" and mesh.sizes[-1] > 1
         dp_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
@@ -308,6 +337,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
             planner.set_embedding(site, "vocab" if tp_on else "replicate", tp, False)
         for site, form, axis in parsed:
             planner.set_form(site, form, axis, True)
+        planner.tie_embeddings({s.key for s, _, _ in parsed})
         if name == "fsdp":
             fsdp_sites = {s.key for s in ctx.sites} | {"(other)"}
     pls = planner.placements()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -86,7 +87,9 @@ def _signature(site: Site) -> str:
         for a in n.all_input_nodes:
             if a.name in names:
                 g.add_edge(a.name, n.name)
-    return site.kind + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
+    with warnings.catch_warnings():  # networkx notes that directed-graph hashes changed in 3.5: ours are per run
+        warnings.simplefilter("ignore", UserWarning)
+        return site.kind + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
 
 
 def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:

@@ -17,14 +17,20 @@ aten = torch.ops.aten
 _REGION = set(ELEMENTWISE) | TRANSPARENT
 
 
-def _common_prefix(keys: list[str]) -> str:
+def _mlp_key(keys: list[str]) -> str:
+    """The MLP's own module path when its layers share a parent named like one ("mlp", "ffn",
+    "feed_forward"), else the parent with its layers listed: "h.0.{fc,out}"."""
     parts = [k.split(".") for k in keys]
     out = []
     for col in zip(*parts):
         if len(set(col)) != 1:
             break
         out.append(col[0])
-    return ".".join(out) or "+".join(keys)
+    prefix = ".".join(out)
+    if out and any(w in out[-1].lower() for w in ("mlp", "ffn", "feed_forward", "feedforward")):
+        return prefix
+    rest = [".".join(p[len(out):]) for p in parts]
+    return (prefix + "." if prefix else "") + "{" + ",".join(rest) + "}"
 
 
 def recognise_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -59,7 +65,7 @@ def recognise_mlp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if len(consumers) != 1:
             continue
         cols, rows = list(producers.values()), list(consumers.values())
-        mlp = Site("mlp", _common_prefix([s.key for s in cols + rows]), site.node)
+        mlp = Site("mlp", _mlp_key([s.key for s in cols + rows]), site.node)
         mlp.info.update(col=cols, row=rows, features=feats)
         ctx.add(mlp)
         taken.update(id(s) for s in cols + rows)

@@ -76,7 +76,7 @@ def test_untraceable_submodule_becomes_replicated_opaque_node_and_matches():
     assert res.max_err() < 1e-12, res
     # the traceable rest is still tensor parallel
     forms = {s.key: s.form for s in res.plan.strategies}
-    assert forms["up+down"] == "tp"
+    assert forms["{up,down}"] == "tp"
 
 
 def test_dict_and_tuple_outputs_are_returned_whole_on_every_rank():

@@ -108,7 +108,7 @@ def test_estimate_fields_and_json_round_trip():
     assert e.memory_bytes_per_device > 0 and e.comm_bytes_per_step > 0 and e.fits
     assert autopar.Plan.from_json(p.to_json()) == p
     text = str(p)
-    assert "est. time" in text and "estimate on a100" in text
+    assert "est. time" in text and "cost model (a100)" in text
 
 
 def _golden_models():
