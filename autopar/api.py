@@ -248,7 +248,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                       if any(getattr(p[i], "dim", None) == 0 for p in chosen.input_placements().values()))
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, _agreed_seed(mesh))
-    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes)
+    hints, modes = _sequence_hints(chosen, ctx, info)
+    lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes,
+                        hints=hints, attention_modes=modes)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
@@ -259,6 +261,39 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     pm = ParallelModule(model, mesh, captured, chosen, gm)
     pm._rng_stream = stream
     return pm
+
+
+def _sequence_hints(chosen: Plan, ctx: PassContext, info: MeshInfo):
+    """Where the plan wants activations sharded on the sequence: norm inputs (Megatron SP), and the
+    Ulysses attentions (all-to-all to heads before, back to the sequence after)."""
+    from autopar.spec import Shard
+    sites = {s.key: s for s in ctx.sites}
+    hints: dict[str, dict[int, object]] = {}
+    modes: dict[str, dict[int, str]] = {}
+    for st in chosen.strategies:
+        site = sites.get(st.key)
+        if site is None or st.axis is None:
+            continue
+        ax = info.names.index(st.axis)
+        if st.kind == "norm" and st.form == "sequence":
+            hints.setdefault(site.info["input"].name, {})[ax] = Shard(site.info["seq_dim"])
+        elif st.kind == "attention" and st.form == "ulysses":
+            modes.setdefault(site.node.name, {})[ax] = "ulysses"
+            hints.setdefault(site.node.name, {})[ax] = Shard(2)  # (b, heads, s, d) back to the sequence
+    # Megatron SP: the row-parallel outputs of tensor-parallel blocks on a sequence-parallel axis are
+    # reduce-scattered onto the sequence (before their bias), not all-reduced
+    sp_axes = {st.axis for st in chosen.strategies if st.kind == "norm" and st.form == "sequence"}
+    for st in chosen.strategies:
+        site = sites.get(st.key)
+        if site is None or st.axis not in sp_axes:
+            continue
+        rows = site.info["out"] if st.kind == "attention" and st.form == "heads" else \
+            site.info["row"] if st.kind == "mlp" and st.form == "tp" else []
+        for lin in rows:
+            seq_dim = 1 if len(lin.node.meta["val"].shape) >= 3 else None
+            if seq_dim is not None:
+                hints.setdefault("row:" + lin.node.name, {})[info.names.index(st.axis)] = Shard(seq_dim)
+    return hints, modes
 
 
 def _local_tensor_off():
@@ -329,7 +364,9 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         first = next((s for s in flat_shapes if s), None)
         for ph, s in zip(captured.user_inputs, flat_shapes):
             batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
-        return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit)
+        shapes = dict(zip(captured.user_inputs, flat_shapes))
+        return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
+                          input_shapes=shapes)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):

@@ -35,10 +35,21 @@ KIND_FORMS = {
     "moe": ("replicate", "expert"),
     "norm": ("replicate", "sequence"),
 }
-NOT_YET = {("attention", "ulysses"): "issue #4 (sequence/context parallel)",
-           ("attention", "ring"): "issue #4 (sequence/context parallel)",
-           ("norm", "sequence"): "issue #4 (Megatron sequence parallel)",
+NOT_YET = {("attention", "ring"): "issue #4 (ring attention / context parallel)",
            ("moe", "expert"): "issue #5 (expert parallel)"}
+
+
+def _ulysses_ok(site: Site, u: int) -> str | None:
+    h, kv = site.info["heads"], site.info["kv_heads"]
+    if site.info["spelling"] != "sdpa":
+        return "explicit matmul-softmax-matmul attention is not lowered to a fused attention yet"
+    if h % u:
+        return f"{h} heads do not divide over {u} ranks"
+    if kv % u and u % kv:
+        return f"{kv} KV heads neither divide over nor into {u} ranks"
+    if site.info["seq_len"] % u:
+        return f"sequence {site.info['seq_len']} does not divide over {u} ranks"
+    return None
 
 
 def _attention_ok(site: Site, t: int) -> str | None:
@@ -79,8 +90,18 @@ class _Planner:
                         f"'replicate' for this attention.")
                 self.notes.append(f"attention {site.key} replicated: {why}")
                 form = "replicate"
-        if form in ("ulysses", "ring"):
-            raise NotImplementedError(f"attention form {form!r} is not implemented yet ({NOT_YET[('attention', form)]})")
+        if form == "ulysses":
+            u = self.mesh.axis(axis).size
+            why = _ulysses_ok(site, u)
+            if why:
+                if forced:
+                    raise ValueError(
+                        f"attention {site.key}: form 'ulysses' on mesh axis {axis!r} (size {u}) is not possible: {why}. "
+                        "Fix: use an axis whose size divides heads and sequence, or 'heads'/'replicate'.")
+                self.notes.append(f"attention {site.key} not ulysses: {why}")
+                form = "replicate"
+        if form == "ring":
+            raise NotImplementedError(f"attention form 'ring' is not implemented yet ({NOT_YET[('attention', 'ring')]})")
         self.site_form[site.key] = (form, axis if form != "replicate" else None)
         kv_sharded = form == "heads" and site.info["kv_heads"] % self.mesh.axis(axis).size == 0
         for s in site.info["q"]:
@@ -91,6 +112,21 @@ class _Planner:
             self.linear[s.key] = ("colwise", axis) if kv_sharded else ("replicate", None)
         for s in site.info["out"]:
             self.linear[s.key] = ("rowwise", axis) if form == "heads" else ("replicate", None)
+
+    def set_norm(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        if form == "sequence":
+            t = self.mesh.axis(axis).size
+            if site.info["seq_len"] % t:
+                if forced:
+                    raise ValueError(f"norm {site.key}: form 'sequence' on axis {axis!r} needs the sequence "
+                                     f"({site.info['seq_len']}) to divide over {t} ranks. Fix: pad the sequence or "
+                                     "'replicate'.")
+                self.notes.append(f"norm {site.key} not sequence-parallel: {site.info['seq_len']} % {t} != 0")
+                form = "replicate"
+        self.site_form[site.key] = (form, axis if form != "replicate" else None)
+
+    def set_moe(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
+        raise NotImplementedError(f"moe form {form!r} is not implemented yet ({NOT_YET[('moe', 'expert')]})")
 
     def set_mlp(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
         if form == "tp":
@@ -283,7 +319,7 @@ def _match(ctx: PassContext, key: str) -> list[Site]:
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
-               optimizer: str = "adam") -> Plan:
+               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the hand plans are built by the rules in this module's
@@ -292,6 +328,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     from autopar import solver as ilp
     from autopar.estimate import Candidate
     from cost_model.hardware import load_cluster
+
+    input_shapes = input_shapes or {}
 
     if name not in PLANS:
         raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or a path to a saved plan; "
@@ -338,6 +376,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         for site, form, axis in parsed:
             planner.set_form(site, form, axis, True)
         planner.tie_embeddings({s.key for s, _, _ in parsed})
+        used = {a for f, a in planner.site_form.values() if a} | {a for f, a in planner.linear.values() if a}
+        dp_axes = [a for a in dp_axes if a not in used]
         if name == "fsdp":
             fsdp_sites = {s.key for s in ctx.sites} | {"(other)"}
     pls = planner.placements()
@@ -354,6 +394,9 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     dp_size = 1
     for n in dp_axes:
         dp_size *= mesh.axis(n).size
+    seq_axes = sorted({a for k, (f, a) in planner.site_form.items() if f == "ulysses"})
+    seq_len = next((s.info["seq_len"] for s in ctx.of_kind("attention") if planner.site_form.get(s.key, ("",))[0]
+                    == "ulysses"), None)
     for ph, batch in input_batch.items():
         p = [R] * len(mesh.sizes)
         if batch and batch % dp_size == 0 and dp_size > 1:
@@ -361,6 +404,10 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                 p[mesh.names.index(n)] = Shard(0)
         elif dp_size > 1 and batch:
             planner.notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
+        dims = input_shapes.get(ph) or ()
+        if seq_axes and len(dims) >= 2 and dims[1] == seq_len:
+            for n in seq_axes:  # Ulysses: every token-indexed input is split on the sequence
+                p[mesh.names.index(n)] = Shard(1)
         inputs[ph] = fmt_placements(p)
     if solution is None:
         choices = {}

@@ -102,7 +102,7 @@ def recognise_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
             if feats % head_dim == 0:
                 kv_heads = feats // head_dim
         site = Site("attention", module_path(node) or node.name, node)
-        site.info.update(spelling=spelling, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        site.info.update(spelling=spelling, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=qs[2],
                          q=_linears_behind(q, linear_nodes), k=k_lin, v=_linears_behind(v, linear_nodes),
                          out=_linears_after(out, linear_nodes))
         ctx.add(site)

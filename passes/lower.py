@@ -32,7 +32,7 @@ from autopar.mesh import MeshInfo
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
 from autopar.runtime import opaque as _opaque  # noqa: F401  (registers autopar::opaque)
-from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt_placements, is_shard
+from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_shard
 from passes import meta as M
 from passes.rules import RULES, arg, replicate_rule, shape
 
@@ -60,6 +60,8 @@ class LowerContext:
     user_inputs: set[str]
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
     gather_param_axes: tuple[int, ...] = ()  # FSDP axes: parameters sharded there are gathered before use
+    hints: dict = field(default_factory=dict)  # node name -> {axis index: placement} its value must take
+    attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses"}
     notes: list[str] = field(default_factory=list)
 
 
@@ -198,6 +200,7 @@ class _Lowerer:
             if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
                 g.erase_node(node)
         self._decompose_row_parallel_bias()
+        self._insert_hints()
         self.needs_grad = self._needs_grad()
         for node in list(g.nodes):
             if node.op == "placeholder":
@@ -206,6 +209,25 @@ class _Lowerer:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
+
+    def _insert_hints(self) -> None:
+        """A `placement_hint` node after each hinted value; every use of the value reads the hint."""
+        decomposed = {n.meta["autopar_row_of"] for n in self.graph.nodes if "autopar_row_of" in n.meta}
+        for node in list(self.graph.nodes):
+            spec = dict(self.ctx.hints.get(node.name, {}))
+            row = node.meta.get("autopar_row_of") or (node.name if node.name not in decomposed else None)
+            if row is not None:
+                spec.update(self.ctx.hints.get("row:" + row, {}))
+            if not spec:
+                continue
+            users = list(node.users)
+            with self.graph.inserting_after(node):
+                h = self.graph.call_function(placement_hint, (node, {self.axes[a].name: fmt(p) for a, p in spec.items()}))
+            h.meta["val"] = node.meta["val"]
+            h.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            h.meta["autopar_hint"] = spec
+            for u in users:
+                u.replace_input_with(node, h)
 
     def _needs_grad(self) -> set[fx.Node]:
         """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
@@ -260,6 +282,12 @@ class _Lowerer:
         if not tin and not isinstance(val, torch.Tensor) and not multi:
             return
         rule = RULES.get(node.target)
+        if node.target is placement_hint:
+            spec = node.meta["autopar_hint"]
+            rule = lambda node, tin, ins, n, ax: ([spec.get(ax, ins[0])], spec.get(ax, ins[0]))  # noqa: E731
+            rule.wants_axis = True
+        elif node.name in self.ctx.attention_modes:
+            rule = _ulysses_rule(self.ctx.attention_modes[node.name])
         if rule is None:
             rule = replicate_rule
             if any(p != R for t in tin for p in self.pl[t]) and node.target is not torch.ops.autopar.opaque.default:
@@ -271,12 +299,15 @@ class _Lowerer:
         outs = [[None] * len(self.axes) for _ in range(n_out)]
         for ax, size in enumerate(self.sizes):
             in_p = [self.pl[t][ax] for t in tin]
-            req, out = rule(node, tin, in_p, size)
+            req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
+                rule(node, tin, in_p, size)
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
             for j, p in enumerate(out_list):
                 outs[j][ax] = p
+        if node.target in _VIEWS and tin:
+            outs[0] = self._local_split_factors(tin[0], reqs[0], outs[0], node)
         outs_t = [tuple(o) for o in outs]
         # emit redistributions, one per tensor input position
         new_inputs = []
@@ -292,6 +323,28 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _local_split_factors(self, src: fx.Node, in_pls, out_pls, node: fx.Node):
+        """A merge `(b, s) -> b*s` with s sharded on one axis gives `_StridedShard(split_factor=blocks)`;
+        the blocks are those of the *local* tensor, so outer dims sharded on other axes divide them."""
+        from passes.rules import view_groups
+        a, b = shape(src), shape(node)
+        out = list(out_pls)
+        for ax, p in enumerate(out_pls):
+            if not isinstance(p, _StridedShard) or not is_shard(in_pls[ax]) or isinstance(in_pls[ax], _StridedShard):
+                continue  # only a merge that turns a plain shard strided
+            d = in_pls[ax].dim
+            group = next((I for I, O in view_groups(a, b) if d in I), [])
+            local_outer = 1
+            for i in group:
+                if i == d:
+                    break
+                others = math.prod(self.sizes[bx] for bx, q in enumerate(in_pls) if bx != ax and is_shard(q)
+                                   and q.dim == i)
+                local_outer *= a[i] // others
+            if local_outer != p.split_factor:
+                out[ax] = _StridedShard(p.dim, split_factor=local_outer)
+        return out
 
     def _output(self, node: fx.Node) -> None:
         flat, spec = pytree.tree_flatten(node.args)
@@ -311,6 +364,7 @@ class _Lowerer:
                     with self.graph.inserting_before(node):
                         mm = self.graph.call_function(aten.linear.default, (x, w))
                         mm.meta.update(node.meta)
+                        mm.meta["autopar_row_of"] = node.name
                         node.target, node.args = aten.add.Tensor, (mm, b)
             elif node.target is aten.addmm.default:
                 b, x, w = node.args[:3]
@@ -319,6 +373,7 @@ class _Lowerer:
                     with self.graph.inserting_before(node):
                         mm = self.graph.call_function(aten.mm.default, (x, w))
                         mm.meta.update(node.meta)
+                        mm.meta["autopar_row_of"] = node.name
                         node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
 
     def _sharded_axes(self, pls, dims=None):
@@ -401,6 +456,32 @@ class _Lowerer:
             node.target = O.cross_entropy_sharded_batch
             node.args = (x, target, reduction, ignore_index, smoothing, batch)
             node.kwargs = {}
+
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+
+
+def placement_hint(x: torch.Tensor, spec: dict) -> torch.Tensor:
+    """Identity at run time; in the graph it marks where a value takes the placements in `spec`
+    (mesh axis -> placement), e.g. the sequence-sharded residual stream of Megatron SP."""
+    return x
+
+
+def _ulysses_rule(modes: dict[int, str]):
+    """SDPA in Ulysses mode on the given axes: queries, keys and values sharded on heads (an all-to-all
+    from the sequence shard), the output on heads (sent back to the sequence by a hint after it)."""
+    from passes.rules import RULES as _R, shape as _shape
+
+    def rule(node, tin, ins, n, ax):
+        if ax not in modes:
+            return _R[node.target](node, tin, ins, n)
+        kv_heads = _shape(tin[1])[1]
+        kv = Shard(1) if kv_heads % n == 0 else R  # fewer KV heads than ranks: gathered, picked per rank
+        req = [Shard(1), kv, kv] + [R] * (len(tin) - 3)
+        return req, Shard(1)
+
+    rule.wants_axis = True
+    return rule
 
 
 def _fuse_gather_grad_reduce(gm: fx.GraphModule) -> None:

@@ -9,6 +9,7 @@ from passes.embedding import recognise_embedding_pass
 from passes.linear import recognise_linear_pass
 from passes.loss import recognise_loss_pass
 from passes.mlp import recognise_mlp_pass
+from passes.norm import recognise_norm_pass
 
 # recognition: each pass adds Sites to the PassContext; none mutates the graph
 RECOGNISE = [
@@ -17,6 +18,7 @@ RECOGNISE = [
     recognise_attention_pass,
     recognise_loss_pass,
     recognise_mlp_pass,
+    recognise_norm_pass,
 ]
 
 

@@ -149,17 +149,44 @@ def view_groups(a: tuple[int, ...], b: tuple[int, ...]) -> list[tuple[list[int],
     return groups
 
 
-def map_view_dim(a, b, d: int, n: int, p: Placement) -> int | None:
-    """The output dim carrying input dim d's shard through a view a -> b, if the shard stays contiguous."""
+def map_view_dim(a, b, d: int, n: int, p: Placement) -> Placement | None:
+    """The placement carrying input dim d's shard through a view a -> b, or None (the view needs a gather).
+
+    - the shard on the outermost dim of a group of dims: a plain shard of the group's outermost
+      output dim (merges `(b, s) -> b*s` with b sharded, splits `h -> (heads, d)` with heads % n == 0);
+    - a shard on an inner dim of a merge (`(b, s) -> b*s` with s sharded): each rank holds one piece
+      of every outer block, i.e. `_StridedShard(out, split_factor=prod(outer sizes))`;
+    - the inverse split of such a strided shard (`b*s -> (b, s)`): a plain shard again.
+    """
+    k = p.split_factor if isinstance(p, _StridedShard) else 1
     for I, O in view_groups(a, b):
-        if d in I:
-            first_in = next((i for i in I if a[i] != 1), None)
-            first_out = next((o for o in O if b[o] != 1), None)
-            if first_in != d or first_out is None:
-                return None
-            if isinstance(p, _StridedShard) and (len(O) != 1 or len(I) != 1):
-                return None
-            return first_out if _divisible(b[first_out], n, p) else None
+        if d not in I:
+            continue
+        nz_in = [i for i in I if a[i] != 1]
+        nz_out = [o for o in O if b[o] != 1]
+        if not nz_out:
+            return None
+        if nz_in and nz_in[0] == d:
+            if k == 1:
+                return Shard(nz_out[0]) if b[nz_out[0]] % n == 0 else None
+            if len(nz_in) == 1 and len(nz_out) == 1:
+                return _StridedShard(nz_out[0], split_factor=k) if b[nz_out[0]] % (n * k) == 0 else None
+            # b*s -> (b, s): the outer out dims whose product is the split factor absorb the blocks
+            if len(nz_in) == 1:
+                prod = 1
+                for j, o in enumerate(nz_out):
+                    if prod == k:
+                        return Shard(o) if b[o] % n == 0 else None
+                    prod *= b[o]
+            return None
+        if k == 1 and len(nz_out) == 1 and a[d] % n == 0:  # (b, s) -> b*s with s sharded
+            outer = 1
+            for i in nz_in:
+                if i == d:
+                    break
+                outer *= a[i]
+            return _StridedShard(nz_out[0], split_factor=outer)
+        return None
     return None
 
 
@@ -171,10 +198,10 @@ def view_rule(node, tin, ins, n) -> Decision:
     req = [R] * len(ins)
     if not is_shard(p):
         return req, R
-    od = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
-    if od is None:
+    out = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
+    if out is None:
         return req, R
-    return [p] + req[1:], with_dim(p, od)
+    return [p] + req[1:], out
 
 
 @register(aten.expand.default)
@@ -477,8 +504,10 @@ def cross_entropy_rule(node, tin, ins, n) -> Decision:
         return [R] * len(ins), R
     if is_shard(x) and x.dim == 1 and nd == 2 and smoothing == 0.0 and not isinstance(x, _StridedShard):
         return [x, R], R  # vocab-parallel cross-entropy
-    if is_shard(x) and x.dim == 0 or (is_shard(t) and t.dim == 0 and not is_shard(x)):
-        return [Shard(0), Shard(0)], (Shard(0) if reduction == 0 else P)
+    if is_shard(x) and x.dim == 0:  # batch (or flattened batch x sequence: strided) sharded
+        return [x, x], (x if reduction == 0 else P)
+    if is_shard(t) and t.dim == 0 and not is_shard(x):
+        return [t, t], (t if reduction == 0 else P)
     return [R] * len(ins), R
 
 

@@ -15,7 +15,7 @@ import autopar
 from autopar.api import _prepare
 from autopar.estimate import Candidate
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from autopar.solver import _candidates, evaluate, gather_stats, sites_for_planning, solve
+from autopar.solver import _candidates, _classes, _tied_pairs, evaluate, gather_stats, sites_for_planning, solve
 from cost_model.hardware import load_cluster
 
 GOLDEN = Path(__file__).parent / "golden_plans.json"
@@ -39,24 +39,28 @@ def _meta_gpt(layers=2, hidden=1024, heads=16, vocab=32768, seq=1024, batch=16):
 
 
 def test_ilp_objective_equals_exhaustive_search():
+    """Every assignment of candidates to the site classes (the ILP's variables), priced one by one."""
     model, inputs = _meta_gpt(layers=2)
     mesh = {"dp": 2, "tp": 4}
     info, captured, ctx = _prepare(model, mesh, inputs, None)
     cluster = load_cluster("h100")
-    best_exhaustive = float("inf")
     sites = sites_for_planning(ctx)
+    pairs = _tied_pairs(ctx, sites)
+    classes = _classes(sites, {s.key for p in pairs for s in p})
     stats, _, _ = gather_stats(ctx)
+    best_exhaustive, tried = float("inf"), 0
     for data_axes in [(), ("dp",), ("tp",), ("dp", "tp")]:
-        cands = [_candidates(s, stats[s.key], info, data_axes, None) for s in sites]
+        cands = [_candidates(cls[0], stats[cls[0].key], info, data_axes, None) for cls in classes]
         for combo in itertools.product(*cands):
-            choice = dict(zip((s.key for s in sites), combo))
-            emb = next(s.key for s in sites if s.kind == "embedding" and "wte" in s.key)
-            loss = next(s.key for s in sites if s.kind == "loss")
-            if (choice[emb].axis, choice[emb].fsdp) != (choice[loss].axis, choice[loss].fsdp):
+            choice = {s.key: c for cls, c in zip(classes, combo) for s in cls}
+            if any((choice[a.key].axis, choice[a.key].fsdp) != (choice[b.key].axis, choice[b.key].fsdp)
+                   for a, b in pairs):
                 continue  # tied weights: one placement
             sol = evaluate(ctx, info, cluster, choice, data_axes)
+            tried += 1
             if sol.memory_bytes <= cluster.device_memory_bytes:
                 best_exhaustive = min(best_exhaustive, sol.time_s)
+    assert tried > 100
     sol = solve(ctx, info, cluster)
     assert sol.status == "optimal" and sol.gap == 0.0
     assert sol.time_s == pytest.approx(best_exhaustive, rel=1e-6)
@@ -97,7 +101,8 @@ def test_repeated_layers_are_one_class_and_planning_is_deterministic():
     a = autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="h100")
     b = autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="h100")
     assert a.params == b.params and a.strategies == b.strategies
-    assert "4 site classes" in a.estimate.solver  # attention, mlp, embedding, loss: 6 layers solved once
+    # attention, mlp, norm, embedding, loss: the 6 layers (and their 13 norms) are solved once
+    assert "5 site classes" in a.estimate.solver, a.estimate.solver
 
 
 def test_estimate_fields_and_json_round_trip():

@@ -131,7 +131,8 @@ def _raw_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef
     # chunks along split_dim go to ranks 0..n-1; received chunks are concatenated along cat_dim
     chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1))  # (n, s/n, ...)
     send = chunks.contiguous().flatten(0, 1)
-    recv = _wait(_c10d.all_to_all_single(send, None, None, axis.group_name))
+    splits = [send.shape[0] // n] * n
+    recv = _wait(_c10d.all_to_all_single(send, splits, splits, axis.group_name))
     recv = recv.unflatten(0, (n, -1)).movedim(1, split_dim + 1)  # (n, ..., local split, ...)
     # recv[j] is rank j's piece: concatenate along cat_dim (shifted by the leading n)
     return torch.cat(recv.unbind(0), dim=cat_dim).contiguous()

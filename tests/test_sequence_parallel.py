@@ -1,0 +1,127 @@
+"""Megatron sequence parallelism (norm: sequence) and DeepSpeed-Ulysses (attention: ulysses):
+fp64 equivalence with one device (loss, every gradient, parameters after two steps) and the exact
+collectives of each form; sequences that do not divide are not offered, and forcing them says why."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+import autopar
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from equivalence import run_equivalence
+
+B, S = 4, 16
+
+
+def _tokens(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (B, S), generator=g), torch.randint(0, 128, (B, S), generator=g)
+
+
+MODELS = {
+    "gpt": (lambda: GPT(GPTConfig()), lambda: _tokens(), 1e-10),
+    "gpt-3heads": (lambda: GPT(GPTConfig(num_heads=3, hidden=24)), lambda: _tokens(), 1e-10),
+    "llama-gqa": (lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=1)), lambda: _tokens(), 1e-10),
+    "hf-llama": (lambda: LlamaForCausalLM(HFLlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, use_cache=False)),
+        lambda: dict(zip(("input_ids", "labels"), _tokens())), 1e-5),
+}
+
+
+def _run(local_world, name, shape, names, plan, overrides, steps=2):
+    make, inputs, tol = MODELS[name]
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, x = make(), inputs()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    world = 1
+    for s in shape:
+        world *= s
+    with local_world(world):
+        res = run_equivalence(ref, x, shape, names, plan=plan, overrides=overrides, steps=steps)
+    assert set(res.grad_err) == {n for n, p in ref.named_parameters()}
+    assert res.max_err() < tol, (res.max_err(), {k: v for k, v in res.grad_err.items() if v > tol})
+    return res
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama-gqa", "hf-llama"])
+@pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
+def test_megatron_sp_matches_one_device(local_world, name, shape, names):
+    res = _run(local_world, name, shape, names, "megatron", {"norm": "sequence"})
+    assert any(s.kind == "norm" and s.form == "sequence" for s in res.plan.strategies)
+
+
+def test_megatron_sp_collectives_per_layer(local_world):
+    """Each TP block: all-gather in / reduce-scatter out forward, the reverse backward (no all-reduce of
+    activations); the vocab-parallel loss keeps its 3 all-reduces; norm weights and row biases get
+    their gradients summed over the axis."""
+    res = _run(local_world, "gpt", (4,), ("tp",), "megatron", {"norm": "sequence"}, steps=1)
+    layers, cfg = 2, GPTConfig()
+    blocks = 2 * layers
+    norms = 2 * layers + 1
+    c = res.comm_counts
+    # inputs of blocks and of the LM head are gathered; block outputs and the embedding are scattered
+    assert c["all_gather.forward"] == blocks + 1 and c["reduce_scatter.forward"] == blocks + 1, c
+    assert c["reduce_scatter.backward"] == blocks + 1 and c["all_gather.backward"] == blocks + 1, c
+    assert c["all_reduce.forward"] == 3, c  # max, target logit, sum-exp of the vocab-parallel loss
+    # gradients of parameters inside the sequence-parallel region: norms (w, b) and row-parallel biases
+    assert c["all_reduce.backward"] == 2 * norms + blocks, c
+    # bytes: one all-gather of the (b, s, h) stream moves (t-1)/t of it from each rank
+    t, elems = 4, B * S * cfg.hidden
+    ag = [r for r in res.plan.comms if r.fn == "all_gather_rs" and r.module.endswith("attn.qkv")]
+    assert ag and all(r.bytes_forward == (t - 1) * elems // t * 8 for r in ag)
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-3heads", "hf-llama"])
+@pytest.mark.parametrize("shape,names,axis", [((2,), ("sp",), "sp"), ((4,), ("sp",), "sp"),
+                                              ((2, 2), ("dp", "sp"), "sp")])
+def test_ulysses_matches_one_device(local_world, name, shape, names, axis):
+    make, _, _ = MODELS[name]
+    heads = 3 if name == "gpt-3heads" else 4
+    u = shape[-1]
+    if heads % u:
+        with pytest.raises(ValueError, match=r"'ulysses'.*3 heads do not divide over"):
+            _run(local_world, name, shape, names, "dp", {"attention": f"ulysses@{axis}"})
+        return
+    res = _run(local_world, name, shape, names, "dp", {"attention": f"ulysses@{axis}"})
+    assert all(s.form == "ulysses" for s in res.plan.strategies if s.kind == "attention")
+    # tokens are split on the sequence over the Ulysses axis
+    assert all("S(1)" in p for _, p in res.plan.inputs), res.plan.inputs
+
+
+def test_ulysses_collectives_four_all_to_alls_each_way_per_layer(local_world):
+    res = _run(local_world, "gpt", (4,), ("sp",), "dp", {"attention": "ulysses@sp"}, steps=1)
+    layers = 2
+    c = res.comm_counts
+    assert c["all_to_all.forward"] == 4 * layers and c["all_to_all.backward"] == 4 * layers, c
+    # volume: q, k, v (seq -> heads) and o (heads -> seq): local buffers b*(s/u)*h each
+    u, h = 4, GPTConfig().hidden
+    a2a = [r for r in res.plan.comms if r.fn == "all_to_all"]
+    per = (u - 1) * (B * S * h // u) // u * 8
+    assert len(a2a) == 4 * layers and all(r.bytes_forward == per == r.bytes_backward for r in a2a)
+    total_fwd = sum(r.bytes_forward for r in a2a) / layers / 8
+    assert total_fwd == pytest.approx((u - 1) / u**2 * B * S * (2 * h + 2 * h))  # DESIGN.md §3 with h_kv = h
+
+
+def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=15))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 128, (2, 15), generator=g), torch.randint(0, 128, (2, 15), generator=g))
+    llama, tokens = Llama(LlamaConfig()), _tokens()
+    with local_world(2):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        with pytest.raises(ValueError, match=r"norm h\.0\.ln1: form 'sequence'.*\(15\) to divide over 2"):
+            autopar.parallelize(model, mesh, x, plan="megatron", overrides={"norm": "sequence"})
+        with pytest.raises(ValueError, match=r"'ulysses'.*sequence 15 does not divide over 2"):
+            autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ulysses"})
+        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered"):
+            autopar.parallelize(llama, mesh, tokens, plan="dp", overrides={"attention": "ulysses"})
