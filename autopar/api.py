@@ -249,8 +249,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, _agreed_seed(mesh))
     hints, modes = _sequence_hints(chosen, ctx, info)
+    zigzag = tuple(sorted({ax for m in modes.values() for ax, mode in m.items() if mode == "ring"}))
     lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes,
-                        hints=hints, attention_modes=modes)
+                        hints=hints, attention_modes=modes, zigzag_axes=zigzag)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
@@ -280,6 +281,8 @@ def _sequence_hints(chosen: Plan, ctx: PassContext, info: MeshInfo):
         elif st.kind == "attention" and st.form == "ulysses":
             modes.setdefault(site.node.name, {})[ax] = "ulysses"
             hints.setdefault(site.node.name, {})[ax] = Shard(2)  # (b, heads, s, d) back to the sequence
+        elif st.kind == "attention" and st.form == "ring":
+            modes.setdefault(site.node.name, {})[ax] = "ring"
     # Megatron SP: the row-parallel outputs of tensor-parallel blocks on a sequence-parallel axis are
     # reduce-scattered onto the sequence (before their bias), not all-reduced
     sp_axes = {st.axis for st in chosen.strategies if st.kind == "norm" and st.form == "sequence"}

@@ -25,6 +25,7 @@ class AxisRef:
     index: int
     name: str
     size: int
+    zigzag: bool = False  # a context-parallel axis: a shard of a dim is chunks r and 2p-1-r of 2p (causal balance)
 
     def __repr__(self) -> str:
         return f"{self.name}[{self.size}]"
@@ -32,7 +33,7 @@ class AxisRef:
     @property
     def key(self) -> str:
         """How graphs name the axis: a plain string (graph code must be printable Python)."""
-        key = f"{self.name}@mesh{self.mesh_id}"
+        key = f"{self.name}@mesh{self.mesh_id}" + ("~zigzag" if self.zigzag else "")
         _AXES[key] = self
         return key
 

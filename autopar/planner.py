@@ -35,8 +35,7 @@ KIND_FORMS = {
     "moe": ("replicate", "expert"),
     "norm": ("replicate", "sequence"),
 }
-NOT_YET = {("attention", "ring"): "issue #4 (ring attention / context parallel)",
-           ("moe", "expert"): "issue #5 (expert parallel)"}
+NOT_YET = {("moe", "expert"): "issue #5 (expert parallel)"}
 
 
 def _ulysses_ok(site: Site, u: int) -> str | None:
@@ -49,6 +48,19 @@ def _ulysses_ok(site: Site, u: int) -> str | None:
         return f"{kv} KV heads neither divide over nor into {u} ranks"
     if site.info["seq_len"] % u:
         return f"sequence {site.info['seq_len']} does not divide over {u} ranks"
+    return None
+
+
+def _ring_ok(site: Site, p: int) -> str | None:
+    info = site.info
+    if info["spelling"] != "sdpa":
+        return "explicit matmul-softmax-matmul attention is not lowered to a fused attention yet"
+    if info.get("has_mask"):
+        return "it takes an explicit attention mask (only is_causal or no mask is supported by ring attention)"
+    if info.get("dropout"):
+        return "attention dropout is not supported by ring attention"
+    if info["seq_len"] % (2 * p):
+        return f"sequence {info['seq_len']} does not split into 2x{p} zigzag chunks"
     return None
 
 
@@ -101,9 +113,21 @@ class _Planner:
                 self.notes.append(f"attention {site.key} not ulysses: {why}")
                 form = "replicate"
         if form == "ring":
-            raise NotImplementedError(f"attention form 'ring' is not implemented yet ({NOT_YET[('attention', 'ring')]})")
+            r = self.mesh.axis(axis).size
+            why = _ring_ok(site, r)
+            if why:
+                if forced:
+                    raise ValueError(
+                        f"attention {site.key}: form 'ring' on mesh axis {axis!r} (size {r}) is not possible: {why}. "
+                        "Fix: pad the sequence to a multiple of 2x the axis size, or use 'ulysses'/'heads'/'replicate'.")
+                self.notes.append(f"attention {site.key} not ring: {why}")
+                form = "replicate"
         self.site_form[site.key] = (form, axis if form != "replicate" else None)
         kv_sharded = form == "heads" and site.info["kv_heads"] % self.mesh.axis(axis).size == 0
+        if form in ("ulysses", "ring"):  # sequence forms: the projections stay replicated on that axis
+            for s in site.info["q"] + site.info["k"] + site.info["v"] + site.info["out"]:
+                self.linear[s.key] = ("replicate", None)
+            return
         for s in site.info["q"]:
             self.linear[s.key] = ("colwise", axis) if form == "heads" else ("replicate", None)
         for s in site.info["k"] + site.info["v"]:
@@ -394,9 +418,9 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     dp_size = 1
     for n in dp_axes:
         dp_size *= mesh.axis(n).size
-    seq_axes = sorted({a for k, (f, a) in planner.site_form.items() if f == "ulysses"})
+    seq_axes = sorted({a for k, (f, a) in planner.site_form.items() if f in ("ulysses", "ring")})
     seq_len = next((s.info["seq_len"] for s in ctx.of_kind("attention") if planner.site_form.get(s.key, ("",))[0]
-                    == "ulysses"), None)
+                    in ("ulysses", "ring")), None)
     for ph, batch in input_batch.items():
         p = [R] * len(mesh.sizes)
         if batch and batch % dp_size == 0 and dp_size > 1:

@@ -102,6 +102,12 @@ def recognise_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
             if feats % head_dim == 0:
                 kv_heads = feats // head_dim
         site = Site("attention", module_path(node) or node.name, node)
+        if spelling == "sdpa":
+            a = node.args
+            site.info.update(has_mask=len(a) > 3 and a[3] is not None,
+                             dropout=float(a[4]) if len(a) > 4 else float(node.kwargs.get("dropout_p", 0.0)),
+                             causal=bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False)),
+                             scale=a[6] if len(a) > 6 else node.kwargs.get("scale"))
         site.info.update(spelling=spelling, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=qs[2],
                          q=_linears_behind(q, linear_nodes), k=k_lin, v=_linears_behind(v, linear_nodes),
                          out=_linears_after(out, linear_nodes))

@@ -20,6 +20,7 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -61,7 +62,8 @@ class LowerContext:
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
     gather_param_axes: tuple[int, ...] = ()  # FSDP axes: parameters sharded there are gathered before use
     hints: dict = field(default_factory=dict)  # node name -> {axis index: placement} its value must take
-    attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses"}
+    attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses" | "ring"}
+    zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
     notes: list[str] = field(default_factory=list)
 
 
@@ -108,7 +110,8 @@ def _comm_elems(fn, m: int, p: int) -> tuple[float, float]:
 class _Lowerer:
     def __init__(self, gm: fx.GraphModule, ctx: LowerContext):
         self.gm, self.graph, self.ctx = gm, gm.graph, ctx
-        self.axes = ctx.mesh.axes
+        self.axes = tuple(dataclasses.replace(a, zigzag=True) if i in ctx.zigzag_axes else a
+                          for i, a in enumerate(ctx.mesh.axes))
         self.sizes = ctx.mesh.sizes
         self.all_r = (R,) * len(self.axes)
         self.pl: dict[fx.Node, object] = {}
@@ -427,6 +430,16 @@ class _Lowerer:
                 keepdim = False if t is aten.mean.default else bool(arg(node, 2, "keepdim", False))
                 node.target = O.sum_div
                 node.args, node.kwargs = (x, None if dims is None else list(red), keepdim, count), {}
+        elif t is aten.scaled_dot_product_attention.default and node.name in self.ctx.attention_modes and \
+                "ring" in self.ctx.attention_modes[node.name].values():
+            from autopar.runtime.ring_attention import ring_attention
+            ax = next(a for a, m in self.ctx.attention_modes[node.name].items() if m == "ring")
+            a = node.args
+            causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
+            scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
+            node.target = ring_attention
+            node.args = (a[0], a[1], a[2], self.axes[ax].key)
+            node.kwargs = {"causal": causal, "scale": scale}
         elif t is aten.scaled_dot_product_attention.default:
             q_heads = shape(node.args[0])[1]
             for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
@@ -475,6 +488,8 @@ def _ulysses_rule(modes: dict[int, str]):
     def rule(node, tin, ins, n, ax):
         if ax not in modes:
             return _R[node.target](node, tin, ins, n)
+        if modes[ax] == "ring":  # q, k, v stay on their (zigzag) sequence shards; K/V circulate
+            return [Shard(2), Shard(2), Shard(2)] + [R] * (len(tin) - 3), Shard(2)
         kv_heads = _shape(tin[1])[1]
         kv = Shard(1) if kv_heads % n == 0 else R  # fewer KV heads than ranks: gathered, picked per rank
         req = [Shard(1), kv, kv] + [R] * (len(tin) - 3)

@@ -125,3 +125,45 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
             autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ulysses"})
         with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered"):
             autopar.parallelize(llama, mesh, tokens, plan="dp", overrides={"attention": "ulysses"})
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt-3heads"])
+@pytest.mark.parametrize("shape,names", [((2,), ("cp",)), ((4,), ("cp",)), ((2, 2), ("dp", "cp"))])
+def test_ring_attention_matches_one_device(local_world, name, shape, names):
+    res = _run(local_world, name, shape, names, "dp", {"attention": "ring@cp"})
+    assert all(s.form == "ring" for s in res.plan.strategies if s.kind == "attention")
+    p, layers = shape[-1], 2
+    c = res.comm_counts
+    # p-1 K/V steps forward per layer; backward passes K/V and dK/dV: 2(p-1)
+    assert c["p2p.forward"] == (p - 1) * layers and c["p2p.backward"] == 2 * (p - 1) * layers, c
+
+
+@pytest.mark.parametrize("form", ["ring", "ulysses"])
+def test_sequence_forms_with_gqa_and_fewer_kv_heads_than_ranks(local_world, form):
+    MODELS["llama-sdpa-mqa"] = (lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=1, attention="sdpa")),
+                                lambda: _tokens(), 1e-10)
+    res = _run(local_world, "llama-sdpa-mqa", (4,), ("cp",), "dp", {"attention": form})
+    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
+
+
+def test_ring_not_offered_with_an_explicit_mask_or_indivisible_sequence(local_world):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=12))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 128, (2, 12), generator=g), torch.randint(0, 128, (2, 12), generator=g))
+    hf = MODELS["hf-llama"][0]()
+    with local_world(4):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+        with pytest.raises(ValueError, match=r"'ring'.*sequence 12 does not split into 2x4 zigzag chunks"):
+            autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ring"})
+    ids = dict(zip(("input_ids", "labels"), _tokens()))
+    with local_world(2):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        try:
+            pm = autopar.parallelize(hf, mesh, ids, plan="dp", overrides={"attention": "ring"})
+        except ValueError as e:
+            assert "explicit attention mask" in str(e)
+        else:  # this transformers version calls SDPA with is_causal and no mask: ring applies
+            assert all(s.form == "ring" for s in pm.plan.strategies if s.kind == "attention")

@@ -59,7 +59,7 @@ def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward
         return
     p, size = axis.size, t.element_size()
     factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
-              "reduce_scatter": (p - 1) / p, "all_to_all": (p - 1) / p}[kind]
+              "reduce_scatter": (p - 1) / p, "all_to_all": (p - 1) / p, "p2p": 1.0}[kind]
     rec = CommRecord(kind, axis.name, "backward" if backward else "forward", full_numel,
                      round(factor * full_numel * size))
     for r in _RECORDERS:
@@ -77,19 +77,35 @@ def _raw_all_reduce(x: torch.Tensor, axis: AxisRef, backward: bool = False, op: 
     return _wait(_c10d.all_reduce(x.contiguous(), op, axis.group_name))
 
 
-def _to_blocks(x: torch.Tensor, dim: int, n: int, k: int) -> torch.Tensor:
-    # (.., k*n*m, ..) in block-major order -> rank-major order: rank r's pieces of all k blocks adjacent
-    shape = list(x.shape)
-    m = shape[dim] // (k * n)
-    y = x.unflatten(dim, (k, n, m)).transpose(dim, dim + 1)
-    return y.flatten(dim, dim + 2)
+def _piece(block: torch.Tensor, dim: int, n: int, r: int, zigzag: bool) -> torch.Tensor:
+    """Rank r's piece of one block: chunk r of n, or chunks r and 2n-1-r of 2n on a zigzag axis."""
+    if zigzag:
+        chunks = block.chunk(2 * n, dim)
+        return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim)
+    return block.chunk(n, dim)[r]
 
 
-def _from_blocks(x: torch.Tensor, dim: int, n: int, k: int) -> torch.Tensor:
-    shape = list(x.shape)
-    m = shape[dim] // (k * n)
-    y = x.unflatten(dim, (n, k, m)).transpose(dim, dim + 1)
-    return y.flatten(dim, dim + 2)
+def _to_blocks(x: torch.Tensor, dim: int, n: int, k: int, zigzag: bool = False) -> torch.Tensor:
+    """Natural order -> rank-major order: rank r's pieces of all k blocks adjacent, ranks in order."""
+    if k == 1 and not zigzag:
+        return x
+    blocks = x.chunk(k, dim)
+    return torch.cat([_piece(b, dim, n, r, zigzag) for r in range(n) for b in blocks], dim)
+
+
+def _from_blocks(x: torch.Tensor, dim: int, n: int, k: int, zigzag: bool = False) -> torch.Tensor:
+    """Rank-major order (what an all-gather returns) -> natural order."""
+    if k == 1 and not zigzag:
+        return x
+    per_rank = [r.chunk(k, dim) for r in x.chunk(n, dim)]  # [rank][block]
+    out = []
+    for b in range(k):
+        if zigzag:
+            halves = [per_rank[r][b].chunk(2, dim) for r in range(n)]
+            out += [halves[j][0] if j < n else halves[2 * n - 1 - j][1] for j in range(2 * n)]
+        else:
+            out += [per_rank[r][b] for r in range(n)]
+    return torch.cat(out, dim)
 
 
 def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
@@ -97,36 +113,35 @@ def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int 
     _record("all_gather", axis, x, x.numel() * n, backward)
     y = _wait(_c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name))
     y = y.movedim(0, dim)  # (.., n*local, ..) in rank-major order
-    if split_factor > 1:
-        y = _from_blocks(y, dim, n, split_factor)
-    return y.contiguous()
+    return _from_blocks(y, dim, n, split_factor, axis.zigzag).contiguous()
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
     n = axis.size
     _record("reduce_scatter", axis, x, x.numel(), backward)
-    if split_factor > 1:
-        x = _to_blocks(x, dim, n, split_factor)
+    x = _to_blocks(x, dim, n, split_factor, axis.zigzag)
     y = _wait(_c10d.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", n, axis.group_name))
     return y.movedim(0, dim).contiguous()
 
 
 @maybe_run_for_local_tensor
-def _take_chunk(x: torch.Tensor, dim: int, n: int, index: int, split_factor: int) -> torch.Tensor:
-    if split_factor > 1:
-        blocks = x.chunk(split_factor, dim)
-        return torch.cat([b.chunk(n, dim)[index] for b in blocks], dim).contiguous()
-    return x.chunk(n, dim)[index].contiguous()
+def _take_chunk(x: torch.Tensor, dim: int, n: int, index: int, split_factor: int, zigzag: bool = False) -> torch.Tensor:
+    blocks = x.chunk(split_factor, dim) if split_factor > 1 else [x]
+    return torch.cat([_piece(b, dim, n, index, zigzag) for b in blocks], dim).contiguous()
 
 
 def _raw_split(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
     if x.shape[dim] % (axis.size * split_factor):
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} evenly over axis {axis}")
-    return _take_chunk(x, dim, axis.size, axis.local_rank(), split_factor)
+    if axis.zigzag and x.shape[dim] % (2 * axis.size * split_factor):
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into 2x{axis.size} zigzag chunks over {axis}")
+    return _take_chunk(x, dim, axis.size, axis.local_rank(), split_factor, axis.zigzag)
 
 
 def _raw_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef, backward: bool = False):
     n = axis.size
+    if axis.zigzag:
+        raise NotImplementedError(f"all-to-all over the context-parallel axis {axis} (zigzag layout) is not supported")
     _record("all_to_all", axis, x, x.numel(), backward)
     # chunks along split_dim go to ranks 0..n-1; received chunks are concatenated along cat_dim
     chunks = x.movedim(split_dim, 0).unflatten(0, (n, -1))  # (n, s/n, ...)
