@@ -219,10 +219,12 @@ class MeshCosting:
     data_axes: tuple[str, ...]
     cluster: Cluster
     optimizer: str = "adam"
+    seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
 
     @property
     def dp(self) -> int:
-        return math.prod(self.sizes[self.names.index(a)] for a in self.data_axes)
+        """Ranks the tokens of a step are split over: the batch on data axes, the sequence on sequence axes."""
+        return math.prod(self.sizes[self.names.index(a)] for a in self.data_axes + self.seq_axes)
 
     def size(self, axis: str) -> int:
         return self.sizes[self.names.index(axis)]
@@ -236,7 +238,7 @@ class MeshCosting:
     def grad_sync(self, local_param_bytes: float) -> tuple[float, float]:
         """(time, bytes sent) of reducing gradients of local parameters over every data axis."""
         t = b = 0.0
-        for a in self.data_axes:
+        for a in self.data_axes + self.seq_axes:
             p = self.size(a)
             t += self.allreduce_s(local_param_bytes, a)
             b += 2 * (p - 1) / p * local_param_bytes
@@ -249,8 +251,8 @@ class MeshCosting:
 
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     dp = mc.dp
-    t = mc.size(cand.axis) if cand.axis else 1
-    sharded = cand.form != "replicate"
+    sharded = cand.form in ("heads", "tp", "vocab")  # work split over a model axis (sequence forms: over dp)
+    t = mc.size(cand.axis) if sharded else 1
     cluster = mc.cluster
     dtype = st.compute_dtype if st.compute_dtype in cluster.peak_flops else "float32"
     flops = 3 * st.flops / dp / (t if sharded else 1)
@@ -280,6 +282,20 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
                 comm_s += collective_time_s("all_gather", int(nbytes), t, mc.link(cand.axis))
                 comm_b += (t - 1) / t * nbytes
             act = st.io_bytes / dp + (st.act_bytes - st.io_bytes) / dp / t
+    if cand.form in ("ulysses", "ring"):
+        u, link = mc.size(cand.axis), mc.link(cand.axis)
+        kv = site.info["kv_heads"] / site.info["heads"]
+        m = st.io_bytes / dp  # one (b, s/u, h) buffer on this rank
+        if cand.form == "ulysses":  # q, k, v seq->heads and o heads->seq, forward and backward
+            for nbytes in (m, m * kv, m * kv, m) * 2:
+                comm_s += collective_time_s("all_to_all", int(nbytes), u, link)
+                comm_b += (u - 1) / u * nbytes
+        else:  # ring: p-1 K/V steps forward; K/V and dK/dV (accumulated in fp32) backward
+            block = 2 * m * kv
+            for nbytes in [block] * (u - 1) + [block, 2 * block] * (u - 1):
+                comm_s += collective_time_s("p2p", int(nbytes), u, link)
+                comm_b += nbytes
+            act += 2 * block  # K/V double buffer
     local_params = st.param_bytes / (t if sharded else 1)
     gs_t, gs_b = mc.grad_sync(local_params)
     comm_s, comm_b = comm_s + gs_t, comm_b + gs_b

@@ -19,7 +19,7 @@ import itertools
 
 from autopar.mesh import MeshInfo
 from autopar.plan import Plan, Strategy
-from autopar.spec import R, Placement, Shard, fmt_placements
+from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
 from passes import attention as attention_form
 from passes import embedding as embedding_form
 from passes import linear as linear_form
@@ -372,8 +372,9 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         model_axes = {c.axis for c in forced.values() if c.axis}
         options = [tuple(c) for r in range(len(mesh.names) + 1) for c in itertools.combinations(mesh.names, r)
                    if not model_axes & set(c)]
+        batch = max(input_batch.values(), default=0)
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit, forced=forced, optimizer=optimizer,
-                             data_axes_options=options)
+                             data_axes_options=options, batch=batch)
         for site in ilp.sites_for_planning(ctx):
             cand = solution.choices[site.key]
             planner.set_form(site, cand.form, cand.axis, True)
@@ -441,7 +442,9 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
             if s.kind == "linear":
                 form, axis = "replicate", None  # lone linears are priced replicated
             choices[s.key] = Candidate(form=form, axis=axis, fsdp=s.key in fsdp_sites)
-        solution = ilp.evaluate(ctx, mesh, clus, choices, tuple(dp_axes), optimizer)
+        batched = any(set(placements_from_str(p)) & {Shard(0)} for p in inputs.values())
+        solution = ilp.evaluate(ctx, mesh, clus, choices, tuple(dp_axes) if batched else (), optimizer,
+                                tuple(seq_axes))
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
     solver_note = ""
     if name == "auto":

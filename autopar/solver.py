@@ -64,6 +64,7 @@ class Solution:
     solve_s: float
     classes: int
     per_site: dict[str, Cost] = field(default_factory=dict)
+    seq_axes: tuple[str, ...] = ()
 
 
 def sites_for_planning(ctx: PassContext) -> list[Site]:
@@ -116,13 +117,19 @@ def _form_ok(site: Site, form: str, t: int) -> bool:
 FORM_OF = {"attention": "heads", "mlp": "tp", "embedding": "vocab", "loss": "vocab"}
 
 
-def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None) -> list[Candidate]:
-    model_axes = [n for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and s > 1]
+def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None,
+                seq_axes=()) -> list[Candidate]:
+    model_axes = [n for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes and s > 1]
     dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
     forms = [("replicate", None)]
     form = FORM_OF.get(site.kind)
     if form:
         forms += [(form, a) for a in model_axes if _form_ok(site, form, mesh.sizes[mesh.names.index(a)])]
+    if seq_axes and site.kind == "attention":  # the sequence is split: attention must be a sequence form
+        from autopar.planner import _ring_ok, _ulysses_ok
+        (q,) = seq_axes
+        u = mesh.sizes[mesh.names.index(q)]
+        forms = [(f, q) for f, ok in (("ulysses", _ulysses_ok), ("ring", _ring_ok)) if ok(site, u) is None]
     out = []
     for f, a in forms:
         t = mesh.sizes[mesh.names.index(a)] if a else 1
@@ -147,9 +154,29 @@ def _tied_pairs(ctx: PassContext, sites: list[Site]) -> list[tuple[Site, Site]]:
     return pairs
 
 
+def _role_options(ctx: PassContext, mesh: MeshInfo, batch: int, data_axes_options):
+    """(data axes, sequence axes) pairs: every split of the axes into data / model / (at most one) sequence
+    axis that the batch and the model admit."""
+    axes = [n for n, s in zip(mesh.names, mesh.sizes) if s > 1]
+    has_attention = bool(ctx.of_kind("attention"))
+    out = []
+    for roles in itertools.product(("data", "model", "seq"), repeat=len(axes)):
+        data = tuple(a for a, r in zip(axes, roles) if r == "data")
+        seq = tuple(a for a, r in zip(axes, roles) if r == "seq")
+        if len(seq) > 1 or (seq and not has_attention):
+            continue
+        if data_axes_options is not None and data not in data_axes_options:
+            continue
+        size = math.prod(mesh.sizes[mesh.names.index(a)] for a in data)
+        if batch and batch % size:
+            continue
+        out.append((data, seq))
+    return out
+
+
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
-          time_limit_s: float = 10.0, data_axes_options=None) -> Solution:
+          time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0) -> Solution:
     """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs)."""
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
@@ -159,16 +186,18 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     tied = {s.key for p in pairs for s in p}
     classes = _classes(sites, tied)
     forced = forced or {}
-    options = data_axes_options or [tuple(c) for r in range(len(mesh.names) + 1)
-                                    for c in itertools.combinations(mesh.names, r)]
+    options = _role_options(ctx, mesh, batch, data_axes_options)
     best: Solution | None = None
     least_memory = math.inf
-    for data_axes in options:
+    for data_axes, seq_axes in options:
         mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
-                         optimizer=optimizer)
+                         optimizer=optimizer, seq_axes=tuple(seq_axes))
         try:
-            cands = [_candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key)) for cls in classes]
+            cands = [_candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key), seq_axes)
+                     for cls in classes]
         except ValueError:
+            continue
+        if any(not cs for cs in cands):
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
@@ -177,6 +206,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         if sol is None:
             continue
         sol.data_axes = tuple(data_axes)
+        sol.seq_axes = tuple(seq_axes)
         if best is None or sol.time_s < best.time_s - 1e-12:
             best = sol
     if best is None:
@@ -237,11 +267,11 @@ def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
-             data_axes: tuple[str, ...], optimizer: str = "adam") -> Solution:
+             data_axes: tuple[str, ...], optimizer: str = "adam", seq_axes: tuple[str, ...] = ()) -> Solution:
     """The cost of a given assignment (a hand plan) under the same model the ILP optimises."""
     stats, other, _ = gather_stats(ctx)
     mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
-                     optimizer=optimizer)
+                     optimizer=optimizer, seq_axes=tuple(seq_axes))
     base = other_cost(other, mc)
     per_site = {}
     for site in sites_for_planning(ctx):
