@@ -99,8 +99,8 @@ def test_overrides_unknown_key_form_and_not_yet_implemented(world4):
             autopar.parallelize(model, mesh, inputs, overrides={"decoder.*": "replicate"})
         with pytest.raises(ValueError, match=r"unknown form 'diagonal'.*replicate, colwise, rowwise"):
             autopar.parallelize(model, mesh, inputs, overrides={"linear": "diagonal"})
-        with pytest.raises(NotImplementedError, match=r"'ring' is not implemented yet.*#4"):
-            autopar.parallelize(model, mesh, inputs, overrides={"attention": "ring"})
+        with pytest.raises(NotImplementedError, match=r"'expert' is not implemented yet.*#5"):
+            autopar.parallelize(model, mesh, inputs, overrides={"moe": "expert"})
         with pytest.raises(ValueError, match=r"axis 'dp' does not exist.*\('tp',\)"):
             autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@dp"})
         with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 0\.00 GiB.*least memory any plan needs is "
