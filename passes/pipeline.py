@@ -6,6 +6,7 @@ from torch import fx
 
 from passes.attention import recognise_attention_pass
 from passes.embedding import recognise_embedding_pass
+from passes.fuse_attention import fuse_attention_pass
 from passes.linear import recognise_linear_pass
 from passes.loss import recognise_loss_pass
 from passes.mlp import recognise_mlp_pass
@@ -13,6 +14,7 @@ from passes.norm import recognise_norm_pass
 
 # recognition: each pass adds Sites to the PassContext; none mutates the graph
 RECOGNISE = [
+    fuse_attention_pass,  # the one rewrite: explicit attention -> SDPA (flash memory; every attention form applies)
     recognise_linear_pass,
     recognise_embedding_pass,
     recognise_attention_pass,

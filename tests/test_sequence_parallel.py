@@ -115,7 +115,11 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
     model = GPT(GPTConfig(seq_len=15))
     g = torch.Generator().manual_seed(0)
     x = (torch.randint(0, 128, (2, 15), generator=g), torch.randint(0, 128, (2, 15), generator=g))
-    llama, tokens = Llama(LlamaConfig()), _tokens()
+    torch.set_default_dtype(torch.float64)  # the explicit softmax runs in fp32: a downcast, so it stays unfused
+    try:
+        llama, tokens = Llama(LlamaConfig()), _tokens()
+    finally:
+        torch.set_default_dtype(torch.float32)
     with local_world(2):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -123,7 +127,7 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
             autopar.parallelize(model, mesh, x, plan="megatron", overrides={"norm": "sequence"})
         with pytest.raises(ValueError, match=r"'ulysses'.*sequence 15 does not divide over 2"):
             autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ulysses"})
-        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered"):
+        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered to a fused"):
             autopar.parallelize(llama, mesh, tokens, plan="dp", overrides={"attention": "ulysses"})
 
 
@@ -167,3 +171,21 @@ def test_ring_not_offered_with_an_explicit_mask_or_indivisible_sequence(local_wo
             assert "explicit attention mask" in str(e)
         else:  # this transformers version calls SDPA with is_causal and no mask: ring applies
             assert all(s.form == "ring" for s in pm.plan.strategies if s.kind == "attention")
+
+
+@pytest.mark.parametrize("form", ["ulysses", "ring"])
+def test_explicit_attention_is_fused_and_takes_sequence_forms(local_world, form):
+    """Llama's matmul / causal masked_fill / softmax / matmul becomes one SDPA node (fp32 model: no
+    precision is lost by fusing), so Ulysses and ring attention apply to it."""
+    from autopar.api import _prepare
+    torch.manual_seed(0)
+    ref, x = Llama(LlamaConfig(num_heads=4, num_kv_heads=2)), _tokens()
+    _, captured, ctx = _prepare(ref, {"cp": 2}, x, None)
+    targets = [n.target for n in captured.gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.scaled_dot_product_attention.default) == 2
+    assert torch.ops.aten.softmax.int not in targets
+    assert all(s.info["spelling"] == "sdpa" and s.info["causal"] for s in ctx.of_kind("attention"))
+    with local_world(2):
+        res = run_equivalence(ref, x, (2,), ("cp",), plan="dp", overrides={"attention": form}, steps=2)
+    assert res.max_err() < 1e-5, res.max_err()
+    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")

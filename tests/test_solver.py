@@ -79,9 +79,10 @@ def test_auto_is_never_worse_than_any_hand_plan(cluster):
 def test_auto_uses_tensor_parallel_when_it_pays_and_not_on_a_tiny_model():
     model, inputs = _meta_llama(layers=2, hidden=4096, heads=32, kv=8, ffn=14336, vocab=128256, seq=4096, batch=8)
     big = autopar.plan(model, {"dp": 8, "tp": 8}, inputs, cluster="h100")
-    forms = {s.kind: s.form for s in big.strategies}
-    assert forms["attention"] == "heads" and forms["mlp"] == "tp", big
+    assert any(s.form in ("heads", "tp") for s in big.strategies), big
     assert big.estimate.fits
+    hand = autopar.plan(model, {"dp": 8, "tp": 8}, inputs, cluster="h100", plan="megatron")
+    assert big.estimate.step_time_s <= hand.estimate.step_time_s
     tiny, tiny_inputs = _meta_gpt(layers=1, hidden=32, heads=4, vocab=128, seq=16, batch=8)
     small = autopar.plan(tiny, {"tp": 4}, tiny_inputs, cluster="cpu")
     assert all(s.form == "replicate" for s in small.strategies), small
