@@ -251,7 +251,9 @@ class MeshCosting:
 
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     dp = mc.dp
-    sharded = cand.form in ("heads", "tp", "vocab")  # work split over a model axis (sequence forms: over dp)
+    # work split over a model axis (heads/tp/vocab; a sequence-parallel norm runs on s/t tokens);
+    # Ulysses / ring split over a sequence axis, already in dp
+    sharded = cand.form in ("heads", "tp", "vocab", "sequence")
     t = mc.size(cand.axis) if sharded else 1
     cluster = mc.cluster
     dtype = st.compute_dtype if st.compute_dtype in cluster.peak_flops else "float32"
@@ -296,7 +298,10 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
                 comm_s += collective_time_s("p2p", int(nbytes), u, link)
                 comm_b += nbytes
             act += 2 * block  # K/V double buffer
-    local_params = st.param_bytes / (t if sharded else 1)
+    if cand.form == "sequence":  # norm weights stay replicated; their partial gradients are summed over t
+        ar(st.param_bytes)
+        act = st.act_bytes / dp / t  # the norm and its residual stream hold s/t tokens
+    local_params = st.param_bytes / (t if sharded and cand.form != "sequence" else 1)
     gs_t, gs_b = mc.grad_sync(local_params)
     comm_s, comm_b = comm_s + gs_t, comm_b + gs_b
     state = local_params * mc.state_factor() / (dp if cand.fsdp else 1)

@@ -111,10 +111,12 @@ def _form_ok(site: Site, form: str, t: int) -> bool:
         return info["vocab"] % t == 0
     if form == "vocab" and site.kind == "loss":
         return bool(info["vocab_ok"] and info["head"] and info["vocab"] % t == 0)
+    if form == "sequence":
+        return info["seq_len"] % t == 0
     return False
 
 
-FORM_OF = {"attention": "heads", "mlp": "tp", "embedding": "vocab", "loss": "vocab"}
+FORM_OF = {"attention": "heads", "mlp": "tp", "embedding": "vocab", "loss": "vocab", "norm": "sequence"}
 
 
 def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None,
@@ -232,6 +234,18 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
                       sum(v for v, c in zip(x[kb], cands[kb]) if c.axis == axis))
         model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.fsdp) ==
                   sum(v for v, c in zip(x[kb], cands[kb]) if c.fsdp))
+    # Megatron SP: a norm is sequence-parallel on an axis only if every block there is tensor parallel on it
+    # (x[norm, sequence@a] <= x[block, heads|tp@a] for every attention / MLP class)
+    for kn, (cls_n, cs_n) in enumerate(zip(classes, cands)):
+        if cls_n[0].kind != "norm":
+            continue
+        for i, c in enumerate(cs_n):
+            if c.form != "sequence":
+                continue
+            for kb, (cls_b, cs_b) in enumerate(zip(classes, cands)):
+                if cls_b[0].kind in ("attention", "mlp"):
+                    model.Add(x[kn][i] <= sum(v for v, cb in zip(x[kb], cs_b)
+                                              if cb.form in ("heads", "tp") and cb.axis == c.axis))
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))

@@ -143,3 +143,19 @@ if __name__ == "__main__":
             out[f"{name}/{cluster}"] = _golden_entry(autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster=cluster))
     GOLDEN.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}")
+
+
+def test_sequence_parallel_is_chosen_when_memory_needs_it_and_only_with_tp_blocks():
+    model, inputs = _meta_llama(layers=2, hidden=2048, heads=16, kv=8, ffn=5632, vocab=32000, seq=8192, batch=1)
+    mesh = {"tp": 8}
+    tp = autopar.plan(model, mesh, inputs, plan="megatron", cluster="h100", memory_limit=2**40)
+    sp = autopar.plan(model, mesh, inputs, plan="megatron", cluster="h100", memory_limit=2**40,
+                      overrides={"norm": "sequence"})
+    assert sp.estimate.memory_bytes_per_device < tp.estimate.memory_bytes_per_device
+    limit = (tp.estimate.memory_bytes_per_device + sp.estimate.memory_bytes_per_device) / 2
+    auto = autopar.plan(model, mesh, inputs, cluster="h100", memory_limit=limit)
+    assert auto.estimate.fits
+    norms = [s for s in auto.strategies if s.kind == "norm" and s.form == "sequence"]
+    for n in norms:  # the ILP's coupling: sequence-parallel norms only around tensor-parallel blocks
+        assert all(s.form in ("heads", "tp") and s.axis == n.axis
+                   for s in auto.strategies if s.kind in ("attention", "mlp")), auto
