@@ -87,29 +87,11 @@ def _bytes(v) -> float:
 
 
 def site_nodes(site: Site) -> list[fx.Node]:
-    nodes = [site.node]
-    if site.kind == "attention":
-        for role in ("q", "k", "v", "out"):
-            nodes += [s.node for s in site.info[role]]
-    elif site.kind == "mlp":
-        nodes += [s.node for s in site.info["col"] + site.info["row"]]
-    elif site.kind == "loss":
-        nodes += [s.node for s in site.info["head"]]
-    return list(dict.fromkeys(nodes))
+    return list(dict.fromkeys([site.node] + [m.node for m in site.members()]))
 
 
 def _params(site: Site) -> set[str]:
-    names = set(site.params.values())
-    members = []
-    if site.kind == "attention":
-        members = site.info["q"] + site.info["k"] + site.info["v"] + site.info["out"]
-    elif site.kind == "mlp":
-        members = site.info["col"] + site.info["row"]
-    elif site.kind == "loss":
-        members = site.info["head"]
-    for m in members:
-        names.update(m.params.values())
-    return names
+    return site.all_params()
 
 
 def _between(site: Site) -> list[fx.Node]:
@@ -149,10 +131,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     covered_nodes: set[fx.Node] = set()
     owned: set[str] = set()
     sites = [s for s in ctx.sites if s.kind != "linear"]
-    covered_linears = set()
-    for s in sites:
-        for role in ("q", "k", "v", "out", "col", "row", "head"):
-            covered_linears.update(x.key for x in s.info.get(role, []))
+    covered_linears = {m.key for s in sites for m in s.members()}
     sites += [s for s in ctx.of_kind("linear") if s.key not in covered_linears]
     outputs = set(gm.graph.output_node().all_input_nodes)
     for site in sites:

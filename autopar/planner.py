@@ -276,13 +276,7 @@ class _Planner:
             if site.kind == "linear":
                 continue
             form, axis = self.site_form.get(site.key, ("replicate", None))
-            members = []
-            if site.kind == "attention":
-                members = site.info["q"] + site.info["k"] + site.info["v"] + site.info["out"]
-            elif site.kind == "mlp":
-                members = site.info["col"] + site.info["row"]
-            elif site.kind == "loss":
-                members = site.info["head"]
+            members = site.members()
             own = dict(site.params)
             for m in members:
                 covered.add(m.key)

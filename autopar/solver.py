@@ -69,10 +69,7 @@ class Solution:
 
 def sites_for_planning(ctx: PassContext) -> list[Site]:
     composite = [s for s in ctx.sites if s.kind != "linear"]
-    covered = set()
-    for s in composite:
-        for role in ("q", "k", "v", "out", "col", "row", "head"):
-            covered.update(x.key for x in s.info.get(role, []))
+    covered = {m.key for s in composite for m in s.members()}
     return composite + [s for s in ctx.of_kind("linear") if s.key not in covered]
 
 

@@ -19,6 +19,25 @@ class Site:
     params: dict[str, str] = field(default_factory=dict)  # role ("weight", "bias") -> parameter placeholder
     info: dict = field(default_factory=dict)
 
+    MEMBER_ROLES = ("q", "k", "v", "out", "col", "row", "head")
+
+    def members(self) -> list["Site"]:
+        """The linear sites a composite structure covers (attention's q/k/v/out, an MLP's layers, a
+        loss's LM head), each once."""
+        out: list[Site] = []
+        for role in self.MEMBER_ROLES:
+            for m in self.info.get(role, []):
+                if all(m is not o for o in out):
+                    out.append(m)
+        return out
+
+    def all_params(self) -> set[str]:
+        """Parameter placeholders of the structure and of its member layers."""
+        names = set(self.params.values())
+        for m in self.members():
+            names.update(m.params.values())
+        return names
+
 
 @dataclass
 class PassContext:

@@ -13,12 +13,7 @@ import autopar
 from equivalence import run_equivalence
 
 
-def _fake_world(world: int) -> None:
-    if dist.is_initialized() and dist.get_world_size() == world and dist.get_backend() == "fake":
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world)
+from conftest import set_fake_world as _fake_world
 
 
 class Branchy(nn.Module):

@@ -15,12 +15,7 @@ import autopar
 from autopar.models import GPT, GPTConfig, MLP
 
 
-def _fake_world(world: int) -> None:
-    if dist.is_initialized() and dist.get_world_size() == world and dist.get_backend() == "fake":
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world)
+from conftest import set_fake_world as _fake_world
 
 
 @pytest.fixture

@@ -14,12 +14,7 @@ from autopar.models import GPT, GPTConfig
 from autopar.runtime.ops import new_rng_stream, parallel_dropout
 
 
-def _fake_world(world: int) -> None:
-    if dist.is_initialized() and dist.get_world_size() == world and dist.get_backend() == "fake":
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=0, world_size=world)
+from conftest import set_fake_world as _fake_world
 
 
 def test_dropout_masks_match_on_replicas_and_differ_across_shards():
