@@ -106,6 +106,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     attention: str = "explicit"  # "explicit" (matmul, causal mask, softmax, matmul) or "sdpa" (GQA via enable_gqa)
+    causal: bool = True  # False: bidirectional attention (sdpa spelling only)
 
 
 class RMSNorm(nn.Module):
@@ -135,6 +136,7 @@ class LlamaAttention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.num_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.hidden, bias=False)
         self.spelling = cfg.attention
+        self.causal = cfg.causal
 
     def forward(self, x, cos, sin):
         b, s, _ = x.shape
@@ -144,7 +146,7 @@ class LlamaAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if self.spelling == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
             return self.wo(y.transpose(1, 2).reshape(b, s, -1))
         rep = self.num_heads // self.num_kv_heads
         k = k[:, :, None].expand(b, self.num_kv_heads, rep, s, self.head_dim).reshape(b, self.num_heads, s, self.head_dim)

@@ -189,3 +189,12 @@ def test_explicit_attention_is_fused_and_takes_sequence_forms(local_world, form)
         res = run_equivalence(ref, x, (2,), ("cp",), plan="dp", overrides={"attention": form}, steps=2)
     assert res.max_err() < 1e-5, res.max_err()
     assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
+
+
+@pytest.mark.parametrize("form", ["ring", "ulysses"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_sequence_forms_non_causal(local_world, form, p):
+    MODELS["llama-sdpa-bidirectional"] = (
+        lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=2, attention="sdpa", causal=False)), lambda: _tokens(), 1e-10)
+    res = _run(local_world, "llama-sdpa-bidirectional", (p,), ("cp",), "dp", {"attention": form})
+    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
