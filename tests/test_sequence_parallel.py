@@ -64,6 +64,7 @@ def test_megatron_sp_collectives_per_layer(local_world):
     their gradients summed over the axis."""
     res = _run(local_world, "gpt", (4,), ("tp",), "megatron", {"norm": "sequence"}, steps=1)
     layers, cfg = 2, GPTConfig()
+    t = 4
     blocks = 2 * layers
     norms = 2 * layers + 1
     c = res.comm_counts
@@ -71,10 +72,14 @@ def test_megatron_sp_collectives_per_layer(local_world):
     assert c["all_gather.forward"] == blocks + 1 and c["reduce_scatter.forward"] == blocks + 1, c
     assert c["reduce_scatter.backward"] == blocks + 1 and c["all_gather.backward"] == blocks + 1, c
     assert c["all_reduce.forward"] == 3, c  # max, target logit, sum-exp of the vocab-parallel loss
-    # gradients of parameters inside the sequence-parallel region: norms (w, b) and row-parallel biases
-    assert c["all_reduce.backward"] == 2 * norms + blocks, c
+    # gradients of parameters inside the sequence-parallel region (norms' w, b and row-parallel biases),
+    # summed over the axis in one bucket
+    assert c["all_reduce.backward"] == 1, c
+    bucket = [r for r in res.plan.comms if r.fn == "grad_sync_bucket"]
+    assert len(bucket) == 1 and bucket[0].axis == "tp"
+    assert bucket[0].bytes_backward == pytest.approx(2 * (t - 1) / t * (2 * norms + blocks) * cfg.hidden * 8, abs=32)
     # bytes: one all-gather of the (b, s, h) stream moves (t-1)/t of it from each rank
-    t, elems = 4, B * S * cfg.hidden
+    elems = B * S * cfg.hidden
     ag = [r for r in res.plan.comms if r.fn == "all_gather_rs" and r.module.endswith("attn.qkv")]
     assert ag and all(r.bytes_forward == (t - 1) * elems // t * 8 for r in ag)
 

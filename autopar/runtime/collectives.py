@@ -263,6 +263,32 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> 
     return _AllToAll.apply(x, split_dim, cat_dim, resolve_axis(axis))
 
 
+class _GradSyncBucket(torch.autograd.Function):
+    """Identity on several tensors; backward all-reduces all their gradients in one flat buffer."""
+
+    @staticmethod
+    def forward(ctx, axis, *xs):
+        ctx.axis = axis
+        ctx.shapes = [(x.shape, x.dtype) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads, ctx.shapes)]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _raw_all_reduce(flat, ctx.axis, backward=True)
+        out, i = [], 0
+        for g in grads:
+            out.append(flat[i:i + g.numel()].view_as(g))
+            i += g.numel()
+        return (None, *out)
+
+
+def grad_sync_bucket(xs: tuple, axis: AxisRef) -> tuple:
+    """Data-parallel gradient reduction of many parameters as one all-reduce (a DDP bucket)."""
+    return _GradSyncBucket.apply(resolve_axis(axis), *xs)
+
+
 # What each graph-callable collective moves, forward and backward (used to count and price them).
 COLLECTIVES: dict[object, tuple[str, str]] = {
     all_reduce: ("all_reduce", "-"),
@@ -272,4 +298,5 @@ COLLECTIVES: dict[object, tuple[str, str]] = {
     split: ("-", "all_gather"),
     reduce_scatter: ("reduce_scatter", "all_gather"),
     all_to_all: ("all_to_all", "all_to_all"),
+    grad_sync_bucket: ("-", "all_reduce"),
 }
