@@ -250,8 +250,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     new_rng_stream(stream, _agreed_seed(mesh))
     hints, modes = _sequence_hints(chosen, ctx, info)
     zigzag = tuple(sorted({ax for m in modes.values() for ax, mode in m.items() if mode == "ring"}))
+    sites = {s.key: s for s in ctx.sites}
+    moe_axes = {sites[st.key].node.name: info.names.index(st.axis) for st in chosen.strategies
+                if st.kind == "moe" and st.form == "expert" and st.key in sites}
     lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes,
-                        hints=hints, attention_modes=modes, zigzag_axes=zigzag)
+                        hints=hints, attention_modes=modes, zigzag_axes=zigzag, moe_axes=moe_axes)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):

@@ -113,10 +113,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from autopar.runtime import opaque
+    from passes.moe import canonical_forwards, recognise_moe_modules
+    moe_notes: list[str] = []
+    with _no_kv_cache(model):
+        moe = recognise_moe_modules(model, args, kwargs, moe_notes)
     keys: dict[str, str] = {}  # module path -> opaque key
     while True:
         try:
-            with _no_kv_cache(model), _opaque_forwards(model, keys):
+            with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe):
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
@@ -175,6 +179,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))
     notes = [f"{path} captured as one opaque node, replicated on every rank: it is not traceable "
-             f"({opaque.describe(k).reason})" for path, k in keys.items()]
+             f"({opaque.describe(k).reason})" for path, k in keys.items()] + moe_notes
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
                     ep.call_spec.out_spec, num_out, shapes, notes)

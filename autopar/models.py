@@ -107,6 +107,11 @@ class LlamaConfig:
     norm_eps: float = 1e-6
     attention: str = "explicit"  # "explicit" (matmul, causal mask, softmax, matmul) or "sdpa" (GQA via enable_gqa)
     causal: bool = True  # False: bidirectional attention (sdpa spelling only)
+    moe_experts: int = 0  # > 0: every MLP is a mixture of this many experts
+    moe_top_k: int = 2
+    moe_style: str = "modulelist"  # "modulelist" (Python loop over nn.ModuleList) or "grouped" (stacked weights)
+    moe_aux_coef: float = 0.01  # load-balancing loss weight ("modulelist" returns it; "grouped" is aux-free)
+    moe_capacity_factor: float | None = None  # "modulelist" only: drop assignments beyond capacity
 
 
 class RMSNorm(nn.Module):
@@ -169,17 +174,96 @@ class LlamaMLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class MoEBlock(nn.Module):
+    """Mixture of experts, the classic way: a router, an `nn.ModuleList` of SwiGLU experts and a Python
+    loop that skips experts no token chose (data-dependent: it cannot be traced). Softmax, top-k,
+    weights renormalised; returns `(y, aux)` with the Switch load-balancing loss. With a capacity
+    factor, expert e keeps its first `ceil(cf * T * k / E)` assignments in (token, choice) order."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.top_k, self.num_experts = cfg.moe_top_k, cfg.moe_experts
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.router = nn.Linear(cfg.hidden, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(LlamaMLP(cfg) for _ in range(cfg.moe_experts))
+
+    def forward(self, x):
+        b, s, h = x.shape
+        xf = x.reshape(-1, h)
+        probs = torch.softmax(self.router(xf), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        w = w / w.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(xf)
+        cap = None if self.capacity_factor is None else \
+            math.ceil(self.capacity_factor * xf.shape[0] * self.top_k / self.num_experts)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(idx == e)
+            if cap is not None:
+                token, slot = token[:cap], slot[:cap]
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(xf[token]) * w[token, slot, None])
+        frac = F.one_hot(idx, self.num_experts).to(probs.dtype).sum(1).mean(0)
+        aux = self.num_experts * (frac * probs.mean(0)).sum() / self.top_k
+        return out.reshape(b, s, h), aux
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan-style experts: weights stacked on a leading expert dim, tokens arrive sorted by expert."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        E, f, h = cfg.moe_experts, cfg.ffn_hidden, cfg.hidden
+        self.w1 = nn.Parameter(torch.randn(E, f, h) / math.sqrt(h))
+        self.w2 = nn.Parameter(torch.randn(E, h, f) / math.sqrt(f))
+        self.w3 = nn.Parameter(torch.randn(E, f, h) / math.sqrt(h))
+
+    def forward(self, x, num_tokens_per_expert):
+        outs = []
+        for e, part in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            outs.append((F.silu(part @ self.w1[e].T) * (part @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs, dim=0)
+
+
+class GroupedMoE(nn.Module):
+    """Router (top-k of the logits, softmax over the k), tokens sorted by expert, `GroupedExperts`;
+    auxiliary-loss-free (returns y only)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.top_k = cfg.moe_top_k
+        self.router = nn.Linear(cfg.hidden, cfg.moe_experts, bias=False)
+        self.experts = GroupedExperts(cfg)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        xf = x.reshape(-1, h)
+        top, idx = torch.topk(self.router(xf), self.top_k, dim=-1)
+        w = torch.softmax(top, dim=-1)
+        order = torch.argsort(idx.reshape(-1), stable=True)
+        counts = torch.bincount(idx.reshape(-1), minlength=self.experts.w1.shape[0])
+        token = order // self.top_k
+        y = self.experts(xf[token], counts) * w.reshape(-1)[order, None]
+        return torch.zeros_like(xf).index_add(0, token, y).reshape(b, s, h)
+
+
 class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        if cfg.moe_experts:
+            self.mlp = MoEBlock(cfg) if cfg.moe_style == "modulelist" else GroupedMoE(cfg)
+        else:
+            self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
-        return x + self.mlp(self.mlp_norm(x))
+        out = self.mlp(self.mlp_norm(x))
+        if isinstance(out, tuple):  # (y, load-balancing loss)
+            return x + out[0], out[1]
+        return x + out, None
 
 
 class Llama(nn.Module):
@@ -200,15 +284,21 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed(tokens)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        aux = []
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x, a = layer(x, cos, sin)
+            if a is not None:
+                aux.append(a)
         logits = self.output(self.norm(x))
         if labels is None:
             return logits
         logits = logits.flatten(0, 1)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the loss is computed in fp32
-        return F.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+        if aux:
+            loss = loss + self.cfg.moe_aux_coef * sum(aux)
+        return loss
 
 
 class MLP(nn.Module):

@@ -35,7 +35,7 @@ KIND_FORMS = {
     "moe": ("replicate", "expert"),
     "norm": ("replicate", "sequence"),
 }
-NOT_YET = {("moe", "expert"): "issue #5 (expert parallel)"}
+NOT_YET: dict[tuple[str, str], str] = {}
 
 
 def _ulysses_ok(site: Site, u: int) -> str | None:
@@ -150,7 +150,16 @@ class _Planner:
         self.site_form[site.key] = (form, axis if form != "replicate" else None)
 
     def set_moe(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
-        raise NotImplementedError(f"moe form {form!r} is not implemented yet ({NOT_YET[('moe', 'expert')]})")
+        if form == "expert":
+            ep, E = self.mesh.axis(axis).size, site.info["num_experts"]
+            if E % ep:
+                if forced:
+                    raise ValueError(f"moe {site.key}: form 'expert' on mesh axis {axis!r} (size {ep}) is not possible: "
+                                     f"{E} experts do not divide over {ep} ranks. Fix: use an axis whose size divides "
+                                     f"the expert count, or 'replicate'.")
+                self.notes.append(f"moe {site.key} replicated: {E} experts % {ep} != 0")
+                form = "replicate"
+        self.site_form[site.key] = (form, axis if form != "replicate" else None)
 
     def set_mlp(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
         if form == "tp":
@@ -266,6 +275,11 @@ class _Planner:
             w = site.params["weight"]
             if form == "vocab":
                 assign(w, axis, Shard(0), f"embedding {site.key} (vocab)")
+        for site in ctx.of_kind("moe"):
+            form, axis = self.site_form.get(site.key, ("replicate", None))
+            if form == "expert" and site.info["stacked"]:  # ModuleList experts are stacked, then split, in the graph
+                for ph in site.params.values():
+                    assign(ph, axis, Shard(0), f"moe {site.key} (expert)")
         return pls
 
     def strategies(self, pls) -> list[Strategy]:
@@ -395,7 +409,9 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         for site, form, axis in parsed:
             planner.set_form(site, form, axis, True)
         planner.tie_embeddings({s.key for s, _, _ in parsed})
-        used = {a for f, a in planner.site_form.values() if a} | {a for f, a in planner.linear.values() if a}
+        # an expert axis stays a data axis: tokens sharded there are dispatched by all-to-all (EP within DP)
+        used = {a for f, a in planner.site_form.values() if a and f != "expert"} | \
+            {a for f, a in planner.linear.values() if a}
         dp_axes = [a for a in dp_axes if a not in used]
         if name == "fsdp":
             fsdp_sites = {s.key for s in ctx.sites} | {"(other)"}

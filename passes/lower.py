@@ -64,6 +64,7 @@ class LowerContext:
     hints: dict = field(default_factory=dict)  # node name -> {axis index: placement} its value must take
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses" | "ring"}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
+    moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
     notes: list[str] = field(default_factory=list)
 
 
@@ -291,6 +292,8 @@ class _Lowerer:
             rule.wants_axis = True
         elif node.name in self.ctx.attention_modes:
             rule = _ulysses_rule(self.ctx.attention_modes[node.name])
+        elif node.name in self.ctx.moe_axes:
+            rule = _moe_rule(self.ctx.moe_axes[node.name])
         if rule is None:
             rule = replicate_rule
             if any(p != R for t in tin for p in self.pl[t]) and node.target is not torch.ops.autopar.opaque.default:
@@ -414,6 +417,18 @@ class _Lowerer:
                 self._dropout_count += 1
         elif t is aten.cross_entropy_loss.default:
             self._localize_cross_entropy(node, reqs, out)
+        elif t is torch.ops.autopar.moe_experts.default:
+            from autopar.runtime.moe import moe_experts
+            key, x, idx, w, params = node.args
+            ep = self.ctx.moe_axes.get(node.name)
+            mode, axis = "local", None
+            if ep is not None:
+                axis = self.axes[ep].key
+                mode = "partial" if isinstance(out[ep], Partial) else "a2a"
+            token_axes = tuple(self.axes[ax].key for ax in self._sharded_axes(reqs[0], [0]))
+            node.target = moe_experts
+            node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
+            node.kwargs = {}
         elif t is aten.mse_loss.default:
             batch_axes = self._sharded_axes(reqs[0])
             if batch_axes:
@@ -494,6 +509,25 @@ def _ulysses_rule(modes: dict[int, str]):
         kv = Shard(1) if kv_heads % n == 0 else R  # fewer KV heads than ranks: gathered, picked per rank
         req = [Shard(1), kv, kv] + [R] * (len(tin) - 3)
         return req, Shard(1)
+
+    rule.wants_axis = True
+    return rule
+
+
+def _moe_rule(ep: int):
+    """MoE experts with experts sharded on mesh axis `ep` (S(0) of every stacked parameter): tokens
+    sharded there are dispatched by all-to-all (output sharded like them); replicated tokens run on
+    this rank's experts only (output Partial)."""
+    from passes.rules import RULES as _R
+
+    def rule(node, tin, ins, n, ax):
+        if ax != ep:
+            return _R[node.target](node, tin, ins, n)
+        x = ins[0]
+        experts = [Shard(0)] * (len(tin) - 3)
+        if is_shard(x) and x.dim == 0:
+            return [x, x, x] + experts, x
+        return [R, R, R] + experts, P
 
     rule.wants_axis = True
     return rule

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import fx
 
+import autopar.runtime.moe  # noqa: F401  (registers autopar::moe_experts)
 from autopar.spec import P, R, Placement, Partial, Replicate, Shard, _StridedShard, is_shard, with_dim
 
 aten = torch.ops.aten
@@ -94,6 +95,7 @@ ELEMENTWISE = [
     aten.maximum.default, aten.clamp.default, aten.float_power.Tensor_Scalar, aten.square.default,
     aten.softplus.default, aten.log1p.default, aten.expm1.default, aten.gelu.default, aten.mish.default,
     aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.relu6.default,
+    aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Scalar, aten.mul_.Scalar,
 ]
 
 
@@ -529,6 +531,46 @@ def broadcast_tensors_rule(node, tin, ins, n) -> Decision:
         if shards:
             return [shards[0]] * len(ins), [shards[0]] * len(outs)
     return [R] * len(ins), [R] * len(outs)
+
+
+@register(aten.topk.default, aten.sort.default, aten.sort.stable)
+def topk_rule(node, tin, ins, n) -> Decision:
+    """Top-k (or sort) along a dim: per row, so a shard on another dim passes to values and indices."""
+    p = ins[0]
+    nd = ndim(tin[0])
+    dim = _norm(arg(node, 2, "dim", -1) if node.target is aten.topk.default else arg(node, 1, "dim", -1), nd)
+    if is_shard(p) and p.dim != dim:
+        return [p], [p, p]
+    return [R], [R, R]
+
+
+@register(aten.histc.default, aten.bincount.default)
+def histc_rule(node, tin, ins, n) -> Decision:
+    """Counts over a sharded input are the sum of the shards' counts."""
+    if ins and is_shard(ins[0]) and (node.target is aten.histc.default or len(ins) == 1):
+        return [ins[0]] + [R] * (len(ins) - 1), P
+    return [R] * len(ins), R
+
+
+@register(aten.stack.default)
+def stack_rule(node, tin, ins, n) -> Decision:
+    out_nd = ndim(node)
+    dim = _norm(arg(node, 1, "dim", 0), out_nd)
+    shards = [p for p in ins if is_shard(p)]
+    if shards and all(p == shards[0] for p in ins) and not isinstance(shards[0], _StridedShard):
+        p = shards[0]
+        return list(ins), with_dim(p, p.dim + (p.dim >= dim))
+    return [R] * len(ins), R
+
+
+@register(torch.ops.autopar.moe_experts.default)
+def moe_experts_rule(node, tin, ins, n) -> Decision:
+    """MoE experts without an expert axis here: per token, so tokens sharded on dim 0 (data parallel)
+    stay so; experts replicated. The expert-parallel rule is `passes.lower._moe_rule`."""
+    x = ins[0]
+    if is_shard(x) and x.dim == 0:
+        return [x, x, x] + [R] * (len(ins) - 3), x
+    return [R] * len(ins), R
 
 
 FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default, aten.zeros.default,

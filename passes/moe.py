@@ -1,0 +1,384 @@
+"""MoE blocks: recognised on the module tree, verified on the example inputs, captured as one op.
+
+The spellings people write:
+
+| spelling      | what is found                                                        | captured as |
+|---------------|----------------------------------------------------------------------|-------------|
+| `hf-stacked`  | a Hugging Face experts module: 3-D `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F), called as `experts(x, top_k_index, top_k_weights)` (Mixtral, Qwen2/3-MoE, OLMoE) | the experts call; the router and the auxiliary loss stay in the traced graph |
+| `modulelist`  | a block with a router `nn.Linear(H, E)` and an `nn.ModuleList` of E identical expert modules, run by a Python loop (also the data-dependent `if tokens.numel() == 0: continue` loop that cannot be traced) | the whole block, rewritten to its canonical form below |
+| `grouped`     | a block with a router and a torchtitan-style `GroupedExperts` child: 3-D `w1` (E, F, H), `w2` (E, H, F), `w3` (E, F, H), grouped or looped matmuls | the whole block |
+
+A whole block is replaced, for the trace only, by its *canonical form*: router linear, then
+softmax and top-k (in either order, top-k weights renormalised or not, router in fp32 or not), then
+`autopar::moe_experts`, then the outputs the block returns: `y`, `(y, aux_loss)` or
+`(y, router_logits)`. The auxiliary loss is the switch load-balancing loss written with means over
+tokens, `E * sum_e mean_t(count_te) * mean_t(p_te)` (divided by k for the Switch/Megatron
+normalisation), so the lowering computes it from globally reduced counts and probabilities.
+
+Nothing is replaced on trust: the block (or experts module) runs once eagerly on the example
+inputs, and each candidate canonical form is compared with it, outputs and the gradients of input
+and parameters. The first that matches is used; if none does, the module is left as it is (traced
+as written, or opaque and replicated) and the capture notes say why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from autopar.runtime import moe as rt
+from passes.context import PassContext, Site
+
+MOE_OP = torch.ops.autopar.moe_experts.default
+
+
+@dataclass
+class Found:
+    path: str
+    module: nn.Module
+    level: str  # "experts" (HF experts module) or "block"
+    spelling: str
+    num_experts: int
+    router: nn.Module | None = None
+    experts: nn.Module | None = None  # the ModuleList or the GroupedExperts child
+    expert_params: list[str] = field(default_factory=list)  # names on one expert (modulelist) or stacked names
+    top_k_hint: int | None = None
+
+
+# ----------------------------------------------------------------------------- detection
+
+def _top_k_attr(*mods) -> int | None:
+    for m in mods:
+        for a in ("top_k", "num_experts_per_tok", "k", "topk"):
+            v = getattr(m, a, None)
+            if isinstance(v, int) and v > 0:
+                return v
+    return None
+
+
+def _is_hf_experts(mod: nn.Module) -> bool:
+    p = dict(mod.named_parameters(recurse=False))
+    if set(p) != {"gate_up_proj", "down_proj"} or p["gate_up_proj"].dim() != 3 or p["down_proj"].dim() != 3:
+        return False
+    try:
+        names = list(inspect.signature(mod.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names[:3] == ["hidden_states", "top_k_index", "top_k_weights"] and hasattr(mod, "act_fn")
+
+
+def _router_of(mod: nn.Module, num_experts: int, hidden: int | None):
+    for name, child in mod.named_children():
+        if isinstance(child, nn.Linear) and child.out_features == num_experts and \
+                (hidden is None or child.in_features == hidden):
+            return name, child
+    return None
+
+
+def find_moe_modules(model: nn.Module) -> list[Found]:
+    found: list[Found] = []
+    taken: list[str] = []
+    for path, mod in model.named_modules():
+        if any(path == t or path.startswith(t + ".") for t in taken):
+            continue
+        if _is_hf_experts(mod):
+            E = mod.gate_up_proj.shape[0]
+            found.append(Found(path, mod, "experts", "hf-stacked", E, expert_params=["gate_up_proj", "down_proj"]))
+            taken.append(path)
+            continue
+        for cname, child in mod.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) > 1:
+                kinds = {type(e) for e in child}
+                shapes = {tuple((n, tuple(p.shape)) for n, p in e.named_parameters()) for e in child}
+                if len(kinds) != 1 or len(shapes) != 1 or not next(iter(shapes)):
+                    continue
+                r = _router_of(mod, len(child), None)
+                if r is None:
+                    continue
+                names = [n for n, _ in child[0].named_parameters()]
+                found.append(Found(path, mod, "block", "modulelist", len(child), router=r[1], experts=child,
+                                   expert_params=names, top_k_hint=_top_k_attr(mod, r[1])))
+                taken.append(path)
+                break
+            p = dict(child.named_parameters(recurse=False))
+            if {"w1", "w2", "w3"} <= set(p) and all(p[n].dim() == 3 for n in ("w1", "w2", "w3")):
+                E = p["w1"].shape[0]
+                r = _router_of(mod, E, p["w1"].shape[2])
+                if r is None:
+                    continue
+                found.append(Found(path, mod, "block", "grouped", E, router=r[1], experts=child,
+                                   expert_params=["w1", "w2", "w3"], top_k_hint=_top_k_attr(mod, r[1], child)))
+                taken.append(path)
+                break
+    return found
+
+
+# ----------------------------------------------------------------------------- canonical forms
+
+@dataclass(frozen=True)
+class Routing:
+    top_k: int
+    order: str  # "softmax_topk" | "topk_softmax"
+    renorm: bool
+    fp32: bool
+    aux: str | None  # None | "hf" | "switch"
+    output: str  # "y" | "y_aux" | "y_logits"
+
+
+def _stacked(found: Found) -> list[torch.Tensor]:
+    if found.spelling == "modulelist":
+        per = [dict(e.named_parameters()) for e in found.experts]
+        return [torch.stack([p[n] for p in per]) for n in found.expert_params]
+    return [getattr(found.experts, n) for n in found.expert_params]
+
+
+def canonical_block(found: Found, key: str, routing: Routing, op=None):
+    """The block's forward in canonical form; `op` is the experts call (the custom op while tracing)."""
+    op = op or (lambda k, x, idx, w, params: rt.moe_experts(x, idx, w, params, k))
+    E = found.num_experts
+
+    def forward(x):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        logits = found.router(xf)
+        scores = logits.float() if routing.fp32 else logits
+        probs = F.softmax(scores, dim=-1)
+        if routing.order == "softmax_topk":
+            w, idx = torch.topk(probs, routing.top_k, dim=-1)
+            if routing.renorm:
+                w = w / w.sum(dim=-1, keepdim=True)
+        else:
+            top, idx = torch.topk(scores, routing.top_k, dim=-1)
+            w = F.softmax(top, dim=-1)
+        y = op(key, xf, idx, w.to(x.dtype), _stacked(found)).reshape(shape)
+        if routing.output == "y":
+            return y
+        if routing.output == "y_logits":
+            return y, logits
+        frac = (idx.unsqueeze(-1) == torch.arange(E, device=idx.device)).to(probs.dtype).sum(1).mean(0)
+        aux = E * (frac * probs.mean(0)).sum()
+        if routing.aux == "switch":
+            aux = aux / routing.top_k
+        return y, aux
+
+    return forward
+
+
+def canonical_experts(found: Found, key: str, op=None):
+    op = op or (lambda k, x, idx, w, params: rt.moe_experts(x, idx, w, params, k))
+    mod = found.module
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        return op(key, hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype),
+                  [mod.gate_up_proj, mod.down_proj])
+
+    return forward
+
+
+def _graph_op(k, x, idx, w, params):
+    return torch.ops.autopar.moe_experts(k, x, idx, w, list(params))
+
+
+# ----------------------------------------------------------------------------- verification
+
+def _tol(dtype) -> tuple[float, float]:
+    return {torch.float64: (1e-9, 1e-11), torch.float32: (1e-4, 1e-6)}.get(dtype, (2e-2, 2e-2))
+
+
+def _flat(out) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _compare(mod: nn.Module, fn, args: tuple, params: list[nn.Parameter]) -> str | None:
+    """None if fn(*args) matches mod(*args) in outputs and in gradients of floating inputs and parameters."""
+    def run(f):
+        xs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+              for a in args]
+        for p in params:
+            p.grad = None
+        outs = _flat(f(*xs))
+        return xs, outs
+
+    xs_ref, ref = run(mod)
+    if not ref:
+        return "it returns no tensor"
+    xs_can, got = run(fn)
+    if len(got) != len(ref):
+        return f"it returns {len(ref)} tensors, the canonical form {len(got)}"
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a.shape != b.shape:
+            return f"output {i} has shape {tuple(a.shape)}, the canonical form {tuple(b.shape)}"
+        rtol, atol = _tol(a.dtype)
+        if not torch.allclose(a.to(b.dtype), b, rtol=rtol, atol=atol):
+            return f"output {i} differs by {float((a.to(b.dtype) - b).abs().max()):.3g}"
+    wrt_ref = [x for x in xs_ref if isinstance(x, torch.Tensor) and x.requires_grad]
+    wrt_can = [x for x in xs_can if isinstance(x, torch.Tensor) and x.requires_grad]
+    gen = torch.Generator().manual_seed(0)
+    cot = [torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.dtype) for t in ref]
+
+    def grads(outs, xs):
+        pairs = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
+        if not pairs:
+            return []
+        return torch.autograd.grad([o for o, _ in pairs], xs + params, [c for _, c in pairs], allow_unused=True)
+
+    g_ref, g_can = grads(ref, wrt_ref), grads(got, wrt_can)
+    names = [f"input {i}" for i in range(len(wrt_ref))] + [f"parameter {i}" for i in range(len(params))]
+    for name, a, b in zip(names, g_ref, g_can):
+        if (a is None) != (b is None) and not ((a is None and b.abs().max() == 0) or (b is None and a.abs().max() == 0)):
+            return f"the gradient of {name} is missing on one side"
+        if a is not None and b is not None:
+            rtol, atol = _tol(a.dtype)
+            if not torch.allclose(a, b.to(a.dtype), rtol=rtol * 10, atol=atol * 10):
+                return f"the gradient of {name} differs by {float((a - b.to(a.dtype)).abs().max()):.3g}"
+    return None
+
+
+def _routings(found: Found, out) -> list[Routing]:
+    flat = _flat(out)
+    if len(flat) == 1:
+        outputs = [("y", None)]
+    elif len(flat) == 2 and flat[1].dim() == 0:
+        outputs = [("y_aux", "switch"), ("y_aux", "hf")]
+    elif len(flat) == 2 and flat[1].dim() == 2 and flat[1].shape[-1] == found.num_experts:
+        outputs = [("y_logits", None)]
+    else:
+        return []
+    ks = [found.top_k_hint] if found.top_k_hint else list(range(1, min(found.num_experts, 4) + 1))
+    out = []
+    for k, (output, aux), (order, renorm), fp32 in itertools.product(
+            ks, outputs, [("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)], [False, True]):
+        out.append(Routing(k, order, renorm, fp32, aux, output))
+    return out
+
+
+@dataclass
+class Verified:
+    found: Found
+    key: str
+    forward: object  # the canonical forward with the graph op, patched in while tracing
+    routing: Routing | None
+
+
+def _record(model: nn.Module, mods: dict[str, nn.Module], args: tuple, kwargs: dict) -> dict[str, tuple]:
+    seen: dict[str, tuple] = {}
+
+    def hook(path):
+        def h(m, a, k, o):
+            if path not in seen:
+                seen[path] = (tuple(x.detach().clone() if isinstance(x, torch.Tensor) else x for x in a), dict(k), o)
+        return h
+
+    handles = [m.register_forward_hook(hook(p), with_kwargs=True) for p, m in mods.items()]
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> list[Verified]:
+    """Find MoE blocks, verify a canonical form of each on the example inputs; notes say what and why."""
+    found = find_moe_modules(model)
+    if not found:
+        return []
+    real = all(not t.is_meta for t in model.parameters())
+    seen = _record(model, {f.path: f.module for f in found}, args, kwargs) if real else {}
+    out = []
+    for f in found:
+        spec_fn = {"hf-stacked": lambda: rt.gated_hf_expert(f.module.act_fn),
+                   "grouped": lambda: rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
+                   "modulelist": lambda: rt.module_expert(f.experts[0], f.expert_params)}[f.spelling]
+        spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), spec_fn(), f.spelling,
+                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
+        key = rt.register(spec, f.module)
+        params = list(f.module.parameters())
+        if not real:
+            notes.append(f"MoE {f.path} ({f.spelling}) not verified: the model is on the meta device; it is planned "
+                         "as recognised, and verified when parallelised with real parameters")
+            if f.level == "experts":
+                out.append(Verified(f, key, canonical_experts(f, key, _graph_op), None))
+            continue
+        if f.path not in seen:
+            notes.append(f"MoE {f.path} ({f.spelling}) left as written: it did not run on the example inputs")
+            continue
+        a, kw, o = seen[f.path]
+        if kw:
+            notes.append(f"MoE {f.path} left as written: it is called with keyword arguments ({', '.join(kw)})")
+            continue
+        if f.level == "experts":
+            spec.top_k = a[1].shape[-1]
+            why = _compare(f.module, canonical_experts(f, key), a, params)
+            if why is None:
+                out.append(Verified(f, key, canonical_experts(f, key, _graph_op), None))
+            else:
+                notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): autopar's expert-parallel "
+                             f"form does not reproduce it on the example inputs: {why}")
+            continue
+        if len(a) != 1 or not isinstance(a[0], torch.Tensor):
+            notes.append(f"MoE {f.path} left as written: its forward takes {len(a)} inputs, not one tensor")
+            continue
+        why, chosen = "no routing form matched", None
+        for routing in _routings(f, o):
+            spec.top_k = routing.top_k
+            why = _compare(f.module, canonical_block(f, key, routing), a, params)
+            if why is None:
+                chosen = routing
+                break
+        if chosen is None:
+            notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): no canonical form of its routing "
+                         f"reproduces it on the example inputs (last difference: {why})")
+            continue
+        spec.top_k = chosen.top_k
+        notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{chosen.top_k}, {chosen.order}"
+                     f"{', renormalised' if chosen.renorm else ''}"
+                     f"{f', capacity factor {spec.capacity_factor:g}' if spec.capacity_factor is not None else ''}{', aux ' + chosen.aux if chosen.aux else ''}) "
+                     "verified on the example inputs")
+        out.append(Verified(f, key, canonical_block(f, key, chosen, _graph_op), chosen))
+    return out
+
+
+@contextlib.contextmanager
+def canonical_forwards(verified: list[Verified]):
+    """While tracing, each verified module runs its canonical form (with the graph op)."""
+    for v in verified:
+        v.found.module.forward = v.forward
+    try:
+        yield
+    finally:
+        for v in verified:
+            del v.found.module.forward
+
+
+# ----------------------------------------------------------------------------- graph recognition
+
+def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not MOE_OP:
+            continue
+        key, x, idx, w, params = node.args
+        spec = rt.spec_of(key)
+        site = Site("moe", spec.path, node)
+        for name, p in zip(spec.param_names, params):
+            if p.op == "placeholder":
+                site.params[name] = p.name
+            elif p.target is torch.ops.aten.stack.default:  # ModuleList experts stacked in the graph
+                for i, q in enumerate(p.args[0]):
+                    if q.op == "placeholder":
+                        site.params[f"{i}.{name}"] = q.name
+        t, h = x.meta["val"].shape
+        site.info.update(num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
+                         spelling=spec.spelling, key=key,
+                         stacked=all(p.op == "placeholder" for p in params),
+                         expert_numel=sum(p.meta["val"].numel() for p in params))
+        ctx.add(site)
+    return gm
