@@ -228,7 +228,54 @@ class MeshCosting:
         return 2 + OPTIMIZER_STATES[self.optimizer] * 1.0
 
 
+def moe_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+    """An MoE block: router + experts (+ aux loss in `st`), replicated or expert-parallel on `cand.axis`.
+
+    Expert work per token is 2 FLOPs per expert weight element for each of its k experts; routing is
+    assumed balanced. On a data axis (tokens sharded there) EP moves each token's k rows out and back
+    by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3). On a model
+    axis (tokens replicated) each rank runs its experts on every token and the output is all-reduced
+    (forward) and so is the input's gradient (backward)."""
+    info = site.info
+    T, H, k, E = info["tokens"], info["hidden"], info["top_k"], info["num_experts"]
+    item = info.get("itemsize", 4)
+    per_expert = info["expert_numel"] / E
+    ffn = per_expert / (3 * H)  # a gated MLP expert holds 3*H*F weights
+    dp = mc.dp
+    ep = mc.size(cand.axis) if cand.form == "expert" else 1
+    on_data = cand.form == "expert" and cand.axis in mc.data_axes + mc.seq_axes  # tokens sharded there
+    tokens = T / dp  # this rank's tokens
+    work = 2 * T * k * per_expert / dp / (1 if on_data else ep)
+    dtype = info.get("dtype", st.compute_dtype)
+    dtype = dtype if dtype in mc.cluster.peak_flops else "float32"
+    routed_bytes = T / dp * k * (2 * H + 3 * ffn) * item / (1 if on_data else ep)  # expert activations saved
+    compute = compute_time_s(3 * (st.flops / dp + work), 3 * (st.act_bytes / dp + routed_bytes), dtype, mc.cluster)
+    comm_s = comm_b = 0.0
+    if cand.form == "expert" and on_data:
+        link = mc.link(cand.axis)
+        rows = tokens * k * H * item
+        for _ in range(4):
+            comm_s += collective_time_s("all_to_all", int(rows), ep, link)
+            comm_b += (ep - 1) / ep * rows
+    elif cand.form == "expert":
+        for _ in range(2):
+            comm_s += mc.allreduce_s(tokens * H * item, cand.axis)
+            comm_b += 2 * (ep - 1) / ep * tokens * H * item
+    expert_bytes = info["expert_numel"] * item
+    dense_bytes = max(st.param_bytes - expert_bytes, 0.0)
+    local = dense_bytes + expert_bytes / ep
+    gs_t, gs_b = MeshCosting(names=mc.names, sizes=mc.sizes, cluster=mc.cluster, optimizer=mc.optimizer,
+                             data_axes=tuple(a for a in mc.data_axes if a != cand.axis),
+                             seq_axes=tuple(a for a in mc.seq_axes if a != cand.axis)).grad_sync(expert_bytes / ep)
+    d_t, d_b = mc.grad_sync(dense_bytes)
+    state = local * mc.state_factor() / (dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
+    return Cost(compute_s=compute, comm_s=comm_s + gs_t + d_t, comm_bytes=comm_b + gs_b + d_b,
+                memory_bytes=state + st.act_bytes / dp + routed_bytes)
+
+
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+    if site.kind == "moe":
+        return moe_cost(site, st, cand, mc)
     dp = mc.dp
     # work split over a model axis (heads/tp/vocab; a sequence-parallel norm runs on s/t tokens);
     # Ulysses / ring split over a sequence axis, already in dp

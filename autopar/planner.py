@@ -377,7 +377,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         check = _Planner(ctx, mesh)
         for site, form, axis in parsed:  # a forced form whose precondition fails raises here, saying why
             check.set_form(site, form, axis, True)
-        model_axes = {c.axis for c in forced.values() if c.axis}
+        model_axes = {c.axis for c in forced.values() if c.axis and c.form != "expert"}
         options = [tuple(c) for r in range(len(mesh.names) + 1) for c in itertools.combinations(mesh.names, r)
                    if not model_axes & set(c)]
         batch = max(input_batch.values(), default=0)

@@ -129,10 +129,13 @@ def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Ca
         (q,) = seq_axes
         u = mesh.sizes[mesh.names.index(q)]
         forms = [(f, q) for f, ok in (("ulysses", _ulysses_ok), ("ring", _ring_ok)) if ok(site, u) is None]
+    if site.kind == "moe":  # experts shard over any axis: a data axis dispatches by all-to-all (EP within DP)
+        forms = [("replicate", None)] + [("expert", a) for a, s in zip(mesh.names, mesh.sizes)
+                                         if s > 1 and site.info["num_experts"] % s == 0]
     out = []
     for f, a in forms:
         t = mesh.sizes[mesh.names.index(a)] if a else 1
-        fsdp_ok = dp > 1 and st.param_dim0 and all(d % (dp * t) == 0 for d in st.param_dim0)
+        fsdp_ok = dp > 1 and st.param_dim0 and all(d % (dp * t) == 0 for d in st.param_dim0) and site.kind != "moe"
         for fsdp in ((False, True) if fsdp_ok else (False,)):
             out.append(Candidate(form=f, axis=a, fsdp=fsdp))
     if forced is not None:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autopar.runtime import moe as rt
+from cost_model.hardware import dtype_name
 from passes.context import PassContext, Site
 
 MOE_OP = torch.ops.autopar.moe_experts.default
@@ -302,11 +303,15 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                               capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
         key = rt.register(spec, f.module)
         params = list(f.module.parameters())
-        if not real:
+        if not real:  # planning on meta: nothing can run; routing details do not change the cost
             notes.append(f"MoE {f.path} ({f.spelling}) not verified: the model is on the meta device; it is planned "
                          "as recognised, and verified when parallelised with real parameters")
             if f.level == "experts":
                 out.append(Verified(f, key, canonical_experts(f, key, _graph_op), None))
+            else:  # assumed to return y alone (a block returning a loss too must be planned with real weights)
+                spec.top_k = f.top_k_hint or 2
+                guess = Routing(spec.top_k, "softmax_topk", True, False, None, "y")
+                out.append(Verified(f, key, canonical_block(f, key, guess, _graph_op), guess))
             continue
         if f.path not in seen:
             notes.append(f"MoE {f.path} ({f.spelling}) left as written: it did not run on the example inputs")
@@ -379,6 +384,7 @@ def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         site.info.update(num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
                          spelling=spec.spelling, key=key,
                          stacked=all(p.op == "placeholder" for p in params),
-                         expert_numel=sum(p.meta["val"].numel() for p in params))
+                         expert_numel=sum(p.meta["val"].numel() for p in params),
+                         itemsize=x.meta["val"].element_size(), dtype=dtype_name(x.meta["val"].dtype))
         ctx.add(site)
     return gm
