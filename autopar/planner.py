@@ -486,8 +486,10 @@ def _parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None, t
                                       f"({NOT_YET[(kind_key, form)]})")
         if not sites:
             found = sorted({s.key for s in ctx.sites})
+            why = [n for n in ctx.captured.notes if n.startswith("MoE ") and "left as written" in n]
             raise ValueError(f"override {key!r} matches no recognised structure; keys are a kind "
-                             f"({', '.join(KIND_FORMS)}) or a module-path glob over: {', '.join(found) or '(none)'}")
+                             f"({', '.join(KIND_FORMS)}) or a module-path glob over: {', '.join(found) or '(none)'}"
+                             + (f". MoE blocks found but not recognised: {'; '.join(why)}" if why else ""))
         for s in sites:
             if form not in KIND_FORMS[s.kind]:
                 raise ValueError(f"override {key!r}: {s.kind} {s.key} has no form {form!r}; valid: "

@@ -86,7 +86,7 @@ def test_uncapturable_model_raises_capture_error(world4):
             autopar.parallelize(DataDependent(), mesh, (torch.randn(8, 4),))
 
 
-def test_overrides_unknown_key_form_and_not_yet_implemented(world4):
+def test_overrides_unknown_key_form_axis_and_memory(world4):
     model, inputs = _gpt()
     with LocalTensorMode(4):
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
@@ -94,8 +94,8 @@ def test_overrides_unknown_key_form_and_not_yet_implemented(world4):
             autopar.parallelize(model, mesh, inputs, overrides={"decoder.*": "replicate"})
         with pytest.raises(ValueError, match=r"unknown form 'diagonal'.*replicate, colwise, rowwise"):
             autopar.parallelize(model, mesh, inputs, overrides={"linear": "diagonal"})
-        with pytest.raises(NotImplementedError, match=r"'expert' is not implemented yet.*#5"):
-            autopar.parallelize(model, mesh, inputs, overrides={"moe": "expert"})
+        with pytest.raises(ValueError, match=r"override 'moe' matches no recognised structure"):
+            autopar.parallelize(model, mesh, inputs, overrides={"moe": "expert"})  # GPT has no MoE
         with pytest.raises(ValueError, match=r"axis 'dp' does not exist.*\('tp',\)"):
             autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@dp"})
         with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 0\.00 GiB.*least memory any plan needs is "
