@@ -5,6 +5,8 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2).
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import hashlib
 import itertools
@@ -253,18 +255,42 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     sites = {s.key: s for s in ctx.sites}
     moe_axes = {sites[st.key].node.name: info.names.index(st.axis) for st in chosen.strategies
                 if st.kind == "moe" and st.form == "expert" and st.key in sites}
+    experts = {ph for st in chosen.strategies if st.kind == "moe" and st.form == "expert" and st.key in sites
+               for ph in sites[st.key].params.values()}
     lctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=stream, gather_param_axes=data_axes,
-                        hints=hints, attention_modes=modes, zigzag_axes=zigzag, moe_axes=moe_axes)
+                        hints=hints, attention_modes=modes, zigzag_axes=zigzag, moe_axes=moe_axes,
+                        keep_sharded=experts)
     gm = lower_pass(captured.gm, lctx)
     comms = []
     for n in collective_nodes(gm):
         c = n.meta[M.COMM]
         comms.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                              bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
+    comms += _moe_comms(gm, info)
     chosen = chosen.with_comms(comms, captured.notes + lctx.notes)
     pm = ParallelModule(model, mesh, captured, chosen, gm)
     pm._rng_stream = stream
     return pm
+
+
+def _moe_comms(gm, info: MeshInfo) -> list[CommRow]:
+    """The all-to-alls inside expert-parallel MoE nodes (issued at run time with this step's splits):
+    tokens out and back, forward and backward, priced for uniform routing (k*T*h*(ep-1)/ep each)."""
+    from autopar.mesh import resolve_axis
+    from autopar.runtime.moe import moe_experts, spec_of
+    rows = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
+            continue
+        x, idx, key, axis = n.args[0], n.args[1], n.args[4], resolve_axis(n.args[5])
+        t, h = x.meta["val"].shape
+        local_t = t // math.prod(info.sizes[i] for i, a in enumerate(info.axes) if a.key in n.args[7])
+        ep, k = axis.size, idx.meta["val"].shape[-1]
+        b = round(2 * k * local_t * h * x.meta["val"].element_size() * (ep - 1) / ep)
+        rows.append(CommRow(module=spec_of(key).path, fn="moe_all_to_all", axis=axis.name,
+                            forward="all_to_all x2 (+counts)", backward="all_to_all x2", bytes_forward=b,
+                            bytes_backward=b))
+    return rows
 
 
 def _sequence_hints(chosen: Plan, ctx: PassContext, info: MeshInfo):

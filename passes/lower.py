@@ -65,6 +65,7 @@ class LowerContext:
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses" | "ring"}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
     moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
+    keep_sharded: set = field(default_factory=set)  # parameters sharded on a data axis that are not FSDP (experts)
     notes: list[str] = field(default_factory=list)
 
 
@@ -250,7 +251,8 @@ class _Lowerer:
         want = self.ctx.placements.get(node.name, self.all_r)
         if node.name not in self.ctx.user_inputs:
             self.pl[node] = tuple(want)
-            gather = [ax for ax in self.ctx.gather_param_axes if is_shard(want[ax])]
+            gather = [ax for ax in self.ctx.gather_param_axes if is_shard(want[ax])] \
+                if node.name not in self.ctx.keep_sharded else []
             if gather and node.users:
                 # FSDP: all-gather the parameter forward; its gradient is reduce-scattered backward
                 req = tuple(R if ax in gather else p for ax, p in enumerate(want))
