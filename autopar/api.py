@@ -5,11 +5,10 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2).
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import hashlib
 import itertools
+import math
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from autopar.mesh import MeshInfo, mesh_info
 from autopar.plan import CommRow, Plan
 from autopar.runtime.ops import advance_rng_stream, new_rng_stream
 from autopar.planner import PLANS, build_plan
-from autopar.spec import placements_from_str
+from autopar.spec import Shard, is_owned, placements_from_str
 from passes import meta as M
 from passes.context import PassContext
 from passes.lower import LowerContext, collective_nodes, lower_pass
@@ -54,7 +53,9 @@ class ParallelModule(nn.Module):
                 data = p.detach()
                 if isinstance(data, DTensor):
                     raise ValueError(f"parameter {fqn} is already a DTensor; pass the unparallelised model")
-                made[id(p)] = nn.Parameter(shard_tensor(data, mesh, placements), requires_grad=p.requires_grad)
+                value = owned_tensor(data, mesh, placements) if any(map(is_owned, placements)) else \
+                    shard_tensor(data, mesh, placements)
+                made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
             self._register(fqn, made[id(p)])
         for fqn, b in model.named_buffers(remove_duplicate=False):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
@@ -182,6 +183,45 @@ def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bo
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
+_OWNER_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _owner_mesh(mesh: DeviceMesh, ax: int, owner: int) -> DeviceMesh:
+    """The ranks whose coordinate on axis `ax` is `owner`, as a mesh over the other axes (every rank
+    builds every such mesh, in the same order: creating a process group is collective)."""
+    key = (id(mesh), ax, owner)
+    if key not in _OWNER_MESHES:
+        ranks = mesh.mesh.narrow(ax, owner, 1)
+        names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
+        if mesh.ndim > 1:
+            ranks, names = ranks.squeeze(ax), names[:ax] + names[ax + 1:]
+        else:
+            names = [f"{names[0]}_owner"]
+        _OWNER_MESHES[key] = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
+    return _OWNER_MESHES[key]
+
+
+def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """A parameter that lives whole on the ranks owning it (`Owned` on one axis): a DTensor on their
+    sub-mesh (replicated there), empty on every other rank, which therefore holds 1/ep of the experts."""
+    from torch.distributed._local_tensor import local_tensor_mode
+    if local_tensor_mode() is not None:
+        raise NotImplementedError(
+            "ModuleList experts under expert parallelism need one process per rank (gloo or NCCL): each rank holds "
+            "different experts, which LocalTensorMode's one shared module cannot express. Fix: run under torchrun, "
+            "or store the experts stacked (E, ...) as GroupedExperts / Hugging Face experts do.")
+    (ax,) = [i for i, p in enumerate(placements) if is_owned(p)]
+    owner = placements[ax].owner
+    local = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim).to_local()  # rank 0's copy everywhere
+    sub = _owner_mesh(mesh, ax, owner)
+    rest = [p for i, p in enumerate(placements) if i != ax] or [Replicate()]
+    if any(not isinstance(p, Replicate) for p in rest):
+        raise NotImplementedError(f"an owned expert weight must be replicated on the other mesh axes, got {placements}")
+    if mesh.get_local_rank(ax) != owner:
+        local = local.new_empty(0)
+    return DTensor.from_local(local.clone(), sub, rest, run_check=False, shape=full.shape, stride=full.stride())
+
+
 def _non_persistent(model: nn.Module, fqn: str) -> set[str]:
     mod = model
     for part in fqn.split(".")[:-1]:
@@ -243,8 +283,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     _agree_across_ranks(chosen, mesh)
     placements = {}
     fqn_pls = chosen.param_placements()
-    for ph, fqn in captured.param_fqns.items():
-        placements[ph] = fqn_pls[fqn]
+    for ph, fqn in captured.param_fqns.items():  # an owned expert is, in the graph, S(0) of the stacked experts
+        placements[ph] = tuple(Shard(0) if is_owned(p) else p for p in fqn_pls[fqn])
     placements.update(chosen.input_placements())
     data_axes = tuple(i for i in range(len(info.names))
                       if any(getattr(p[i], "dim", None) == 0 for p in chosen.input_placements().values()))

@@ -19,7 +19,7 @@ import itertools
 
 from autopar.mesh import MeshInfo
 from autopar.plan import Plan, Strategy
-from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
+from autopar.spec import Owned, R, Placement, Shard, fmt_placements, placements_from_str
 from passes import attention as attention_form
 from passes import embedding as embedding_form
 from passes import linear as linear_form
@@ -277,9 +277,14 @@ class _Planner:
                 assign(w, axis, Shard(0), f"embedding {site.key} (vocab)")
         for site in ctx.of_kind("moe"):
             form, axis = self.site_form.get(site.key, ("replicate", None))
-            if form == "expert" and site.info["stacked"]:  # ModuleList experts are stacked, then split, in the graph
-                for ph in site.params.values():
+            if form != "expert":
+                continue
+            per_rank = site.info["num_experts"] // mesh.axis(axis).size
+            for role, ph in site.params.items():
+                if site.info["stacked"]:  # (E, ...) weights: this rank's experts are a dim-0 shard
                     assign(ph, axis, Shard(0), f"moe {site.key} (expert)")
+                else:  # ModuleList: expert i's weights live whole on the rank that owns it
+                    assign(ph, axis, Owned(int(role.split(".")[0]) // per_rank), f"moe {site.key} (expert)")
         return pls
 
     def strategies(self, pls) -> list[Strategy]:

@@ -14,16 +14,32 @@ backward), Megatron's `f`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "Placement", "Partial", "Replicate", "Shard", "_StridedShard", "R", "P",
-    "is_shard", "shard_dim", "fmt", "fmt_placements", "placement_from_str",
+    "is_shard", "shard_dim", "fmt", "fmt_placements", "placement_from_str", "Owned", "is_owned",
 ]
 
 R = Replicate()
 P = Partial()
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A whole parameter that lives only on the ranks whose coordinate on this axis is `owner`: an
+    expert of a `ModuleList` MoE under expert parallelism (`O(1)`). Not a DTensor placement: the
+    parameter is a DTensor on the owners' sub-mesh, empty on the other ranks; in the graph the
+    stacked local experts are `S(0)` on the axis."""
+
+    owner: int
+
+
+def is_owned(p) -> bool:
+    return isinstance(p, Owned)
 
 
 def is_shard(p: Placement | None) -> bool:
@@ -47,6 +63,8 @@ def with_dim(p: Placement, dim: int) -> Placement:
 
 
 def fmt(p: Placement) -> str:
+    if isinstance(p, Owned):
+        return f"O({p.owner})"
     if isinstance(p, _StridedShard):
         return f"SS({p.dim},{p.split_factor})"
     if isinstance(p, Shard):
@@ -71,7 +89,9 @@ def placement_from_str(text: str) -> Placement:
         return _StridedShard(int(dim), split_factor=int(factor))
     if text.startswith("S(") and text.endswith(")"):
         return Shard(int(text[2:-1]))
-    raise ValueError(f"cannot parse placement {text!r}: expected R, P, S(d) or SS(d,k)")
+    if text.startswith("O(") and text.endswith(")"):
+        return Owned(int(text[2:-1]))
+    raise ValueError(f"cannot parse placement {text!r}: expected R, P, S(d), SS(d,k) or O(owner)")
 
 
 def placements_from_str(text: str) -> tuple[Placement, ...]:

@@ -205,6 +205,7 @@ class _Lowerer:
             if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
                 g.erase_node(node)
         self._decompose_row_parallel_bias()
+        self._local_expert_stacks()
         self._insert_hints()
         self.needs_grad = self._needs_grad()
         for node in list(g.nodes):
@@ -296,6 +297,8 @@ class _Lowerer:
             rule = _ulysses_rule(self.ctx.attention_modes[node.name])
         elif node.name in self.ctx.moe_axes:
             rule = _moe_rule(self.ctx.moe_axes[node.name])
+        elif getattr(node.target, "__name__", "") == "local_expert_stack":
+            rule = _local_stack_rule
         if rule is None:
             rule = replicate_rule
             if any(p != R for t in tin for p in self.pl[t]) and node.target is not torch.ops.autopar.opaque.default:
@@ -383,6 +386,22 @@ class _Lowerer:
                         mm.meta.update(node.meta)
                         mm.meta["autopar_row_of"] = node.name
                         node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
+
+    def _local_expert_stacks(self) -> None:
+        """ModuleList experts owned per rank (their placeholders marked S(0) on the expert axis): the
+        graph's stack of all experts becomes a stack of this rank's, S(0) on that axis."""
+        from autopar.runtime.moe import local_expert_stack
+        for node in list(self.graph.nodes):
+            ax = self.ctx.moe_axes.get(node.name)
+            if ax is None:
+                continue
+            for p in node.args[4]:
+                if p.target is not aten.stack.default or not all(
+                        q.op == "placeholder" and is_shard(self.ctx.placements.get(q.name, self.all_r)[ax])
+                        for q in p.args[0]):
+                    continue
+                per_rank = len(p.args[0]) // self.sizes[ax]
+                p.target, p.args, p.kwargs = local_expert_stack, (list(p.args[0]), self.axes[ax].key, per_rank), {}
 
     def _sharded_axes(self, pls, dims=None):
         return [ax for ax, p in enumerate(pls) if is_shard(p) and (dims is None or p.dim in dims)]
@@ -514,6 +533,13 @@ def _ulysses_rule(modes: dict[int, str]):
 
     rule.wants_axis = True
     return rule
+
+
+def _local_stack_rule(node, tin, ins, n):
+    """Owned experts (S(0)-marked on their axis) stack into this rank's S(0) slice; elsewhere R."""
+    if ins and all(is_shard(p) and p.dim == 0 for p in ins):
+        return list(ins), Shard(0)
+    return [R] * len(ins), R
 
 
 def _moe_rule(ep: int):
