@@ -141,7 +141,7 @@ class Plan:
             comms = [c for m, cs in by_module.items() for c in cs if id(c) not in shown
                      and any(m == k or m.startswith(k + ".") for k in scopes)]
             shown.update(id(c) for c in comms)
-            pls = ", ".join(f"{_short(k, s.key)}={v}" for k, v in s.params) or "-"
+            pls = _params_cell(s)
             t_m = est.get(s.key)
             rows.append((s.key, s.kind, s.form + (f"@{s.axis}" if s.axis else ""), pls, _comm_summary(comms),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms)),
@@ -210,3 +210,13 @@ def _fmt_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _params_cell(s: Strategy) -> str:
+    """`name=placement, ...`; many parameters (ModuleList experts) are counted per placement instead."""
+    if len(s.params) <= 8:
+        return ", ".join(f"{_short(k, s.key)}={v}" for k, v in s.params) or "-"
+    counts: dict[str, int] = {}
+    for _, v in s.params:
+        counts[v] = counts.get(v, 0) + 1
+    return f"{len(s.params)} params: " + ", ".join(f"{n}x {v}" for v, n in counts.items())
