@@ -447,6 +447,12 @@ class _Lowerer:
                 axis = self.axes[ep].key
                 mode = "partial" if isinstance(out[ep], Partial) else "a2a"
             token_axes = tuple(self.axes[ax].key for ax in self._sharded_axes(reqs[0], [0]))
+            from autopar.runtime.moe import spec_of
+            if spec_of(key).capacity_factor is not None and any(isinstance(p, _StridedShard) for p in reqs[0]):
+                raise NotImplementedError(
+                    f"MoE {spec_of(key).path} with a capacity factor: its tokens are sharded on the sequence here, so "
+                    "a rank's tokens are not one contiguous range of the global order that capacity is counted in. "
+                    "Fix: shard only the batch (no sequence form on the expert's token axes), or make it dropless.")
             node.target = moe_experts
             node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
             node.kwargs = {}
