@@ -235,14 +235,15 @@ def moe_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cos
     assumed balanced. On a data axis (tokens sharded there) EP moves each token's k rows out and back
     by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3). On a model
     axis (tokens replicated) each rank runs its experts on every token and the output is all-reduced
-    (forward) and so is the input's gradient (backward)."""
+    (forward) and so is the input's gradient (backward); tensor-parallel experts (`tp`) cost the same
+    way, each rank running 1/t of every expert's features."""
     info = site.info
     T, H, k, E = info["tokens"], info["hidden"], info["top_k"], info["num_experts"]
     item = info.get("itemsize", 4)
     per_expert = info["expert_numel"] / E
     ffn = per_expert / (3 * H)  # a gated MLP expert holds 3*H*F weights
     dp = mc.dp
-    ep = mc.size(cand.axis) if cand.form == "expert" else 1
+    ep = mc.size(cand.axis) if cand.form in ("expert", "tp") else 1  # experts (or their features) split ep ways
     on_data = cand.form == "expert" and cand.axis in mc.data_axes + mc.seq_axes  # tokens sharded there
     tokens = T / dp  # this rank's tokens
     work = 2 * T * k * per_expert / dp / (1 if on_data else ep)
@@ -257,7 +258,7 @@ def moe_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cos
         for _ in range(4):
             comm_s += collective_time_s("all_to_all", int(rows), ep, link)
             comm_b += (ep - 1) / ep * rows
-    elif cand.form == "expert":
+    elif cand.form in ("expert", "tp"):  # every token on every rank: partial outputs all-reduced, and input grads
         for _ in range(2):
             comm_s += mc.allreduce_s(tokens * H * item, cand.axis)
             comm_b += 2 * (ep - 1) / ep * tokens * H * item

@@ -19,7 +19,7 @@ import itertools
 
 from autopar.mesh import MeshInfo
 from autopar.plan import Plan, Strategy
-from autopar.spec import Owned, R, Placement, Shard, fmt_placements, placements_from_str
+from autopar.spec import Owned, R, Placement, Shard, _StridedShard, fmt_placements, placements_from_str
 from passes import attention as attention_form
 from passes import embedding as embedding_form
 from passes import linear as linear_form
@@ -32,7 +32,7 @@ KIND_FORMS = {
     "attention": attention_form.FORMS,
     "loss": loss_form.FORMS,
     "mlp": ("replicate", "tp"),
-    "moe": ("replicate", "expert"),
+    "moe": ("replicate", "expert", "tp"),
     "norm": ("replicate", "sequence"),
 }
 NOT_YET: dict[tuple[str, str], str] = {}
@@ -159,6 +159,17 @@ class _Planner:
                                      f"the expert count, or 'replicate'.")
                 self.notes.append(f"moe {site.key} replicated: {E} experts % {ep} != 0")
                 form = "replicate"
+        if form == "tp":
+            t, F = self.mesh.axis(axis).size, site.info.get("ffn_features")
+            why = None if F and F % t == 0 else (
+                f"its {F} expert features do not divide over {t} ranks" if F else
+                f"its experts ({site.info['spelling']}) are not stacked weights with known FFN dims")
+            if why:
+                if forced:
+                    raise ValueError(f"moe {site.key}: form 'tp' on mesh axis {axis!r} is not possible: {why}. Fix: "
+                                     "'expert' (expert parallel) or 'replicate'.")
+                self.notes.append(f"moe {site.key} not tensor-parallel: {why}")
+                form = "replicate"
         self.site_form[site.key] = (form, axis if form != "replicate" else None)
 
     def set_mlp(self, site: Site, form: str, axis: str | None, forced: bool) -> None:
@@ -277,6 +288,11 @@ class _Planner:
                 assign(w, axis, Shard(0), f"embedding {site.key} (vocab)")
         for site in ctx.of_kind("moe"):
             form, axis = self.site_form.get(site.key, ("replicate", None))
+            if form == "tp":  # each expert's FFN features split over the axis (Megatron within every expert)
+                from autopar.runtime.moe import spec_of
+                for (d, k), ph in zip(spec_of(site.info["key"]).ffn_dims, site.params.values()):
+                    assign(ph, axis, Shard(d) if k == 1 else _StridedShard(d, split_factor=k), f"moe {site.key} (tp)")
+                continue
             if form != "expert":
                 continue
             per_rank = site.info["num_experts"] // mesh.axis(axis).size

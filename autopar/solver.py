@@ -132,6 +132,8 @@ def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Ca
     if site.kind == "moe":  # experts shard over any axis: a data axis dispatches by all-to-all (EP within DP)
         forms = [("replicate", None)] + [("expert", a) for a, s in zip(mesh.names, mesh.sizes)
                                          if s > 1 and site.info["num_experts"] % s == 0]
+        F = site.info.get("ffn_features")
+        forms += [("tp", a) for a in model_axes if F and F % mesh.sizes[mesh.names.index(a)] == 0]
     out = []
     for f, a in forms:
         t = mesh.sizes[mesh.names.index(a)] if a else 1

@@ -6,9 +6,8 @@
    `k*T*h*(ep-1)/ep` per all-to-all (uniform routing; the measured figure follows this batch's routing).
 2. Per-rank share of the expert parameters, stacked spellings (GroupedExperts) and ModuleList.
 3. Cost model, Mixtral-8x7B-shaped layers on 8 H100s (seq 4096, batch 8, bf16): experts replicated
-   (data parallel) vs expert parallel vs `plan="auto"`, step time and memory per device; plus
-   tensor-parallel experts priced analytically (not a runnable form of autopar: it is given here only
-   as the alternative EP is meant to beat, from the same alpha-beta and roofline model).
+   (data parallel), expert parallel, tensor-parallel experts (every expert's FFN split, Megatron
+   plan), expert parallel on replicated tokens, and `plan="auto"`: step time and memory per device.
 
     python benchmarks/moe.py
 """
@@ -80,9 +79,6 @@ def cost_model_scenario() -> None:
     import autopar
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from cost_model.analytical import collective_time_s, compute_time_s
-    from cost_model.hardware import PRESETS, axis_link
-
     cfg = MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=4,
                         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
                         max_position_embeddings=4096, use_cache=False)
@@ -91,30 +87,26 @@ def cost_model_scenario() -> None:
     ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
     inputs = {"input_ids": ids, "labels": ids}
     rows = {}
-    for label, plan, ov in (("experts replicated (dp)", "dp", None), ("expert parallel (dp + expert@dp)", "dp",
-                                                                        {"moe": "expert@dp"}), ("auto", "auto", None)):
-        p = autopar.plan(model, {"dp": 8}, inputs, plan=plan, overrides=ov, cluster="h100", memory_limit=80e9)
-        rows[label] = p
+    for label, mesh, plan, ov in (
+            ("experts replicated (dp)", {"dp": 8}, "dp", None),
+            ("expert parallel (dp + expert@dp)", {"dp": 8}, "dp", {"moe": "expert@dp"}),
+            ("tensor-parallel experts (megatron + tp@tp)", {"tp": 8}, "megatron", {"moe": "tp@tp"}),
+            ("EP on replicated tokens (megatron + expert@tp)", {"tp": 8}, "megatron", {"moe": "expert@tp"}),
+            ("auto", {"dp": 8}, "auto", None)):
+        p = autopar.plan(model, mesh, inputs, plan=plan, overrides=ov, cluster="h100", memory_limit=80e9)
+        rows[label] = p.estimate
         moe = sorted({f"{s.form}@{s.axis}" if s.axis else s.form for s in p.strategies if s.kind == "moe"})
-        print(f"  {label:34s} {p.estimate.step_time_s * 1e3:7.1f} ms/step  "
-              f"{p.estimate.memory_bytes_per_device / 2**30:6.1f} GiB/device  moe: {', '.join(moe)}")
-    # tensor-parallel experts over the 8 GPUs (analytical): every rank runs 1/8 of every expert on all 8x4096 tokens
-    # of the step, two all-reduces of the (T, h) activations per layer (forward output, backward input grad)
-    clus = PRESETS["h100"]
-    T, h, k, ffn, Ex = 8 * 4096, 4096, 2, 14336, 8
-    expert_flops = 3 * 2 * T * k * 3 * h * ffn / 8
-    link = axis_link(clus, (8,), 0)
-    tp_layer = compute_time_s(expert_flops, 0, "bfloat16", clus) + 2 * collective_time_s("all_reduce", T * h * 2, 8, link)
-    ep_cost = rows["expert parallel (dp + expert@dp)"].estimate
-    ep_layer = dict((k_, t) for k_, t, _ in ep_cost.per_site)["model.layers.0.mlp.experts"]
-    print(f"  per MoE layer: expert parallel {ep_layer * 1e3:.2f} ms, tensor-parallel experts (analytical) "
-          f"{tp_layer * 1e3:.2f} ms")
-    rep = rows["experts replicated (dp)"].estimate
-    auto = rows["auto"].estimate
-    print(f"RATIO moe_ep_vs_replicated step time = {ep_cost.step_time_s / rep.step_time_s:.3f}, memory = "
-          f"{ep_cost.memory_bytes_per_device / rep.memory_bytes_per_device:.3f} (cost model, 8 x H100)")
-    print(f"RATIO moe_ep_vs_tp_experts per layer = {ep_layer / tp_layer:.3f} (cost model; TP experts analytical)")
-    print(f"RATIO moe_auto_vs_best_hand = {auto.step_time_s / min(ep_cost.step_time_s, rep.step_time_s):.3f}")
+        layer = dict((k_, t) for k_, t, _ in p.estimate.per_site)["model.layers.0.mlp.experts"]
+        print(f"  {label:46s} {p.estimate.step_time_s * 1e3:7.1f} ms/step  {layer * 1e3:6.2f} ms/MoE layer  "
+              f"{p.estimate.memory_bytes_per_device / 2**30:6.1f} GiB/device  fits {p.estimate.fits}  moe: {', '.join(moe)}")
+    ep, rep = rows["expert parallel (dp + expert@dp)"], rows["experts replicated (dp)"]
+    tp, auto = rows["tensor-parallel experts (megatron + tp@tp)"], rows["auto"]
+    print(f"RATIO moe_ep_vs_replicated step time = {ep.step_time_s / rep.step_time_s:.3f}, memory = "
+          f"{ep.memory_bytes_per_device / rep.memory_bytes_per_device:.3f} (cost model, 8 x H100)")
+    print(f"RATIO moe_ep_vs_tp_experts step time = {ep.step_time_s / tp.step_time_s:.3f}, memory = "
+          f"{ep.memory_bytes_per_device / tp.memory_bytes_per_device:.3f} (cost model, 8 x H100)")
+    best = min(r.step_time_s for k_, r in rows.items() if k_ != "auto")
+    print(f"RATIO moe_auto_vs_best_hand = {auto.step_time_s / best:.3f}")
 
 
 def main() -> None:

@@ -186,6 +186,12 @@ def _graph_op(k, x, idx, w, params):
     return torch.ops.autopar.moe_experts(k, x, idx, w, list(params))
 
 
+# Tensor-parallel experts: where each stacked weight keeps the expert's hidden (FFN) features. HF's
+# gate_up_proj is gate and up concatenated: two blocks, each split over the axis. A ModuleList
+# expert is any module, so its FFN dims are not known: it is offered replicate and expert only.
+_FFN_DIMS = {"hf-stacked": [(1, 2), (2, 1)], "grouped": [(1, 1), (2, 1), (1, 1)]}
+
+
 # ----------------------------------------------------------------------------- verification
 
 def _tol(dtype) -> tuple[float, float]:
@@ -300,7 +306,8 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                    "grouped": lambda: rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
                    "modulelist": lambda: rt.module_expert(f.experts[0], f.expert_params)}[f.spelling]
         spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), spec_fn(), f.spelling,
-                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
+                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None,
+                              ffn_dims=_FFN_DIMS.get(f.spelling))
         key = rt.register(spec, f.module)
         params = list(f.module.parameters())
         if not real:  # planning on meta: nothing can run; routing details do not change the cost
@@ -381,7 +388,12 @@ def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     if q.op == "placeholder":
                         site.params[f"{i}.{name}"] = q.name
         t, h = x.meta["val"].shape
+        ffn = None
+        if spec.ffn_dims and site.info.get("stacked", True) and all(p.op == "placeholder" for p in params):
+            d, k = spec.ffn_dims[0]
+            ffn = params[0].meta["val"].shape[d] // k
         site.info.update(num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
+                         ffn_features=ffn,
                          spelling=spec.spelling, key=key,
                          stacked=all(p.op == "placeholder" for p in params),
                          expert_numel=sum(p.meta["val"].numel() for p in params),

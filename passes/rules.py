@@ -566,8 +566,11 @@ def stack_rule(node, tin, ins, n) -> Decision:
 @register(torch.ops.autopar.moe_experts.default)
 def moe_experts_rule(node, tin, ins, n) -> Decision:
     """MoE experts without an expert axis here: per token, so tokens sharded on dim 0 (data parallel)
-    stay so; experts replicated. The expert-parallel rule is `passes.lower._moe_rule`."""
-    x = ins[0]
+    stay so with experts replicated; experts sharded on their FFN dims (tensor parallel) take every
+    token and give partial sums. The expert-parallel rule is `passes.lower._moe_rule`."""
+    x, params = ins[0], ins[3:]
+    if any(is_shard(p) and p.dim >= 1 for p in params):  # tensor-parallel experts: every token, partial sums
+        return [R, R, R] + list(params), P
     if is_shard(x) and x.dim == 0:
         return [x, x, x] + [R] * (len(ins) - 3), x
     return [R] * len(ins), R

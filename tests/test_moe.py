@@ -100,6 +100,8 @@ CASES = {
     "grouped-top2-tp2-partial": (2, make_grouped_top2, token_inputs, (2,), ("tp",), "megatron",
                                  {"moe": "expert@tp"}, 2),
     "grouped-top2-fsdp2-replicated": (2, make_grouped_top2, token_inputs, (2,), ("dp",), "fsdp", None, 2),
+    "grouped-top2-tp2-experts": (2, make_grouped_top2, token_inputs, (2,), ("tp",), "megatron", {"moe": "tp@tp"}, 2),
+    "mixtral-tp2-experts": (2, make_mixtral, hf_inputs, (2,), ("tp",), "megatron", {"moe": "tp@tp"}, 2),
     "capacity-top2-ep2": (2, make_capacity_top2, token_inputs, (2,), ("ep",), "dp", {"moe": "expert@ep"}, 2),
 }
 
@@ -122,12 +124,18 @@ def test_moe_equivalence(case):
         idle = set().union(*(r.idle for r in results))
         assert {f"layers.{i}.mlp.experts.3.{w}.weight" for i in range(2) for w in ("gate", "up", "down")} <= idle
     counts = results[0].comm_counts
-    if "partial" in case or not overrides:  # tokens replicated on the expert axis (or no EP): no all-to-all
+    if "partial" in case or "-experts" in case or not overrides:  # tokens replicated on the expert axis (or no EP): no all-to-all
         assert "all_to_all.forward" not in counts and "all_to_all.backward" not in counts, counts
     else:  # per MoE layer: counts, tokens out, tokens back forward; tokens out and back backward
         assert counts.get("all_to_all.forward") == 3 * layers, counts
         assert counts.get("all_to_all.backward") == 2 * layers, counts
     if not overrides:
+        return
+    if overrides["moe"].startswith("tp"):  # every expert's FFN features split: 1/t of each expert weight per rank
+        t = shape[0]
+        full = {n: p.numel() for n, p in _shapes(make).items() if ".experts" in n}
+        for res in results:
+            assert all(res.local_numel[n] * t == v for n, v in full.items()), res.local_numel
         return
     ep = shape[names.index(overrides["moe"].split("@")[1])]
     full = {n: p.numel() for n, p in _shapes(make).items() if ".experts" in n}

@@ -60,6 +60,8 @@ class ExpertsSpec:
     expert_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # (params of one expert, rows) -> rows
     spelling: str  # "modulelist", "hf-stacked", "grouped"
     capacity_factor: float | None = None
+    # per stacked parameter: (dim, blocks) of its FFN dim, for tensor-parallel experts (None: not offered)
+    ffn_dims: list[tuple[int, int]] | None = None
     notes: list[str] = field(default_factory=list)
 
 
