@@ -206,10 +206,8 @@ def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     sub-mesh (replicated there), empty on every other rank, which therefore holds 1/ep of the experts."""
     from torch.distributed._local_tensor import local_tensor_mode
     if local_tensor_mode() is not None:
-        raise NotImplementedError(
-            "ModuleList experts under expert parallelism need one process per rank (gloo or NCCL): each rank holds "
-            "different experts, which LocalTensorMode's one shared module cannot express. Fix: run under torchrun, "
-            "or store the experts stacked (E, ...) as GroupedExperts / Hugging Face experts do.")
+        from autopar.runtime.moe import OWNED_NEEDS_PROCESSES
+        raise NotImplementedError(OWNED_NEEDS_PROCESSES)
     (ax,) = [i for i, p in enumerate(placements) if is_owned(p)]
     owner = placements[ax].owner
     local = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim).to_local()  # rank 0's copy everywhere

@@ -7,13 +7,14 @@ parameter after each step; the all-to-all count and the expert shards are assert
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import pytest
 import torch
 
 from dist_harness import gloo_pool
 from equivalence import gloo_equivalence
+from test_equivalence_gloo import _param_names, hf_inputs, token_inputs  # the same 4 x 16 token batches
 
 TOL = 1e-10  # fp64 end to end
 HF_TOL = 1e-5  # Hugging Face Mixtral routes and computes its loss in fp32
@@ -60,29 +61,6 @@ def make_mixtral():
                         use_cache=False)
     cfg._experts_implementation = "eager"  # fp64 (the default grouped_mm takes fp32/bf16 only)
     return MixtralForCausalLM(cfg).eval()
-
-
-def _ids():
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g)
-
-
-def token_inputs():
-    return _ids()
-
-
-def hf_inputs():
-    ids, labels = _ids()
-    return {"input_ids": ids, "labels": labels}
-
-
-def _param_names(make) -> set[str]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        return {n for n, _ in make().named_parameters()}
-    finally:
-        torch.set_default_dtype(old)
 
 
 CASES = {
@@ -149,10 +127,16 @@ def test_moe_equivalence(case):
 
 
 def _shapes(make):
+    with _fp64_default():
+        return dict(make().named_parameters())
+
+
+@contextlib.contextmanager
+def _fp64_default():
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return dict(make().named_parameters())
+        yield
     finally:
         torch.set_default_dtype(old)
 
@@ -399,3 +383,15 @@ def test_expert_parallel_checkpoint_loads_into_another_plan():
     path = tempfile.mkdtemp(prefix="autopar-moe-dcp-")
     for errs in gloo_pool(2).run(moe_dcp_round_trip, path):
         assert all(v == 0.0 for v in errs.values()), errs
+
+
+def test_owned_experts_under_local_tensor_mode_say_to_use_processes(local_world, fp64):
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model, inputs = make_modulelist_top2(), token_inputs()
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+        with pytest.raises(NotImplementedError, match="one process per rank.*stacked"):
+            autopar.parallelize(model, mesh, inputs, plan="dp", overrides={"moe": "expert@ep"})

@@ -104,16 +104,19 @@ def module_expert(template: nn.Module, names: list[str]):
     return fn
 
 
+OWNED_NEEDS_PROCESSES = (
+    "ModuleList experts under expert parallelism need one process per rank (gloo or NCCL): each rank holds "
+    "different experts, which LocalTensorMode's one shared module cannot express. Fix: run under torchrun, "
+    "or store the experts stacked (E, ...) as GroupedExperts / Hugging Face experts do.")
+
+
 def local_expert_stack(params: list[torch.Tensor], axis: AxisRef | str, per_rank: int) -> torch.Tensor:
     """ModuleList experts under expert parallelism: stack this rank's experts (the others are empty
     here: each expert's weights live on the rank that owns it)."""
     axis = resolve_axis(axis)
     r = axis.local_rank()
     if not isinstance(r, int):
-        raise NotImplementedError(
-            "ModuleList experts under expert parallelism need one process per rank (gloo or NCCL): each rank holds "
-            "different experts, which LocalTensorMode's one shared module cannot express. Fix: run under torchrun, "
-            "or store the experts stacked (E, ...) as GroupedExperts / Hugging Face experts do.")
+        raise NotImplementedError(OWNED_NEEDS_PROCESSES)
     return torch.stack(params[r * per_rank:(r + 1) * per_rank])
 
 
