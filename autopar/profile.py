@@ -3,9 +3,11 @@
 `profile(mesh)` runs on every rank of the mesh (collectively). Every timing starts after a barrier
 (all ranks run the same work at once, as in training, sharing memory bandwidth and cores) and is the
 median of `repeats` runs after one warm-up. It measures:
-- matmul throughput per dtype: square n x n matmuls for each n in `sizes`, `2n^3 / t`; the best size
-  counts. A larger size is skipped when, scaled by n^3, it would take more than `max_matmul_s`
-  (slow dtypes, e.g. fp16 on most CPUs).
+- matmul throughput per dtype, as training runs matmuls: a linear layer's forward and backward
+  (`y = x W^T`, then `g W` and `g^T x`, two of them on transposed operands) with x, W, g square
+  n x n for each n in `sizes`, `3 · 2n^3 / t` (the estimate prices 3x the forward FLOPs at this
+  rate); the best size counts. A larger size is skipped when, scaled by n^3, it would take more
+  than `max_matmul_s` (slow dtypes, e.g. fp16 on most CPUs).
 - memory bandwidth: `dst.copy_(src)` of `memory_bytes`, `2 · bytes / t` (read + write): the roofline's.
 - per-op-kind rates (`Cluster.sdpa_flops`, `vector_bytes_per_s`, `copy_bytes_per_s`,
   `op_overhead_s`, see `cost_model.analytical.kernel_time_s`), on tensors of `kernel_bytes`:
@@ -109,9 +111,10 @@ def _median_s(fn, device: torch.device, repeats: int, group=None) -> float:
 def _matmul_flops(dtype: str, sizes, device, repeats: int, max_matmul_s: float, progress: _Progress) -> float:
     best = 0.0
     for i, n in enumerate(sizes):
-        a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
-        b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
-        t = _median_s(lambda: torch.mm(a, b), device, repeats)
+        x, w, g = (torch.randn(n, n, device=device).to(getattr(torch, dtype)) for _ in range(3))
+        x.requires_grad_()
+        w.requires_grad_()
+        t = _median_s(lambda: torch.autograd.grad(F.linear(x, w), (x, w), g), device, repeats) / 3
         best = max(best, 2 * n**3 / t)
         progress.step(f"matmul {dtype} {n}")
         if i + 1 < len(sizes) and t * (sizes[i + 1] / n) ** 3 > max_matmul_s:
