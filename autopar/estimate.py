@@ -324,8 +324,9 @@ class MeshCosting:
     def link(self, axis: str):
         return axis_link(self.cluster, self.sizes, self.names.index(axis))
 
-    def allreduce_s(self, nbytes: float, axis: str) -> float:
-        return collective_time_s("all_reduce", int(nbytes), self.size(axis), self.link(axis))
+    def allreduce_s(self, nbytes: float, axis: str, interval_s: float | None = None) -> float:
+        """An all-reduce on `axis`, after `interval_s` of compute when known (`collective_time_s`)."""
+        return collective_time_s("all_reduce", int(nbytes), self.size(axis), self.link(axis), interval_s=interval_s)
 
     def _bucket_rate(self, axis: str) -> tuple[float, float]:
         """(fixed seconds, seconds per byte) of the gradient bucket's all-reduce on `axis`: the chord of its
@@ -350,25 +351,29 @@ class MeshCosting:
         """The fixed cost of the gradient buckets: one per data / sequence axis and parameter dtype."""
         return self.num_buckets * sum(self._bucket_rate(a)[0] for a in self.data_axes + self.seq_axes)
 
-    def fsdp_sync(self, gathered: list[float], reduced: list[float]) -> tuple[float, float]:
+    def fsdp_sync(self, gathered: list[float], reduced: list[float], backward_s: float = 0.0) -> tuple[float, float]:
         """(time, bytes sent) of FSDP on the data axes, as `passes.lower` issues it: each parameter is
         all-gathered before use on every axis, innermost first (there the tensor is still divided by the
-        outer axes). Each gradient reduced on its own (`reduced`; one reduced at a batch boundary is not)
-        is reduce-scattered on the outermost axis (the gather and the reduction fuse there) and
-        all-reduced, whole, on every other axis. On sequence axes the gradients join the bucket."""
+        outer axes), all at the start of the step, back to back. Each gradient reduced on its own
+        (`reduced`; one reduced at a batch boundary is not) is reduce-scattered on the outermost axis (the
+        gather and the reduction fuse there) and all-reduced, whole, on every other axis, as backward
+        produces it (`backward_s` of the structure's backward shared between them). On sequence axes the
+        gradients join the bucket."""
         t = b = 0.0
         axes = sorted(self.data_axes, key=self.names.index)
         for nbytes in gathered:
             for i, a in enumerate(axes):
                 p = self.size(a)
                 n = nbytes / math.prod(self.size(o) for o in axes[:i])  # the gathered tensor on this axis
-                t += collective_time_s("all_gather", int(n), p, self.link(a))
+                t += collective_time_s("all_gather", int(n), p, self.link(a), interval_s=0.0)
                 b += (p - 1) / p * n
         for nbytes in reduced:
             for i, a in enumerate(axes):
                 p = self.size(a)
                 kind = "reduce_scatter" if i == 0 else "all_reduce"
-                t += collective_time_s(kind, int(nbytes), p, self.link(a))
+                # backward reduces the innermost axis first (after the compute), the others back to back
+                interval = backward_s / len(reduced) if i == len(axes) - 1 else 0.0
+                t += collective_time_s(kind, int(nbytes), p, self.link(a), interval_s=interval)
                 b += (p - 1) / p * nbytes * (1 if i == 0 else 2)
         t_seq, b_seq = self.grad_sync(sum(reduced), self.seq_axes)
         return t + t_seq, b + b_seq
@@ -412,27 +417,29 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
     sharded = cand.form in ("heads", "tp", "vocab", "sequence")
     t = mc.size(cand.axis) if sharded else 1
     compute = _compute_s(st, dp * t, mc.cluster)
+    # compute before the site's collectives in its forward / backward pass (their synchronisation grows with it)
+    fwd_s, bwd_s = compute / 3, 2 * compute / 3
     comm_s = comm_b = 0.0
 
-    def ar(nbytes: float) -> None:
+    def ar(nbytes: float, interval_s: float | None = None) -> None:
         nonlocal comm_s, comm_b
-        comm_s += mc.allreduce_s(nbytes, cand.axis)
+        comm_s += mc.allreduce_s(nbytes, cand.axis, interval_s)
         comm_b += 2 * (t - 1) / t * nbytes
 
     act = st.act_bytes / dp
     if sharded:
         if site.kind in ("attention", "mlp"):
-            ar(st.io_bytes / dp)  # forward: the row-parallel output
-            ar(st.io_bytes / dp)  # backward: the column-parallel input's gradient
+            ar(st.io_bytes / dp, fwd_s)  # forward: the row-parallel output
+            ar(st.io_bytes / dp, bwd_s)  # backward: the column-parallel input's gradient
             act = st.io_bytes / dp + (st.act_bytes - st.io_bytes) / dp / t
         elif site.kind == "embedding":
             if st.summed_into is None:  # else reduced with the embedding it is added to
-                ar(st.act_bytes / dp)
+                ar(st.act_bytes / dp, fwd_s)
             act = st.act_bytes / dp
         elif site.kind == "loss":
-            ar(st.io_bytes / dp)
-            for _ in range(3):
-                ar(st.tokens / dp * 4)
+            ar(st.io_bytes / dp, bwd_s)  # the LM head input's gradient
+            for _ in range(3):  # max, target logit, sum of exps: they split the forward between them
+                ar(st.tokens / dp * 4, fwd_s / 3)
             if st.logits_out:
                 nbytes = st.logits_bytes / dp
                 comm_s += collective_time_s("all_gather", int(nbytes), t, mc.link(cand.axis))
@@ -458,7 +465,8 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
     split = t if sharded and cand.form != "sequence" else 1
     local_params = st.param_bytes / split
     if cand.fsdp:
-        gs_t, gs_b = mc.fsdp_sync([b / split for b in st.param_sizes], [b / split for b in st.synced_param_sizes])
+        gs_t, gs_b = mc.fsdp_sync([b / split for b in st.param_sizes], [b / split for b in st.synced_param_sizes],
+                                  bwd_s)
     else:
         gs_t, gs_b = mc.grad_sync(st.synced_param_bytes / split)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
@@ -475,7 +483,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     bucket is left to pay for: every site is FSDP in the plans that set it)."""
     compute = _compute_s(st, mc.dp, mc.cluster)
     if fsdp:
-        comm_s, comm_b = mc.fsdp_sync(st.param_sizes, st.synced_param_sizes)
+        comm_s, comm_b = mc.fsdp_sync(st.param_sizes, st.synced_param_sizes, 2 * compute / 3)
         state = st.param_bytes * mc.state_factor() / mc.dp + st.param_bytes
     else:
         comm_s, comm_b = mc.grad_sync(st.synced_param_bytes)

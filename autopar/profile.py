@@ -18,15 +18,20 @@ median of `repeats` runs after one warm-up. It measures:
   op and per unit of work (3 per forward op, as the estimate counts them).
 - each mesh axis of size p > 1, collectives in situ (`Link.table`): for each kind (all_reduce,
   all_gather, reduce_scatter, all_to_all, issued as the runtime issues them, through
-  `torch.ops._c10d_functional` and `wait_tensor`) and each size in `message_bytes` (geometric,
-  4 B to 8 MiB by default), `iters` iterations of (a matmul of about `insitu_matmul_s` + the
-  collective) minus `iters` of the matmul alone, per iteration. This is what a collective adds to a
-  stream of compute, synchronisation with the other ranks included; on a small CPU host it is
-  ~1 ms even for 4 bytes, far above the latency a back-to-back loop sees. The table is made
+  `torch.ops._c10d_functional` and `wait_tensor`) and each size in `message_bytes` (4 B to 8 MiB
+  by default, 4x apart: gloo's cost is not smooth in the size), `iters` iterations of (a matmul of
+  about `insitu_matmul_s` + the collective) minus `iters` of the matmul alone, per iteration. This
+  is what a collective adds to a stream of compute, synchronisation with the other ranks
+  included; on a small CPU host it is ~1-2 ms from a few KiB on, far above the latency a
+  back-to-back loop of tiny messages sees. The table is made
   non-decreasing in the size (pool-adjacent-violators: noise does not make a larger message
   cheaper). Sizes are n as `cost_model.analytical` defines it per kind (the full tensor of an
   all-reduce, the gathered output of an all-gather, the full input of a reduce-scatter, the local
-  buffer of an all-to-all). The alpha-beta link (for other kinds and group sizes) is a weighted
+  buffer of an all-to-all). Synchronisation also grows with the compute ranks do alone before a
+  collective (they drift apart; idle threads go to sleep): a small all-reduce is timed the same way
+  after 0 (back to back), 1, 4 and 16 matmuls (`Link.sync_table`, made non-decreasing, with
+  `Link.table_interval_s` the compute of one matmul, the table's). The alpha-beta link (for other
+  kinds and group sizes) is a weighted
   least-squares fit (relative error) of the all-reduce row, `t(n) = A + B·n`, mapped to the ring
   model `t = 2(p-1)·alpha + 2(p-1)/p · n / bw`: `alpha = A / (2(p-1))`, `bw = 2(p-1) / (p·B)`.
 
@@ -62,7 +67,8 @@ __all__ = ["profile"]
 
 _c10d = torch.ops._c10d_functional
 
-_MESSAGES = tuple(4 * 8**k for k in range(8))  # 4 B .. 8 MiB
+_MESSAGES = tuple(4 * 4**k for k in range(11)) + (2**23,)  # 4 B .. 4 MiB in steps of 4x, and 8 MiB
+_SYNC_MATMULS = (0, 1, 4, 16)  # matmuls of ~insitu_matmul_s before a collective: the sync table's intervals
 _DEFAULTS = {  # device type -> matmul sizes, collective message bytes, copy bytes, kernel bytes, SDPA (b, h, s, d)
     "cpu": dict(sizes=(256, 512, 1024), messages=_MESSAGES, memory=2**26, kernel=2**21, sdpa=(4, 8, 128, 64)),
     "cuda": dict(sizes=(2048, 4096, 8192), messages=_MESSAGES, memory=2**30, kernel=2**26, sdpa=(4, 16, 1024, 128)),
@@ -196,24 +202,25 @@ def _collective_op(kind: str, nbytes: int, p: int, group_name: str, device):
     return x.numel() * 4, lambda: _c10d.wait_tensor(_c10d.all_to_all_single(x, splits, splits, group_name))
 
 
-def _in_situ_s(op, matmul, iters: int, repeats: int, device, group) -> float:
-    """Seconds one collective adds to a stream of matmuls: median over repeats of (matmul + collective) loops
-    minus matmul-only loops, per iteration (never negative)."""
+def _in_situ_s(op, compute, iters: int, repeats: int, device, group) -> tuple[float, float]:
+    """(seconds one collective adds to a stream of compute, seconds of compute per iteration): medians over
+    repeats of (compute + collective) loops minus compute-only loops, per iteration (never negative)."""
     def loop(with_op: bool):
         def run():
             for _ in range(iters):
-                matmul()
+                compute()
                 if with_op:
                     op()
         return run
 
     op()  # warm-up (connections, buffers)
-    diffs = []
+    diffs, bases = [], []
     for _ in range(repeats):
         base = _timed_s(loop(False), device, group)
         both = _timed_s(loop(True), device, group)
         diffs.append(max(0.0, both - base) / iters)
-    return statistics.median(diffs)
+        bases.append(base / iters)
+    return statistics.median(diffs), statistics.median(bases)
 
 
 def _monotone(times: list[float]) -> list[float]:
@@ -291,8 +298,8 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
     shape = tuple(int(s) for s in mesh.shape)
     axes = [i for i, s in enumerate(shape) if s > 1]
     rank0 = dist.get_rank() == 0
-    bar = _Progress(len(dtypes) * (len(sizes) + 1) + 4 + len(axes) * len(TABLE_KINDS) * len(message_bytes),
-                    progress and rank0)
+    bar = _Progress(len(dtypes) * (len(sizes) + 1) + 4
+                    + len(axes) * (len(TABLE_KINDS) * len(message_bytes) + len(_SYNC_MATMULS)), progress and rank0)
 
     # rates: reduced with MIN over ranks (the slowest rank counts)
     flops = [_matmul_flops(str(dt), sizes, device, repeats, max_matmul_s, bar) for dt in dtypes]
@@ -332,8 +339,15 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
             for nbytes in message_bytes:
                 n_model, op = _collective_op(kind, nbytes, shape[i], group.group_name, device)
                 used.append(n_model)
-                times.append(_in_situ_s(op, matmul, iters, repeats, device, group))
+                times.append(_in_situ_s(op, matmul, iters, repeats, device, group)[0])
                 bar.step(f"{kind} in situ, axis {i} ({shape[i]} ranks) {n_model} B")
+        # synchronisation against the compute before a collective: a small all-reduce after k matmuls
+        _, op = _collective_op("all_reduce", message_bytes[0], shape[i], group.group_name, device)
+        for k in _SYNC_MATMULS:
+            compute = lambda k=k: [matmul() for _ in range(k)]  # noqa: E731
+            added, interval = _in_situ_s(op, compute, max(4, iters // max(1, k // 2)), repeats, device, group)
+            times += [added, interval]
+            bar.step(f"all_reduce after {k} matmuls, axis {i}")
     times_t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
@@ -353,9 +367,15 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
             for nb, t in zip(used, row):  # rounding to whole elements can repeat a size: keep the larger time
                 points[nb] = max(points.get(nb, 0.0), t)
             table[kind] = tuple(sorted(points.items()))
+        sync = times[k:k + 2 * len(_SYNC_MATMULS)]
+        k += 2 * len(_SYNC_MATMULS)
+        added, intervals = sync[0::2], sync[1::2]
+        intervals[0] = 0.0  # back to back: no compute between collectives
+        sync_table = tuple(zip(intervals, _monotone(added)))
         ar = table["all_reduce"]
         fit = _fit_all_reduce([nb for nb, _ in ar], [t for _, t in ar], shape[i])
-        links[i] = Link(alpha_s=fit.alpha_s, bytes_per_s=fit.bytes_per_s, table=table, table_group_size=shape[i])
+        links[i] = Link(alpha_s=fit.alpha_s, bytes_per_s=fit.bytes_per_s, table=table, table_group_size=shape[i],
+                        table_interval_s=intervals[_SYNC_MATMULS.index(1)], sync_table=sync_table)
     measured = [link for link in links if link is not None]
     if measured:
         intra = max(measured, key=lambda link: link.bytes_per_s)

@@ -16,7 +16,9 @@ A group of size 1 costs nothing. (Ring algorithms; tree all-reduce latency would
 not modelled.) When the link carries a measured table for the kind and the group size
 (`Link.table`, written by `autopar.profile`), the time is interpolated from it instead: log-log
 between measured sizes, the smallest size's time below them, and the last segment's slope
-(seconds per byte) above them.
+(seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
+moves by `sync(interval_s) - sync(Link.table_interval_s)` (`Link.sync_table`, linear between
+measured intervals, flat beyond them), never below zero.
 
 Redistribution along one mesh axis (`redistribute_kind`, `redistribute_time_s`), with n the bytes
 of the tensor as that axis' group sees it (global bytes divided by its sharding on the other
@@ -124,15 +126,31 @@ def send_bytes(kind: str, numel_bytes: int, group_size: int) -> float:
     return 0.0 if group_size == 1 else fraction(group_size) * numel_bytes
 
 
-def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link) -> float:
+def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link, *,
+                      interval_s: float | None = None) -> float:
     """Time of a collective: interpolated from the link's measured table when it has one for this kind
-    and group size, else alpha-beta of a ring (module table): send_bytes / bw + steps · alpha."""
+    and group size (adjusted for `interval_s` of compute before it when the link measured that), else
+    alpha-beta of a ring (module table): send_bytes / bw + steps · alpha."""
     _, steps = _collective(kind)
     if group_size == 1:
         return 0.0
     if link.table and kind in link.table and link.table_group_size == group_size:
-        return interpolate_table(link.table[kind], numel_bytes)
+        t = interpolate_table(link.table[kind], numel_bytes)
+        if interval_s is not None and link.sync_table:
+            t += _piecewise_linear(link.sync_table, interval_s) - _piecewise_linear(link.sync_table,
+                                                                                     link.table_interval_s)
+        return max(t, 0.0)
     return send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s + steps(group_size) * link.alpha_s
+
+
+def _piecewise_linear(rows, x: float) -> float:
+    """y at x from ((x, y), ...) rows (x increasing): linear between rows, flat outside them."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return rows[-1][1]
 
 
 def interpolate_table(rows, n: float) -> float:

@@ -16,7 +16,12 @@ Units and conventions:
   increasing and times non-decreasing, for groups of `Link.table_group_size` ranks. It is the
   cost a collective adds inside a stream of compute (synchronisation included), which on small
   hosts is far above alpha; `collective_time_s` interpolates it and uses alpha-beta for other kinds
-  and group sizes. Presets carry no table.
+  and group sizes. Presets carry no table. The table is measured with `table_interval_s` of
+  compute before each collective; `Link.sync_table`, `((interval_s, seconds), ...)`, is what a small
+  all-reduce costs after other amounts of compute (0: back to back): the longer ranks compute
+  alone, the more they drift apart and the longer the synchronisation. A caller that knows the
+  compute before a collective passes it (`collective_time_s(..., interval_s=)`) and the time moves
+  by the difference of the sync table between that interval and the table's.
 - Per-op-kind compute (profiles only; `None` in the presets, which then use the roofline):
   `sdpa_flops[dtype]` (fused attention, forward + backward counted as 3x forward FLOPs),
   `vector_bytes_per_s` (elementwise and reduction ops, bytes read + written),
@@ -75,6 +80,8 @@ class Link:
     # kind -> ((n_bytes, seconds), ...): measured in a compute stream, for groups of table_group_size ranks
     table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
     table_group_size: int | None = None
+    table_interval_s: float | None = None  # compute before each collective when the table was measured
+    sync_table: tuple[tuple[float, float], ...] | None = None  # (interval_s, seconds) of a small all-reduce
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
@@ -102,6 +109,17 @@ class Link:
                                  f"message size (make a measured table monotone first), got {times}")
             table[kind] = rows
         object.__setattr__(self, "table", table)
+        if self.sync_table is not None:
+            rows = tuple((float(d), float(t)) for d, t in self.sync_table)
+            intervals, times = [d for d, _ in rows], [t for _, t in rows]
+            if (not rows or intervals[0] < 0 or any(b <= a for a, b in zip(intervals, intervals[1:]))
+                    or any(t < 0 for t in times) or any(b < a for a, b in zip(times, times[1:]))):
+                raise ValueError(f"Link.sync_table: intervals must be >= 0 and strictly increasing, times >= 0 and "
+                                 f"non-decreasing, got {rows}")
+            if self.table_interval_s is None or self.table_interval_s < 0:
+                raise ValueError("Link.sync_table needs table_interval_s, the compute interval the table was measured "
+                                 f"at, got {self.table_interval_s!r}")
+            object.__setattr__(self, "sync_table", rows)
 
     @property
     def effective_bytes_per_s(self) -> float:

@@ -145,10 +145,30 @@ def test_measured_table_interpolates():
     assert A.collective_time_s("all_reduce", 2**20, 1, link) == 0
 
 
+def test_sync_grows_with_the_compute_before_a_collective():
+    """The table was measured after table_interval_s of compute; after another interval the time moves by the
+    sync table's difference (linear between intervals, flat beyond), never below zero."""
+    rows = ((4, 1e-3), (2**20, 2e-3))
+    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_reduce": rows}, table_group_size=2, table_interval_s=1e-3,
+                  sync_table=((0.0, 0.2e-3), (1e-3, 1e-3), (4e-3, 2e-3)))
+    at = lambda n, d: A.collective_time_s("all_reduce", n, 2, link, interval_s=d)  # noqa: E731
+    assert at(2**20, None) == at(2**20, 1e-3) == pytest.approx(2e-3)
+    assert at(2**20, 4e-3) == pytest.approx(3e-3) and at(2**20, 2.5e-3) == pytest.approx(2.5e-3)
+    assert at(2**20, 1.0) == pytest.approx(3e-3)  # flat beyond the longest interval measured
+    assert at(2**20, 0.0) == pytest.approx(1.2e-3)  # back to back
+    assert A.collective_time_s("all_gather", 2**20, 2, link, interval_s=4e-3) == pytest.approx(2**19 / 1e9 + 1e-5)
+    with pytest.raises(ValueError, match="table_interval_s"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": rows}, table_group_size=2, sync_table=((0.0, 1e-3),))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": rows}, table_group_size=2, table_interval_s=1e-3,
+               sync_table=((1e-3, 1e-3), (1e-3, 2e-3)))
+
+
 def test_link_table_validates_and_round_trips_json():
     rows = [[4, 1e-3], [1024, 1.5e-3]]
-    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_gather": rows}, table_group_size=2)
-    assert link.table == {"all_gather": ((4.0, 1e-3), (1024.0, 1.5e-3))}
+    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_gather": rows}, table_group_size=2, table_interval_s=1e-3,
+                  sync_table=[[0, 1e-4], [1e-3, 1e-3]])
+    assert link.table == {"all_gather": ((4.0, 1e-3), (1024.0, 1.5e-3))} and link.sync_table == ((0, 1e-4), (1e-3, 1e-3))
     measured = dataclasses.replace(H.PRESETS["cpu"], mesh_shape=(2,), axis_links=(link,), sdpa_flops={"float32": 3e10},
                                    vector_bytes_per_s=4e10, copy_bytes_per_s=5e10, op_overhead_s=2e-6)
     assert H.Cluster.from_json(measured.to_json()) == measured
@@ -435,6 +455,10 @@ def test_profile_on_gloo(tmp_path):
         times = [t for _, t in rows]
         assert times == sorted(times) and all(0 <= t < 1 for t in times)
     assert A.collective_time_s("all_reduce", 2**14, 2, link) == link.table["all_reduce"][1][1]
+    # synchronisation after 0 (back to back), 1, 4 and 16 matmuls; the table's interval is one matmul's
+    intervals, syncs = zip(*link.sync_table)
+    assert len(intervals) == 4 and intervals[0] == 0 and link.table_interval_s == intervals[1] > 0
+    assert list(syncs) == sorted(syncs) and list(intervals) == sorted(intervals)
     # per-op-kind compute
     assert set(cluster.sdpa_flops) == {"float32"} and cluster.sdpa_flops["float32"] > 1e7
     assert cluster.vector_bytes_per_s > 1e7 and cluster.copy_bytes_per_s > 1e7
