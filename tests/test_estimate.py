@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.api import _prepare
-from autopar.estimate import gather_stats
+from autopar.estimate import Candidate, gather_stats, mesh_costing, site_cost
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.collectives import record_comms
 from cost_model import analytical as A
@@ -94,3 +94,24 @@ def test_compute_by_op_kind_with_a_profiled_cluster():
                               and A.node_cost(n).kind != "view")
     assert expected / 2 < tp.estimate.compute_time_s < expected  # the work halves, the overhead does not
     assert tp.estimate.compute_time_s == pytest.approx((expected - overhead) / 2 + overhead, rel=0.05)
+
+
+def test_collectives_are_priced_after_the_compute_before_them():
+    """A profiled link whose synchronisation grows one for one with the compute before a collective (sync table),
+    and whose table is 1 ms at any size, measured after 1 ms: a collective after d seconds of compute costs d. A
+    tensor-parallel block's two all-reduces follow its forward (1/3 of its compute) and its backward (2/3): they
+    cost its compute. FSDP's gathers run back to back (free here) and its reduce-scatters share the backward."""
+    flat = {kind: ((4.0, 1e-3), (2.0**30, 1e-3)) for kind in H.TABLE_KINDS}
+    link = H.Link(alpha_s=1.0, bytes_per_s=1.0, table=flat, table_group_size=2, table_interval_s=1e-3,
+                  sync_table=((0.0, 0.0), (1.0, 1.0)))
+    model, inputs = _gpt()
+    for names, data_axes, cand in ((("tp",), (), Candidate(form="tp", axis="tp")),
+                                   (("dp",), ("dp",), Candidate(form="replicate", axis=None, fsdp=True))):
+        cluster = dataclasses.replace(H.PRESETS["cpu"], mesh_shape=(2,), axis_links=(link,))
+        _, _, ctx = _prepare(model, dict.fromkeys(names, 2), inputs, None)
+        stats, other, _ = gather_stats(ctx)
+        mlp = next(s for s in ctx.sites if s.kind == "mlp")
+        mc = mesh_costing(ctx, stats, other, names, (2,), data_axes, cluster)
+        cost = site_cost(mlp, stats[mlp.key], cand, mc)
+        expected = cost.compute_s if cand.form == "tp" else 2 * cost.compute_s / 3
+        assert cost.compute_s > 0 and cost.comm_s == pytest.approx(expected), (cand, cost)
