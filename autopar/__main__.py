@@ -67,6 +67,9 @@ def _profile(args: argparse.Namespace) -> int:
             for dt, f in cluster.peak_flops.items():
                 print(f"  matmul {dt}: {f / 1e12:.3f} TFLOP/s")
             print(f"  memory copy: {cluster.memory_bytes_per_s / 1e9:.2f} GB/s")
+            for dt, rows in (cluster.matmul_table or {}).items():
+                print(f"  matmul {dt} by size: " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3 {r / 1e12:.3f}"
+                                                             for f, r in rows) + " TFLOP/s")
             for dt, f in (cluster.sdpa_flops or {}).items():
                 print(f"  attention {dt} (forward + backward): {f / 1e12:.3f} TFLOP/s")
             print(f"  elementwise/reduction ops: {cluster.vector_bytes_per_s / 1e9:.2f} GB/s, data movement ops: "

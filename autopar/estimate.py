@@ -6,8 +6,9 @@ FSDP sharding of its parameters over the data axes — `site_cost` returns:
 
 - compute time (`_compute_s`): forward + backward = 3x the forward work of its nodes, divided by
   the data-parallel degree (the batch is split) and by t on the form's axis (the work is split).
-  With a profiled cluster (per-op-kind rates) each kind of op is priced at its rate and every op
-  pays the dispatch overhead, which no split divides (`cost_model.analytical.kernel_time_s`);
+  With a profiled cluster (per-op-kind rates) each kind of op is priced at its rate, a matmul at
+  the rate of its split size, and every op pays the dispatch overhead, which no split divides
+  (`cost_model.analytical.kernel_time_s`);
   with a preset, the roofline of the site's FLOPs and activation bytes (`compute_time_s`);
 - communication time (`cost_model.analytical.collective_time_s`: a profile's measured table, or
   alpha-beta) of the form's collectives (DESIGN.md §3) on its axis — heads/tp: one all-reduce of
@@ -89,7 +90,8 @@ class SiteStats:
     param_dim0: list[int] = field(default_factory=list)
     param_sizes: list[float] = field(default_factory=list)  # bytes of each parameter (FSDP gathers each)
     synced_param_sizes: list[float] = field(default_factory=list)  # those whose own gradient is reduced
-    work: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # (op kind, dtype) -> [flops, bytes, ops]
+    # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
+    work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
     summed_into: str | None = None  # embedding: the earlier embedding its output is added to (one reduction)
     loss_reductions: int = 0  # loss: scalars all-reduced per data axis (the loss; the count of a mean)
@@ -104,7 +106,7 @@ class SiteStats:
             self.compute_dtype = c.dtype
         self.act_bytes += _bytes(n.meta.get("val"))
         if c.kind != "view":
-            w = self.work.setdefault((c.kind, c.dtype), [0.0, 0.0, 0])
+            w = self.work.setdefault((c.kind, c.dtype, c.flops if c.kind == "matmul" else 0), [0.0, 0.0, 0])
             w[0], w[1], w[2] = w[0] + c.flops, w[1] + c.bytes, w[2] + 1
 
     def add_param(self, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
@@ -398,8 +400,8 @@ def _compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
     is not divided), else the roofline of all its FLOPs and activation bytes."""
     if has_kernel_rates(cluster):
         return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, _dtype(dtype, cluster), cluster,
-                                 num_ops=3 * ops)
-                   for (kind, dtype), (flops, nbytes, ops) in st.work.items())
+                                 num_ops=3 * ops, flops_per_call=per_call / divisor if per_call else None)
+                   for (kind, dtype, per_call), (flops, nbytes, ops) in st.work.items())
     return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, _dtype(st.compute_dtype, cluster),
                           cluster)
 

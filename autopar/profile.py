@@ -6,7 +6,7 @@ median of `repeats` runs after one warm-up. It measures:
 - matmul throughput per dtype, as training runs matmuls: a linear layer's forward and backward
   (`y = x W^T`, then `g W` and `g^T x`, two of them on transposed operands) with x, W, g square
   n x n for each n in `sizes`, `3 · 2n^3 / t` (the estimate prices 3x the forward FLOPs at this
-  rate); the best size counts. A larger size is skipped when, scaled by n^3, it would take more
+  rate): `Cluster.matmul_table` by forward FLOPs per call (2n^3); the best size is `peak_flops`. A larger size is skipped when, scaled by n^3, it would take more
   than `max_matmul_s` (slow dtypes, e.g. fp16 on most CPUs).
 - memory bandwidth: `dst.copy_(src)` of `memory_bytes`, `2 · bytes / t` (read + write): the roofline's.
 - per-op-kind rates (`Cluster.sdpa_flops`, `vector_bytes_per_s`, `copy_bytes_per_s`,
@@ -114,20 +114,21 @@ def _median_s(fn, device: torch.device, repeats: int, group=None) -> float:
     return statistics.median(_timed_s(fn, device, group) for _ in range(repeats))
 
 
-def _matmul_flops(dtype: str, sizes, device, repeats: int, max_matmul_s: float, progress: _Progress) -> float:
-    best = 0.0
+def _matmul_rates(dtype: str, sizes, device, repeats: int, max_matmul_s: float, progress: _Progress) -> list[float]:
+    """FLOP/s of a training matmul (linear forward + backward) per size; 0.0 for sizes skipped as too slow."""
+    rates = [0.0] * len(sizes)
     for i, n in enumerate(sizes):
         x, w, g = (torch.randn(n, n, device=device).to(getattr(torch, dtype)) for _ in range(3))
         x.requires_grad_()
         w.requires_grad_()
         t = _median_s(lambda: torch.autograd.grad(F.linear(x, w), (x, w), g), device, repeats) / 3
-        best = max(best, 2 * n**3 / t)
+        rates[i] = 2 * n**3 / t
         progress.step(f"matmul {dtype} {n}")
         if i + 1 < len(sizes) and t * (sizes[i + 1] / n) ** 3 > max_matmul_s:
             for m in sizes[i + 1:]:
                 progress.step(f"matmul {dtype} {m} (skipped: {n} took {t:.3f} s)")
             break
-    return best
+    return rates
 
 
 # ------------------------------------------------------------------------------------- op kinds
@@ -302,7 +303,7 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
                     + len(axes) * (len(TABLE_KINDS) * len(message_bytes) + len(_SYNC_MATMULS)), progress and rank0)
 
     # rates: reduced with MIN over ranks (the slowest rank counts)
-    flops = [_matmul_flops(str(dt), sizes, device, repeats, max_matmul_s, bar) for dt in dtypes]
+    mm_rates = [r for dt in dtypes for r in _matmul_rates(str(dt), sizes, device, repeats, max_matmul_s, bar)]
     src = torch.empty(memory_bytes // 4, device=device)
     dst = torch.empty_like(src)
     copy_bw = 2 * memory_bytes / _median_s(lambda: dst.copy_(src), device, repeats)
@@ -317,9 +318,16 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
     move_bw = _copy_bytes_per_s(kernel_bytes, device, repeats)
     bar.step("data movement ops")
     local_ranks = _local_world_size(device)
-    rates = torch.tensor(flops + sdpa + [copy_bw, vector_bw, move_bw, float(local_ranks),
-                                         float(_device_memory_bytes(device, local_ranks))],
+    rates = torch.tensor(mm_rates + sdpa + [copy_bw, vector_bw, move_bw, float(local_ranks),
+                                            float(_device_memory_bytes(device, local_ranks))],
                          dtype=torch.float64, device=device)
+    dist.all_reduce(rates, op=dist.ReduceOp.MIN)  # every rank sizes the in-situ matmul alike
+    rates = rates.tolist()
+    nd, ns = len(dtypes), len(sizes)
+    matmul_table = {str(dt): tuple((2.0 * n**3, r) for n, r in zip(sizes, rates[j * ns:(j + 1) * ns]) if r > 0)
+                    for j, dt in enumerate(dtypes)}
+    flops = [max(r for _, r in matmul_table[str(dt)]) for dt in dtypes]
+    rates = rates[nd * ns:]  # sdpa per dtype, copy, vector, move, local ranks, device memory
 
     # times: reduced with MAX
     times = [_op_overhead_s(device, repeats)]
@@ -349,10 +357,8 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
             times += [added, interval]
             bar.step(f"all_reduce after {k} matmuls, axis {i}")
     times_t = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(rates, op=dist.ReduceOp.MIN)
     dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
-    rates, times = rates.tolist(), times_t.tolist()
-    nd = len(dtypes)
+    times = times_t.tolist()
     op_overhead, times = times[0], times[1:]
 
     links: list[Link | None] = [None] * len(shape)
@@ -388,19 +394,20 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
     name = device_name()
     cluster = Cluster(
         name=f"profile-{name}",
-        gpus_per_node=int(rates[2 * nd + 3]),
-        peak_flops={str(dt): f for dt, f in zip(dtypes, rates[:nd])},
-        memory_bytes_per_s=rates[2 * nd],
-        device_memory_bytes=int(rates[2 * nd + 4]),
+        gpus_per_node=int(rates[nd + 3]),
+        peak_flops={str(dt): f for dt, f in zip(dtypes, flops)},
+        memory_bytes_per_s=rates[nd],
+        device_memory_bytes=int(rates[nd + 4]),
         intra_node=intra,
         inter_node=inter,
         source=f"measured by autopar.profile on {name}, mesh {shape}, {dist.get_backend()}, torch "
                f"{torch.__version__}, threads {torch.get_num_threads()}; {link_note}",
         mesh_shape=shape,
         axis_links=tuple(links),
-        sdpa_flops={str(dt): f for dt, f in zip(dtypes, rates[nd:2 * nd])},
-        vector_bytes_per_s=rates[2 * nd + 1],
-        copy_bytes_per_s=rates[2 * nd + 2],
+        matmul_table=matmul_table,
+        sdpa_flops={str(dt): f for dt, f in zip(dtypes, rates[:nd])},
+        vector_bytes_per_s=rates[nd + 1],
+        copy_bytes_per_s=rates[nd + 2],
         op_overhead_s=op_overhead,
     )
     if rank0:

@@ -33,7 +33,9 @@ Compute by op kind (`kernel_time_s`), for clusters whose profile measured per-ki
 (`Cluster.sdpa_flops`, `vector_bytes_per_s`, `copy_bytes_per_s`, `op_overhead_s`): each node has a
 kind (`NodeCost.kind`) and the work of each kind is priced at that kind's rate, plus
 `op_overhead_s` per op (views are free):
-- "matmul": flops / peak_flops[dtype] (a profile's peak is its measured matmul rate);
+- "matmul": flops / the matmul rate for the size of one call (`Cluster.matmul_table`, log-linear
+  in the flops per call between measured sizes, flat outside them; `peak_flops[dtype]` without a
+  table for the dtype);
 - "sdpa": flops / sdpa_flops[dtype];
 - "vector" (pointwise, reductions, norms, softmax, losses): bytes / vector_bytes_per_s;
 - "memory" (everything else that moves data: copies, concatenation, embedding gathers): bytes /
@@ -93,7 +95,7 @@ from cost_model.hardware import Cluster, Link, dtype_name
 
 __all__ = [
     "COLLECTIVES", "collective_time_s", "interpolate_table", "send_bytes", "redistribute_kind", "redistribute_time_s",
-    "compute_time_s", "KINDS", "has_kernel_rates", "kernel_time_s", "NodeCost", "node_cost",
+    "compute_time_s", "KINDS", "has_kernel_rates", "matmul_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
     "tp_layer_volume_elems", "sp_layer_volume_elems", "vocab_embedding_volume_elems", "vocab_ce_volume_elems",
     "ulysses_layer_volume_elems", "ring_layer_volume_elems", "expert_parallel_layer_volume_elems",
     "dp_volume_elems", "fsdp_volume_elems",
@@ -202,18 +204,34 @@ KINDS = ("matmul", "sdpa", "vector", "memory")
 
 def has_kernel_rates(cluster: Cluster) -> bool:
     """Whether the cluster measured per-op-kind compute (a profile) rather than only a roofline (a preset)."""
-    return any(x is not None for x in (cluster.sdpa_flops, cluster.vector_bytes_per_s, cluster.copy_bytes_per_s,
-                                       cluster.op_overhead_s))
+    return any(x is not None for x in (cluster.matmul_table, cluster.sdpa_flops, cluster.vector_bytes_per_s,
+                                       cluster.copy_bytes_per_s, cluster.op_overhead_s))
 
 
-def kernel_time_s(kind: str, flops: float, bytes_moved: float, dtype, cluster: Cluster, num_ops: float = 0) -> float:
-    """Time of `num_ops` ops of one kind doing `flops` and `bytes_moved` in all (module docstring)."""
+def matmul_flops_per_s(cluster: Cluster, dtype, flops_per_call: float | None = None) -> float:
+    """Matmul throughput for calls of `flops_per_call` forward FLOPs: the cluster's measured table for the dtype
+    (log-linear in the flops between sizes, flat outside), else its peak."""
+    rows = (cluster.matmul_table or {}).get(dtype_name(dtype))
+    if not rows or flops_per_call is None:
+        return cluster.peak_flops_for(dtype)
+    if flops_per_call <= rows[0][0]:
+        return rows[0][1] * cluster.flops_efficiency
+    for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
+        if flops_per_call <= f1:
+            return (r0 + (r1 - r0) * math.log(flops_per_call / f0) / math.log(f1 / f0)) * cluster.flops_efficiency
+    return rows[-1][1] * cluster.flops_efficiency
+
+
+def kernel_time_s(kind: str, flops: float, bytes_moved: float, dtype, cluster: Cluster, num_ops: float = 0, *,
+                  flops_per_call: float | None = None) -> float:
+    """Time of `num_ops` ops of one kind doing `flops` and `bytes_moved` in all (module docstring);
+    `flops_per_call`: the forward FLOPs of one matmul call, for the size-dependent matmul rate."""
     if kind not in KINDS:
         raise ValueError(f"unknown op kind {kind!r}; expected one of {KINDS}")
     overhead = num_ops * (cluster.op_overhead_s or 0.0)
     name = dtype_name(dtype)
     if kind == "matmul":
-        return overhead + (flops / cluster.peak_flops_for(dtype) if flops else 0.0)
+        return overhead + (flops / matmul_flops_per_s(cluster, dtype, flops_per_call) if flops else 0.0)
     if kind == "sdpa" and cluster.sdpa_flops and name in cluster.sdpa_flops:
         return overhead + flops / (cluster.sdpa_flops[name] * cluster.flops_efficiency)
     if kind == "vector" and cluster.vector_bytes_per_s:
@@ -237,7 +255,8 @@ class NodeCost:
         if self.kind == "view":
             return 0.0
         if has_kernel_rates(cluster):
-            return kernel_time_s(self.kind, self.flops / divisor, self.bytes / divisor, self.dtype, cluster, 1)
+            return kernel_time_s(self.kind, self.flops / divisor, self.bytes / divisor, self.dtype, cluster, 1,
+                                 flops_per_call=self.flops / divisor)
         return compute_time_s(self.flops / divisor, self.bytes / divisor, self.dtype, cluster)
 
 

@@ -23,6 +23,8 @@ Units and conventions:
   compute before a collective passes it (`collective_time_s(..., interval_s=)`) and the time moves
   by the difference of the sync table between that interval and the table's.
 - Per-op-kind compute (profiles only; `None` in the presets, which then use the roofline):
+  `matmul_table[dtype]`, `((flops_per_call, flops_per_s), ...)`: training matmul throughput by the
+  size of the matmul (small matmuls run slower than the best size, which is `peak_flops`),
   `sdpa_flops[dtype]` (fused attention, forward + backward counted as 3x forward FLOPs),
   `vector_bytes_per_s` (elementwise and reduction ops, bytes read + written),
   `copy_bytes_per_s` (pure data movement: copies, concatenation, gathers) and `op_overhead_s`
@@ -143,6 +145,7 @@ class Cluster:
     mesh_shape: tuple[int, ...] | None = None  # the mesh a profile measured (with axis_links)
     axis_links: tuple[Link | None, ...] = ()  # measured link per axis of mesh_shape (None: size-1 axis)
     # per-op-kind compute, measured by a profile; None: the roofline (peak_flops, memory_bytes_per_s)
+    matmul_table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
     sdpa_flops: dict[str, float] | None = None  # dtype -> fused-attention FLOP/s (forward + backward)
     vector_bytes_per_s: float | None = None  # elementwise / reduction ops: bytes read + written per second
     copy_bytes_per_s: float | None = None  # pure data movement ops: bytes read + written per second
@@ -170,6 +173,15 @@ class Cluster:
         if self.op_overhead_s is not None and not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
             raise ValueError(f"cluster {self.name!r}: op_overhead_s must be None or >= 0 seconds, got "
                              f"{self.op_overhead_s}")
+        if self.matmul_table is not None:
+            table = {}
+            for dtype, rows in self.matmul_table.items():
+                rows = tuple((float(f), float(r)) for f, r in rows)
+                if not rows or any(f <= 0 or r <= 0 for f, r in rows) or any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+                    raise ValueError(f"cluster {self.name!r}: matmul_table[{dtype!r}] needs (flops per call, FLOP/s) "
+                                     f"rows with both > 0 and the flops strictly increasing, got {rows}")
+                table[dtype] = rows
+            object.__setattr__(self, "matmul_table", table)
         for dtype, flops in (self.sdpa_flops or {}).items():
             if not (flops > 0 and math.isfinite(flops)):
                 raise ValueError(f"cluster {self.name!r}: sdpa_flops[{dtype!r}] must be > 0, got {flops}")

@@ -170,6 +170,7 @@ def test_link_table_validates_and_round_trips_json():
                   sync_table=[[0, 1e-4], [1e-3, 1e-3]])
     assert link.table == {"all_gather": ((4.0, 1e-3), (1024.0, 1.5e-3))} and link.sync_table == ((0, 1e-4), (1e-3, 1e-3))
     measured = dataclasses.replace(H.PRESETS["cpu"], mesh_shape=(2,), axis_links=(link,), sdpa_flops={"float32": 3e10},
+                                   matmul_table={"float32": [[3e7, 8e10], [2e9, 1e11]]},
                                    vector_bytes_per_s=4e10, copy_bytes_per_s=5e10, op_overhead_s=2e-6)
     assert H.Cluster.from_json(measured.to_json()) == measured
     assert H.load_cluster("cpu").intra_node.table is None and H.PRESETS["cpu"].op_overhead_s is None
@@ -183,6 +184,8 @@ def test_link_table_validates_and_round_trips_json():
         H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": [[8, 1e-3], [8, 2e-3]]}, table_group_size=2)
     with pytest.raises(ValueError, match="op_overhead_s"):
         dataclasses.replace(H.PRESETS["cpu"], op_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="matmul_table"):
+        dataclasses.replace(H.PRESETS["cpu"], matmul_table={"float32": [[2e9, 1e11], [3e7, 8e10]]})
 
 
 def test_redistribute():
@@ -229,6 +232,12 @@ def test_kernel_time_by_op_kind():
     assert A.kernel_time_s("vector", 0, 2e10, "float32", only_overhead, num_ops=3) == pytest.approx(1 + 3e-6)
     with pytest.raises(ValueError, match="unknown op kind"):
         A.kernel_time_s("conv", 1, 1, "float32", prof)
+    # matmul throughput by the size of one call: log-linear between measured sizes, flat outside
+    sized = dataclasses.replace(prof, matmul_table={"float32": ((1e7, 5e10), (1e9, 1e11))})
+    assert A.matmul_flops_per_s(sized, "float32", 1e8) == pytest.approx(7.5e10)
+    assert A.matmul_flops_per_s(sized, "float32", 1e6) == 5e10 and A.matmul_flops_per_s(sized, "float32", 1e12) == 1e11
+    assert A.matmul_flops_per_s(sized, "float32") == 1e11  # no size given: the peak
+    assert A.kernel_time_s("matmul", 7.5e10, 0, "float32", sized, flops_per_call=1e8) == pytest.approx(1)
     node = A.NodeCost(flops=1e11, bytes=0, kind="matmul")
     assert node.time_s(prof, divisor=2) == pytest.approx(0.5 + 2e-6)
     assert node.time_s(cpu) == pytest.approx(1e11 / cpu.peak_flops["float32"])
@@ -463,6 +472,8 @@ def test_profile_on_gloo(tmp_path):
     assert set(cluster.sdpa_flops) == {"float32"} and cluster.sdpa_flops["float32"] > 1e7
     assert cluster.vector_bytes_per_s > 1e7 and cluster.copy_bytes_per_s > 1e7
     assert 0 < cluster.op_overhead_s < 1e-3 and A.has_kernel_rates(cluster)
+    sizes, rates = zip(*cluster.matmul_table["float32"])
+    assert sizes == (2 * 64**3, 2 * 128**3) and max(rates) == cluster.peak_flops["float32"]
 
 
 def test_monotone_table():
