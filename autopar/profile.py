@@ -6,14 +6,18 @@ median of `repeats` runs after one warm-up. It measures:
 - matmul throughput per dtype, as training runs matmuls: a linear layer's forward and backward
   (`y = x W^T`, then `g W` and `g^T x`, two of them on transposed operands) with x, W, g square
   n x n for each n in `sizes`, `3 · 2n^3 / t` (the estimate prices 3x the forward FLOPs at this
-  rate): `Cluster.matmul_table` by forward FLOPs per call (2n^3); the best size is `peak_flops`. A larger size is skipped when, scaled by n^3, it would take more
-  than `max_matmul_s` (slow dtypes, e.g. fp16 on most CPUs).
+  rate): `Cluster.matmul_table` by forward FLOPs per call (2n^3); the best size is `peak_flops`.
+  A larger size is skipped when, scaled by n^3, it would take more than `max_matmul_s` (slow
+  dtypes, e.g. fp16 on most CPUs).
 - memory bandwidth: `dst.copy_(src)` of `memory_bytes`, `2 · bytes / t` (read + write): the roofline's.
 - per-op-kind rates (`Cluster.sdpa_flops`, `vector_bytes_per_s`, `copy_bytes_per_s`,
-  `op_overhead_s`, see `cost_model.analytical.kernel_time_s`), on tensors of `kernel_bytes`:
-  fused attention forward + backward (FLOPs counted as 3x forward, causal halved), per dtype;
-  elementwise and reduction ops (add, mul, gelu, layer_norm, softmax, sum) and data movement
-  (clone, cat, index_select), bytes read + written, each op allocating its output as model ops do;
+  `op_overhead_s`, see `cost_model.analytical.kernel_time_s`): fused attention forward + backward
+  (FLOPs counted as 3x forward, causal halved), per dtype; elementwise and reduction ops (add,
+  mul, gelu, layer_norm, softmax, sum) and data movement (clone, cat, index_select), bytes read +
+  written, each op allocating its output as model ops do, on tensors of `kernel_bytes` / 4,
+  `kernel_bytes` and 4 x `kernel_bytes` (all bytes over all time: whether an output lands on
+  fresh pages, which the kernel must fault in and zero, varies with the allocator's state and
+  makes one size's rate swing several-fold on a CPU host);
   and the framework time per op: a chain of ops on one-element tensors, forward + backward, per
   op and per unit of work (3 per forward op, as the estimate counts them).
 - each mesh axis of size p > 1, collectives in situ (`Link.table`): for each kind (all_reduce,
@@ -313,9 +317,10 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
     for dt in dtypes:
         sdpa.append(_sdpa_flops(str(dt), defaults["sdpa"], device, repeats))
         bar.step(f"attention {dt}")
-    vector_bw = _vector_bytes_per_s(kernel_bytes, device, repeats)
+    spread = (kernel_bytes // 4, kernel_bytes, 4 * kernel_bytes)
+    vector_bw = sum(spread) / sum(n / _vector_bytes_per_s(n, device, repeats) for n in spread)
     bar.step("elementwise and reduction ops")
-    move_bw = _copy_bytes_per_s(kernel_bytes, device, repeats)
+    move_bw = sum(spread) / sum(n / _copy_bytes_per_s(n, device, repeats) for n in spread)
     bar.step("data movement ops")
     local_ranks = _local_world_size(device)
     rates = torch.tensor(mm_rates + sdpa + [copy_bw, vector_bw, move_bw, float(local_ranks),
