@@ -21,7 +21,8 @@ FSDP sharding of its parameters over the data axes — `site_cost` returns:
     site pays its bytes at the bucket's per-byte rate (`MeshCosting.grad_sync`); the bucket's
     fixed cost is paid once, by "other" (`MeshCosting.bucket_fixed_s`). The rate is the chord of
     the all-reduce time between an empty bucket and one of all parameters' gradients, so the sum
-    over sites is one collective of the whole bucket (exact for alpha-beta links);
+    over sites is one collective of the whole bucket (exact for alpha-beta links), plus the copy of
+    the gradients into the bucket's flat buffer;
   - FSDP: per parameter, an all-gather forward and a reduce-scatter of its gradient backward on
     each data axis (`MeshCosting.fsdp_sync`);
   - parameters used only by batch-independent ops (a position embedding) have their gradient
@@ -51,6 +52,11 @@ from cost_model.hardware import Cluster, axis_link
 from passes.context import TRANSPARENT, PassContext, Site
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+# Passes over the local logits (N, V/t), in units of their fp32 bytes, that the vocab-parallel cross-entropy of
+# autopar.runtime.ops (_VocabParallelCrossEntropy) makes forward and backward: amax 1, subtract the max 2, exp 2,
+# sum 1, normalise in place 2; backward: scale by the incoming gradient 2, zeros for the one-hot 1, the one-hot
+# term 2, the difference 3. (aten's fused cross_entropy_loss moves about 9 of the full logits: node_cost.)
+VOCAB_CE_PASSES = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +101,7 @@ class SiteStats:
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
     summed_into: str | None = None  # embedding: the earlier embedding its output is added to (one reduction)
     loss_reductions: int = 0  # loss: scalars all-reduced per data axis (the loss; the count of a mean)
+    vocab_ce_extra_bytes: float = 0.0  # loss: what the vocab-parallel cross-entropy moves beyond its node's 3x
     logits_bytes: float = 0.0  # loss: logits, global
     logits_out: bool = False  # loss: the model also returns its logits
     tokens: int = 0
@@ -263,6 +270,10 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             st.summed_into = summed.get(site.key)
         if site.kind == "loss":
             st.loss_reductions = _loss_reductions(site)
+            logits = site.node.args[0].meta.get("val")
+            if isinstance(logits, torch.Tensor) and site.info.get("loss") == "cross_entropy":
+                fp32 = logits.numel() * max(4, logits.element_size())  # the runtime computes in at least fp32
+                st.vocab_ce_extra_bytes = max(0.0, VOCAB_CE_PASSES * fp32 - 3 * node_cost(site.node).bytes)
         if site.kind == "loss" and site.info.get("head"):
             logits = site.info["head"][0].node
             st.logits_bytes = _bytes(logits.meta.get("val"))
@@ -341,11 +352,14 @@ class MeshCosting:
     def grad_sync(self, local_param_bytes: float, axes: tuple[str, ...] | None = None) -> tuple[float, float]:
         """(time, bytes sent) of this share of the data-parallel gradient bucket on every data and sequence
         axis (or `axes`): its bytes at the bucket's per-byte rate (the fixed cost is `bucket_fixed_s`, paid
-        once)."""
+        once), and their copy into the bucket's flat buffer (read + write, `grad_sync_bucket` concatenates)."""
         t = b = 0.0
+        copy_bytes_per_s = self.cluster.copy_bytes_per_s or self.cluster.effective_memory_bytes_per_s
         for a in self.data_axes + self.seq_axes if axes is None else axes:
             p = self.size(a)
-            t += self._bucket_rate(a)[1] * local_param_bytes
+            if p == 1:
+                continue
+            t += self._bucket_rate(a)[1] * local_param_bytes + 2 * local_param_bytes / copy_bytes_per_s
             b += 2 * (p - 1) / p * local_param_bytes
         return t, b
 
@@ -439,6 +453,10 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
                 ar(st.act_bytes / dp, fwd_s)
             act = st.act_bytes / dp
         elif site.kind == "loss":
+            # the vocab-parallel cross-entropy runs more elementwise passes than the fused op it replaces
+            compute += kernel_time_s("vector", 0, st.vocab_ce_extra_bytes / dp / t, "float32", mc.cluster) \
+                if has_kernel_rates(mc.cluster) else compute_time_s(0, st.vocab_ce_extra_bytes / dp / t, "float32",
+                                                                     mc.cluster)
             ar(st.io_bytes / dp, bwd_s)  # the LM head input's gradient
             for _ in range(3):  # max, target logit, sum of exps: they split the forward between them
                 ar(st.tokens / dp * 4, fwd_s / 3)

@@ -52,7 +52,9 @@ FLOPs and bytes of one fx node (`node_cost`), from the global shapes in `node.me
 - bytes of a tensor are its addressed elements (an expanded, stride-0 dim is read once).
 - `embedding`: bytes only (read the gathered rows and the indices, write the output).
 - pointwise and reduction ops (`torch.Tag.pointwise`/`reduction`, softmax, norms, losses,
-  dropout): flops = the largest numel among inputs and outputs; bytes = inputs + outputs.
+  dropout): flops = the largest numel among inputs and outputs; bytes = inputs + outputs
+  (`cross_entropy_loss` also writes and reads back its input-sized log-probabilities, as its
+  log_softmax + nll_loss decomposition runs).
 - views (`view`, `transpose`, `split`, `expand`, ... and `getitem`): free. `to`, `reshape`,
   `flatten` and `contiguous` are views unless they change the dtype or the input's strides do
   not allow a view (then they copy: bytes = in + out).
@@ -369,6 +371,8 @@ def node_cost(node: fx.Node) -> NodeCost:
     tags = getattr(target, "tags", ())
     name = getattr(target, "_schema", None) and target._schema.name.split("::")[-1]
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags or name in _REDUCTION_LIKE:
+        if name == "cross_entropy_loss" and ins:  # log_softmax writes the log-probabilities, nll_loss reads them
+            io_bytes += 2 * _nbytes(ins[0])
         return NodeCost(flops=max((v.numel() for v in ins + outs), default=0), bytes=io_bytes, dtype=dtype,
                         kind="vector")
     return NodeCost(bytes=io_bytes, dtype=dtype, kind="memory")

@@ -21,7 +21,7 @@ from cost_model import hardware as H
 STEPS = {"all_reduce": lambda p: 2 * (p - 1), "all_gather": lambda p: p - 1, "reduce_scatter": lambda p: p - 1,
          "all_to_all": lambda p: p - 1}
 # every collective step costs 1 s and bytes are free: the estimated comm time counts collective steps
-COUNTING = dataclasses.replace(H.PRESETS["cpu"], intra_node=H.Link(alpha_s=1.0, bytes_per_s=1e30),
+COUNTING = dataclasses.replace(H.PRESETS["cpu"], copy_bytes_per_s=1e30, intra_node=H.Link(alpha_s=1.0, bytes_per_s=1e30),
                                inter_node=H.Link(alpha_s=1.0, bytes_per_s=1e30))
 
 
@@ -115,3 +115,19 @@ def test_collectives_are_priced_after_the_compute_before_them():
         cost = site_cost(mlp, stats[mlp.key], cand, mc)
         expected = cost.compute_s if cand.form == "tp" else 2 * cost.compute_s / 3
         assert cost.compute_s > 0 and cost.comm_s == pytest.approx(expected), (cand, cost)
+
+
+def test_vocab_parallel_cross_entropy_is_priced_as_the_runtime_runs_it():
+    """aten's cross_entropy_loss moves its logits, and writes and reads back the log-probabilities (3x per
+    forward node); the vocab-parallel runtime op makes VOCAB_CE_PASSES passes over the local fp32 logits forward and
+    backward, and the loss site pays the difference."""
+    from autopar.estimate import VOCAB_CE_PASSES
+
+    model, inputs = _gpt()
+    _, _, ctx = _prepare(model, {"tp": 2}, inputs, None)
+    stats, _, _ = gather_stats(ctx)
+    loss = next(s for s in ctx.sites if s.kind == "loss")
+    logits = loss.node.args[0].meta["val"]
+    node = A.node_cost(loss.node)
+    assert node.bytes >= 3 * logits.numel() * 4
+    assert stats[loss.key].vocab_ce_extra_bytes == VOCAB_CE_PASSES * logits.numel() * 4 - 3 * node.bytes
