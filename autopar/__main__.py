@@ -27,6 +27,13 @@ def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
     return shape
 
 
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n:g} B"
+
+
 def _profile(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -60,10 +67,19 @@ def _profile(args: argparse.Namespace) -> int:
             for dt, f in cluster.peak_flops.items():
                 print(f"  matmul {dt}: {f / 1e12:.3f} TFLOP/s")
             print(f"  memory copy: {cluster.memory_bytes_per_s / 1e9:.2f} GB/s")
+            for dt, rows in (cluster.matmul_table or {}).items():
+                print(f"  matmul {dt} by size: " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3 {r / 1e12:.3f}"
+                                                             for f, r in rows) + " TFLOP/s")
+            for dt, f in (cluster.sdpa_flops or {}).items():
+                print(f"  attention {dt} (forward + backward): {f / 1e12:.3f} TFLOP/s")
+            print(f"  elementwise/reduction ops: {cluster.vector_bytes_per_s / 1e9:.2f} GB/s, data movement ops: "
+                  f"{cluster.copy_bytes_per_s / 1e9:.2f} GB/s, overhead {cluster.op_overhead_s * 1e6:.2f} us per op")
             for i, link in enumerate(cluster.axis_links):
                 if link is not None:
                     print(f"  axis {i} ({mesh.shape[i]} ranks): alpha {link.alpha_s * 1e6:.1f} us, "
                           f"{link.bytes_per_s / 1e9:.3f} GB/s per rank")
+                    for kind, rows in (link.table or {}).items():
+                        print(f"    {kind} in situ: " + ", ".join(f"{_fmt_bytes(n)} {t * 1e3:.2f} ms" for n, t in rows))
     finally:
         if created:
             dist.destroy_process_group()

@@ -475,7 +475,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
             choices[s.key] = Candidate(form=form, axis=axis, fsdp=s.key in fsdp_sites)
         batched = any(set(placements_from_str(p)) & {Shard(0)} for p in inputs.values())
         solution = ilp.evaluate(ctx, mesh, clus, choices, tuple(dp_axes) if batched else (), optimizer,
-                                tuple(seq_axes))
+                                tuple(seq_axes), other_fsdp="(other)" in fsdp_sites)
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
     solver_note = ""
     if name == "auto":

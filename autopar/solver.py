@@ -14,6 +14,9 @@ Variables
 Constraints
   sum_c x[k,c] = 1 for every k                                                 (one-hot)
   tied parameters (an embedding and its LM head) take matching forms and FSDP  (`_tie`)
+  a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel there
+  an embedding added to an earlier one (a position embedding) is vocab-parallel on an axis only if
+      the earlier one is: x[e2, vocab@a] <= x[e1, vocab@a] (their sum is all-reduced once)
   sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
 Objective
   minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication,
@@ -29,6 +32,7 @@ limit bounds each solve; the gap between the best bound and the objective is rep
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -38,7 +42,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Candidate, Cost, MeshCosting, SiteStats, _between, gather_stats, other_cost, site_cost, \
+from autopar.estimate import Candidate, Cost, SiteStats, _between, gather_stats, mesh_costing, other_cost, site_cost, \
     site_nodes
 from autopar.mesh import MeshInfo
 from autopar.planner import _attention_ok
@@ -194,8 +198,8 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     best: Solution | None = None
     least_memory = math.inf
     for data_axes, seq_axes in options:
-        mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
-                         optimizer=optimizer, seq_axes=tuple(seq_axes))
+        mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
+                          seq_axes=seq_axes)
         try:
             cands = [_candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key), seq_axes)
                      for cls in classes]
@@ -205,7 +209,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
-        sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s)
+        sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
         least_memory = min(least_memory, mem_min)
         if sol is None:
             continue
@@ -223,7 +227,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     return best
 
 
-def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float):
+def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
@@ -248,6 +252,17 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
                 if cls_b[0].kind in ("attention", "mlp"):
                     model.Add(x[kn][i] <= sum(v for v, cb in zip(x[kb], cs_b)
                                               if cb.form in ("heads", "tp") and cb.axis == c.axis))
+    # an embedding added to an earlier one shares its all-reduce (estimate.summed_embeddings): it may be
+    # vocab-parallel on an axis only where the earlier one is (x[e2, vocab@a] <= x[e1, vocab@a])
+    for k2, (cls, cs) in enumerate(zip(classes, cands)):
+        leader = stats[cls[0].key].summed_into
+        if leader is None:
+            continue
+        k1 = index[leader]
+        for i, c in enumerate(cs):
+            if c.form == "vocab":
+                model.Add(x[k2][i] <= sum(v for v, c1 in zip(x[k1], cands[k1]) if c1.form == "vocab"
+                                          and c1.axis == c.axis))
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))
@@ -283,14 +298,20 @@ def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
-             data_axes: tuple[str, ...], optimizer: str = "adam", seq_axes: tuple[str, ...] = ()) -> Solution:
-    """The cost of a given assignment (a hand plan) under the same model the ILP optimises."""
+             data_axes: tuple[str, ...], optimizer: str = "adam", seq_axes: tuple[str, ...] = (), *,
+             other_fsdp: bool = False) -> Solution:
+    """The cost of a given assignment (a hand plan) under the same model the ILP optimises; `other_fsdp`:
+    the parameters outside every site are FSDP-sharded too (the fsdp plan)."""
     stats, other, _ = gather_stats(ctx)
-    mc = MeshCosting(names=mesh.names, sizes=mesh.sizes, data_axes=tuple(data_axes), cluster=cluster,
-                     optimizer=optimizer, seq_axes=tuple(seq_axes))
-    base = other_cost(other, mc)
+    mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
+                      seq_axes=seq_axes)
+    base = other_cost(other, mc, fsdp=other_fsdp and bool(data_axes))
     per_site = {}
     for site in sites_for_planning(ctx):
         cand = choices.get(site.key, Candidate(form="replicate", axis=None))
-        per_site[site.key] = site_cost(site, stats[site.key], cand, mc)
+        st = stats[site.key]
+        leader = choices.get(st.summed_into) if st.summed_into else None
+        if st.summed_into and (leader is None or (leader.form, leader.axis) != ("vocab", cand.axis)):
+            st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
+        per_site[site.key] = site_cost(site, st, cand, mc)
     return _total(data_axes, choices, per_site, base, 0.0, "evaluated")

@@ -13,7 +13,12 @@ Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) an
 | "p2p"            | the block one rank sends            | n             | n/bw + alpha                   |
 
 A group of size 1 costs nothing. (Ring algorithms; tree all-reduce latency would be 2·log2(p)·alpha,
-not modelled.)
+not modelled.) When the link carries a measured table for the kind and the group size
+(`Link.table`, written by `autopar.profile`), the time is interpolated from it instead: log-log
+between measured sizes, the smallest size's time below them, and the last segment's slope
+(seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
+moves by `sync(interval_s) - sync(Link.table_interval_s)` (`Link.sync_table`, linear between
+measured intervals, flat beyond them), never below zero.
 
 Redistribution along one mesh axis (`redistribute_kind`, `redistribute_time_s`), with n the bytes
 of the tensor as that axis' group sees it (global bytes divided by its sharding on the other
@@ -23,6 +28,19 @@ axes): `S(d)->R` all_gather(n); `P->R` all_reduce(n); `P->S(d)` reduce_scatter(n
 
 Compute (`compute_time_s`), roofline: `max(flops / (peak_flops[dtype]·flops_efficiency),
 bytes / (memory_bytes_per_s·memory_efficiency))`.
+
+Compute by op kind (`kernel_time_s`), for clusters whose profile measured per-kind rates
+(`Cluster.sdpa_flops`, `vector_bytes_per_s`, `copy_bytes_per_s`, `op_overhead_s`): each node has a
+kind (`NodeCost.kind`) and the work of each kind is priced at that kind's rate, plus
+`op_overhead_s` per op (views are free):
+- "matmul": flops / the matmul rate for the size of one call (`Cluster.matmul_table`, log-linear
+  in the flops per call between measured sizes, flat outside them; `peak_flops[dtype]` without a
+  table for the dtype);
+- "sdpa": flops / sdpa_flops[dtype];
+- "vector" (pointwise, reductions, norms, softmax, losses): bytes / vector_bytes_per_s;
+- "memory" (everything else that moves data: copies, concatenation, embedding gathers): bytes /
+  copy_bytes_per_s.
+A kind whose rate the cluster lacks falls back to the roofline of that kind's work.
 
 FLOPs and bytes of one fx node (`node_cost`), from the global shapes in `node.meta["val"]`:
 - matmuls (`linear`, `mm`, `addmm`, `bmm`, `baddbmm`, `matmul`): `2·M·N·K`, i.e.
@@ -34,7 +52,9 @@ FLOPs and bytes of one fx node (`node_cost`), from the global shapes in `node.me
 - bytes of a tensor are its addressed elements (an expanded, stride-0 dim is read once).
 - `embedding`: bytes only (read the gathered rows and the indices, write the output).
 - pointwise and reduction ops (`torch.Tag.pointwise`/`reduction`, softmax, norms, losses,
-  dropout): flops = the largest numel among inputs and outputs; bytes = inputs + outputs.
+  dropout): flops = the largest numel among inputs and outputs; bytes = inputs + outputs
+  (`cross_entropy_loss` also writes and reads back its input-sized log-probabilities, as its
+  log_softmax + nll_loss decomposition runs).
 - views (`view`, `transpose`, `split`, `expand`, ... and `getitem`): free. `to`, `reshape`,
   `flatten` and `contiguous` are views unless they change the dtype or the input's strides do
   not allow a view (then they copy: bytes = in + out).
@@ -76,8 +96,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from cost_model.hardware import Cluster, Link, dtype_name
 
 __all__ = [
-    "COLLECTIVES", "collective_time_s", "send_bytes", "redistribute_kind", "redistribute_time_s", "compute_time_s",
-    "NodeCost", "node_cost",
+    "COLLECTIVES", "collective_time_s", "interpolate_table", "send_bytes", "redistribute_kind", "redistribute_time_s",
+    "compute_time_s", "KINDS", "has_kernel_rates", "matmul_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
     "tp_layer_volume_elems", "sp_layer_volume_elems", "vocab_embedding_volume_elems", "vocab_ce_volume_elems",
     "ulysses_layer_volume_elems", "ring_layer_volume_elems", "expert_parallel_layer_volume_elems",
     "dp_volume_elems", "fsdp_volume_elems",
@@ -110,12 +130,49 @@ def send_bytes(kind: str, numel_bytes: int, group_size: int) -> float:
     return 0.0 if group_size == 1 else fraction(group_size) * numel_bytes
 
 
-def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link) -> float:
-    """Alpha-beta time of a ring collective (module table): send_bytes / bw + steps · alpha."""
+def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link, *,
+                      interval_s: float | None = None) -> float:
+    """Time of a collective: interpolated from the link's measured table when it has one for this kind
+    and group size (adjusted for `interval_s` of compute before it when the link measured that), else
+    alpha-beta of a ring (module table): send_bytes / bw + steps · alpha."""
     _, steps = _collective(kind)
     if group_size == 1:
         return 0.0
+    if link.table and kind in link.table and link.table_group_size == group_size:
+        t = interpolate_table(link.table[kind], numel_bytes)
+        if interval_s is not None and link.sync_table:
+            t += _piecewise_linear(link.sync_table, interval_s) - _piecewise_linear(link.sync_table,
+                                                                                     link.table_interval_s)
+        return max(t, 0.0)
     return send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s + steps(group_size) * link.alpha_s
+
+
+def _piecewise_linear(rows, x: float) -> float:
+    """y at x from ((x, y), ...) rows (x increasing): linear between rows, flat outside them."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return rows[-1][1]
+
+
+def interpolate_table(rows, n: float) -> float:
+    """Seconds for n bytes from measured ((bytes, seconds), ...) rows (sizes increasing): log-log between
+    rows, the first row's time below them, the last segment's seconds per byte above them."""
+    if n <= rows[0][0] or len(rows) == 1:
+        return rows[0][1]
+    for (n0, t0), (n1, t1) in zip(rows, rows[1:]):
+        if n > n1:
+            continue
+        if n == n1 or t0 == t1:  # exact at measured sizes and on flat segments
+            return t1
+        if n0 > 0 and t0 > 0:
+            w = math.log(n / n0) / math.log(n1 / n0)
+            return t0 * (t1 / t0) ** w
+        return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+    (n0, t0), (n1, t1) = rows[-2], rows[-1]
+    return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
 
 
 def redistribute_kind(src: Placement, dst: Placement) -> str | None:
@@ -144,15 +201,64 @@ def compute_time_s(flops: float, bytes_moved: float, dtype, cluster: Cluster) ->
     return max(flops_s, bytes_moved / cluster.effective_memory_bytes_per_s)
 
 
+KINDS = ("matmul", "sdpa", "vector", "memory")
+
+
+def has_kernel_rates(cluster: Cluster) -> bool:
+    """Whether the cluster measured per-op-kind compute (a profile) rather than only a roofline (a preset)."""
+    return any(x is not None for x in (cluster.matmul_table, cluster.sdpa_flops, cluster.vector_bytes_per_s,
+                                       cluster.copy_bytes_per_s, cluster.op_overhead_s))
+
+
+def matmul_flops_per_s(cluster: Cluster, dtype, flops_per_call: float | None = None) -> float:
+    """Matmul throughput for calls of `flops_per_call` forward FLOPs: the cluster's measured table for the dtype
+    (log-linear in the flops between sizes, flat outside), else its peak."""
+    rows = (cluster.matmul_table or {}).get(dtype_name(dtype))
+    if not rows or flops_per_call is None:
+        return cluster.peak_flops_for(dtype)
+    if flops_per_call <= rows[0][0]:
+        return rows[0][1] * cluster.flops_efficiency
+    for (f0, r0), (f1, r1) in zip(rows, rows[1:]):
+        if flops_per_call <= f1:
+            return (r0 + (r1 - r0) * math.log(flops_per_call / f0) / math.log(f1 / f0)) * cluster.flops_efficiency
+    return rows[-1][1] * cluster.flops_efficiency
+
+
+def kernel_time_s(kind: str, flops: float, bytes_moved: float, dtype, cluster: Cluster, num_ops: float = 0, *,
+                  flops_per_call: float | None = None) -> float:
+    """Time of `num_ops` ops of one kind doing `flops` and `bytes_moved` in all (module docstring);
+    `flops_per_call`: the forward FLOPs of one matmul call, for the size-dependent matmul rate."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown op kind {kind!r}; expected one of {KINDS}")
+    overhead = num_ops * (cluster.op_overhead_s or 0.0)
+    name = dtype_name(dtype)
+    if kind == "matmul":
+        return overhead + (flops / matmul_flops_per_s(cluster, dtype, flops_per_call) if flops else 0.0)
+    if kind == "sdpa" and cluster.sdpa_flops and name in cluster.sdpa_flops:
+        return overhead + flops / (cluster.sdpa_flops[name] * cluster.flops_efficiency)
+    if kind == "vector" and cluster.vector_bytes_per_s:
+        return overhead + bytes_moved / (cluster.vector_bytes_per_s * cluster.memory_efficiency)
+    if kind == "memory" and cluster.copy_bytes_per_s:
+        return overhead + bytes_moved / (cluster.copy_bytes_per_s * cluster.memory_efficiency)
+    return overhead + compute_time_s(flops, bytes_moved, dtype, cluster)
+
+
 # ------------------------------------------------------------------------------------- per node
 @dataclass(frozen=True, kw_only=True)
 class NodeCost:
     flops: int = 0
     bytes: int = 0  # memory traffic: tensors read + written
     dtype: str = "float32"  # the dtype the FLOPs run in (peak_flops key)
+    kind: str = "view"  # matmul | sdpa | vector | memory | view (free: no kernel, no op counted)
 
     def time_s(self, cluster: Cluster, *, divisor: float = 1) -> float:
-        """Roofline time when the work is split evenly over `divisor` devices."""
+        """Forward time when the work is split evenly over `divisor` devices: by op kind when the cluster
+        measured per-kind rates (one op's overhead included), else the roofline."""
+        if self.kind == "view":
+            return 0.0
+        if has_kernel_rates(cluster):
+            return kernel_time_s(self.kind, self.flops / divisor, self.bytes / divisor, self.dtype, cluster, 1,
+                                 flops_per_call=self.flops / divisor)
         return compute_time_s(self.flops / divisor, self.bytes / divisor, self.dtype, cluster)
 
 
@@ -249,7 +355,7 @@ def node_cost(node: fx.Node) -> NodeCost:
     if target in _MATMULS and outs:
         left = _val(node.args[_MATMULS[target]])
         k = int(left.shape[-1])
-        return NodeCost(flops=2 * outs[0].numel() * k, bytes=io_bytes, dtype=dtype)
+        return NodeCost(flops=2 * outs[0].numel() * k, bytes=io_bytes, dtype=dtype, kind="matmul")
     if target in _SDPA:
         a = _bound_args(node)
         q, k, v = _val(a["query"]), _val(a["key"]), _val(a["value"])
@@ -258,15 +364,18 @@ def node_cost(node: fx.Node) -> NodeCost:
         flops = 2 * batch_heads * s_q * s_kv * (d + d_v)
         if a.get("is_causal"):
             flops //= 2
-        return NodeCost(flops=flops, bytes=io_bytes, dtype=dtype)
+        return NodeCost(flops=flops, bytes=io_bytes, dtype=dtype, kind="sdpa")
     if target is aten.embedding.default:
         rows = sum(map(_nbytes, outs))
-        return NodeCost(bytes=2 * rows + _nbytes(_val(node.args[1])), dtype=dtype)
+        return NodeCost(bytes=2 * rows + _nbytes(_val(node.args[1])), dtype=dtype, kind="memory")
     tags = getattr(target, "tags", ())
     name = getattr(target, "_schema", None) and target._schema.name.split("::")[-1]
     if torch.Tag.pointwise in tags or torch.Tag.reduction in tags or name in _REDUCTION_LIKE:
-        return NodeCost(flops=max((v.numel() for v in ins + outs), default=0), bytes=io_bytes, dtype=dtype)
-    return NodeCost(bytes=io_bytes, dtype=dtype)
+        if name == "cross_entropy_loss" and ins:  # log_softmax writes the log-probabilities, nll_loss reads them
+            io_bytes += 2 * _nbytes(ins[0])
+        return NodeCost(flops=max((v.numel() for v in ins + outs), default=0), bytes=io_bytes, dtype=dtype,
+                        kind="vector")
+    return NodeCost(bytes=io_bytes, dtype=dtype, kind="memory")
 
 
 # ------------------------------------------------------------------- per-form volumes (elements)

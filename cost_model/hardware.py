@@ -11,6 +11,24 @@ Units and conventions:
 - `Cluster.peak_flops[dtype]` is the dense matmul peak for that dtype name ("bfloat16",
   "float16", "float32", "float64"). "float32" is IEEE fp32 (no TF32), PyTorch's default for
   matmuls (`torch.backends.cuda.matmul.allow_tf32 = False`).
+- `Link.table` (profiles only): measured seconds per collective kind and message size,
+  `{kind: ((n_bytes, seconds), ...)}` with n as in `cost_model.analytical`'s table, sizes
+  increasing and times non-decreasing, for groups of `Link.table_group_size` ranks. It is the
+  cost a collective adds inside a stream of compute (synchronisation included), which on small
+  hosts is far above alpha; `collective_time_s` interpolates it and uses alpha-beta for other kinds
+  and group sizes. Presets carry no table. The table is measured with `table_interval_s` of
+  compute before each collective; `Link.sync_table`, `((interval_s, seconds), ...)`, is what a small
+  all-reduce costs after other amounts of compute (0: back to back): the longer ranks compute
+  alone, the more they drift apart and the longer the synchronisation. A caller that knows the
+  compute before a collective passes it (`collective_time_s(..., interval_s=)`) and the time moves
+  by the difference of the sync table between that interval and the table's.
+- Per-op-kind compute (profiles only; `None` in the presets, which then use the roofline):
+  `matmul_table[dtype]`, `((flops_per_call, flops_per_s), ...)`: training matmul throughput by the
+  size of the matmul (small matmuls run slower than the best size, which is `peak_flops`),
+  `sdpa_flops[dtype]` (fused attention, forward + backward counted as 3x forward FLOPs),
+  `vector_bytes_per_s` (elementwise and reduction ops, bytes read + written),
+  `copy_bytes_per_s` (pure data movement: copies, concatenation, gathers) and `op_overhead_s`
+  (framework time per op dispatched, independent of its size).
 - Efficiencies are explicit fields (`Cluster.flops_efficiency`, `Cluster.memory_efficiency`,
   `Link.efficiency`), never folded into the numbers. The presets carry datasheet peaks with
   efficiency 1.0; a profile (`autopar.profile`) carries measured (achieved) numbers, also with
@@ -38,11 +56,11 @@ import math
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "Link", "Cluster", "PRESETS", "load_cluster", "axis_link", "default_profile_path", "device_name",
+    "TABLE_KINDS", "Link", "Cluster", "PRESETS", "load_cluster", "axis_link", "default_profile_path", "device_name",
 ]
 
 _FORMAT = "autopar.cluster/1"
@@ -50,13 +68,22 @@ GB = 1e9  # datasheets use decimal units
 DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 
+TABLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Link:
-    """One alpha-beta link: a ring step moving m bytes takes alpha_s + m / (bytes_per_s * efficiency)."""
+    """One alpha-beta link: a ring step moving m bytes takes alpha_s + m / (bytes_per_s * efficiency);
+    optionally a measured time table per collective kind (see the module docstring)."""
 
     alpha_s: float  # latency of one algorithm step
     bytes_per_s: float  # per-rank bandwidth, one direction (what a ring algorithm sends at)
     efficiency: float = 1.0  # achievable fraction of bytes_per_s; 1.0 = use bytes_per_s as is
+    # kind -> ((n_bytes, seconds), ...): measured in a compute stream, for groups of table_group_size ranks
+    table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
+    table_group_size: int | None = None
+    table_interval_s: float | None = None  # compute before each collective when the table was measured
+    sync_table: tuple[tuple[float, float], ...] | None = None  # (interval_s, seconds) of a small all-reduce
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
@@ -65,6 +92,36 @@ class Link:
             raise ValueError(f"Link.bytes_per_s must be a finite number > 0, got {self.bytes_per_s}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Link.efficiency must be in (0, 1], got {self.efficiency}")
+        if self.table is None:
+            return
+        if not (isinstance(self.table_group_size, int) and self.table_group_size > 1):
+            raise ValueError(f"Link.table needs table_group_size, the group size it was measured on (> 1), got "
+                             f"{self.table_group_size!r}")
+        table = {}
+        for kind, rows in self.table.items():
+            if kind not in TABLE_KINDS:
+                raise ValueError(f"Link.table: unknown collective {kind!r}; expected some of {TABLE_KINDS}")
+            rows = tuple((float(n), float(t)) for n, t in rows)
+            sizes, times = [n for n, _ in rows], [t for _, t in rows]
+            if not rows or sizes[0] < 0 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+                raise ValueError(f"Link.table[{kind!r}]: message sizes must be >= 0 and strictly increasing, got "
+                                 f"{sizes}")
+            if any(t < 0 or not math.isfinite(t) for t in times) or any(b < a for a, b in zip(times, times[1:])):
+                raise ValueError(f"Link.table[{kind!r}]: times must be finite, >= 0 and non-decreasing in the "
+                                 f"message size (make a measured table monotone first), got {times}")
+            table[kind] = rows
+        object.__setattr__(self, "table", table)
+        if self.sync_table is not None:
+            rows = tuple((float(d), float(t)) for d, t in self.sync_table)
+            intervals, times = [d for d, _ in rows], [t for _, t in rows]
+            if (not rows or intervals[0] < 0 or any(b <= a for a, b in zip(intervals, intervals[1:]))
+                    or any(t < 0 for t in times) or any(b < a for a, b in zip(times, times[1:]))):
+                raise ValueError(f"Link.sync_table: intervals must be >= 0 and strictly increasing, times >= 0 and "
+                                 f"non-decreasing, got {rows}")
+            if self.table_interval_s is None or self.table_interval_s < 0:
+                raise ValueError("Link.sync_table needs table_interval_s, the compute interval the table was measured "
+                                 f"at, got {self.table_interval_s!r}")
+            object.__setattr__(self, "sync_table", rows)
 
     @property
     def effective_bytes_per_s(self) -> float:
@@ -87,6 +144,12 @@ class Cluster:
     memory_efficiency: float = 1.0  # achievable fraction of memory_bytes_per_s
     mesh_shape: tuple[int, ...] | None = None  # the mesh a profile measured (with axis_links)
     axis_links: tuple[Link | None, ...] = ()  # measured link per axis of mesh_shape (None: size-1 axis)
+    # per-op-kind compute, measured by a profile; None: the roofline (peak_flops, memory_bytes_per_s)
+    matmul_table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
+    sdpa_flops: dict[str, float] | None = None  # dtype -> fused-attention FLOP/s (forward + backward)
+    vector_bytes_per_s: float | None = None  # elementwise / reduction ops: bytes read + written per second
+    copy_bytes_per_s: float | None = None  # pure data movement ops: bytes read + written per second
+    op_overhead_s: float | None = None  # framework time per op dispatched
 
     def __post_init__(self):
         if self.gpus_per_node < 1:
@@ -103,6 +166,25 @@ class Cluster:
         for name in ("flops_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
+        for name in ("vector_bytes_per_s", "copy_bytes_per_s"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"cluster {self.name!r}: {name} must be None or > 0, got {v}")
+        if self.op_overhead_s is not None and not (self.op_overhead_s >= 0 and math.isfinite(self.op_overhead_s)):
+            raise ValueError(f"cluster {self.name!r}: op_overhead_s must be None or >= 0 seconds, got "
+                             f"{self.op_overhead_s}")
+        if self.matmul_table is not None:
+            table = {}
+            for dtype, rows in self.matmul_table.items():
+                rows = tuple((float(f), float(r)) for f, r in rows)
+                if not rows or any(f <= 0 or r <= 0 for f, r in rows) or any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+                    raise ValueError(f"cluster {self.name!r}: matmul_table[{dtype!r}] needs (flops per call, FLOP/s) "
+                                     f"rows with both > 0 and the flops strictly increasing, got {rows}")
+                table[dtype] = rows
+            object.__setattr__(self, "matmul_table", table)
+        for dtype, flops in (self.sdpa_flops or {}).items():
+            if not (flops > 0 and math.isfinite(flops)):
+                raise ValueError(f"cluster {self.name!r}: sdpa_flops[{dtype!r}] must be > 0, got {flops}")
         if self.axis_links and (self.mesh_shape is None or len(self.axis_links) != len(self.mesh_shape)):
             raise ValueError(f"cluster {self.name!r}: axis_links has {len(self.axis_links)} entries but mesh_shape "
                              f"is {self.mesh_shape}; give one link (or None) per mesh axis")

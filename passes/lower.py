@@ -592,27 +592,38 @@ def _fuse_gather_grad_reduce(gm: fx.GraphModule) -> None:
 def _bucket_parameter_gradients(gm: fx.GraphModule) -> None:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) becomes one bucketed
     all-reduce of all those gradients (per axis and dtype), as DDP buckets them: one collective per
-    step instead of one per parameter."""
-    groups: dict[tuple, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is C.grad_all_reduce and n.args[0].op == "placeholder":
-            groups.setdefault((n.args[1], n.args[0].meta["val"].dtype), []).append(n)
+    step instead of one per parameter.
+
+    A parameter reduced over several data axes is a chain `grad_all_reduce(grad_all_reduce(w, a0), a1)`
+    (its gradient flows through a1's reduction first, then a0's). Bucketing runs in rounds: the first
+    catches reductions of parameters, each later one the reductions of the previous round's bucketed
+    values, so every axis of the chain gets one bucket (a later round's bucket is inserted after the
+    earlier ones: in backward it runs first, as the chain's outer reduction did)."""
     first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-    for (axis, _), nodes in groups.items():
-        if len(nodes) < 2:
-            continue
-        with gm.graph.inserting_before(first):
-            bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
-        infos = [n.meta[M.COMM] for n in nodes]
-        bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size, 0,
-                                       sum(i.bytes_backward for i in infos), "(gradient bucket)")
-        bucket.meta["val"] = tuple(n.meta["val"] for n in nodes)
-        for i, n in enumerate(nodes):
+    bucketed = {n for n in gm.graph.nodes if n.op == "placeholder"}  # values a bucketable reduction reduces
+    while True:
+        groups: dict[tuple, list[fx.Node]] = {}
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is C.grad_all_reduce and n.args[0] in bucketed:
+                groups.setdefault((n.args[1], n.args[0].meta["val"].dtype), []).append(n)
+        groups = {k: nodes for k, nodes in groups.items() if len(nodes) >= 2}
+        if not groups:
+            return
+        bucketed = set()
+        for (axis, _), nodes in groups.items():
             with gm.graph.inserting_before(first):
-                item = gm.graph.call_function(operator.getitem, (bucket, i))
-            item.meta.update({k: v for k, v in n.meta.items() if k != M.COMM})
-            n.replace_all_uses_with(item)
-            gm.graph.erase_node(n)
+                bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
+            infos = [n.meta[M.COMM] for n in nodes]
+            bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
+                                           0, sum(i.bytes_backward for i in infos), "(gradient bucket)")
+            bucket.meta["val"] = tuple(n.meta["val"] for n in nodes)
+            for i, n in enumerate(nodes):
+                with gm.graph.inserting_before(first):
+                    item = gm.graph.call_function(operator.getitem, (bucket, i))
+                item.meta.update({k: v for k, v in n.meta.items() if k != M.COMM})
+                n.replace_all_uses_with(item)
+                gm.graph.erase_node(n)
+                bucketed.add(item)
 
 
 def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:

@@ -26,7 +26,20 @@ def set_fake_world(world_size: int) -> None:
         if dist.get_backend() == "fake" and dist.get_world_size() == world_size and dist.get_rank() == 0:
             return
         dist.destroy_process_group()
+        _clear_dtensor_sharding_cache()
     dist.init_process_group("fake", rank=0, world_size=world_size)
+
+
+def _clear_dtensor_sharding_cache() -> None:
+    """DTensor caches sharding propagation keyed by DeviceMesh equality, which ignores the mesh's process
+    groups: once the world is re-created, a cached result could hand a DTensor a mesh of an earlier world
+    whose groups no longer exist (seen as "Could not resolve the process group registered under the name
+    N", depending on which tests ran before)."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 @contextlib.contextmanager

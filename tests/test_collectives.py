@@ -278,6 +278,23 @@ def test_dp_gpt_gradients_reduced_in_one_bucket(local_world):
     assert set(gc) <= {"grad_sync_bucket", "grad_all_reduce", "all_reduce", "split"}, gc
 
 
+def test_dp_over_two_axes_reduces_gradients_in_one_bucket_per_axis(local_world):
+    """plan="dp" on a 2x2 mesh: the batch is split over both axes, so every gradient is reduced over both.
+    The runtime issues one bucket per axis (the chained per-axis reductions are bucketed round by round),
+    each of every parameter's gradient; forward only the loss (reduced over both axes)."""
+    b, d = 8, 16
+    run = parallel_run(local_world, _fp64(NormMLP), _dense(b, d), (2, 2), ("dp", "tp"), plan="dp")
+    params = _distinct_params(run.ref)
+    total = sum(q.numel() for q in params.values())
+    gc = run.graph_counts()
+    assert gc["grad_sync_bucket"] == 2 and "grad_all_reduce" not in gc, gc
+    assert sorted(r.axis for r in run.rows(fn="grad_sync_bucket")) == ["dp", "tp"]
+    assert sorted((r.axis, r.numel) for r in run.bwd) == [("dp", total), ("tp", total)]
+    assert all(r.bytes_backward == pytest.approx(sum(ar_bytes(q.numel(), 2) for q in params.values()),
+                                                 abs=len(params)) for r in run.rows(fn="grad_sync_bucket"))
+    assert sorted((r.kind, r.axis, r.numel) for r in run.fwd) == [("all_reduce", "dp", 1), ("all_reduce", "tp", 1)]
+
+
 # ---------------------------------------------------------------------------------------------- 2-D
 
 

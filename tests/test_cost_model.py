@@ -125,6 +125,69 @@ def test_collective_formulas():
         A.collective_time_s("broadcast", n, p, LINK)
 
 
+def test_measured_table_interpolates():
+    """A profile's table (seconds per collective inside a compute stream) replaces alpha-beta for its kinds and
+    group size: log-log between measured sizes, flat below, the last segment's slope above."""
+    rows = ((4, 1e-3), (4096, 1e-3), (2**20, 2e-3), (2**23, 9e-3))
+    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_reduce": rows}, table_group_size=2)
+    assert A.collective_time_s("all_reduce", 1, 2, link) == 1e-3  # below the table: its smallest time
+    assert A.collective_time_s("all_reduce", 2**20, 2, link) == pytest.approx(2e-3)  # a measured point
+    assert A.collective_time_s("all_reduce", 2**21, 2, link) == pytest.approx(2e-3 * (9 / 2) ** (1 / 3))  # log-log
+    slope = 7e-3 / (2**23 - 2**20)
+    assert A.collective_time_s("all_reduce", 2**24, 2, link) == pytest.approx(9e-3 + slope * 2**23)
+    # monotone in the size, as the table
+    sizes = [2**k for k in range(0, 26)]
+    times = [A.collective_time_s("all_reduce", n, 2, link) for n in sizes]
+    assert times == sorted(times)
+    # other kinds and other group sizes: alpha-beta
+    assert A.collective_time_s("all_gather", 2**20, 2, link) == pytest.approx(2**19 / 1e9 + 1e-5)
+    assert A.collective_time_s("all_reduce", 2**20, 4, link) == pytest.approx(1.5 * 2**20 / 1e9 + 6e-5)
+    assert A.collective_time_s("all_reduce", 2**20, 1, link) == 0
+
+
+def test_sync_grows_with_the_compute_before_a_collective():
+    """The table was measured after table_interval_s of compute; after another interval the time moves by the
+    sync table's difference (linear between intervals, flat beyond), never below zero."""
+    rows = ((4, 1e-3), (2**20, 2e-3))
+    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_reduce": rows}, table_group_size=2, table_interval_s=1e-3,
+                  sync_table=((0.0, 0.2e-3), (1e-3, 1e-3), (4e-3, 2e-3)))
+    at = lambda n, d: A.collective_time_s("all_reduce", n, 2, link, interval_s=d)  # noqa: E731
+    assert at(2**20, None) == at(2**20, 1e-3) == pytest.approx(2e-3)
+    assert at(2**20, 4e-3) == pytest.approx(3e-3) and at(2**20, 2.5e-3) == pytest.approx(2.5e-3)
+    assert at(2**20, 1.0) == pytest.approx(3e-3)  # flat beyond the longest interval measured
+    assert at(2**20, 0.0) == pytest.approx(1.2e-3)  # back to back
+    assert A.collective_time_s("all_gather", 2**20, 2, link, interval_s=4e-3) == pytest.approx(2**19 / 1e9 + 1e-5)
+    with pytest.raises(ValueError, match="table_interval_s"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": rows}, table_group_size=2, sync_table=((0.0, 1e-3),))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": rows}, table_group_size=2, table_interval_s=1e-3,
+               sync_table=((1e-3, 1e-3), (1e-3, 2e-3)))
+
+
+def test_link_table_validates_and_round_trips_json():
+    rows = [[4, 1e-3], [1024, 1.5e-3]]
+    link = H.Link(alpha_s=1e-5, bytes_per_s=1e9, table={"all_gather": rows}, table_group_size=2, table_interval_s=1e-3,
+                  sync_table=[[0, 1e-4], [1e-3, 1e-3]])
+    assert link.table == {"all_gather": ((4.0, 1e-3), (1024.0, 1.5e-3))} and link.sync_table == ((0, 1e-4), (1e-3, 1e-3))
+    measured = dataclasses.replace(H.PRESETS["cpu"], mesh_shape=(2,), axis_links=(link,), sdpa_flops={"float32": 3e10},
+                                   matmul_table={"float32": [[3e7, 8e10], [2e9, 1e11]]},
+                                   vector_bytes_per_s=4e10, copy_bytes_per_s=5e10, op_overhead_s=2e-6)
+    assert H.Cluster.from_json(measured.to_json()) == measured
+    assert H.load_cluster("cpu").intra_node.table is None and H.PRESETS["cpu"].op_overhead_s is None
+    with pytest.raises(ValueError, match="table_group_size"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_gather": rows})
+    with pytest.raises(ValueError, match="unknown collective 'p2p'"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"p2p": rows}, table_group_size=2)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": [[4, 2e-3], [8, 1e-3]]}, table_group_size=2)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        H.Link(alpha_s=0, bytes_per_s=1, table={"all_reduce": [[8, 1e-3], [8, 2e-3]]}, table_group_size=2)
+    with pytest.raises(ValueError, match="op_overhead_s"):
+        dataclasses.replace(H.PRESETS["cpu"], op_overhead_s=-1.0)
+    with pytest.raises(ValueError, match="matmul_table"):
+        dataclasses.replace(H.PRESETS["cpu"], matmul_table={"float32": [[2e9, 1e11], [3e7, 8e10]]})
+
+
 def test_redistribute():
     S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
     kinds = {(S0, R): "all_gather", (P, R): "all_reduce", (P, S0): "reduce_scatter", (S0, S1): "all_to_all",
@@ -149,6 +212,36 @@ def test_roofline():
     measured = dataclasses.replace(h100, peak_flops={"float32": 1e12})
     with pytest.raises(ValueError, match=r"no peak FLOP/s for dtype 'bfloat16'.*dtypes=\('bfloat16'"):
         A.compute_time_s(1, 0, "bfloat16", measured)
+
+
+def test_kernel_time_by_op_kind():
+    """Per-op-kind rates of a profile: each kind at its own rate plus the per-op overhead; a preset (no rates)
+    and a kind without a rate fall back to the roofline."""
+    cpu = H.PRESETS["cpu"]
+    assert not A.has_kernel_rates(cpu)
+    prof = dataclasses.replace(cpu, peak_flops={"float32": 1e11}, memory_bytes_per_s=1e11, sdpa_flops={"float32": 2e10},
+                               vector_bytes_per_s=4e10, copy_bytes_per_s=8e10, op_overhead_s=2e-6)
+    assert A.has_kernel_rates(prof)
+    assert A.kernel_time_s("matmul", 1e11, 1e12, "float32", prof, num_ops=10) == pytest.approx(1 + 2e-5)
+    assert A.kernel_time_s("sdpa", 2e10, 0, "float32", prof) == pytest.approx(1)
+    assert A.kernel_time_s("vector", 1e12, 4e10, "float32", prof, num_ops=1) == pytest.approx(1 + 2e-6)
+    assert A.kernel_time_s("memory", 0, 8e10, "float32", prof) == pytest.approx(1)
+    bf16 = dataclasses.replace(prof, peak_flops={"float32": 1e11, "bfloat16": 4e11})  # no bf16 SDPA rate: roofline
+    assert A.kernel_time_s("sdpa", 4e11, 0, "bfloat16", bf16) == pytest.approx(1)
+    only_overhead = dataclasses.replace(cpu, op_overhead_s=1e-6)
+    assert A.kernel_time_s("vector", 0, 2e10, "float32", only_overhead, num_ops=3) == pytest.approx(1 + 3e-6)
+    with pytest.raises(ValueError, match="unknown op kind"):
+        A.kernel_time_s("conv", 1, 1, "float32", prof)
+    # matmul throughput by the size of one call: log-linear between measured sizes, flat outside
+    sized = dataclasses.replace(prof, matmul_table={"float32": ((1e7, 5e10), (1e9, 1e11))})
+    assert A.matmul_flops_per_s(sized, "float32", 1e8) == pytest.approx(7.5e10)
+    assert A.matmul_flops_per_s(sized, "float32", 1e6) == 5e10 and A.matmul_flops_per_s(sized, "float32", 1e12) == 1e11
+    assert A.matmul_flops_per_s(sized, "float32") == 1e11  # no size given: the peak
+    assert A.kernel_time_s("matmul", 7.5e10, 0, "float32", sized, flops_per_call=1e8) == pytest.approx(1)
+    node = A.NodeCost(flops=1e11, bytes=0, kind="matmul")
+    assert node.time_s(prof, divisor=2) == pytest.approx(0.5 + 2e-6)
+    assert node.time_s(cpu) == pytest.approx(1e11 / cpu.peak_flops["float32"])
+    assert A.NodeCost().time_s(prof) == 0  # a view
 
 
 MATMUL_OPS = set(A._MATMULS) | A._SDPA
@@ -205,12 +298,17 @@ def test_node_bytes():
         elif node.target in (aten.view.default, aten.transpose.int, aten.expand.default, aten.unsqueeze.default):
             assert cost == A.NodeCost(), node
     emb = by_name["embedding"]
-    assert A.node_cost(emb) == A.NodeCost(bytes=2 * 2 * 16 * 32 * 4 + 2 * 16 * 8, dtype="float32")
+    assert A.node_cost(emb) == A.NodeCost(bytes=2 * 2 * 16 * 32 * 4 + 2 * 16 * 8, dtype="float32", kind="memory")
     # the GQA repeat: reshape of an expanded (non-contiguous) tensor copies
     reshape = by_name["reshape"]
     assert A.node_cost(reshape).bytes == (2 * 2 * 16 * 8 + 2 * 4 * 16 * 8) * 4  # reads 2 KV heads, writes 4
+    assert A.node_cost(reshape).kind == "memory"
     silu = by_name["silu"]
-    assert A.node_cost(silu) == A.NodeCost(flops=2 * 16 * 64, bytes=2 * 2 * 16 * 64 * 4, dtype="float32")
+    assert A.node_cost(silu) == A.NodeCost(flops=2 * 16 * 64, bytes=2 * 2 * 16 * 64 * 4, dtype="float32",
+                                           kind="vector")
+    kinds = {n.target: A.node_cost(n).kind for n in gm.graph.nodes if n.op == "call_function"}
+    assert kinds[aten.linear.default] == kinds[aten.matmul.default] == "matmul"
+    assert kinds[aten.softmax.int] == kinds[aten.silu.default] == "vector" and kinds[aten.cat.default] == "memory"
 
 
 def test_form_volumes_match_collectives():
@@ -340,7 +438,7 @@ def _profile_job(path: str) -> str:
 
     mesh = init_device_mesh("cpu", (2,))
     cluster = profile(mesh, path, sizes=(64, 128), message_bytes=(4, 2**14, 2**18), memory_bytes=2**22,
-                      repeats=2, progress=False)
+                      kernel_bytes=2**16, repeats=2, iters=3, progress=False)
     return cluster.to_json()
 
 
@@ -358,3 +456,29 @@ def test_profile_on_gloo(tmp_path):
     link = cluster.axis_links[0]
     assert 0 <= link.alpha_s < 0.1 and link.bytes_per_s > 1e6
     assert H.axis_link(cluster, (2,), 0) == link
+    # collectives measured in situ: every kind, the sizes as the cost model counts them, non-decreasing
+    assert link.table_group_size == 2 and set(link.table) == set(H.TABLE_KINDS)
+    assert [n for n, _ in link.table["all_reduce"]] == [4, 2**14, 2**18]
+    assert [n for n, _ in link.table["all_gather"]] == [8, 2**14, 2**18]  # a whole element per rank
+    for rows in link.table.values():
+        times = [t for _, t in rows]
+        assert times == sorted(times) and all(0 <= t < 1 for t in times)
+    assert A.collective_time_s("all_reduce", 2**14, 2, link) == link.table["all_reduce"][1][1]
+    # synchronisation after 0 (back to back), 1, 4 and 16 matmuls; the table's interval is one matmul's
+    intervals, syncs = zip(*link.sync_table)
+    assert len(intervals) == 4 and intervals[0] == 0 and link.table_interval_s == intervals[1] > 0
+    assert list(syncs) == sorted(syncs) and list(intervals) == sorted(intervals)
+    # per-op-kind compute
+    assert set(cluster.sdpa_flops) == {"float32"} and cluster.sdpa_flops["float32"] > 1e7
+    assert cluster.vector_bytes_per_s > 1e7 and cluster.copy_bytes_per_s > 1e7
+    assert 0 < cluster.op_overhead_s < 1e-3 and A.has_kernel_rates(cluster)
+    sizes, rates = zip(*cluster.matmul_table["float32"])
+    assert sizes == (2 * 64**3, 2 * 128**3) and max(rates) == cluster.peak_flops["float32"]
+
+
+def test_monotone_table():
+    from autopar.profile import _monotone
+
+    assert _monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert _monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]  # a violating pair pools to its mean
+    assert _monotone([5.0, 1.0, 1.0]) == [7 / 3] * 3
