@@ -7,8 +7,6 @@ parameter after each step; the all-to-all count and the expert shards are assert
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -85,7 +83,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_moe_equivalence(case):
+def test_moe_equivalence(case, fp64):
     world, make, inputs_fn, shape, names, plan, overrides, layers = CASES[case]
     results = gloo_pool(world).run(gloo_equivalence, make, inputs_fn, shape, names, plan, overrides, 2)
     expected = _param_names(make)
@@ -127,18 +125,7 @@ def test_moe_equivalence(case):
 
 
 def _shapes(make):
-    with _fp64_default():
-        return dict(make().named_parameters())
-
-
-@contextlib.contextmanager
-def _fp64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
+    return dict(make().named_parameters())  # under the fp64 fixture, as the workers build them
 
 
 # ----------------------------------------------------------------------------- Hugging Face Qwen3-MoE
