@@ -1,0 +1,334 @@
+"""Sharding rules derived from the strategies PyTorch's DTensor registers for ATen ops.
+
+`dtensor_rule(node, tin, ins, n)` has the signature and return type of the rules in `passes.rules`
+(one mesh axis at a time: the placements of the node's tensor inputs on that axis, the axis size;
+returns the required input placements and the output placement, a list for multi-output ops).
+
+How a decision is derived (`derive`):
+1. the node's arguments become an `OpSchema`: every tensor input a `DTensorSpec` on a 1-D mesh of n
+   ranks built without a process group (`DeviceMesh(..., _init_backend=False)`), with the input's
+   *global* shape, stride and dtype (`meta["val"]`) and its placement on this axis; every other
+   argument as it is (an fx node that is not a tensor, e.g. a SymInt, as its `meta["val"]`);
+2. DTensor's sharding propagator picks its cheapest strategy for those placements
+   (`propagate_op_sharding_non_cached`): the placements it wants the inputs in (`redistribute_schema`,
+   None: as they are) and the placements of the outputs. Ops without a registered strategy go through
+   DTensor's decomposition-based propagation (composite ops: `linear`, `matmul`, `softmax.int`,
+   `scaled_dot_product_attention`, `cross_entropy_loss`...), which only answers when the
+   decomposition runs on local shards without any redistribution inside it;
+3. the answer is translated into autopar's placements, which are torch's own (`autopar.spec`):
+   `Replicate`, `Shard`, `_StridedShard` and `Partial("sum")` carry over as they are.
+
+What autopar's lowering cannot realise is replicated instead (every input `R`, outputs `R`, as an op
+without a rule), and `explain` says why:
+- a `Partial` whose reduce op is not sum (`avg`, `max`, `min`, a norm's `_NormPartial`): the lowering
+  reduces by summing. One case is realised: `aten.mean` over a sharded dim, whose local form the
+  lowering already rewrites into `sum / global count` (`autopar.runtime.ops.sum_div`), which is
+  DTensor's `Partial(avg)` of local means divided by the axis size, a `Partial(sum)`;
+- `_MaskPartial` (a masked lookup: indices outside this rank's rows contribute zeros), except
+  `aten.embedding` with its weight sharded on rows, which the lowering swaps for the same masked
+  lookup (`autopar.runtime.ops.vocab_parallel_embedding`); the ids then stay `R`;
+- a required input placement no collective of the lowering produces: `R` or `S(d)` -> `P`
+  (DTensor makes a replicated value partial by zeroing it on all ranks but one);
+- a shard that does not divide (DTensor shards unevenly, the lowering does not);
+- local shape arguments that DTensor rewrites (`view`'s sizes, factories' sizes) where the lowering
+  does not rewrite them (it does for view, reshape, _unsafe_view, unflatten, expand and split sizes);
+- DTensor has no strategy for the op (neither registered nor through its decomposition), or raised.
+
+Decisions are cached by (op, input placements, axis size, input shapes/strides/dtypes, other
+arguments). DTensor's own rules have known bugs; `tests/test_rule_check.py` checks every derived
+rule numerically as it checks autopar's, and `DENY` lists the (op, placements) whose DTensor answer
+is wrong, with why; those are replicated too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.utils import _pytree as pytree
+
+from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt
+
+aten = torch.ops.aten
+
+# ops whose shape arguments the lowering rewrites to local sizes (passes.lower._Lowerer._localize)
+LOCALISED_SHAPE_ARGS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
+                        aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default}
+MEAN_OPS = {aten.mean.dim, aten.mean.default}
+
+# Ops whose DTensor answer the rule check (tests/test_rule_check.py) finds wrong: replicated, with why.
+DENY: dict[object, str] = {
+    aten.broadcast_tensors.default: (
+        "derived from the decomposition (one expand per input, whose sizes DTensor localises), but the "
+        "composite op run on local shards broadcasts the local shapes: a replicated input is broadcast to "
+        "the sharded input's local size"),
+}
+
+
+def _shape_from_tensor(node, req, out) -> str | None:
+    if any(not isinstance(p, Replicate) for p in list(req) + _as_list(out)):
+        return ("the op takes its output shape from a tensor argument, which the lowering leaves global "
+                "(it localises shape lists only)")
+    return None
+
+
+def _embedding_padding(node, req, out) -> str | None:
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    if padding_idx != -1 and isinstance(req[0], Shard) and req[0].dim == 0:
+        return "vocab_parallel_embedding (the lowering's masked lookup) ignores padding_idx: the padding row would get a gradient"
+    return None
+
+
+def _soft_targets(node, req, out) -> str | None:
+    target = node.args[1].meta["val"]
+    if target.dtype.is_floating_point and any(not isinstance(p, Replicate) for p in list(req) + _as_list(out)):
+        return ("probability targets: the lowering's sharded cross-entropy forms (vocab-parallel, batch-sharded mean "
+                "over the count of class-index targets) take class indices only")
+    return None
+
+
+# Where DTensor's answer is right for DTensor but the lowering's local form for that decision computes
+# something else (passes.lower._Lowerer._localize swaps ops by the decision): replicated, with why.
+LOCAL_FORM_CONFLICTS = {
+    aten.view_as.default: _shape_from_tensor,
+    aten.reshape_as.default: _shape_from_tensor,
+    aten.expand_as.default: _shape_from_tensor,
+    aten.embedding.default: _embedding_padding,
+    aten.cross_entropy_loss.default: _soft_targets,
+}
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One decision: the required input placements, the output placement(s), and why it is not
+    DTensor's answer as is (None when it is)."""
+
+    req: tuple[Placement, ...]
+    out: Placement | tuple[Placement, ...]
+    reason: str | None = None
+    dtensor: str = ""  # DTensor's own answer, printed
+
+
+def dtensor_rule(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int):
+    """A rule of `passes.rules`' kind whose decision comes from DTensor's strategy for the op."""
+    d = derive(node, tin, ins, n)
+    return list(d.req), (list(d.out) if isinstance(d.out, tuple) else d.out)
+
+
+def explain(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int) -> Derived:
+    return derive(node, tin, ins, n)
+
+
+# ----------------------------------------------------------------------------- schema
+
+@functools.lru_cache(maxsize=None)
+def _mesh(n: int):
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with maybe_disable_local_tensor_mode():
+        return DeviceMesh("cpu", torch.arange(n), _init_backend=False, _rank=0)
+
+
+def _freeze(a):
+    if isinstance(a, (list, tuple)):
+        return tuple(_freeze(x) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in a.items()))
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype)
+        return ("node", _freeze(v) if isinstance(v, (int, float, bool)) else str(v))
+    if isinstance(a, float) and math.isnan(a):
+        return "nan"
+    try:
+        hash(a)
+        return a
+    except TypeError:
+        return repr(a)
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _schema(node: fx.Node, ins: list[Placement], n: int):
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
+
+    mesh = _mesh(n)
+    it = iter(ins)
+
+    def spec(a):
+        if _is_tensor_node(a):
+            v = a.meta["val"]
+            return DTensorSpec(mesh, (next(it),), TensorMeta(v.shape, v.stride(), v.dtype))
+        if isinstance(a, fx.Node):
+            return a.meta.get("val")
+        return a
+
+    flat, tree = pytree.tree_flatten((_canonical_args(node), node.kwargs))
+    flat = [spec(a) for a in flat]
+    args, kwargs = pytree.tree_unflatten(flat, tree)
+    # as DTensor's dispatcher does: the op's runtime schema info, with pytree flattening where a list
+    # argument holds tensors (cat, stack), so that DTensor sees the specs inside the list
+    prop = DTensor._op_dispatcher.sharding_propagator
+    info = prop.op_to_schema_info.get(node.target) or prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
+    if any(isinstance(a, (list, tuple)) and any(_is_tensor_node(x) for x in a) for a in node.args):
+        info = dataclasses.replace(info, needs_pytree=True) if info is not None else RuntimeSchemaInfo(needs_pytree=True)
+    return OpSchema(node.target, tuple(args), dict(kwargs), schema_info=info)
+
+
+# DTensor's scan strategy (cumsum, cumprod, logcumsumexp) compares the scanned dim with shard dims without
+# normalising it: `cumsum(x, -1)` with x sharded on its last dim would stay sharded, each rank scanning its
+# own shard (torch 2.13, _ops/_math_ops.py scan_strategy). Asking with the dim normalised avoids it.
+DIM_ARG = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.logcumsumexp.default: 1}
+
+
+def _canonical_args(node: fx.Node) -> tuple:
+    i = DIM_ARG.get(node.target)
+    args = tuple(node.args)
+    if i is None or len(args) <= i or not isinstance(args[i], int) or args[i] >= 0:
+        return args
+    nd = node.args[0].meta["val"].dim()
+    return args[:i] + (args[i] + nd,) + args[i + 1:]
+
+
+def _specs_of(schema) -> list:
+    """The DTensorSpecs of a schema in the order of the node's tensor inputs (args, then kwargs)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    flat, _ = pytree.tree_flatten((tuple(schema.args_schema), dict(schema.kwargs_schema)))
+    return [a for a in flat if isinstance(a, DTensorSpec)]
+
+
+# ----------------------------------------------------------------------------- derivation
+
+def derive(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int) -> Derived:
+    key = (node.target, tuple(ins), n, _freeze(node.args), _freeze(node.kwargs))
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _CACHE[key] = _derive(node, tin, ins, n)
+    return hit
+
+
+_CACHE: dict[tuple, Derived] = {}
+
+
+def _n_outputs(node: fx.Node) -> int | None:
+    v = node.meta.get("val")
+    return len(v) if isinstance(v, (list, tuple)) else None
+
+
+def _replicated(node, ins, reason: str, dtensor: str = "") -> Derived:
+    k = _n_outputs(node)
+    return Derived((R,) * len(ins), (R,) * k if k is not None else R, reason, dtensor)
+
+
+def _divides(v: torch.Tensor, p: Placement, n: int) -> bool:
+    if not isinstance(p, (Shard, _StridedShard)):
+        return True
+    k = p.split_factor if isinstance(p, _StridedShard) else 1
+    return p.dim < v.dim() and v.shape[p.dim] % (n * k) == 0
+
+
+def _show(pls) -> str:
+    return ",".join(fmt(p) if isinstance(p, (Shard, Replicate, _StridedShard)) or type(p) is Partial
+                    else str(p) for p in pls)
+
+
+def _derive(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int) -> Derived:
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    from torch.distributed.tensor import DTensor
+
+    if not tin:
+        return _replicated(node, ins, "no tensor inputs: nothing to shard")
+    denied = DENY.get(node.target)
+    if denied:
+        return _replicated(node, ins, f"DTensor's answer is wrong here: {denied}")
+    prop = DTensor._op_dispatcher.sharding_propagator
+    try:
+        with maybe_disable_local_tensor_mode():
+            schema = _schema(node, ins, n)
+            out = prop.propagate_op_sharding_non_cached(schema)
+    except Exception as e:  # noqa: BLE001  (no strategy, or DTensor failed: replicate, say why)
+        return _replicated(node, ins, f"DTensor has no answer: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    specs = _specs_of(out.redistribute_schema) if out.redistribute_schema is not None else None
+    want = [s.placements[0] for s in specs] if specs is not None else list(ins)
+    outs = out.output_spec
+    multi = isinstance(outs, (list, tuple))
+    out_pls = [s.placements[0] if s is not None else R for s in (outs if multi else [outs])] if outs is not None \
+        else [R]
+    shown = f"{_show(ins)} -> req {_show(want)} -> out {_show(out_pls)}"
+    if len(want) != len(ins):
+        return _replicated(node, ins, f"DTensor's answer names {len(want)} inputs, the node has {len(ins)}", shown)
+    if out.redistribute_schema is not None and getattr(out, "use_val_from_redistribute_schema", False) \
+            and node.target not in LOCALISED_SHAPE_ARGS:
+        return _replicated(node, ins, "DTensor rewrites shape arguments to local sizes; the lowering does not "
+                                      "for this op", shown)
+    req: list[Placement] = []
+    for t, have, p in zip(tin, ins, want):
+        if isinstance(p, _MaskPartial) and node.target is aten.embedding.default:
+            p = R  # the ids of a vocab-parallel embedding: the lowering masks them itself
+        elif isinstance(p, Partial):
+            if not (type(p) is Partial and p.reduce_op == "sum"):
+                return _replicated(node, ins, f"requires input placement {p}: the lowering sums partials only",
+                                   shown)
+            if not isinstance(have, Partial):
+                return _replicated(node, ins, f"requires {fmt(have)} -> P: no collective of the lowering "
+                                              "makes a value partial", shown)
+        if not _divides(t.meta["val"], p, n):
+            return _replicated(node, ins, f"requires {fmt(p)} of a dim that does not divide over {n}", shown)
+        req.append(p)
+    vals = node.meta.get("val")
+    vals = list(vals) if multi and isinstance(vals, (list, tuple)) else [vals]
+    if len(vals) != len(out_pls):
+        return _replicated(node, ins, f"DTensor names {len(out_pls)} outputs, the node has {len(vals)}", shown)
+    result: list[Placement] = []
+    for p, v in zip(out_pls, vals):
+        if isinstance(p, _MaskPartial):
+            if node.target is aten.embedding.default and isinstance(req[0], Shard) and req[0].dim == 0:
+                p = P  # realised by vocab_parallel_embedding
+            else:
+                return _replicated(node, ins, f"output {p}: a masked partial the lowering has no form for", shown)
+        elif isinstance(p, Partial) and not (type(p) is Partial and p.reduce_op == "sum"):
+            if node.target in MEAN_OPS and type(p) is Partial and p.reduce_op == "avg" \
+                    and isinstance(req[0], (Shard, _StridedShard)):
+                p = P  # the lowering's sum_div: local sum / global count
+            else:
+                return _replicated(node, ins, f"output {p}: the lowering sums partials only", shown)
+        if isinstance(v, torch.Tensor) and not _divides(v, p, n):
+            return _replicated(node, ins, f"output {fmt(p)} of a dim that does not divide over {n}", shown)
+        result.append(p)
+    conflict = LOCAL_FORM_CONFLICTS.get(node.target)
+    why = conflict(node, req, result) if conflict is not None else None
+    if why:
+        return _replicated(node, ins, why, shown)
+    translated = tuple(result) != tuple(out_pls) or tuple(req) != tuple(want)
+    return Derived(tuple(req), tuple(result) if multi else result[0],
+                   "translated to the lowering's local form" if translated else None, shown)
+
+
+def registered(op) -> str:
+    """How DTensor knows the op: "strategy" (registered), "decomposition" (derived by tracing its
+    decomposition), or "none"."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._decompositions import DecompShardingStrategy
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    if op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs or op in prop.op_to_rules:
+        return "strategy"
+    if isinstance(op, torch._ops.OpOverload) and DecompShardingStrategy.has_decomp(op):
+        return "decomposition"
+    return "none"
