@@ -6,10 +6,10 @@
   by the real `lower_pass` and run on simulated ranks, against the op on the full inputs.
 - `test_dtensor_rule[...]`: the rules derived from DTensor's strategies (`passes.dtensor_rules`),
   used for every op of the graph, checked the same way on the ops of `RULES` and on ops real graphs
-  hold that have no autopar rule (`rule_samples.EXTRA_OPS`). By default each sample tries at most
-  `DTENSOR_MAX_COMBOS` placement combinations on an axis of 2 (DTensor's decomposition-based
-  propagation, e.g. for SDPA, costs ~0.3 s a query); `RULECHECK_FULL=1` checks them all, on axes of 2
-  and 4.
+  hold that have no autopar rule (`rule_samples.EXTRA_OPS`). By default the first
+  `DTENSOR_MAX_SAMPLES` samples of an op try at most `DTENSOR_MAX_COMBOS` placement combinations each,
+  on an axis of 2 (DTensor's decomposition-based propagation, e.g. for SDPA, costs ~0.3 s a query);
+  `RULECHECK_FULL=1` checks every sample and combination, on axes of 2 and 4.
 
 A failure lists every failing (sample, placements): what the lowered graph did, node by node, and
 how far off which output or gradient is, on which rank.
@@ -31,7 +31,8 @@ from rule_samples import EXTRA_OPS, samples_for
 
 aten = torch.ops.aten
 FULL = os.environ.get("RULECHECK_FULL") == "1"
-DTENSOR_MAX_COMBOS = None if FULL else 8
+DTENSOR_MAX_COMBOS = None if FULL else 6
+DTENSOR_MAX_SAMPLES = None if FULL else 3
 RULE_OPS = sorted(RULES, key=str)
 DTENSOR_OPS = RULE_OPS + [op for op in EXTRA_OPS if op not in RULES]
 
@@ -83,7 +84,7 @@ _dtensor_everywhere.extra_ops = EXTRA_OPS
 @pytest.mark.parametrize("op, n", _cases(DTENSOR_OPS, (2, 4) if FULL else (2,)))
 def test_dtensor_rule(op, n, local_world, fp64):
     with rules_replaced(_dtensor_everywhere):
-        outcomes = run(samples_for(op), n, local_world, DTENSOR_MAX_COMBOS)
+        outcomes = run(samples_for(op)[:DTENSOR_MAX_SAMPLES], n, local_world, DTENSOR_MAX_COMBOS)
     assert_all_ok(op, outcomes)
 
 
