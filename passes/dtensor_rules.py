@@ -32,12 +32,16 @@ without a rule), and `explain` says why:
 - a shard that does not divide (DTensor shards unevenly, the lowering does not);
 - local shape arguments that DTensor rewrites (`view`'s sizes, factories' sizes) where the lowering
   does not rewrite them (it does for view, reshape, _unsafe_view, unflatten, expand and split sizes);
+- the lowering swaps the op for a parallel form that computes something else for that decision
+  (`LOCAL_FORM_CONFLICTS`: `view_as`/`reshape_as`/`expand_as` take their shape from a tensor the
+  lowering leaves global, vocab-parallel embedding ignores `padding_idx`, the sharded cross-entropy
+  forms take class indices only);
 - DTensor has no strategy for the op (neither registered nor through its decomposition), or raised.
 
 Decisions are cached by (op, input placements, axis size, input shapes/strides/dtypes, other
-arguments). DTensor's own rules have known bugs; `tests/test_rule_check.py` checks every derived
-rule numerically as it checks autopar's, and `DENY` lists the (op, placements) whose DTensor answer
-is wrong, with why; those are replicated too.
+arguments). DTensor's own rules have bugs: `tests/test_rule_check.py` checks every derived rule
+numerically as it checks autopar's; `DENY` lists the ops whose DTensor answer it finds wrong (replicated,
+with why) and `DIM_ARG` the ops asked with a normalised dim because DTensor mishandles a negative one.
 """
 
 from __future__ import annotations

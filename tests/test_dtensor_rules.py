@@ -1,0 +1,96 @@
+"""passes.dtensor_rules: DTensor's answers, translated into decisions the lowering can realise.
+
+The numerical check of every derived rule is `test_rule_check.py::test_dtensor_rule`; these tests pin
+the translation itself on one-node graphs: what is taken as is, what is rewritten into the lowering's
+local form, and what falls back to replication (with the reason recorded).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import autopar  # noqa: F401
+from autopar.spec import P, R, Shard, _StridedShard
+from passes.dtensor_rules import derive, dtensor_rule, registered
+
+aten = torch.ops.aten
+
+
+def node_of(op, *args, **kwargs):
+    """The op's node in a one-node graph whose placeholders carry the given tensors' shapes."""
+    g = fx.Graph()
+    tin = []
+
+    def ph(a):
+        if isinstance(a, torch.Tensor):
+            p = g.placeholder(f"in{len(tin)}")
+            p.meta["val"] = torch.empty_like(a, device="meta")
+            tin.append(p)
+            return p
+        if isinstance(a, list):
+            return [ph(x) for x in a]
+        return a
+
+    node = g.call_function(op, tuple(ph(a) for a in args), kwargs)
+    out = op(*args, **kwargs)
+    node.meta["val"] = [torch.empty_like(o, device="meta") for o in out] if isinstance(out, (list, tuple)) \
+        else torch.empty_like(out, device="meta")
+    return node, tin
+
+
+def test_partial_plus_constant_is_reduced_first():
+    node, tin = node_of(aten.add.Tensor, torch.randn(4, 6), 1e-6)
+    assert dtensor_rule(node, tin, [P], 2) == ([R], R)
+
+
+def test_sum_of_partials_stays_partial():
+    node, tin = node_of(aten.add.Tensor, torch.randn(4, 6), torch.randn(4, 6))
+    assert dtensor_rule(node, tin, [P, P], 2) == ([P, P], P)
+
+
+def test_mean_over_a_sharded_dim_is_the_lowerings_sum_div():
+    node, tin = node_of(aten.mean.dim, torch.randn(4, 6), [1])
+    d = derive(node, tin, [Shard(1)], 2)
+    assert (d.req, d.out) == ((Shard(1),), P) and "P(avg)" in d.dtensor and d.reason
+
+
+def test_vocab_parallel_embedding_is_the_lowerings_masked_lookup():
+    node, tin = node_of(aten.embedding.default, torch.randn(16, 8), torch.randint(0, 16, (2, 4)))
+    assert dtensor_rule(node, tin, [Shard(0), R], 2) == ([Shard(0), R], P)
+    node, tin = node_of(aten.embedding.default, torch.randn(16, 8), torch.randint(0, 16, (2, 4)), 0)
+    d = derive(node, tin, [Shard(0), R], 2)
+    assert (d.req, d.out) == ((R, R), R) and "padding_idx" in d.reason
+
+
+def test_partial_max_falls_back_with_a_reason():
+    node, tin = node_of(aten.amax.default, torch.randn(4, 6), [1])
+    d = derive(node, tin, [Shard(1)], 2)
+    assert (d.req, d.out) == ((R,), R) and "P(max)" in d.reason
+
+
+def test_negative_scan_dim_is_normalised():
+    """DTensor 2.13 keeps cumsum(x, -1) of x sharded on its last dim sharded (wrong); asked with dim 1 it
+    replicates."""
+    node, tin = node_of(aten.cumsum.default, torch.randn(4, 6), -1)
+    assert dtensor_rule(node, tin, [Shard(1)], 2) == ([R], R)
+    assert dtensor_rule(node, tin, [Shard(0)], 2) == ([Shard(0)], Shard(0))
+
+
+def test_list_inputs_are_redistributed():
+    node, tin = node_of(aten.cat.default, [torch.randn(4, 6), torch.randn(4, 2)], 1)
+    req, out = dtensor_rule(node, tin, [R, Shard(0)], 2)
+    assert req == [Shard(0), Shard(0)] and out == Shard(0)
+
+
+def test_flatten_of_an_inner_shard_is_strided():
+    node, tin = node_of(aten.view.default, torch.randn(4, 6), [24])
+    assert dtensor_rule(node, tin, [Shard(1)], 2) == ([Shard(1)], _StridedShard(0, split_factor=4))
+
+
+def test_multi_output_and_registration():
+    node, tin = node_of(aten.topk.default, torch.randn(4, 6), 2)
+    assert dtensor_rule(node, tin, [Shard(0)], 2) == ([Shard(0)], [Shard(0), Shard(0)])
+    assert registered(aten.topk.default) == "strategy"
+    assert registered(aten.linear.default) == "decomposition"
+    assert registered(torch.ops.autopar.moe_experts.default) == "none"
