@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import operator
 import os
 import random
 import re
@@ -52,7 +53,7 @@ from passes.rules import RULES
 
 # fp64 throughout: a wrong rule is off by far more than reassociated sums are
 RTOL, ATOL = 1e-9, 1e-10
-MAX_COMBOS = 32  # placement combinations per (sample, axis size) before sampling the rest
+MAX_COMBOS = 32  # placement combinations per (sample, axis size): see `combinations`
 RNG_STREAM = "rulecheck"
 
 
@@ -65,7 +66,7 @@ class Sample:
     kwargs: dict = field(default_factory=dict)
     note: str = ""  # what the sample is about, e.g. "P + eps"
     worlds: tuple[int, ...] = (2,)  # mesh axis sizes to check on
-    strided: bool = False  # also try `_StridedShard(d, 2)` inputs
+    strided: int = 0  # k > 0: also try `_StridedShard(d, split_factor=k)` inputs (a fused QKV split: k = 3)
     check: str = "exact"  # "exact" | "shape": uninitialised output, shapes and dtypes only | "dropout"
     ref: Callable | None = None  # the global computation, when it is not `op(*args, **kwargs)`
     only: list[tuple[Placement, ...]] | None = None  # these combinations instead of all of them
@@ -122,8 +123,8 @@ EXPECTED_ERRORS: list[tuple[object, str, str, str]] = []
 
 # ----------------------------------------------------------------------------- placements
 
-def placement_options(t: torch.Tensor, n: int, strided: bool) -> list[Placement]:
-    """R; S(d) for every dim that divides over n; `_StridedShard(d, 2)` where asked and it divides;
+def placement_options(t: torch.Tensor, n: int, strided: int = 0) -> list[Placement]:
+    """R; S(d) for every dim that divides over n; `_StridedShard(d, strided)` where asked and it divides;
     P for floating tensors."""
     out: list[Placement] = [R]
     for d, size in enumerate(t.shape):
@@ -131,8 +132,8 @@ def placement_options(t: torch.Tensor, n: int, strided: bool) -> list[Placement]
             out.append(Shard(d))
     if strided:
         for d, size in enumerate(t.shape):
-            if size > 0 and size % (2 * n) == 0:
-                out.append(_StridedShard(d, split_factor=2))
+            if size > 0 and size % (strided * n) == 0:
+                out.append(_StridedShard(d, split_factor=strided))
     if t.dtype.is_floating_point:
         out.append(P)
     return out
@@ -219,7 +220,7 @@ def build_graph(sample: Sample, out_val) -> tuple[fx.GraphModule, list[str]]:
     if isinstance(out_val, (list, tuple)):
         outs = []
         for j, v in enumerate(out_val):
-            item = g.call_function(__import__("operator").getitem, (node, j))
+            item = g.call_function(operator.getitem, (node, j))
             item.meta["val"] = _meta(v)
             outs.append(item)
         g.output(tuple(outs))
@@ -239,9 +240,8 @@ def _describe(gm: fx.GraphModule) -> str:
         else:
             where = "".join(fmt(p) for p in pls) if pls else "?"
         ins = ",".join(a.name for a in node.all_input_nodes)
-        name = node.target.__name__ if node.target in C.COLLECTIVES else op_name(getattr(node, "target"))
-        if node.target in C.COLLECTIVES:
-            name = node.target.__name__
+        name = node.target.__name__ if node.target in C.COLLECTIVES or not isinstance(node.target, torch._ops.OpOverload) \
+            else op_name(node.target)
         parts.append(f"{node.name}={name}({ins})->{where}")
     return "; ".join(parts)
 

@@ -177,8 +177,8 @@ add(aten.view.default, aten.reshape.default, aten._unsafe_view.default, make=lam
     Sample(op, (rand(2, 4, 6), [2, 24]), note="merge inner dims"),
     Sample(op, (rand(8, 6), [2, 4, 6])),
     Sample(op, (rand(4, 6), [-1, 3])),
-    Sample(op, (rand(8, 6), [2, 4, 6]), note="split a strided dim", strided=True),
-    Sample(op, (rand(24), [4, 6]), note="strided flat", strided=True),
+    Sample(op, (rand(8, 6), [2, 4, 6]), note="split a strided dim", strided=2),
+    Sample(op, (rand(24), [4, 6]), note="strided flat", strided=4),
     Sample(op, (rand(2, 4, 8), [2, 4, 2, 4]), note="split heads", worlds=(2, 4)),
 ])
 add(aten.flatten.using_ints, make=lambda op: [Sample(op, (rand(2, 4, 6), 1, 2)), Sample(op, (rand(2, 4, 6), 0, -1)),
@@ -215,14 +215,14 @@ add(aten.slice.Tensor, make=lambda op: [
 add(aten.split.Tensor, make=lambda op: [
     Sample(op, (rand(4, 6), 2, 0)), Sample(op, (rand(4, 6), 3, 1)), Sample(op, (rand(4, 8), 2, -1)),
     Sample(op, (rand(4, 6), 4, 1), note="uneven pieces"),
-    Sample(op, (rand(2, 12), 4, 1), note="fused QKV", strided=True),
+    Sample(op, (rand(2, 12), 4, 1), note="fused QKV", strided=3),
 ])
 add(aten.split_with_sizes.default, make=lambda op: [
     Sample(op, (rand(4, 6), [2, 4], 1)), Sample(op, (rand(8, 6), [4, 4])),
-    Sample(op, (rand(2, 12), [4, 4, 4], 1), note="fused QKV", strided=True),
+    Sample(op, (rand(2, 12), [4, 4, 4], 1), note="fused QKV", strided=3),
 ])
 add(aten.chunk.default, make=lambda op: [Sample(op, (rand(4, 6), 2, 1)), Sample(op, (rand(4, 6), 3, -1)),
-                                         Sample(op, (rand(2, 12), 3, 1), note="fused QKV", strided=True)])
+                                         Sample(op, (rand(2, 12), 3, 1), note="fused QKV", strided=3)])
 add(aten.unbind.int, make=lambda op: [Sample(op, (rand(2, 4, 6), 1)), Sample(op, (rand(2, 4, 6),)),
                                       Sample(op, (rand(2, 4, 6), -1))])
 add(aten.cat.default, make=lambda op: [
@@ -245,10 +245,10 @@ add(aten.linear.default, make=lambda op: [
     Sample(op, (rand(2, 4, 6), rand(8, 6))),
     Sample(op, (rand(2, 4, 6), rand(8, 6), rand(8)), note="bias"),
     Sample(op, (rand(4, 8), rand(8, 8), rand(8)), worlds=(2, 4), note="bias"),
-    Sample(op, (rand(4, 12), rand(4, 12)), note="strided weight", strided=True),
+    Sample(op, (rand(4, 12), rand(4, 12)), note="strided weight", strided=2),
 ])
 add(aten.mm.default, make=lambda op: [Sample(op, (rand(4, 6), rand(6, 8)), worlds=(2, 4)),
-                                      Sample(op, (rand(4, 12), rand(12, 4)), note="strided", strided=True)])
+                                      Sample(op, (rand(4, 12), rand(12, 4)), note="strided", strided=2)])
 add(aten.addmm.default, make=lambda op: [
     Sample(op, (rand(8), rand(4, 6), rand(6, 8))),
     Sample(op, (rand(4, 8), rand(4, 6), rand(6, 8)), note="2-D bias"),
@@ -357,6 +357,8 @@ add(aten.histc.default, make=lambda op: [Sample(op, (rand(4, 6), 5, -2.0, 2.0)),
                                          Sample(op, (rand(4, 6), 4), note="range from the data")])
 add(aten.bincount.default, make=lambda op: [Sample(op, (ints(8, high=5),), {"minlength": 8}),
                                             Sample(op, (ints(8, high=5),), note="length from the data"),
+                                            Sample(op, (torch.tensor([0, 1, 0, 1, 4, 3, 4, 2]),),
+                                                   note="shards of different lengths"),
                                             Sample(op, (ints(8, high=5), rand(8)), note="weights")])
 
 
