@@ -337,6 +337,8 @@ def check_case(sample: Sample, placements: tuple[Placement, ...], n: int, mesh_i
                 if "not implemented" not in str(e) and "does not require grad" not in str(e):
                     raise
                 note = f"forward only: the op has no backward ({str(e).splitlines()[0][:80]})"
+        elif needs and any(o.dtype.is_floating_point for o in ref_outs):
+            note = "forward only: no gradient flows through the op (its floating outputs do not require grad)"
         ref_grads = dict(zip(map(id, needs), ref_grads)) if ref_grads is not None else None
         per_rank = []
         for t, p in zip(full, placements):

@@ -88,6 +88,25 @@ def test_dtensor_rule(op, n, local_world, fp64):
     assert_all_ok(op, outcomes)
 
 
+# Ops with floating inputs and outputs but no gradient to check (the output does not depend on the
+# values differentiably, or the op has no derivative): their check is forward only. Ops with integer or
+# boolean outputs (comparisons, argmax, one_hot) have no backward at all.
+FORWARD_ONLY = {"histc", "bincount", "detach", "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros",
+                "new_full", "new_empty", "type_as"}
+
+
+def test_forward_only_ops_are_the_known_ones(local_world, fp64):
+    """Nothing is skipped silently: the samples checked forward only (no gradient flows through the op)
+    are exactly those of FORWARD_ONLY."""
+    samples = [s for op in DTENSOR_OPS for s in samples_for(op)]
+    seen = set()
+    for o in run([Sample(**{**s.__dict__, "only": [tuple(R for _ in s.tensors)], "worlds": (2,)}) for s in samples],
+                 2, local_world):
+        if o.note:
+            seen.add(o.sample.name.split("(")[0].split(".")[0])
+    assert seen == FORWARD_ONLY
+
+
 def test_checker_flags_partial_plus_constant(local_world, fp64):
     """The bug the checker was written for, as a rule that keeps `Partial` through `x + eps` (what
     `elementwise_rule` did): every rank adds eps to its summand, so the sum is off by (n - 1) * eps."""
