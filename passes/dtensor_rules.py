@@ -19,7 +19,7 @@ How a decision is derived (`derive`):
    `Replicate`, `Shard`, `_StridedShard` and `Partial("sum")` carry over as they are.
 
 What autopar's lowering cannot realise is replicated instead (every input `R`, outputs `R`, as an op
-without a rule), and `explain` says why:
+without a rule), and `derive(...).reason` says why:
 - a `Partial` whose reduce op is not sum (`avg`, `max`, `min`, a norm's `_NormPartial`): the lowering
   reduces by summing. One case is realised: `aten.mean` over a sharded dim, whose local form the
   lowering already rewrites into `sum / global count` (`autopar.runtime.ops.sum_div`), which is
@@ -28,7 +28,7 @@ without a rule), and `explain` says why:
   `aten.embedding` with its weight sharded on rows, which the lowering swaps for the same masked
   lookup (`autopar.runtime.ops.vocab_parallel_embedding`); the ids then stay `R`;
 - a required input placement no collective of the lowering produces: `R` or `S(d)` -> `P`
-  (DTensor makes a replicated value partial by zeroing it on all ranks but one);
+  (DTensor makes a replicated value partial by dividing it by the axis size on every rank);
 - a shard that does not divide (DTensor shards unevenly, the lowering does not);
 - local shape arguments that DTensor rewrites (`view`'s sizes, factories' sizes) where the lowering
   does not rewrite them (it does for view, reshape, _unsafe_view, unflatten, expand and split sizes);
@@ -82,6 +82,7 @@ def _shape_from_tensor(node, req, out) -> str | None:
 
 
 def _embedding_padding(node, req, out) -> str | None:
+    # Drop once vocab_parallel_embedding honours padding_idx: the rule check then passes without it.
     padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
     if padding_idx != -1 and isinstance(req[0], Shard) and req[0].dim == 0:
         return "vocab_parallel_embedding (the lowering's masked lookup) ignores padding_idx: the padding row would get a gradient"
@@ -126,10 +127,6 @@ def dtensor_rule(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int
     """A rule of `passes.rules`' kind whose decision comes from DTensor's strategy for the op."""
     d = derive(node, tin, ins, n)
     return list(d.req), (list(d.out) if isinstance(d.out, tuple) else d.out)
-
-
-def explain(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int) -> Derived:
-    return derive(node, tin, ins, n)
 
 
 # ----------------------------------------------------------------------------- schema

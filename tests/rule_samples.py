@@ -12,12 +12,11 @@ inputs for log/sqrt/pow, no ties for max/sort/topk).
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
-from autopar.spec import R, Shard, _StridedShard
+from autopar.spec import R, Shard
 from rule_check import Sample
 
 aten = torch.ops.aten
