@@ -9,13 +9,12 @@ does not understand is left alone (the attention is still recognised and sharded
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import fx
 
-from passes.attention import _explicit_attention
-from passes.context import PassContext
+from passes.attention import explicit_attention
+from autopar.sites import PassContext
 
 aten = torch.ops.aten
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.to.dtype_layout}
@@ -84,7 +83,7 @@ def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for m1 in list(g.nodes):
         if m1.op != "call_function" or m1.target is not aten.matmul.default or len(m1.meta["val"].shape) != 4:
             continue
-        m2 = _explicit_attention(m1)
+        m2 = explicit_attention(m1)
         if m2 is None:
             continue
         plan = _plan_fusion(m1, m2)

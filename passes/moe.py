@@ -34,7 +34,7 @@ from torch import fx, nn
 
 from autopar.runtime import moe as rt
 from cost_model.hardware import dtype_name
-from passes.context import PassContext, Site
+from autopar.sites import MoeSite, PassContext
 
 MOE_OP = torch.ops.autopar.moe_experts.default
 
@@ -379,24 +379,21 @@ def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         key, x, idx, w, params = node.args
         spec = rt.spec_of(key)
-        site = Site("moe", spec.path, node)
+        roles = []
         for name, p in zip(spec.param_names, params):
             if p.op == "placeholder":
-                site.params[name] = p.name
+                roles.append((name, p.name))
             elif p.target is torch.ops.aten.stack.default:  # ModuleList experts stacked in the graph
-                for i, q in enumerate(p.args[0]):
-                    if q.op == "placeholder":
-                        site.params[f"{i}.{name}"] = q.name
+                roles += [(f"{i}.{name}", q.name) for i, q in enumerate(p.args[0]) if q.op == "placeholder"]
         t, h = x.meta["val"].shape
+        stacked = all(p.op == "placeholder" for p in params)
         ffn = None
-        if spec.ffn_dims and site.info.get("stacked", True) and all(p.op == "placeholder" for p in params):
+        if spec.ffn_dims and stacked:
             d, k = spec.ffn_dims[0]
             ffn = params[0].meta["val"].shape[d] // k
-        site.info.update(num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
-                         ffn_features=ffn,
-                         spelling=spec.spelling, key=key,
-                         stacked=all(p.op == "placeholder" for p in params),
-                         expert_numel=sum(p.meta["val"].numel() for p in params),
-                         itemsize=x.meta["val"].element_size(), dtype=dtype_name(x.meta["val"].dtype))
-        ctx.add(site)
+        ctx.add(MoeSite(key=spec.path, node=node, params=tuple(roles), spec_key=key, spelling=spec.spelling,
+                        num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
+                        ffn_features=ffn, ffn_dims=tuple(spec.ffn_dims) if spec.ffn_dims and stacked else None,
+                        stacked=stacked, expert_numel=sum(p.meta["val"].numel() for p in params),
+                        itemsize=x.meta["val"].element_size(), dtype=dtype_name(x.meta["val"].dtype)))
     return gm

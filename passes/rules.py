@@ -28,8 +28,11 @@ RULES: dict[object, Rule] = {}
 
 
 def register(*targets) -> Callable[[Rule], Rule]:
+    """Register `fn` as the rule of `targets`; an op registers once (a second rule for it is an error)."""
     def deco(fn: Rule) -> Rule:
         for t in targets:
+            if t in RULES:
+                raise ValueError(f"a sharding rule for {t} is registered twice ({RULES[t].__name__}, {fn.__name__})")
             RULES[t] = fn
         return fn
     return deco
@@ -93,7 +96,7 @@ ELEMENTWISE = [
     aten.logical_not.default, aten.logical_and.default, aten.bitwise_not.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.minimum.default,
     aten.maximum.default, aten.clamp.default, aten.float_power.Tensor_Scalar, aten.square.default,
-    aten.softplus.default, aten.log1p.default, aten.expm1.default, aten.gelu.default, aten.mish.default,
+    aten.softplus.default, aten.log1p.default, aten.expm1.default, aten.mish.default,
     aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.relu6.default,
     aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Scalar, aten.mul_.Scalar,
 ]
@@ -123,8 +126,11 @@ def elementwise_rule(node, tin, ins, n) -> Decision:
                 req.append(R)
         return req, choice
     # Partial inputs are reduced at their first consumer (the lowering caches the all-reduce per value,
-    # so every consumer shares it); only a sum of partials stays partial.
-    if ins and t_is_additive(node) and all(isinstance(p, Partial) for p in ins):
+    # so every consumer shares it); only a sum of partials stays partial: both operands tensors, both
+    # partial (a constant added to a partial would be added once per rank).
+    operands = node.args[:2]
+    if ins and t_is_additive(node) and len(tin) == 2 and all(isinstance(a, fx.Node) for a in operands) \
+            and all(isinstance(p, Partial) for p in ins):
         return list(ins), P
     return [R] * len(ins), R
 
@@ -580,5 +586,4 @@ FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, ate
              aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
              aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.tril.default,
              aten.triu.default, aten.lift_fresh_copy.default]
-for _t in FACTORIES:
-    RULES.setdefault(_t, replicate_rule)
+register(*[t for t in FACTORIES if t not in RULES])(replicate_rule)

@@ -12,7 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.api import _prepare
-from autopar.estimate import Candidate, gather_stats, mesh_costing, site_cost
+from autopar.estimate import gather_stats, mesh_costing
+from autopar.forms import Candidate
+from autopar.solver import site_cost
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.collectives import record_comms
 from cost_model import analytical as A
@@ -105,8 +107,8 @@ def test_collectives_are_priced_after_the_compute_before_them():
     link = H.Link(alpha_s=1.0, bytes_per_s=1.0, table=flat, table_group_size=2, table_interval_s=1e-3,
                   sync_table=((0.0, 0.0), (1.0, 1.0)))
     model, inputs = _gpt()
-    for names, data_axes, cand in ((("tp",), (), Candidate(form="tp", axis="tp")),
-                                   (("dp",), ("dp",), Candidate(form="replicate", axis=None, fsdp=True))):
+    for names, data_axes, cand in ((("tp",), (), Candidate(form="tp", axes=("tp",))),
+                                   (("dp",), ("dp",), Candidate(form="replicate", fsdp=True))):
         cluster = dataclasses.replace(H.PRESETS["cpu"], mesh_shape=(2,), axis_links=(link,))
         _, _, ctx = _prepare(model, dict.fromkeys(names, 2), inputs, None)
         stats, other, _ = gather_stats(ctx)
@@ -121,7 +123,7 @@ def test_vocab_parallel_cross_entropy_is_priced_as_the_runtime_runs_it():
     """aten's cross_entropy_loss moves its logits, and writes and reads back the log-probabilities (3x per
     forward node); the vocab-parallel runtime op makes VOCAB_CE_PASSES passes over the local fp32 logits forward and
     backward, and the loss site pays the difference."""
-    from autopar.estimate import VOCAB_CE_PASSES
+    from autopar.forms.vocab_loss import VOCAB_CE_PASSES, extra_bytes
 
     model, inputs = _gpt()
     _, _, ctx = _prepare(model, {"tp": 2}, inputs, None)
@@ -130,4 +132,4 @@ def test_vocab_parallel_cross_entropy_is_priced_as_the_runtime_runs_it():
     logits = loss.node.args[0].meta["val"]
     node = A.node_cost(loss.node)
     assert node.bytes >= 3 * logits.numel() * 4
-    assert stats[loss.key].vocab_ce_extra_bytes == VOCAB_CE_PASSES * logits.numel() * 4 - 3 * node.bytes
+    assert extra_bytes(stats[loss.key]) == VOCAB_CE_PASSES * logits.numel() * 4 - 3 * node.bytes

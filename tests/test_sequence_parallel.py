@@ -189,7 +189,7 @@ def test_explicit_attention_is_fused_and_takes_sequence_forms(local_world, form)
     targets = [n.target for n in captured.gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.aten.scaled_dot_product_attention.default) == 2
     assert torch.ops.aten.softmax.int not in targets
-    assert all(s.info["spelling"] == "sdpa" and s.info["causal"] for s in ctx.of_kind("attention"))
+    assert all(s.spelling == "sdpa" and s.causal for s in ctx.of_kind("attention"))
     with local_world(2):
         res = run_equivalence(ref, x, (2,), ("cp",), plan="dp", overrides={"attention": form}, steps=2)
     assert res.max_err() < 1e-5, res.max_err()

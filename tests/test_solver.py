@@ -13,9 +13,8 @@ import torch
 
 import autopar
 from autopar.api import _prepare
-from autopar.estimate import Candidate
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from autopar.solver import _candidates, _classes, _tied_pairs, evaluate, gather_stats, sites_for_planning, solve
+from autopar.solver import _classes, _tied_pairs, candidates, evaluate, gather_stats, solve
 from cost_model.hardware import load_cluster
 
 GOLDEN = Path(__file__).parent / "golden_plans.json"
@@ -44,13 +43,13 @@ def test_ilp_objective_equals_exhaustive_search():
     mesh = {"dp": 2, "tp": 4}
     info, captured, ctx = _prepare(model, mesh, inputs, None)
     cluster = load_cluster("h100")
-    sites = sites_for_planning(ctx)
-    pairs = _tied_pairs(ctx, sites)
+    sites = ctx.planning_sites()
+    pairs = _tied_pairs(sites)
     classes = _classes(sites, {s.key for p in pairs for s in p})
     stats, _, _ = gather_stats(ctx)
     best_exhaustive, tried = float("inf"), 0
     for data_axes in [(), ("dp",), ("tp",), ("dp", "tp")]:
-        cands = [_candidates(cls[0], stats[cls[0].key], info, data_axes, None) for cls in classes]
+        cands = [candidates(cls[0], stats[cls[0].key], info, data_axes, None) for cls in classes]
         for combo in itertools.product(*cands):
             choice = {s.key: c for cls, c in zip(classes, combo) for s in cls}
             if any((choice[a.key].axis, choice[a.key].fsdp) != (choice[b.key].axis, choice[b.key].fsdp)
