@@ -188,18 +188,6 @@ def test_link_table_validates_and_round_trips_json():
         dataclasses.replace(H.PRESETS["cpu"], matmul_table={"float32": [[2e9, 1e11], [3e7, 8e10]]})
 
 
-def test_redistribute():
-    S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
-    kinds = {(S0, R): "all_gather", (P, R): "all_reduce", (P, S0): "reduce_scatter", (S0, S1): "all_to_all",
-             (R, S0): None, (R, P): None, (S0, S0): None, (_StridedShard(0, split_factor=3), R): "all_gather"}
-    for (src, dst), kind in kinds.items():
-        assert A.redistribute_kind(src, dst) == kind, (src, dst)
-    n = 4096
-    assert A.redistribute_time_s(S0, S1, n, 4, LINK) == A.collective_time_s("all_to_all", n / 4, 4, LINK)
-    assert A.redistribute_time_s(P, S0, n, 4, LINK) == A.collective_time_s("reduce_scatter", n, 4, LINK)
-    assert A.redistribute_time_s(R, S0, n, 4, LINK) == 0
-
-
 def test_roofline():
     h100 = H.PRESETS["h100"]
     assert A.compute_time_s(989e12, 0, "bfloat16", h100) == pytest.approx(1.0)  # compute bound
@@ -312,23 +300,26 @@ def test_node_bytes():
 
 
 def test_form_volumes_match_collectives():
+    """Each form's volume formula (its own module) is the sum of the collectives DESIGN.md §3 lists for it."""
+    from autopar.forms import blocks, dp, expert, fsdp, ring, sequence_norm, ulysses, vocab_embedding, vocab_loss
     b, s, h, h_kv, t = 2, 64, 32, 16, 4
     ar = A.send_bytes("all_reduce", b * s * h, t)
-    assert A.tp_layer_volume_elems(b, s, h, t) == pytest.approx(4 * ar)
-    assert A.sp_layer_volume_elems(b, s, h, t) == pytest.approx(
+    assert 2 * blocks.tensor_parallel_volume_bytes(b * s * h, t) == pytest.approx(4 * ar)  # attention + MLP
+    assert sequence_norm.layer_volume_bytes(b, s, h, t, 1) == pytest.approx(
         4 * A.send_bytes("all_gather", b * s * h, t) + 4 * A.send_bytes("reduce_scatter", b * s * h, t))
-    assert A.vocab_ce_volume_elems(b, s, t) == pytest.approx(3 * A.send_bytes("all_reduce", b * s, t))
-    assert A.vocab_embedding_volume_elems(b, s, h, t) == pytest.approx(ar)
+    assert vocab_loss.volume_bytes(b * s, t) == pytest.approx(3 * A.send_bytes("all_reduce", 4 * b * s, t))
+    assert vocab_embedding.volume_bytes(b * s * h, t) == pytest.approx(ar)
     local = b * (s // t)  # tokens per rank before the seq -> heads all-to-all
     a2a = sum(A.send_bytes("all_to_all", local * x, t) for x in (h, h_kv, h_kv, h))  # q, k, v, o
-    assert A.ulysses_layer_volume_elems(b, s, h, h_kv, t, backward=False) == pytest.approx(a2a)
+    assert ulysses.layer_volume_bytes(b, s, h, h_kv, t, 1, backward=False) == pytest.approx(a2a)
     steps = (t - 1) * A.send_bytes("p2p", 2 * b * (s // t) * h_kv, t)  # K and V blocks
-    assert A.ring_layer_volume_elems(b, s, h_kv, t, backward=False) == pytest.approx(steps)
-    assert A.ring_layer_volume_elems(b, s, h_kv, t) == pytest.approx(3 * steps)
-    assert A.expert_parallel_layer_volume_elems(1024, 2, h, t) == pytest.approx(
-        4 * A.send_bytes("all_to_all", 2 * 1024 * h, t))
-    assert A.dp_volume_elems(1000, t) == A.send_bytes("all_reduce", 1000, t)
-    assert A.fsdp_volume_elems(1000, t) == pytest.approx(3 * A.send_bytes("all_gather", 1000, t))
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 1, backward=False) == pytest.approx(steps)
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 4) == pytest.approx(3 * 4 * steps)  # fp32: K,V + dK,dV backward
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 2, ring.accumulator_itemsize(torch.bfloat16)) == \
+        pytest.approx(2 * steps + 2 * steps + 4 * steps)  # bf16 K,V; fp32 dK,dV accumulators
+    assert expert.layer_volume_bytes(1024, 2, h, t, 1) == pytest.approx(4 * A.send_bytes("all_to_all", 2 * 1024 * h, t))
+    assert dp.volume_bytes(1000, t) == A.send_bytes("all_reduce", 1000, t)
+    assert fsdp.volume_bytes(1000, t) == pytest.approx(2 * A.send_bytes("all_gather", 1000, t))
 
 
 # -------------------------------------------------------------------------------------- memory

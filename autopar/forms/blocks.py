@@ -7,7 +7,7 @@ from autopar.estimate import Cost, MeshCosting, SiteStats, compute_s
 from autopar.forms import dp, fsdp
 from autopar.forms.base import Candidate
 from autopar.sites import MoeSite
-from cost_model.analytical import compute_time_s
+from cost_model.analytical import compute_time_s, send_bytes
 
 
 class Comms:
@@ -43,6 +43,12 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """Every rank runs the structure on its share of the tokens, parameters whole."""
     return finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=None, act=st.act_bytes / mc.dp)
+
+
+def tensor_parallel_volume_bytes(block_input_bytes: float, t: int) -> float:
+    """Bytes each rank sends per tensor-parallel block, forward + backward: two all-reduces of its input's size
+    (a transformer layer, attention + MLP, sends twice that: `8(t-1)/t · bsh`)."""
+    return 2 * send_bytes("all_reduce", block_input_bytes, t)
 
 
 def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

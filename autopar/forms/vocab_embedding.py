@@ -17,6 +17,12 @@ from autopar.forms import blocks
 from autopar.forms.base import Form, Role, register
 from autopar.sites import EmbeddingSite, Kind
 from autopar.spec import Shard
+from cost_model.analytical import send_bytes
+
+
+def volume_bytes(output_bytes: float, t: int, *, sequence_parallel: bool = False) -> float:
+    """Bytes each rank sends per step: the forward all-reduce of the output (a reduce-scatter under SP)."""
+    return send_bytes("reduce_scatter" if sequence_parallel else "all_reduce", output_bytes, t)
 
 
 @register

@@ -15,13 +15,19 @@ from autopar.forms import blocks
 from autopar.forms.base import Form, Role, register
 from autopar.forms.colwise import colwise_placements
 from autopar.sites import Kind, LossSite
-from cost_model.analytical import compute_time_s, has_kernel_rates, kernel_time_s
+from cost_model.analytical import compute_time_s, has_kernel_rates, kernel_time_s, send_bytes
 
 # Passes over the local logits (N, V/t), in units of their fp32 bytes, that the vocab-parallel cross-entropy of
 # autopar.runtime.ops (_VocabParallelCrossEntropy) makes forward and backward: amax 1, subtract the max 2, exp 2,
 # sum 1, normalise in place 2; backward: scale by the incoming gradient 2, zeros for the one-hot 1, the one-hot
 # term 2, the difference 3. (aten's fused cross_entropy_loss moves about 9 of the full logits: node_cost.)
 VOCAB_CE_PASSES = 16
+
+
+def volume_bytes(tokens: int, t: int) -> float:
+    """Bytes each rank sends per step for the loss itself: 3 all-reduces of one fp32 per token (the LM head's
+    input gradient is its column-parallel all-reduce)."""
+    return 3 * send_bytes("all_reduce", 4 * tokens, t)
 
 
 def extra_bytes(st) -> float:
