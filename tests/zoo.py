@@ -112,11 +112,10 @@ def _quiet():
 
 # ----------------------------------------------------------------------------- batches
 
-def _content(g: torch.Generator, pad: int, shape=(BATCH, SEQ), low: int = 0) -> torch.Tensor:
-    ids = torch.randint(low, VOCAB, shape, generator=g)
+def _content(g: torch.Generator, pad: int) -> torch.Tensor:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     # a tokenizer never emits the pad token inside the text: move any draw of it to the next id
-    ids = torch.where(ids == pad, (ids + 1 - low) % (VOCAB - low) + low, ids)
-    return ids
+    return torch.where(ids == pad, (ids + 1) % VOCAB, ids)
 
 
 def _pad_mask() -> torch.Tensor:
