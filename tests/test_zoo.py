@@ -19,7 +19,6 @@ import re
 import warnings
 
 import pytest
-import torch
 
 from autopar.forms import form_of
 from autopar.forms.replicate import Replicate
