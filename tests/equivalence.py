@@ -50,13 +50,15 @@ def loss_of(out) -> torch.Tensor:
 
 
 def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="megatron", overrides=None,
-                    steps: int = 1, lr: float = 0.1) -> Result:
+                    steps: int = 1, lr: float = 0.1, cluster=None, memory_limit=None) -> Result:
     """Parallelise a deepcopy of `ref` on a mesh of `mesh_shape`, train `steps` steps with SGD next to
-    `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo)."""
+    `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo).
+    `cluster` and `memory_limit` go to `autopar.parallelize` (what the `auto` plan is solved for)."""
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
-    pm = autopar.parallelize(model, mesh, inputs, plan=plan, overrides=overrides)
+    pm = autopar.parallelize(model, mesh, inputs, plan=plan, overrides=overrides, cluster=cluster,
+                             memory_limit=memory_limit)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     res = Result(0.0, 0.0, plan=pm.plan)
