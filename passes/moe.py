@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autopar.runtime import moe as rt
+from passes import moe_dispatch as D
 from cost_model.hardware import dtype_name
 from autopar.sites import MoeSite, PassContext
 
@@ -293,6 +294,97 @@ def _record(model: nn.Module, mods: dict[str, nn.Module], args: tuple, kwargs: d
     return seen
 
 
+def _perturbed(args: tuple) -> tuple:
+    """The block's input moved by half its spread: another routing of the same tokens."""
+    x = args[0]
+    g = torch.Generator(device=x.device).manual_seed(1)
+    noise = torch.randn(x.shape, generator=g, dtype=torch.float64, device=x.device).to(x.dtype)
+    return (x + 0.5 * float(x.detach().float().std()) * noise, *args[1:])
+
+
+def _expert_fn(f: Found, rec: D.Recording):
+    """The function of one expert the runtime calls (`ExpertsSpec.expert_fn`), checked on every recorded expert
+    call: a ModuleList expert's own module with another expert's parameters; for GroupedExperts, torchtitan's
+    `w2(silu(w1 x) * w3 x)` or, if that is not what it computes, the module itself called with one expert."""
+    calls = [e for e in rec.entries if e.expert is not None]
+    if f.spelling == "modulelist":
+        fn = rt.module_expert(f.experts[0], f.expert_params)
+        per = [[dict(m.named_parameters())[n] for n in f.expert_params] for m in f.experts]
+        for e in calls:
+            got = fn(per[e.expert], rec.snapshot[e.ins[0]])
+            if not _close(got, rec.snapshot[e.outs[0]]):
+                return None, (f"expert {e.expert} is not its first expert's module run with its parameters "
+                              "(a buffer or attribute differs)")
+        return fn, ""
+    stacked = [getattr(f.experts, n) for n in f.expert_params]
+    rows, counts = rec.snapshot[calls[0].ins[0]], next(
+        (rec.snapshot[v] for v in calls[0].ins[1:] if rec.snapshot[v].shape == (f.num_experts,)
+         and not rec.snapshot[v].is_floating_point()), None)
+    if len(calls) != 1 or counts is None:
+        return rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)), ""
+    for fn in (rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
+               rt.grouped_module_expert(f.experts, f.expert_params, counts.dtype)):
+        spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), fn, f.spelling)
+        if _close(rt._run_grouped(spec, stacked, rows, counts.tolist()), rec.snapshot[calls[0].outs[0]]):
+            return fn, ""
+    return None, "its grouped experts, run one expert at a time on their rows, do not give what its call gives"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    rtol, atol = _tol(b.dtype)
+    return a.shape == b.shape and bool(torch.allclose(a.to(b.dtype), b, rtol=rtol, atol=atol))
+
+
+def _capture_dispatch(f: Found, spec: rt.ExpertsSpec, key: str, args: tuple, params: list[nn.Parameter]):
+    """The block with its own forward kept and only its experts' dispatch captured (`passes.moe_dispatch`),
+    verified; or None and why not."""
+    experts = list(f.experts) if f.spelling == "modulelist" else [f.experts]
+    grouped = f.spelling == "grouped"
+    forward = f.module.forward
+    try:
+        rec = D.record(forward, args, experts, grouped)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's forward under recording is a reason
+        return None, f"its forward could not be recorded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not any(e.expert is not None for e in rec.entries):
+        return None, "its experts are never called in its forward"
+    fn, why = _expert_fn(f, rec)
+    if fn is None:
+        return None, why
+    spec_fn = spec.expert_fn
+    spec.expert_fn = fn
+
+    def all_experts(x):
+        stacked = _stacked(f)
+        return torch.stack([fn([p[e] for p in stacked], x) for e in range(f.num_experts)])
+
+    def eager_op(x, idx, w):
+        return rt.moe_experts(x, idx, w, _stacked(f), key)
+
+    def verify(split: D.Split) -> str | None:
+        spec.top_k = split.top_k
+        replay = D.replay_forward(forward, rec, split, experts, grouped, eager_op)
+        try:
+            why = _compare(f.module, replay, args, params)
+            if why is None:
+                why = _compare(f.module, replay, _perturbed(args), params)
+                why = why and f"on an input routed differently, {why}"
+        except D.Diverged as e:
+            why = f"replaying it diverges: {e}"
+        return why
+
+    split, why = D.find_split(rec, num_experts=f.num_experts, all_experts=all_experts,
+                              capacity_factor=spec.capacity_factor, verify=verify)
+    if split is None:
+        spec.expert_fn = spec_fn
+        return None, why
+    spec.top_k = split.top_k
+
+    def graph_op(x, idx, w):
+        return _graph_op(key, x, idx, w, _stacked(f))
+
+    return Verified(f, key, D.replay_forward(forward, rec, split, experts, grouped, graph_op), None), ""
+
+
 def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> list[Verified]:
     """Find MoE blocks, verify a canonical form of each on the example inputs; notes say what and why."""
     found = find_moe_modules(model)
@@ -339,6 +431,14 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
         if len(a) != 1 or not isinstance(a[0], torch.Tensor):
             notes.append(f"MoE {f.path} left as written: its forward takes {len(a)} inputs, not one tensor")
             continue
+        v, dispatch_why = _capture_dispatch(f, spec, key, a, params)
+        if v is not None:
+            notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{spec.top_k}"
+                         f"{f', capacity factor {spec.capacity_factor:g}' if spec.capacity_factor is not None else ''}) "
+                         "verified on the example inputs: its own router and auxiliary losses are kept as written, "
+                         "its experts' dispatch is captured as autopar::moe_experts")
+            out.append(v)
+            continue
         why, chosen = "no routing form matched", None
         for routing in _routings(f, o):
             spec.top_k = routing.top_k
@@ -347,14 +447,16 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                 chosen = routing
                 break
         if chosen is None:
-            notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): no canonical form of its routing "
+            notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): autopar cannot capture how it "
+                         f"dispatches tokens to its experts ({dispatch_why}), and no canonical form of its routing "
                          f"reproduces it on the example inputs (last difference: {why})")
             continue
         spec.top_k = chosen.top_k
         notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{chosen.top_k}, {chosen.order}"
                      f"{', renormalised' if chosen.renorm else ''}"
                      f"{f', capacity factor {spec.capacity_factor:g}' if spec.capacity_factor is not None else ''}{', aux ' + chosen.aux if chosen.aux else ''}) "
-                     "verified on the example inputs")
+                     "verified on the example inputs in a canonical form (its dispatch could not be captured: "
+                     f"{dispatch_why})")
         out.append(Verified(f, key, canonical_block(f, key, chosen, _graph_op), chosen))
     return out
 

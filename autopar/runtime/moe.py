@@ -97,6 +97,15 @@ def grouped_expert(act: Callable):
     return fn
 
 
+def grouped_module_expert(module: nn.Module, names: list[str], counts_dtype: torch.dtype):
+    """A GroupedExperts module's own forward `(rows, num_tokens_per_expert)`, called with one expert's
+    parameters (stacked as one expert) and all the rows for it."""
+    def fn(params, x):
+        counts = torch.full((1,), x.shape[0], dtype=counts_dtype, device=x.device)
+        return functional_call(module, {n: p.unsqueeze(0) for n, p in zip(names, params)}, (x, counts))
+    return fn
+
+
 def module_expert(template: nn.Module, names: list[str]):
     """A ModuleList expert: the first expert module, called with another expert's parameters."""
     def fn(params, x):
