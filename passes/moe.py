@@ -1,24 +1,35 @@
-"""MoE blocks: recognised on the module tree, verified on the example inputs, captured as one op.
+"""MoE blocks: recognised on the module tree, verified on the example inputs, their experts captured as one op.
 
 The spellings people write:
 
 | spelling      | what is found                                                        | captured as |
 |---------------|----------------------------------------------------------------------|-------------|
 | `hf-stacked`  | a Hugging Face experts module: 3-D `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F), called as `experts(x, top_k_index, top_k_weights)` (Mixtral, Qwen2/3-MoE, OLMoE) | the experts call; the router and the auxiliary loss stay in the traced graph |
-| `modulelist`  | a block with a router `nn.Linear(H, E)` and an `nn.ModuleList` of E identical expert modules, run by a Python loop (also the data-dependent `if tokens.numel() == 0: continue` loop that cannot be traced) | the whole block, rewritten to its canonical form below |
-| `grouped`     | a block with a router and a torchtitan-style `GroupedExperts` child: 3-D `w1` (E, F, H), `w2` (E, H, F), `w3` (E, F, H), grouped or looped matmuls | the whole block |
+| `modulelist`  | a block with a router `nn.Linear(H, E)` and an `nn.ModuleList` of E identical expert modules, run by a Python loop (also the data-dependent `if tokens.numel() == 0: continue` loop that cannot be traced) | the experts' dispatch (below); the router and the losses stay in the traced graph |
+| `grouped`     | a block with a router and a torchtitan-style `GroupedExperts` child: 3-D `w1` (E, F, H), `w2` (E, H, F), `w3` (E, F, H), grouped or looped matmuls over tokens sorted by expert | the experts' dispatch |
 
-A whole block is replaced, for the trace only, by its *canonical form*: router linear, then
+**The dispatch** (`passes/moe_dispatch.py`): the block's own forward is recorded on its example input, the
+tokens `x`, chosen experts `idx` (T, k) and weights (T, k) the user's code computed are found, and the
+computation of the experts on their routed tokens (the loop, or the sort and grouped call, and the
+combination) is replaced — for the trace only — by `autopar::moe_experts(x, idx, weights)`. Everything
+else (router, softmax or sigmoid, top-k or argmaxes, renormalisation, auxiliary and z-losses) is
+traced as written, and its sharding follows the op rules (`passes/rules.py`: means over sharded tokens are
+global sums divided by the global count, `histc`/`bincount` of sharded tokens partial sums reduced before
+use, so a loss made of products of such means equals one device's).
+
+**Canonical forms**, where the dispatch cannot be captured: the whole block replaced by router linear,
 softmax and top-k (in either order, top-k weights renormalised or not, router in fp32 or not), then
-`autopar::moe_experts`, then the outputs the block returns: `y`, `(y, aux_loss)` or
-`(y, router_logits)`. The auxiliary loss is the switch load-balancing loss written with means over
-tokens, `E * sum_e mean_t(count_te) * mean_t(p_te)` (divided by k for the Switch/Megatron
-normalisation), so the lowering computes it from globally reduced counts and probabilities.
+`autopar::moe_experts`, then the outputs the block returns: `y`, `(y, aux_loss)` or `(y, router_logits)`, the
+auxiliary loss being the switch load-balancing loss `E * sum_e mean_t(count_te) * mean_t(p_te)` (divided by k
+for the Switch/Megatron normalisation).
 
-Nothing is replaced on trust: the block (or experts module) runs once eagerly on the example
-inputs, and each candidate canonical form is compared with it, outputs and the gradients of input
-and parameters. The first that matches is used; if none does, the module is left as it is (traced
-as written, or opaque and replicated) and the capture notes say why.
+Nothing is replaced on trust: the block (or experts module) runs eagerly on the example inputs and each
+candidate — the captured dispatch first, then each canonical form — is compared with it, outputs and the
+gradients of input and parameters. The first that matches is used; if none does, the module is left as it
+is (traced as written, or opaque and replicated) and the capture notes say why.
+
+Tensor-parallel experts (`forms/moe_tp.py`) need each expert parameter's FFN dim (`_ffn_dims`): known for
+the stacked spellings, inferred from a ModuleList expert's shapes and checked numerically.
 """
 
 from __future__ import annotations
@@ -188,9 +199,52 @@ def _graph_op(k, x, idx, w, params):
 
 
 # Tensor-parallel experts: where each stacked weight keeps the expert's hidden (FFN) features. HF's
-# gate_up_proj is gate and up concatenated: two blocks, each split over the axis. A ModuleList
-# expert is any module, so its FFN dims are not known: it is offered replicate and expert only.
+# gate_up_proj is gate and up concatenated: two blocks, each split over the axis. A ModuleList expert is any
+# module: its FFN dims are inferred from its parameters' shapes and checked (`_ffn_dims`).
 _FFN_DIMS = {"hf-stacked": [(1, 2), (2, 1)], "grouped": [(1, 1), (2, 1), (1, 1)]}
+
+
+def _half(p: torch.Tensor, d: int, k: int, i: int) -> torch.Tensor:
+    """Half i of p's FFN features on dim d (k blocks, each halved)."""
+    return torch.cat([torch.tensor_split(b, 2, d)[i] for b in p.chunk(k, d)], d)
+
+
+def _ffn_dims(f: Found, fn, hidden: int) -> tuple[list[tuple[int, int]] | None, str]:
+    """Where each expert parameter keeps the expert's FFN features (for tensor-parallel experts), or why they
+    cannot be split: a ModuleList expert's 2-D weights must be (F, H) or (H, F) and its 1-D ones (F,) with one
+    F != H; and (for a ModuleList expert or a GroupedExperts module's own forward) an expert on random rows must
+    give the sum of what its two halves of the FFN features give."""
+    if f.spelling == "hf-stacked":
+        return _FFN_DIMS[f.spelling], ""
+    if f.spelling == "grouped":
+        dims = [(d - 1, k) for d, k in _FFN_DIMS["grouped"]]
+        one = [getattr(f.experts, n)[0] for n in f.expert_params]
+        if one[0].is_meta:  # planned as recognised (torchtitan's expert function)
+            return _FFN_DIMS[f.spelling], ""
+    else:
+        one = [dict(f.experts[0].named_parameters())[n] for n in f.expert_params]
+        dims, features = [], set()
+        for n, p in zip(f.expert_params, one):
+            if p.dim() == 2 and p.shape[1] == hidden != p.shape[0]:
+                dims.append((0, 1))
+            elif p.dim() == 2 and p.shape[0] == hidden != p.shape[1]:
+                dims.append((1, 1))
+            elif p.dim() == 1 and p.shape[0] != hidden:
+                dims.append((0, 1))
+            else:
+                return None, (f"its expert's parameter {n} {tuple(p.shape)} has no dim of FFN features apart from "
+                              f"the hidden size {hidden}")
+            features.add(p.shape[dims[-1][0]])
+        if len(features) != 1:
+            return None, f"its expert's parameters have several FFN sizes ({sorted(features)})"
+    if any(p.is_meta for p in one):
+        return None, "splitting its experts is checked on real weights, and the model is on the meta device"
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(one[0].dtype)
+    with torch.no_grad():
+        halves = [fn([_half(p, d, k, i) for p, (d, k) in zip(one, dims)], x) for i in (0, 1)]
+        if not _close(halves[0] + halves[1], fn(one, x)):
+            return None, "its expert's output is not the sum of what the two halves of its FFN features give"
+    return ([(d + 1, k) for d, k in dims] if f.spelling == "grouped" else dims), ""
 
 
 # ----------------------------------------------------------------------------- verification
@@ -398,8 +452,7 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                    "grouped": lambda: rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
                    "modulelist": lambda: rt.module_expert(f.experts[0], f.expert_params)}[f.spelling]
         spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), spec_fn(), f.spelling,
-                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None,
-                              ffn_dims=_FFN_DIMS.get(f.spelling))
+                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
         key = rt.register(spec, f.module)
         params = list(f.module.parameters())
         if not real:  # planning on meta: nothing can run; routing details do not change the cost
@@ -458,6 +511,10 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                      "verified on the example inputs in a canonical form (its dispatch could not be captured: "
                      f"{dispatch_why})")
         out.append(Verified(f, key, canonical_block(f, key, chosen, _graph_op), chosen))
+    for v in out:
+        spec = rt.spec_of(v.key)
+        hidden = v.found.router.in_features if v.found.router is not None else None
+        spec.ffn_dims, spec.ffn_why = _ffn_dims(v.found, spec.expert_fn, hidden)
     return out
 
 
@@ -489,13 +546,20 @@ def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 roles += [(f"{i}.{name}", q.name) for i, q in enumerate(p.args[0]) if q.op == "placeholder"]
         t, h = x.meta["val"].shape
         stacked = all(p.op == "placeholder" for p in params)
-        ffn = None
+        ffn, dims, why = None, None, spec.ffn_why
         if spec.ffn_dims and stacked:
-            d, k = spec.ffn_dims[0]
-            ffn = params[0].meta["val"].shape[d] // k
+            dims = tuple(spec.ffn_dims)
+            ffn = params[0].meta["val"].shape[dims[0][0]] // dims[0][1]
+        elif spec.ffn_dims and len(roles) == spec.num_experts * len(spec.param_names):  # ModuleList: per expert
+            by_name = dict(zip(spec.param_names, spec.ffn_dims))
+            dims = tuple(by_name[role.split(".", 1)[1]] for role, _ in roles)
+            first = params[0].args[0][0].meta["val"]  # expert 0's first parameter
+            ffn = first.shape[dims[0][0]] // dims[0][1]
+        elif spec.ffn_dims:
+            why = "its experts' parameters are not all graph inputs"
         ctx.add(MoeSite(key=spec.path, node=node, params=tuple(roles), spec_key=key, spelling=spec.spelling,
                         num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
-                        ffn_features=ffn, ffn_dims=tuple(spec.ffn_dims) if spec.ffn_dims and stacked else None,
+                        ffn_features=ffn, ffn_dims=dims, ffn_why=why,
                         stacked=stacked, expert_numel=sum(p.meta["val"].numel() for p in params),
                         itemsize=x.meta["val"].element_size(), dtype=dtype_name(x.meta["val"].dtype)))
     return gm

@@ -350,3 +350,39 @@ def test_soft_moe_stays_replicated_with_the_reason(local_world, fp64):
     with local_world(2):
         res = run_equivalence(ref, batch, (2,), ("dp",), plan="dp", steps=2)
     assert res.max_err() <= TOL, res.max_err()
+
+
+# ----------------------------------------------------------------------------- megatron: ModuleList experts split too
+
+
+def test_modulelist_experts_tensor_parallel_local(local_world, fp64):
+    """Under megatron a ModuleList block takes `tp` like stacked experts: every expert's FFN features split
+    (gate/up on dim 0, down on dim 1), each rank runs its half of every expert on every token and one
+    all-reduce sums the halves; loss, every gradient and the parameters after a step match one device."""
+    from equivalence import run_equivalence
+
+    ref, batch = _built("gshard-modulelist"), inputs()
+    with local_world(2):
+        res = run_equivalence(ref, batch, (2,), ("tp",), plan="megatron", steps=2)
+    assert res.max_err() <= TOL, res.max_err()
+    assert [(s.key, s.label) for s in res.plan.strategies if s.kind == "moe"] == [("moe", "tp@tp")]
+    full = dict(_built_names("gshard-modulelist"))
+    experts = {n for n in full if ".experts." in n}
+    assert len(experts) == 3 * E and all(res.local_numel[n] * 2 == full[n].numel() for n in experts)
+    moe_rows = [c for c in res.plan.comms if c.module == "moe"]
+    assert [c.fn for c in moe_rows if c.forward == "all_reduce"] == ["all_reduce"], moe_rows  # the halves summed
+    assert "all_to_all" not in " ".join(res.comm_counts), res.comm_counts
+
+
+def test_modulelist_experts_that_cannot_split_say_why(fp64):
+    """Experts whose weights are square (FFN size = hidden size) have no FFN dim to find: replicated, and the
+    megatron note says which parameter."""
+    import autopar
+    from test_moe import make_sigmoid_net, sigmoid_inputs
+
+    torch.manual_seed(0)
+    plan = autopar.plan(make_sigmoid_net(), {"tp": 2}, sigmoid_inputs(), plan="megatron")
+    why = [n for n in plan.notes if n.startswith("moe moe replicated")]
+    assert why == ["moe moe replicated, not tp@tp: its experts (modulelist) cannot be split on their FFN features: "
+                   "its expert's parameter weight (16, 16) has no dim of FFN features apart from the hidden size 16. "
+                   "Fix: 'expert' (expert parallel) or 'replicate'"], plan.notes

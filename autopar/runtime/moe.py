@@ -60,8 +60,10 @@ class ExpertsSpec:
     expert_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # (params of one expert, rows) -> rows
     spelling: str  # "modulelist", "hf-stacked", "grouped"
     capacity_factor: float | None = None
-    # per stacked parameter: (dim, blocks) of its FFN dim, for tensor-parallel experts (None: not offered)
+    # per parameter name: (dim, blocks) of its FFN features, for tensor-parallel experts (None: not offered, see
+    # ffn_why); the dim of the stacked (E, ...) parameter, or of one ModuleList expert's own parameter
     ffn_dims: list[tuple[int, int]] | None = None
+    ffn_why: str = ""
     notes: list[str] = field(default_factory=list)
 
 
