@@ -50,8 +50,18 @@ class Diverged(RuntimeError):
     """The replayed block made a different sequence of torch calls than the recorded one."""
 
 
+_TENSOR_PROPERTIES = {"T", "mT", "H", "mH", "data", "grad", "real", "imag"}
+
+
+def _metadata(func) -> bool:
+    """A property that is not a tensor (x.shape, x.device, x.requires_grad): no entry; read as is in every run
+    (fake tensors answer `device` without a torch-function call, so it cannot be counted in the stream)."""
+    return type(func).__name__ == "method-wrapper" and \
+        getattr(getattr(func, "__self__", None), "__name__", None) not in _TENSOR_PROPERTIES
+
+
 def _fname(func) -> str:
-    if type(func).__name__ == "method-wrapper":  # a property getter (x.shape, x.dtype): name the property
+    if type(func).__name__ == "method-wrapper":  # a property getter (x.T): name the property
         return f"get {getattr(getattr(func, '__self__', None), '__name__', repr(func))}"
     mod, name = getattr(func, "__module__", None), getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
     return f"{mod}.{name}" if name else repr(func)
@@ -143,7 +153,7 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.busy:
+        if not self.busy and not _metadata(func):
             self.busy = True
             try:
                 self._log(_fname(func), (args, kwargs), out, None)
@@ -173,14 +183,17 @@ class _intercept_experts:
         self.mode = mode
 
     def __enter__(self):
+        self.saved = [m.__dict__.get("forward") for _, m in self.mods]  # an instance forward of its own, if any
         for e, m in self.mods:
-            assert "forward" not in m.__dict__, f"expert {e} already has an instance forward"
             fn = m.forward
             m.forward = lambda *a, _e=e, _fn=fn, **k: self.mode.expert_call(_e, _fn, a, k)
 
     def __exit__(self, *exc):
-        for _, m in self.mods:
-            del m.forward
+        for (_, m), saved in zip(self.mods, self.saved):
+            if saved is None:
+                del m.forward
+            else:
+                m.forward = saved
 
 
 def record(forward: Callable, args: tuple, experts: list[nn.Module], grouped: bool) -> Recording:
@@ -492,6 +505,7 @@ class _Replayer(TorchFunctionMode):
         self.shadows: dict[int, torch.Tensor] = {}  # recorded object -> the recorded tensor answering for it
         self.stand_in: dict[int, torch.Tensor] = {}  # id(shadow of out) -> y
         self.y: torch.Tensor | None = None
+        self.computing_y = False
 
     def _next(self, name: str) -> tuple[int, Entry]:
         n = self.i
@@ -515,7 +529,11 @@ class _Replayer(TorchFunctionMode):
             idx = s.idx.build(self._value, s.tokens, s.top_k)
             w = s.weights.build(self._value, s.tokens, s.top_k, idx, like=x)
             out = self.rec.snapshot[s.out]
-            y = self.experts_op(x, idx, w)
+            self.computing_y = True  # the experts op may call the expert modules: not entries of the block
+            try:
+                y = self.experts_op(x, idx, w)
+            finally:
+                self.computing_y = False
             self.y = _shaped(y if y.dtype == out.dtype else y.to(out.dtype), tuple(out.shape))
         return self.y
 
@@ -548,6 +566,8 @@ class _Replayer(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _metadata(func):
+            return func(*args, **kwargs)
         n, e = self._next(_fname(func))
         if n not in self.split.kept:
             return self._answer(e)
@@ -563,6 +583,8 @@ class _Replayer(TorchFunctionMode):
         return out
 
     def expert_call(self, ex: int, fn, args, kwargs):
+        if self.computing_y:
+            return fn(*args, **kwargs)
         n, e = self._next("experts" if ex == GROUPED_CALL else f"expert {ex}")
         return self._answer(e)
 

@@ -209,6 +209,8 @@ def view_rule(node, tin, ins, n) -> Decision:
     out = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
     if out is None:
         return req, R
+    if node.target in (aten.view_as.default, aten.reshape_as.default):  # the shape comes from `other`: its local
+        return [p, out], out  # shape is the output's if it is placed like the output
     return [p] + req[1:], out
 
 

@@ -386,3 +386,129 @@ def test_modulelist_experts_that_cannot_split_say_why(fp64):
     assert why == ["moe moe replicated, not tp@tp: its experts (modulelist) cannot be split on their FFN features: "
                    "its expert's parameter weight (16, 16) has no dim of FFN features apart from the hidden size 16. "
                    "Fix: 'expert' (expert parallel) or 'replicate'"], plan.notes
+
+
+class GeluExperts(GroupedExperts):
+    """Stacked experts computing their own formula (not torchtitan's SwiGLU): run through the module itself."""
+
+    def forward(self, x, num_tokens_per_expert):
+        outs = []
+        for e, part in enumerate(torch.split(x, num_tokens_per_expert.tolist(), dim=0)):
+            outs.append((F.gelu(part @ self.w1[e].T) + part @ self.w3[e].T) @ self.w2[e].T)
+        return torch.cat(outs, dim=0)
+
+
+def make_gelu_experts():
+    torch.manual_seed(4)
+    block = ZLossMoE(stacked=True)
+    block.experts = GeluExperts()
+    return Net(block)
+
+
+@pytest.mark.parametrize("plan,axis", [("dp", "dp"), ("megatron", "tp")])
+def test_grouped_experts_of_their_own_formula(plan, axis, local_world, fp64):
+    """The grouped module's own forward is the expert function (called with one expert's weights); under
+    megatron its FFN features split (checked: the two halves sum to the expert), and both plans match."""
+    from autopar.capture import capture
+    from equivalence import run_equivalence
+
+    ref, batch = make_gelu_experts(), inputs()
+    cap = capture(ref, batch, {})
+    assert sum(n.target is torch.ops.autopar.moe_experts.default for n in cap.gm.graph.nodes) == 1
+    assert any("kept as written" in n for n in cap.notes), cap.notes
+    with local_world(2):
+        res = run_equivalence(ref, batch, (2,), (axis,), plan=plan, steps=2)
+    assert res.max_err() <= TOL, res.max_err()
+    if plan == "megatron":
+        assert [s.label for s in res.plan.strategies if s.kind == "moe"] == ["tp@tp"]
+        assert res.local_numel["moe.experts.w1"] * 2 == E * FFN * H
+
+
+# ----------------------------------------------------------------------------- more spellings of the dispatch
+
+
+class OldMixtralMoE(nn.Module):
+    """transformers 4.x `MixtralSparseMoeBlock`: one-hot expert mask, `torch.where` per expert, fp32 router."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+        self.top_k = K
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros((b * s, h), dtype=hidden_states.dtype, device=hidden_states.device)
+        expert_mask = F.one_hot(selected_experts, num_classes=E).permute(2, 1, 0)
+        for expert_idx in range(E):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, h)
+            current = self.experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(hidden_states.dtype))
+        return final.reshape(b, s, h), router_logits.square().mean()
+
+
+class SharedExpertMoE(nn.Module):
+    """Weights read from the router's probabilities inside the loop (no (T, k) weights tensor), a shared expert
+    added to the routed ones, `view_as` back."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+        self.shared = Expert()
+
+    def forward(self, x):
+        xf = x.flatten(0, 1)
+        probs = torch.softmax(self.router(xf), -1)
+        idx = torch.topk(probs, K, -1).indices
+        out = torch.zeros_like(xf)
+        for e in range(E):
+            token = (idx == e).any(-1).nonzero().squeeze(-1)
+            if token.numel() == 0:
+                continue
+            out[token] = out[token] + probs[token, e, None] * self.experts[e](xf[token])
+        return (out + self.shared(xf)).view_as(x), E * (probs.mean(0) ** 2).sum()
+
+
+@pytest.mark.parametrize("block", [OldMixtralMoE, SharedExpertMoE])
+def test_more_dispatch_spellings(block, local_world, fp64):
+    from autopar.capture import capture
+    from equivalence import run_equivalence
+
+    torch.manual_seed(5)
+    ref, batch = Net(block()), inputs()
+    cap = capture(ref, batch, {})
+    moe = [n for n in cap.gm.graph.nodes if n.target is torch.ops.autopar.moe_experts.default]
+    assert len(moe) == 1 and any("kept as written" in n for n in cap.notes), cap.notes
+    if block is SharedExpertMoE:  # weights gathered from the (T, E) probabilities at the chosen experts
+        assert moe[0].args[3].target is torch.ops.aten.gather.default
+    with local_world(2):
+        res = run_equivalence(ref, batch, (2,), ("dp",), plan="dp", steps=2)
+    assert res.max_err() <= TOL, res.max_err()
+
+
+class TracesOtherwiseMoE(ZLossMoE):
+    """Calls one more op on real tensors than on the fake ones of the trace: its replay cannot follow the trace."""
+
+    def forward(self, x):
+        if type(x) is torch.Tensor:
+            x = x * 1.0
+        return super().forward(x)
+
+
+def test_replacement_that_does_not_trace_falls_back_with_a_note(fp64):
+    from autopar.capture import capture
+
+    torch.manual_seed(0)
+    cap = capture(Net(TracesOtherwiseMoE(stacked=False)), inputs(), {})
+    assert not [n for n in cap.gm.graph.nodes if n.target is torch.ops.autopar.moe_experts.default]
+    notes = [n for n in cap.notes if n.startswith("MoE moe") or n.startswith("moe ")]
+    assert len(notes) == 2, cap.notes
+    assert "replacement did not trace (Diverged: " in notes[1] and "opaque node" in notes[0], notes
