@@ -401,7 +401,8 @@ def _capture_dispatch(f: Found, spec: rt.ExpertsSpec, key: str, args: tuple, par
         return None, f"its forward could not be recorded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     if not any(e.expert is not None for e in rec.entries):
         return None, "its experts are never called in its forward"
-    fn, why = _expert_fn(f, rec)
+    with torch.no_grad():
+        fn, why = _expert_fn(f, rec)
     if fn is None:
         return None, why
     spec_fn = spec.expert_fn
