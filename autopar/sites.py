@@ -164,11 +164,12 @@ class MoeSite(Site):
     tokens: int
     hidden: int
     ffn_features: int | None
-    ffn_dims: tuple[tuple[int, int], ...] | None  # per stacked parameter: (dim, blocks) of its FFN features
+    ffn_dims: tuple[tuple[int, int], ...] | None  # per entry of `params`: (dim, blocks) of its FFN features
     stacked: bool  # experts stored stacked (E, ...) rather than as a ModuleList
     expert_numel: int
     itemsize: int
     dtype: str
+    ffn_why: str = ""  # why its experts' FFN features cannot be split (no `ffn_dims`)
 
 
 SITE_TYPES: dict[Kind, type[Site]] = {t.kind: t for t in (LinearSite, EmbeddingSite, AttentionSite, MlpSite,

@@ -209,6 +209,8 @@ def view_rule(node, tin, ins, n) -> Decision:
     out = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
     if out is None:
         return req, R
+    if node.target in (aten.view_as.default, aten.reshape_as.default):  # the shape comes from `other`: its local
+        return [p, out], out  # shape is the output's if it is placed like the output
     return [p] + req[1:], out
 
 
@@ -429,6 +431,48 @@ def amax_rule(node, tin, ins, n) -> Decision:
     if p.dim in dims:
         return [R], R
     return [p], with_dim(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+
+
+@register(aten.logsumexp.default)
+def logsumexp_rule(node, tin, ins, n) -> Decision:
+    """Per-row reduction (`torch.logsumexp(x, dims)`): a shard on a kept dim passes; a reduced one gathers."""
+    return amax_rule(node, tin, ins, n)
+
+
+@register(aten.argmax.default, aten.argmin.default)
+def argmax_rule(node, tin, ins, n) -> Decision:
+    """Index of the max along one dim: rows sharded on another dim keep their shard (no dim: a flat index, R)."""
+    p = ins[0]
+    dim = arg(node, 1, "dim", None)
+    if not is_shard(p) or dim is None:
+        return [R], R
+    nd = ndim(tin[0])
+    dim = _norm(dim, nd)
+    if p.dim == dim:
+        return [R], R
+    keepdim = bool(arg(node, 2, "keepdim", False))
+    return [p], with_dim(p, p.dim if keepdim or p.dim < dim else p.dim - 1)
+
+
+@register(aten.one_hot.default)
+def one_hot_rule(node, tin, ins, n) -> Decision:
+    """One-hot rows (a new last dim of classes): the input's shard passes through."""
+    p = ins[0]
+    if is_shard(p) and arg(node, 1, "num_classes", -1) > 0:  # -1: classes = max + 1, data-dependent
+        return [p], p
+    return [R], R
+
+
+@register(aten.gather.default)
+def gather_rule(node, tin, ins, n) -> Decision:
+    """`x.gather(d, index)`: input and index sharded alike on another dim than d (rows picked per row) keep it."""
+    x, index = ins[0], ins[1]
+    nd = ndim(tin[0])
+    dim = _norm(arg(node, 1, "dim"), nd)
+    p = x if is_shard(x) else index if is_shard(index) else None
+    if p is None or p.dim == dim or shape(tin[0])[p.dim] != shape(tin[1])[p.dim]:
+        return [R, R], R
+    return [p, p], p
 
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,

@@ -24,6 +24,7 @@ class Result:
     param_err: dict[str, float] = field(default_factory=dict)
     plan: object = None
     comm_counts: dict[str, int] = field(default_factory=dict)
+    comms: list[tuple] = field(default_factory=list)  # (kind, axis, pass, numel, send_bytes) of the last step, in order
     graph_counts: dict[str, int] = field(default_factory=dict)
     local_numel: dict[str, int] = field(default_factory=dict)
     idle: set[str] = field(default_factory=set)  # parameters without a reference gradient
@@ -100,6 +101,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
             k = f"{r.kind}.{r.pass_}"
             counts[k] = counts.get(k, 0) + 1
         res.comm_counts = counts
+        res.comms = [(r.kind, r.axis, r.pass_, r.numel, r.send_bytes) for r in recs]
     res.graph_counts = {}
     from passes.lower import collective_nodes
     for n in collective_nodes(pm.graph_module):
