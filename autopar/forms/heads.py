@@ -30,8 +30,10 @@ def heads_precondition(site: AttentionSite, t: int) -> str | None:
         return "its q or output projection is not a recognised linear. Fix: 'replicate' for this attention"
     fused = [s for s in site.q if s in site.k]
     if fused and fused[0].parts == 1 and not fused[0].head_interleaved:
-        return ("its fused QKV projection splits into unequal parts (GQA: fewer KV than query heads), which "
-                "autopar does not shard yet. Fix: 'replicate' for this attention")
+        return (f"its fused QKV projection {fused[0].key} lays out q, k and v as blocks of unequal size on its "
+                f"{fused[0].out_features} output features ({h} query heads, {kv} KV heads of {site.head_dim} each), "
+                "and no one placement of its weight gives every rank whole heads of each block (a strided shard "
+                "splits equal blocks only). Fix: 'replicate' for this attention, or separate q/k/v projections")
     if fused and kv % t:
         return (f"its fused QKV projection has {kv} KV heads, fewer than the {t} ranks. Fix: an axis of at most "
                 f"{kv} ranks, or 'replicate'")
