@@ -8,7 +8,7 @@ prices them, the planner assigns forms to them).
 
 | kind        | anchor node                      | fields                                                    |
 |-------------|----------------------------------|-----------------------------------------------------------|
-| `linear`    | linear / addmm / mm / matmul     | weight layout (out dim), features, fused parts            |
+| `linear`    | linear / addmm / mm / matmul     | weight layout (out dim), features, fused parts or slices  |
 | `embedding` | aten.embedding                   | vocab, dim, padding_idx, max_norm, scale_grad_by_freq      |
 | `attention` | SDPA (or the explicit 1st matmul)| heads, KV heads, head dim, sequence, mask, q/k/v/out linears|
 | `mlp`       | its first column linear          | col / row linears, hidden features                        |
@@ -89,6 +89,9 @@ class LinearSite(Site):
     in_features: int
     parts: int = 1  # a fused projection whose output is split into `parts` equal feature blocks (QKV, gate-up)
     head_interleaved: int = 0  # per-head fused QKV (GPT-NeoX, Bloom): head dim of each of the parts per head
+    # a fused projection whose output is taken apart in contiguous feature blocks of any sizes (GQA/MQA fused QKV:
+    # Phi-3's slices, Falcon's heads slice and KV index): (the node taking the block, first feature, end feature)
+    part_slices: tuple[tuple[fx.Node, int, int], ...] = ()
     weight_shape: tuple[int, ...] = ()
 
     @property

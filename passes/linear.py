@@ -6,11 +6,14 @@ Hugging Face GPT-2's `Conv1D` stores W as (in, out), Falcon writes `x @ W.T`. A 
 which weight dim holds the output features, and whether the output is split into equal fused parts
 (QKV, gate-up: `parts`) or viewed per head and split inside each head (`head_interleaved`: GPT-NeoX's
 `view(b, s, heads, 3·d)` then `chunk(3, -1)`, Bloom's `view(b, s, heads, 3, d)` then `select` on the 3; a
-plain row shard of the weight then gives every rank whole heads). Its forms (`colwise`, `rowwise`) live in
-`autopar.forms`.
+plain row shard of the weight then gives every rank whole heads), or taken apart in contiguous feature blocks
+of unequal sizes (`part_slices`: GQA/MQA fused QKV, Phi-3's `slice`s of the features, Falcon's `view(b, s,
+heads + 2, d)` sliced and indexed on the heads). Its forms (`colwise`, `rowwise`) live in `autopar.forms`.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -99,6 +102,75 @@ def head_interleaved(node: fx.Node, out_features: int) -> int:
     return 0
 
 
+def _slice_range(n: fx.Node, size: int) -> tuple[int, int] | None:
+    """[start, end) of `slice(x, dim, start, end)` with step 1 on a dim of `size`, or None."""
+    start, end = (n.args[2] if len(n.args) > 2 else 0) or 0, n.args[3] if len(n.args) > 3 else None
+    if (n.args[4] if len(n.args) > 4 else 1) != 1:
+        return None
+    start = start + size if start < 0 else start
+    end = size if end is None or end >= size else end + size if end < 0 else end
+    return (start, end) if 0 <= start < end else None
+
+
+def _constant(n, constants: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The value of a lifted constant (possibly through `lift_fresh_copy`), or None."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.target is aten.lift_fresh_copy.default:
+        n = n.args[0]
+    return constants.get(n.name) if isinstance(n, fx.Node) and n.op == "placeholder" else None
+
+
+def _head_block(u: fx.Node, heads_dim: int, heads: int, constants) -> tuple[int, int] | None:
+    """[first, end) heads that `u` takes from a per-head view: a slice, or an index by consecutive constants."""
+    nd = heads_dim + 2
+    if u.target is aten.slice.Tensor and u.args[1] % nd == heads_dim:
+        return _slice_range(u, heads)
+    if u.target is aten.index.Tensor:
+        idx = list(u.args[1])
+        if len(idx) != heads_dim + 1 or any(i is not None for i in idx[:-1]):
+            return None
+        c = _constant(idx[-1], constants)
+        if c is None or c.dim() != 1 or c.numel() == 0 or c.dtype.is_floating_point:
+            return None
+        rows = [int(i) % heads for i in c.tolist()]
+        if rows != list(range(rows[0], rows[0] + len(rows))):
+            return None
+        return rows[0], rows[-1] + 1
+    return None
+
+
+def part_slices(node: fx.Node, out_features: int, constants: dict[str, torch.Tensor]) -> tuple:
+    """The contiguous feature blocks the output is taken apart in, when they tile it and are not all equal splits:
+    slices (or a split) of the features, or slices/indexes of a per-head view `(..., features / d, d)` on its
+    heads dim (Falcon). `((node taking the block, first feature, end feature), ...)` in feature order, else ()."""
+    y = _past_flat_views(node, out_features)
+    users, nd = list(y.users), len(y.meta["val"].shape)
+    found = []
+    if users and all(u.target is aten.slice.Tensor and u.args[1] % nd == nd - 1 for u in users):
+        found = [(u, _slice_range(u, out_features)) for u in users]
+    elif len(users) == 1 and users[0].target is aten.split_with_sizes.default and _split_dim(users[0]) == nd - 1:
+        split, bounds = users[0], [0]
+        for size in split.args[1]:
+            bounds.append(bounds[-1] + size)
+        gets = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+        found = [(gets[i], (bounds[i], bounds[i + 1])) for i in range(len(split.args[1])) if i in gets]
+    elif len(users) == 1 and users[0].target in _VIEWS:
+        view = users[0]
+        shape = tuple(int(d) for d in view.meta["val"].shape)
+        if shape[:nd - 1] != tuple(y.meta["val"].shape[:-1]) or len(shape) != nd + 1:
+            return ()
+        heads, d = shape[-2], shape[-1]
+        for u in view.users:
+            block = _head_block(u, nd - 1, heads, constants)
+            found.append((u, None if block is None else (block[0] * d, block[1] * d)))
+    if len(found) < 2 or any(r is None for _, r in found):
+        return ()
+    found.sort(key=lambda f: f[1])
+    ends = [0] + [r[1] for _, r in found]
+    if [r[0] for _, r in found] != ends[:-1] or ends[-1] != out_features:
+        return ()
+    return tuple((u, a, b) for u, (a, b) in found)
+
+
 def recognise_linear_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     params = ctx.captured.param_fqns
     for node in gm.graph.nodes:
@@ -129,8 +201,9 @@ def recognise_linear_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         if b is not None:
             roles.append(("bias", b))
         out_features = int(node.meta["val"].shape[-1])
+        parts, per_head = fused_parts(node, out_features), head_interleaved(node, out_features)
+        blocks = part_slices(node, out_features, ctx.captured.constants) if parts == 1 and not per_head else ()
         ctx.add(LinearSite(key=module_path(node) or node.name, node=node, params=tuple(roles), out_dim=out_dim,
-                           out_features=out_features, in_features=int(x.meta["val"].shape[-1]),
-                           parts=fused_parts(node, out_features),
-                           head_interleaved=head_interleaved(node, out_features), weight_shape=wshape))
+                           out_features=out_features, in_features=int(x.meta["val"].shape[-1]), parts=parts,
+                           head_interleaved=per_head, part_slices=blocks, weight_shape=wshape))
     return gm

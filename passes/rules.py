@@ -267,6 +267,21 @@ def slice_rule(node, tin, ins, n) -> Decision:
     return [R], R
 
 
+@register(aten.index.Tensor)
+def index_rule(node, tin, ins, n) -> Decision:
+    """x[..., idx, ...] with integer index tensors on adjacent dims (Falcon's `qkv[:, :, [-2]]`): a shard of x on a
+    dim that is not indexed carries to the output (dims after the indexed block shift by the index's ndim less
+    the dims it indexes); the index tensors are replicated. A shard of an indexed dim, or of an index: replicated."""
+    p = ins[0]
+    idx = [i for i, t in enumerate(node.args[1]) if t is not None]
+    vals = [node.args[1][i].meta["val"] for i in idx]
+    if not is_shard(p) or not idx or any(v.dtype == torch.bool for v in vals) \
+            or idx != list(range(idx[0], idx[-1] + 1)) or p.dim in idx:
+        return [R] * len(ins), R
+    shift = max(v.dim() for v in vals) - len(idx) if p.dim > idx[-1] else 0
+    return [p] + [R] * (len(ins) - 1), with_dim(p, p.dim + shift)
+
+
 def _split_outputs(node) -> int:
     return len(node.meta["val"])
 
