@@ -351,6 +351,8 @@ class _Lowerer:
             in_p = [self.pl[t][ax] for t in tin]
             req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
                 rule(node, tin, in_p, size)
+            if node.target in _VIEWS and tin:
+                req, out = self._unflatten_strided(node, tin, in_p, ax, rule) or (req, out)
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
@@ -373,6 +375,23 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _unflatten_strided(self, node: fx.Node, tin, in_p, ax: int, rule):
+        """A strided shard's blocks are those of the local tensor: with its dim also sharded on other axes (the
+        batch of `(b*heads, s, d)` on a data axis, the heads strided on the model axis), the view rule, which
+        sees global shapes, must count the blocks of the global tensor to split it back to `(b, heads, s, d)`
+        (with one local block, `split_factor=1`, it would read the shard as one of the outer dim). The (required
+        input, plain-shard output) of that, or None."""
+        p = in_p[0]
+        others = math.prod(self.sizes[bx] for bx, q in enumerate(self.pl[tin[0]])
+                           if bx != ax and is_shard(q) and q.dim == getattr(p, "dim", None))
+        if not isinstance(p, _StridedShard) or others == 1:
+            return None
+        wide = _StridedShard(p.dim, split_factor=p.split_factor * others)
+        req, out = rule(node, tin, [wide] + in_p[1:], self.sizes[ax])
+        if req[0] != wide or not is_shard(out) or isinstance(out, _StridedShard):
+            return None
+        return [p] + list(req[1:]), out
 
     def _local_split_factors(self, src: fx.Node, in_pls, out_pls, node: fx.Node):
         """A merge `(b, s) -> b*s` with s sharded on one axis gives `_StridedShard(split_factor=blocks)`;
@@ -767,8 +786,10 @@ def fused_parts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
                 if heads % split == 0:  # whole heads per rank; else (fewer KV heads than ranks) replicated
                     w_i = _hint(g, w_i, {ax: Shard(w_dim)}, ctx.mesh.names)
                     b_i = None if b_i is None else _hint(g, b_i, {ax: Shard(len(shape(b)) - 1)}, ctx.mesh.names)
-                args = {aten.linear.default: lambda: (x, w_i) + ((b_i,) if b_i is not None else ()),
-                        aten.addmm.default: lambda: (b_i, x, w_i)}.get(node.target, lambda: (x, w_i))()
+                if node.target is aten.addmm.default:
+                    args = (b_i, x, w_i)
+                else:
+                    args = (x, w_i) if b_i is None else (x, w_i, b_i)
                 y = g.call_function(node.target, args)
                 y.meta.update({"val": node.meta["val"].narrow(-1, first, end - first), "nn_module_stack": stack})
                 out = g.call_function(aten.reshape.default, (y, list(shape(taker))))

@@ -354,3 +354,19 @@ def test_rule_index_tensor():
     req, out = _rule(aten.index.Tensor, (x, [None, None, torch.tensor([[1, 2]])]), [Shard(3), R])
     assert (req, out) == ([Shard(3), R], Shard(4))  # after the indexed dim: shifted by the index's extra dim
     assert _rule(aten.index.Tensor, (x, [None, None, torch.tensor([1])]), [Shard(2), R]) == ([R, R], R)
+
+
+@pytest.mark.parametrize("mesh", [(2, 2), (4, 2)])
+def test_bloom_heads_on_a_data_and_model_mesh(local_world, mesh):
+    """(b*heads, s, d) with the batch on the data axis and the heads (strided) on the model axis: the view back to
+    (b, heads, s, s) keeps the heads sharded, also with one local batch row (4 over 4 data ranks)."""
+    model, inputs, tol = FAMILIES["bloom"]()
+    with local_world(mesh[0] * mesh[1]):
+        res = run_equivalence(model, inputs, mesh, ("dp", "tp"), plan="megatron")
+    assert res.max_err() <= tol, res.max_err()
+    assert {s.form for s in res.plan.strategies if s.kind == "attention"} == {"heads"}
+    assert not [c for c in res.plan.comms if c.forward == "all_gather"], res.plan.comms
+    for s in res.plan.strategies:
+        if s.kind == "attention":
+            comms = _attention_comms(res.plan, s.key)
+            assert comms == Counter({AR: 1, GAR: 1}), comms
