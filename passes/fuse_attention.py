@@ -72,6 +72,8 @@ def _plan_fusion(m1: fx.Node, m2: fx.Node):
             dim = u.args[1]
             if dim not in (-1, len(u.meta["val"].shape) - 1):
                 return f"its softmax runs over dim {dim}, not the keys"
+            if u.meta["val"].element_size() < q.meta["val"].element_size():  # softmax(..., dtype=float32)
+                return f"it rounds the scores to {u.meta['val'].dtype} in its softmax, which a fused attention would not"
             saw_softmax = True
         elif t is aten.dropout.default and saw_softmax:
             dropout = float(u.args[1]) if u.args[2] else 0.0
