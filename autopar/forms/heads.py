@@ -80,8 +80,9 @@ class Heads(Form):
         (ax,), (t,) = axes, sizes
         out: dict = {}
         kv_sharded = site.kv_heads % t == 0
+        blocks = [lin for lin in _fused(site) if lin.part_slices]  # their weight stays replicated (PARTS)
         for lin in site.q + (site.k + site.v if kv_sharded else ()):
-            if lin.part_slices:  # unequal fused blocks: the weight stays replicated (the PARTS directive)
+            if lin in blocks:
                 continue
             for ph, p in colwise_placements(lin).items():
                 out[ph] = {ax: p}
@@ -103,8 +104,7 @@ class Heads(Form):
                 f"{lin.out_features} output features), which no one placement of its weight splits into whole heads "
                 "(a strided shard splits equal blocks only): its weight stays replicated (held whole), each block is "
                 "projected on its own rows, split by heads where they divide over the axis (else replicated), and "
-                "the split rows' gradients are all-gathered. Fix: separate q/k/v projections (or a fused weight "
-                "interleaved per KV group) shard with no all-gather"
+                "the split rows' gradients are all-gathered. Fix: separate q/k/v projections shard with no all-gather"
                 for lin in _fused(site) if lin.part_slices]
 
     def row_linears(self, site: AttentionSite):
