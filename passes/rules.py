@@ -226,7 +226,7 @@ def expand_rule(node, tin, ins, n) -> Decision:
     return [p], with_dim(p, od)
 
 
-@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.swapaxes.default)
+@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.swapaxes.default, aten.numpy_T.default)
 def permute_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
     if not is_shard(p):
@@ -234,6 +234,8 @@ def permute_rule(node, tin, ins, n) -> Decision:
     nd = ndim(tin[0])
     if node.target is aten.permute.default:
         perm = [_norm(d, nd) for d in node.args[1]]
+    elif node.target is aten.numpy_T.default:  # x.T: every dim reversed
+        perm = list(reversed(range(nd)))
     else:
         d0, d1 = (0, 1) if node.target is aten.t.default else (_norm(node.args[1], nd), _norm(node.args[2], nd))
         perm = list(range(nd))
@@ -265,6 +267,21 @@ def slice_rule(node, tin, ins, n) -> Decision:
     if (start in (None, 0)) and (end is None or end >= s[dim]) and step == 1:
         return [p], p
     return [R], R
+
+
+@register(aten.index.Tensor)
+def index_rule(node, tin, ins, n) -> Decision:
+    """x[..., idx, ...] with integer index tensors on adjacent dims (Falcon's `qkv[:, :, [-2]]`): a shard of x on a
+    dim that is not indexed carries to the output (dims after the indexed block shift by the index's ndim less
+    the dims it indexes); the index tensors are replicated. A shard of an indexed dim, or of an index: replicated."""
+    p = ins[0]
+    idx = [i for i, t in enumerate(node.args[1]) if t is not None]
+    vals = [node.args[1][i].meta["val"] for i in idx]
+    if not is_shard(p) or not idx or any(v.dtype == torch.bool for v in vals) \
+            or idx != list(range(idx[0], idx[-1] + 1)) or p.dim in idx:
+        return [R] * len(ins), R
+    shift = max(v.dim() for v in vals) - len(idx) if p.dim > idx[-1] else 0
+    return [p] + [R] * (len(ins) - 1), with_dim(p, p.dim + shift)
 
 
 def _split_outputs(node) -> int:
@@ -369,13 +386,15 @@ def matmul_rule(node, tin, ins, n) -> Decision:
     # batched: (..., m, k) @ (..., k, n)
     oa, ob = nd - len(sa), nd - len(sb)
     for p, s, off, other_s, other_off, first in ((a, sa, oa, sb, ob, True), (b, sb, ob, sa, oa, False)):
-        if not is_shard(p) or isinstance(p, _StridedShard):
+        if not is_shard(p):
             continue
         od = p.dim + off
-        if od < nd - 2 and s[p.dim] == out[od]:  # batch dim
+        if od < nd - 2 and s[p.dim] == out[od]:  # batch dim: batches are independent, so a strided shard too
             d_other = od - other_off
-            other_req = Shard(d_other) if d_other >= 0 and other_s[d_other] != 1 else R
-            return ([p, other_req] if first else [other_req, p]), Shard(od)
+            other_req = with_dim(p, d_other) if d_other >= 0 and other_s[d_other] != 1 else R
+            return ([p, other_req] if first else [other_req, p]), with_dim(p, od)
+        if isinstance(p, _StridedShard):
+            continue
         if first and p.dim == len(s) - 2:  # m
             return [p, R], Shard(nd - 2)
         if not first and p.dim == len(s) - 1:  # n
@@ -385,6 +404,19 @@ def matmul_rule(node, tin, ins, n) -> Decision:
         if not first and p.dim == len(s) - 2:
             return [Shard(len(sa) - 1), p], P
     return [R, R], R
+
+
+@register(aten.baddbmm.default)
+def baddbmm_rule(node, tin, ins, n) -> Decision:
+    """beta·self + alpha·(batch1 @ batch2) (Bloom's ALiBi scores): the product sharded as `bmm` shards it (batch,
+    m or n), self (broadcast to the output) sharded alike; a sharded contraction would leave partial products
+    that self cannot join (it would be added once per rank): replicated then."""
+    req, out = matmul_rule(node, tin[1:], ins[1:], n)
+    if not is_shard(out):
+        return [R] * len(ins), R
+    s_self, s_out = shape(tin[0]), shape(node)
+    d = out.dim - (len(s_out) - len(s_self))
+    return [with_dim(out, d) if d >= 0 and s_self[d] != 1 else R] + req, out
 
 
 @register(aten.outer.default)

@@ -158,7 +158,8 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
             autopar.parallelize(model, mesh, x, plan="megatron", overrides={"norm": "sequence"})
         with pytest.raises(ValueError, match=r"'ulysses'.*sequence 15 does not divide over 2"):
             autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ulysses"})
-        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered to a fused"):
+        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention, not fused into SDPA: it rounds "
+                                             r"the scores to torch.float32"):
             autopar.parallelize(llama, mesh, tokens, plan="dp", overrides={"attention": "ulysses"})
 
 
