@@ -6,37 +6,24 @@ is allocated for activations), keeps high-level ops (`aten.linear`, `aten.embedd
 `node.meta["val"]` and module paths in `node.meta["nn_module_stack"]`. Parameters, buffers and
 lifted constants become placeholders, mapped back to their fully-qualified names.
 
-Hugging Face models are captured with their KV cache turned off (`config.use_cache = False`).
+Hugging Face models are captured with their KV cache turned off (`config.use_cache = False`), wherever
+they sit in the module tree.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
+
+from autopar.captured import Captured
 
 
 class CaptureError(ValueError):
     """The model could not be captured as a graph."""
-
-
-@dataclass
-class Captured:
-    gm: fx.GraphModule
-    input_kinds: list[tuple[str, str, str | None]]  # (placeholder, kind, fqn/constant name) in call order
-    param_fqns: dict[str, str]  # placeholder -> parameter fqn
-    buffer_fqns: dict[str, str]  # placeholder -> buffer fqn
-    constants: dict[str, torch.Tensor]  # placeholder -> lifted constant tensor
-    user_inputs: list[str]  # placeholders of user inputs, in flattened call order
-    in_spec: pytree.TreeSpec
-    out_spec: pytree.TreeSpec
-    num_user_outputs: int
-    example_shapes: list[tuple | None]  # per flattened user input: shape of tensors, None otherwise
-    notes: list[str] = field(default_factory=list)  # what capture had to do (opaque submodules)
 
 
 def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
@@ -53,15 +40,23 @@ def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
 
 @contextlib.contextmanager
 def _no_kv_cache(model: nn.Module):
-    cfg = getattr(model, "config", None)
-    old = getattr(cfg, "use_cache", None)
-    if old:
-        cfg.use_cache = False
+    """Turn the KV cache off wherever a Hugging Face model sits in the module tree (a model wrapped in the
+    user's own loss module included): training needs no cache, and a cache in the graph is an input-dependent
+    concatenation the parallel forms would have to carry."""
+    configs, seen = [], set()
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        for c in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "decoder", None)):
+            if c is not None and id(c) not in seen and getattr(c, "use_cache", None):
+                seen.add(id(c))
+                configs.append(c)
+    for c in configs:
+        c.use_cache = False
     try:
         yield
     finally:
-        if old:
-            cfg.use_cache = old
+        for c in configs:
+            c.use_cache = True
 
 
 def _failing_submodule(model: nn.Module, error: BaseException) -> str | None:
@@ -125,6 +120,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
             path = _failing_submodule(model, e)
+            failed = [v for v in moe if path is not None and (path + ".").startswith(v.found.path + ".")]
+            if failed:  # a verified MoE replacement that does not trace: the block is traced as written instead
+                moe = [v for v in moe if v not in failed]
+                for v in failed:
+                    moe_notes[:] = [n for n in moe_notes if not n.startswith(f"MoE {v.found.path} ")]
+                    moe_notes.append(f"MoE {v.found.path} left as written: its verified replacement did not trace "
+                                     f"({_first_line(e)})")
+                continue
             if path is None or path in keys or len(keys) >= max_opaque:
                 raise CaptureError(
                     f"autopar could not capture {type(model).__name__} with torch.export (non-strict): "

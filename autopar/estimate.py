@@ -1,42 +1,22 @@
-"""Per-site cost tables: what each candidate form costs in time and memory, per device.
+"""Shape facts and mesh pricing shared by every form's cost (`autopar.forms`).
 
-A *site* is a recognised structure (attention, MLP, embedding, loss; a lone linear). For each
-site and each candidate it may take — a form on a model axis (or replicated), with or without
-FSDP sharding of its parameters over the data axes — `site_cost` returns:
+A *site* is a recognised structure (attention, MLP, embedding, loss, norm, MoE; a lone linear).
+`gather_stats` reads, once per captured graph, what each site's cost needs (`SiteStats`): its
+forward FLOPs and bytes by op kind, the activations its nodes save, its block input, its parameters
+(and which of them have their own gradient reduced), the loss' logits and reductions, and the same
+for everything outside every site ("other": norms, residuals, masks, which are data-parallel only).
 
-- compute time (`_compute_s`): forward + backward = 3x the forward work of its nodes, divided by
-  the data-parallel degree (the batch is split) and by t on the form's axis (the work is split).
-  With a profiled cluster (per-op-kind rates) each kind of op is priced at its rate, a matmul at
-  the rate of its split size, and every op pays the dispatch overhead, which no split divides
-  (`cost_model.analytical.kernel_time_s`);
-  with a preset, the roofline of the site's FLOPs and activation bytes (`compute_time_s`);
-- communication time (`cost_model.analytical.collective_time_s`: a profile's measured table, or
-  alpha-beta) of the form's collectives (DESIGN.md §3) on its axis — heads/tp: one all-reduce of
-  the block's input-sized output forward and one of its input gradient backward; vocab
-  embedding: one forward all-reduce; vocab loss: the LM head input's gradient all-reduce, 3
-  all-reduces of b·s fp32, and an all-gather of the logits when the model returns them — plus the
-  gradient reduction of its parameters on every data (and sequence) axis, priced as the runtime
-  issues it (`passes.lower._bucket_parameter_gradients`, `MeshCosting`):
-  - data parallel: one bucketed all-reduce per axis and parameter dtype for the whole model. Each
-    site pays its bytes at the bucket's per-byte rate (`MeshCosting.grad_sync`); the bucket's
-    fixed cost is paid once, by "other" (`MeshCosting.bucket_fixed_s`). The rate is the chord of
-    the all-reduce time between an empty bucket and one of all parameters' gradients, so the sum
-    over sites is one collective of the whole bucket (exact for alpha-beta links), plus the copy of
-    the gradients into the bucket's flat buffer;
-  - FSDP: per parameter, an all-gather forward and a reduce-scatter of its gradient backward on
-    each data axis (`MeshCosting.fsdp_sync`);
-  - parameters used only by batch-independent ops (a position embedding) have their gradient
-    reduced where their output meets the batch: one all-reduce of that activation per axis
-    ("other", `SiteStats.boundary_grad_bytes`), outside the bucket;
-  - the loss, with the batch split: the loss value, and the valid-token count of a mean, are
-    all-reduced (scalars) on every data axis;
-- memory: parameters, gradients and optimizer state (Adam: 2 fp32 states) of its local parameter
-  shard (divided by the data-parallel degree under FSDP), plus the activations its nodes save for
-  backward: the outputs of its nodes, divided by the data-parallel degree, and by t for the
-  nodes inside a sharded form (the block's replicated input is not divided by t).
+`MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
+collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or
+alpha-beta), the optimizer's state, and compute (`compute_s`): forward + backward = 3x the forward
+work of the site's nodes, divided by the ranks the work is split over. With a profiled cluster
+(per-op-kind rates) each kind of op is priced at its rate, a matmul at the rate of its split size,
+and every op pays the dispatch overhead, which no split divides (`kernel_time_s`); with a preset,
+the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
 
-Nodes outside every site ("other": norms, residuals, masks) are data-parallel only.
-Estimates ignore compute/communication overlap (the step time is their sum).
+What a form adds (its collectives, how it splits work, parameters and activations) is in the form's
+own module; how parameters are synchronised over the data axes in `autopar.forms.dp` and
+`autopar.forms.fsdp`. Estimates ignore compute/communication overlap (the step time is their sum).
 """
 
 from __future__ import annotations
@@ -47,28 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost_model.analytical import collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost
+from cost_model.analytical import collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
+    send_bytes
 from cost_model.hardware import Cluster, axis_link
-from passes.context import TRANSPARENT, PassContext, Site
+from autopar.sites import Kind, LossSite, PassContext, Site
+from passes.patterns import TRANSPARENT
 
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
-# Passes over the local logits (N, V/t), in units of their fp32 bytes, that the vocab-parallel cross-entropy of
-# autopar.runtime.ops (_VocabParallelCrossEntropy) makes forward and backward: amax 1, subtract the max 2, exp 2,
-# sum 1, normalise in place 2; backward: scale by the incoming gradient 2, zeros for the one-hot 1, the one-hot
-# term 2, the difference 3. (aten's fused cross_entropy_loss moves about 9 of the full logits: node_cost.)
-VOCAB_CE_PASSES = 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    form: str  # replicate | heads | tp | vocab
-    axis: str | None
-    fsdp: bool = False
-
-    @property
-    def label(self) -> str:
-        s = self.form + (f"@{self.axis}" if self.axis else "")
-        return s + ("+fsdp" if self.fsdp else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,12 +64,20 @@ class SiteStats:
     # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
+    # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
+    # axis it is then split on the sequence, and its gradient all-gathered, not all-reduced)
+    boundary_on_sequence: list[bool] = field(default_factory=list)
     summed_into: str | None = None  # embedding: the earlier embedding its output is added to (one reduction)
     loss_reductions: int = 0  # loss: scalars all-reduced per data axis (the loss; the count of a mean)
-    vocab_ce_extra_bytes: float = 0.0  # loss: what the vocab-parallel cross-entropy moves beyond its node's 3x
+    ce_logits_fp32_bytes: float = 0.0  # cross-entropy loss: its logits in (at least) fp32
+    ce_fused_bytes: float = 0.0  # cross-entropy loss: what aten's fused op moves forward (`node_cost`)
     logits_bytes: float = 0.0  # loss: logits, global
     logits_out: bool = False  # loss: the model also returns its logits
     tokens: int = 0
+    # norm: its share (1 / the number of norms) of the gradient bucket sequence parallelism adds on its axis, and
+    # of the row-parallel biases whose gradients that bucket sums (added after the reduce-scatter: partial)
+    sequence_bucket_share: float = 0.0
+    sequence_bias_bytes: float = 0.0
 
     def add_node(self, n: fx.Node) -> None:
         c = node_cost(n)
@@ -144,24 +117,21 @@ def _bytes(v) -> float:
     return 0.0
 
 
-def site_nodes(site: Site) -> list[fx.Node]:
-    return list(dict.fromkeys([site.node] + [m.node for m in site.members()]))
-
-
-def _params(site: Site) -> set[str]:
-    return site.all_params()
+def block_nodes(site: Site) -> list[fx.Node]:
+    """Nodes inside a block (reachable from its first layers' outputs and reaching its last layers), then its
+    anchor and member nodes."""
+    return list(dict.fromkeys(_between(site) + site.nodes()))
 
 
 def _between(site: Site) -> list[fx.Node]:
-    """Nodes inside a block: reachable from its first layers' outputs and reaching its last layers."""
-    if site.kind == "attention":
-        starts = [s.node for s in site.info["q"] + site.info["k"] + site.info["v"]]
-        ends = [s.node for s in site.info["out"]]
-    elif site.kind == "mlp":
-        starts = [s.node for s in site.info["col"]]
-        ends = [s.node for s in site.info["row"]]
+    if site.kind is Kind.ATTENTION:
+        starts = [s.node for s in site.q + site.k + site.v]
+        ends = [s.node for s in site.out]
+    elif site.kind is Kind.MLP:
+        starts = [s.node for s in site.col]
+        ends = [s.node for s in site.row]
     else:
-        return site_nodes(site)
+        return []
     fwd, stack = set(), list(starts)
     while stack:
         n = stack.pop()
@@ -184,9 +154,19 @@ def _between(site: Site) -> list[fx.Node]:
 def _block_input(site: Site) -> fx.Node | None:
     """The activation entering a block: the input of its first column layer (MLP), q projection
     (attention) or LM head (loss); else the site node's first argument."""
-    first = next((site.info[role][0].node for role in ("col", "q", "head") if site.info.get(role)), site.node)
+    first = next((getattr(site, role)[0].node for role in ("col", "q", "head") if getattr(site, role, ())), site.node)
     x = first.args[1] if first.target is torch.ops.aten.addmm.default else first.args[0]
     return x if isinstance(x, fx.Node) else None
+
+
+def _row_linears(site: Site) -> tuple:
+    """The row-parallel layers of a block tensor parallelism splits: an attention's output projection, an MLP's
+    row layers (what Megatron sequence parallelism reduce-scatters onto the sequence)."""
+    if site.kind is Kind.ATTENTION:
+        return site.out
+    if site.kind is Kind.MLP:
+        return site.row
+    return ()
 
 
 def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[str]) -> list[fx.Node]:
@@ -207,10 +187,28 @@ def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[
     return [n for n in gm.graph.nodes if n in grad and any(u in batch for u in n.users)]
 
 
-def _loss_reductions(site: Site) -> int:
+def _on_sequence(n: fx.Node, seq_len: int | None) -> bool:
+    """Whether boundary `n` holds the sequence at the dim where a consumer does (right-aligned: a broadcast
+    operand such as a position embedding (S, h) added to a (b, S, h) stream). With the sequence split, the
+    lowering splits such a value on that dim (`collectives.split`: backward all-gathers its gradient) and
+    all-reduces the gradient of any other value (`grad_all_reduce`)."""
+    v = n.meta.get("val")
+    if seq_len is None or not isinstance(v, torch.Tensor):
+        return False
+    for u in n.users:
+        out = u.meta.get("val")
+        if not isinstance(out, torch.Tensor):
+            continue
+        off = out.dim() - v.dim()
+        if any(out.shape[j] == seq_len and j - off >= 0 and v.shape[j - off] == seq_len for j in range(out.dim())):
+            return True
+    return False
+
+
+def _loss_reductions(site: LossSite) -> int:
     """Scalars a loss all-reduces per data axis with the batch split: its value, and for a mean cross-entropy
     the valid-token count (`autopar.runtime.ops.loss_reduce`); none for reduction='none'."""
-    n, ce = site.node, site.info.get("loss") == "cross_entropy"
+    n, ce = site.node, site.loss == "cross_entropy"
     i = 3 if ce else 2  # cross_entropy_loss(x, target, weight, reduction, ...); mse_loss(x, target, reduction)
     reduction = n.args[i] if len(n.args) > i else n.kwargs.get("reduction", 1)  # 0 none, 1 mean, 2 sum
     if reduction == 0:
@@ -225,7 +223,7 @@ def summed_embeddings(ctx: PassContext) -> dict[str, str]:
     axis (the solver only lets it be vocab-parallel then)."""
     reached: dict[fx.Node, str] = {}
     out = {}
-    for site in ctx.of_kind("embedding"):
+    for site in ctx.of_kind(Kind.EMBEDDING):
         n = site.node
         while len(n.users) == 1 and next(iter(n.users)).target in TRANSPARENT:
             n = next(iter(n.users))
@@ -248,38 +246,40 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     stats: dict[str, SiteStats] = {}
     covered_nodes: set[fx.Node] = set()
     owned: set[str] = set()
-    sites = [s for s in ctx.sites if s.kind != "linear"]
-    covered_linears = {m.key for s in sites for m in s.members()}
-    sites += [s for s in ctx.of_kind("linear") if s.key not in covered_linears]
     outputs = set(gm.graph.output_node().all_input_nodes)
-    for site in sites:
+    for site in ctx.planning_sites():
         st = SiteStats()
-        nodes = _between(site) + site_nodes(site)
-        nodes = list(dict.fromkeys(nodes))
-        for n in nodes:
+        for n in block_nodes(site):
             if n in covered_nodes:
                 continue
             covered_nodes.add(n)
             st.add_node(n)
         x = _block_input(site)
         st.io_bytes = _bytes(x.meta.get("val")) if x is not None else 0.0
-        for p in sorted(_params(site)):
+        for p in sorted(site.all_params()):
             st.add_param(ph[p].meta["val"], p in synced, counted=p not in owned, used=bool(ph[p].users))
             owned.add(p)
-        if site.kind == "embedding":
+        if site.kind is Kind.EMBEDDING:
             st.summed_into = summed.get(site.key)
-        if site.kind == "loss":
+        if site.kind is Kind.LOSS:
             st.loss_reductions = _loss_reductions(site)
             logits = site.node.args[0].meta.get("val")
-            if isinstance(logits, torch.Tensor) and site.info.get("loss") == "cross_entropy":
-                fp32 = logits.numel() * max(4, logits.element_size())  # the runtime computes in at least fp32
-                st.vocab_ce_extra_bytes = max(0.0, VOCAB_CE_PASSES * fp32 - 3 * node_cost(site.node).bytes)
-        if site.kind == "loss" and site.info.get("head"):
-            logits = site.info["head"][0].node
+            if isinstance(logits, torch.Tensor) and site.loss == "cross_entropy":
+                st.ce_logits_fp32_bytes = logits.numel() * max(4, logits.element_size())  # at least fp32
+                st.ce_fused_bytes = node_cost(site.node).bytes
+        if site.kind is Kind.LOSS and site.head:
+            logits = site.head[0].node
             st.logits_bytes = _bytes(logits.meta.get("val"))
             st.logits_out = _reaches_output(logits, outputs)
             st.tokens = int(site.node.args[1].meta["val"].numel())
         stats[site.key] = st
+    norms = ctx.of_kind(Kind.NORM)
+    row_bias_bytes = sum(_bytes(ph[lin.param["bias"]].meta["val"]) for site in ctx.planning_sites()
+                         for lin in _row_linears(site)
+                         if "bias" in lin.param and len(lin.node.meta["val"].shape) >= 3)  # (b, s, h) outputs
+    for site in norms:
+        stats[site.key].sequence_bucket_share = 1 / len(norms)
+        stats[site.key].sequence_bias_bytes = row_bias_bytes / len(norms)
     other = SiteStats()
     for n in gm.graph.nodes:
         if n.op == "call_function" and n not in covered_nodes:
@@ -288,6 +288,8 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
         if name not in owned:
             other.add_param(ph[name].meta["val"], name in synced, used=bool(ph[name].users))
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
+    seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
+    other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
     return stats, other, owned
 
 
@@ -337,11 +339,18 @@ class MeshCosting:
     def link(self, axis: str):
         return axis_link(self.cluster, self.sizes, self.names.index(axis))
 
+    def collective(self, kind: str, nbytes: float, axis: str, interval_s: float | None = None) -> tuple[float, float]:
+        """(seconds, bytes this rank sends) of one collective on `axis`, after `interval_s` of compute when known;
+        `nbytes` as `cost_model.analytical` defines it for the kind (`collective_time_s`, `send_bytes`)."""
+        p = self.size(axis)
+        return (collective_time_s(kind, int(nbytes), p, self.link(axis), interval_s=interval_s),
+                send_bytes(kind, nbytes, p))
+
     def allreduce_s(self, nbytes: float, axis: str, interval_s: float | None = None) -> float:
         """An all-reduce on `axis`, after `interval_s` of compute when known (`collective_time_s`)."""
-        return collective_time_s("all_reduce", int(nbytes), self.size(axis), self.link(axis), interval_s=interval_s)
+        return self.collective("all_reduce", nbytes, axis, interval_s)[0]
 
-    def _bucket_rate(self, axis: str) -> tuple[float, float]:
+    def bucket_rate(self, axis: str) -> tuple[float, float]:
         """(fixed seconds, seconds per byte) of the gradient bucket's all-reduce on `axis`: the chord of its
         time between an empty bucket and a bucket of `bucket_bytes`."""
         fixed = self.allreduce_s(0, axis)
@@ -349,58 +358,12 @@ class MeshCosting:
             return fixed, 0.0
         return fixed, max(0.0, self.allreduce_s(self.bucket_bytes, axis) - fixed) / self.bucket_bytes
 
-    def grad_sync(self, local_param_bytes: float, axes: tuple[str, ...] | None = None) -> tuple[float, float]:
-        """(time, bytes sent) of this share of the data-parallel gradient bucket on every data and sequence
-        axis (or `axes`): its bytes at the bucket's per-byte rate (the fixed cost is `bucket_fixed_s`, paid
-        once), and their copy into the bucket's flat buffer (read + write, `grad_sync_bucket` concatenates)."""
-        t = b = 0.0
-        copy_bytes_per_s = self.cluster.copy_bytes_per_s or self.cluster.effective_memory_bytes_per_s
-        for a in self.data_axes + self.seq_axes if axes is None else axes:
-            p = self.size(a)
-            if p == 1:
-                continue
-            t += self._bucket_rate(a)[1] * local_param_bytes + 2 * local_param_bytes / copy_bytes_per_s
-            b += 2 * (p - 1) / p * local_param_bytes
-        return t, b
-
-    def bucket_fixed_s(self) -> float:
-        """The fixed cost of the gradient buckets: one per data / sequence axis and parameter dtype."""
-        return self.num_buckets * sum(self._bucket_rate(a)[0] for a in self.data_axes + self.seq_axes)
-
-    def fsdp_sync(self, gathered: list[float], reduced: list[float], backward_s: float = 0.0) -> tuple[float, float]:
-        """(time, bytes sent) of FSDP on the data axes, as `passes.lower` issues it: each parameter is
-        all-gathered before use on every axis, innermost first (there the tensor is still divided by the
-        outer axes), all at the start of the step, back to back. Each gradient reduced on its own
-        (`reduced`; one reduced at a batch boundary is not) is reduce-scattered on the outermost axis (the
-        gather and the reduction fuse there) and all-reduced, whole, on every other axis, as backward
-        produces it (`backward_s` of the structure's backward shared between them). On sequence axes the
-        gradients join the bucket."""
-        t = b = 0.0
-        axes = sorted(self.data_axes, key=self.names.index)
-        for nbytes in gathered:
-            for i, a in enumerate(axes):
-                p = self.size(a)
-                n = nbytes / math.prod(self.size(o) for o in axes[:i])  # the gathered tensor on this axis
-                t += collective_time_s("all_gather", int(n), p, self.link(a), interval_s=0.0)
-                b += (p - 1) / p * n
-        for nbytes in reduced:
-            for i, a in enumerate(axes):
-                p = self.size(a)
-                kind = "reduce_scatter" if i == 0 else "all_reduce"
-                # backward reduces the innermost axis first (after the compute), the others back to back
-                interval = backward_s / len(reduced) if i == len(axes) - 1 else 0.0
-                t += collective_time_s(kind, int(nbytes), p, self.link(a), interval_s=interval)
-                b += (p - 1) / p * nbytes * (1 if i == 0 else 2)
-        t_seq, b_seq = self.grad_sync(sum(reduced), self.seq_axes)
-        return t + t_seq, b + b_seq
-
     def scalar_reductions(self, count: int) -> tuple[float, float]:
         """(time, bytes sent) of `count` fp32 scalar all-reduces on every data and sequence axis."""
         t = b = 0.0
         for a in self.data_axes + self.seq_axes:
-            p = self.size(a)
-            t += count * self.allreduce_s(4, a)
-            b += count * 2 * (p - 1) / p * 4
+            ct, cb = self.collective("all_reduce", 4, a)
+            t, b = t + count * ct, b + count * cb
         return t, b
 
     def state_factor(self) -> float:
@@ -408,156 +371,21 @@ class MeshCosting:
         return 2 + OPTIMIZER_STATES[self.optimizer] * 1.0
 
 
-def moe_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
-    """An MoE block: router + experts (+ aux loss in `st`), replicated or expert-parallel on `cand.axis`.
-
-    Expert work per token is 2 FLOPs per expert weight element for each of its k experts; routing is
-    assumed balanced. On a data axis (tokens sharded there) EP moves each token's k rows out and back
-    by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3). On a model
-    axis (tokens replicated) each rank runs its experts on every token and the output is all-reduced
-    (forward) and so is the input's gradient (backward); tensor-parallel experts (`tp`) cost the same
-    way, each rank running 1/t of every expert's features."""
-    info = site.info
-    T, H, k, E = info["tokens"], info["hidden"], info["top_k"], info["num_experts"]
-    item = info.get("itemsize", 4)
-    per_expert = info["expert_numel"] / E
-    ffn = per_expert / (3 * H)  # a gated MLP expert holds 3*H*F weights
-    dp = mc.dp
-    ep = mc.size(cand.axis) if cand.form in ("expert", "tp") else 1  # experts (or their features) split ep ways
-    on_data = cand.form == "expert" and cand.axis in mc.data_axes + mc.seq_axes  # tokens sharded there
-    tokens = T / dp  # this rank's tokens
-    work = 2 * T * k * per_expert / dp / (1 if on_data else ep)
-    dtype = info.get("dtype", st.compute_dtype)
-    dtype = dtype if dtype in mc.cluster.peak_flops else "float32"
-    routed_bytes = T / dp * k * (2 * H + 3 * ffn) * item / (1 if on_data else ep)  # expert activations saved
-    compute = _compute_s(st, dp, mc.cluster) + compute_time_s(3 * work, 3 * routed_bytes, dtype, mc.cluster)
-    comm_s = comm_b = 0.0
-    if cand.form == "expert" and on_data:
-        link = mc.link(cand.axis)
-        rows = tokens * k * H * item
-        for _ in range(4):
-            comm_s += collective_time_s("all_to_all", int(rows), ep, link)
-            comm_b += (ep - 1) / ep * rows
-    elif cand.form in ("expert", "tp"):  # every token on every rank: partial outputs all-reduced, and input grads
-        for _ in range(2):
-            comm_s += mc.allreduce_s(tokens * H * item, cand.axis)
-            comm_b += 2 * (ep - 1) / ep * tokens * H * item
-    expert_bytes = info["expert_numel"] * item
-    dense_bytes = max(st.param_bytes - expert_bytes, 0.0)
-    local = dense_bytes + expert_bytes / ep
-    gs_t, gs_b = mc.grad_sync(expert_bytes / ep, axes=tuple(a for a in mc.data_axes + mc.seq_axes if a != cand.axis))
-    d_t, d_b = mc.grad_sync(dense_bytes)
-    state = local * mc.state_factor() / (dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
-    return Cost(compute_s=compute, comm_s=comm_s + gs_t + d_t, comm_bytes=comm_b + gs_b + d_b,
-                memory_bytes=state + st.act_bytes / dp + routed_bytes)
-
-
-def _compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
+def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
     """Forward + backward (3x the forward work) of a site's nodes with the work split over `divisor` ranks:
     by op kind when the cluster measured kernel rates (every op runs on every rank: the dispatch overhead
     is not divided), else the roofline of all its FLOPs and activation bytes."""
     if has_kernel_rates(cluster):
-        return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, _dtype(dtype, cluster), cluster,
+        return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster), cluster,
                                  num_ops=3 * ops, flops_per_call=per_call / divisor if per_call else None)
                    for (kind, dtype, per_call), (flops, nbytes, ops) in st.work.items())
-    return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, _dtype(st.compute_dtype, cluster),
+    return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, compute_dtype(st.compute_dtype, cluster),
                           cluster)
 
 
-def _dtype(dtype: str, cluster: Cluster) -> str:
+def compute_dtype(dtype: str, cluster: Cluster) -> str:
     if dtype in cluster.peak_flops:
         return dtype
     return "float32" if "float32" in cluster.peak_flops else next(iter(cluster.peak_flops))
 
 
-def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
-    if site.kind == "moe":
-        return moe_cost(site, st, cand, mc)
-    dp = mc.dp
-    # work split over a model axis (heads/tp/vocab; a sequence-parallel norm runs on s/t tokens);
-    # Ulysses / ring split over a sequence axis, already in dp
-    sharded = cand.form in ("heads", "tp", "vocab", "sequence")
-    t = mc.size(cand.axis) if sharded else 1
-    compute = _compute_s(st, dp * t, mc.cluster)
-    # compute before the site's collectives in its forward / backward pass (their synchronisation grows with it)
-    fwd_s, bwd_s = compute / 3, 2 * compute / 3
-    comm_s = comm_b = 0.0
-
-    def ar(nbytes: float, interval_s: float | None = None) -> None:
-        nonlocal comm_s, comm_b
-        comm_s += mc.allreduce_s(nbytes, cand.axis, interval_s)
-        comm_b += 2 * (t - 1) / t * nbytes
-
-    act = st.act_bytes / dp
-    if sharded:
-        if site.kind in ("attention", "mlp"):
-            ar(st.io_bytes / dp, fwd_s)  # forward: the row-parallel output
-            ar(st.io_bytes / dp, bwd_s)  # backward: the column-parallel input's gradient
-            act = st.io_bytes / dp + (st.act_bytes - st.io_bytes) / dp / t
-        elif site.kind == "embedding":
-            if st.summed_into is None:  # else reduced with the embedding it is added to
-                ar(st.act_bytes / dp, fwd_s)
-            act = st.act_bytes / dp
-        elif site.kind == "loss":
-            # the vocab-parallel cross-entropy runs more elementwise passes than the fused op it replaces
-            compute += kernel_time_s("vector", 0, st.vocab_ce_extra_bytes / dp / t, "float32", mc.cluster) \
-                if has_kernel_rates(mc.cluster) else compute_time_s(0, st.vocab_ce_extra_bytes / dp / t, "float32",
-                                                                     mc.cluster)
-            ar(st.io_bytes / dp, bwd_s)  # the LM head input's gradient
-            for _ in range(3):  # max, target logit, sum of exps: they split the forward between them
-                ar(st.tokens / dp * 4, fwd_s / 3)
-            if st.logits_out:
-                nbytes = st.logits_bytes / dp
-                comm_s += collective_time_s("all_gather", int(nbytes), t, mc.link(cand.axis))
-                comm_b += (t - 1) / t * nbytes
-            act = st.io_bytes / dp + (st.act_bytes - st.io_bytes) / dp / t
-    if cand.form in ("ulysses", "ring"):
-        u, link = mc.size(cand.axis), mc.link(cand.axis)
-        kv = site.info["kv_heads"] / site.info["heads"]
-        m = st.io_bytes / dp  # one (b, s/u, h) buffer on this rank
-        if cand.form == "ulysses":  # q, k, v seq->heads and o heads->seq, forward and backward
-            for nbytes in (m, m * kv, m * kv, m) * 2:
-                comm_s += collective_time_s("all_to_all", int(nbytes), u, link)
-                comm_b += (u - 1) / u * nbytes
-        else:  # ring: p-1 K/V steps forward; K/V and dK/dV (accumulated in fp32) backward
-            block = 2 * m * kv
-            for nbytes in [block] * (u - 1) + [block, 2 * block] * (u - 1):
-                comm_s += collective_time_s("p2p", int(nbytes), u, link)
-                comm_b += nbytes
-            act += 2 * block  # K/V double buffer
-    if cand.form == "sequence":  # norm weights stay replicated; their partial gradients are summed over t
-        ar(st.param_bytes)
-        act = st.act_bytes / dp / t  # the norm and its residual stream hold s/t tokens
-    split = t if sharded and cand.form != "sequence" else 1
-    local_params = st.param_bytes / split
-    if cand.fsdp:
-        gs_t, gs_b = mc.fsdp_sync([b / split for b in st.param_sizes], [b / split for b in st.synced_param_sizes],
-                                  bwd_s)
-    else:
-        gs_t, gs_b = mc.grad_sync(st.synced_param_bytes / split)
-    lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
-    comm_s, comm_b = comm_s + gs_t + lr_t, comm_b + gs_b + lr_b
-    state = local_params * mc.state_factor() / (dp if cand.fsdp else 1)
-    if cand.fsdp:
-        state += local_params  # the gathered parameters live from forward to backward
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act)
-
-
-def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
-    """Nodes and parameters outside every site (data parallel only), the gradient buckets' fixed cost, and
-    the reductions of gradients at batch boundaries. `fsdp`: its parameters are FSDP-sharded too (then no
-    bucket is left to pay for: every site is FSDP in the plans that set it)."""
-    compute = _compute_s(st, mc.dp, mc.cluster)
-    if fsdp:
-        comm_s, comm_b = mc.fsdp_sync(st.param_sizes, st.synced_param_sizes, 2 * compute / 3)
-        state = st.param_bytes * mc.state_factor() / mc.dp + st.param_bytes
-    else:
-        comm_s, comm_b = mc.grad_sync(st.synced_param_bytes)
-        comm_s += mc.bucket_fixed_s()
-        state = st.param_bytes * mc.state_factor()
-    for a in mc.data_axes + mc.seq_axes:
-        p = mc.size(a)
-        for nbytes in st.boundary_grad_bytes:
-            comm_s += mc.allreduce_s(nbytes, a)
-            comm_b += 2 * (p - 1) / p * nbytes
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)

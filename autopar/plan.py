@@ -7,22 +7,68 @@ parameter FQNs, input names), prints as a table and diffs against another plan. 
 
 from __future__ import annotations
 
+import enum
 import json
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from autopar.spec import placements_from_str
+
+
+class DirectiveKind(str, enum.Enum):
+    """What a lowering directive asks for (`Directive`)."""
+
+    HINT = "hint"  # the value of `node` takes placement `value` on `axis` (every use reads it so)
+    ROW_OUTPUT = "row_output"  # the row-parallel linear `node`'s output (before its bias) takes `value` on `axis`
+    ATTENTION = "attention"  # attention `node` runs in mode `value` (an AttentionMode) over `axis`
+    EXPERTS = "experts"  # MoE experts `node` has its experts sharded over `axis`
+    GATHER = "gather"  # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP)
+    ZIGZAG = "zigzag"  # shards of a dim over `axis` use the zigzag layout (context parallelism)
+    # the fused projection `node` runs as one projection per feature block, on row blocks of its (replicated)
+    # weight; `value` lists the blocks as `taker:first:end:heads,...` (the node taking each block of the output):
+    # a block whose heads divide over `axis` is split over it, the others stay replicated
+    PARTS = "parts"
+
+
+class AttentionMode(str, enum.Enum):
+    ALL_TO_ALL = "all_to_all"  # Ulysses: heads-sharded attention between sequence<->heads all-to-alls
+    RING = "kv_ring"  # K/V circulate over the axis in p-1 steps, zigzag layout
+
+
+@dataclass(frozen=True, kw_only=True)
+class Directive:
+    """One thing lowering must do beyond placing parameters and inputs, keyed by graph names (node names of
+    the captured graph, parameter fqns), so that a saved plan lowers on its own."""
+
+    kind: DirectiveKind
+    node: str
+    axis: str
+    value: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", DirectiveKind(self.kind))
 
 
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     key: str  # module path of the structure, e.g. "h.0.attn"
-    kind: str  # linear | embedding | attention | mlp | loss
-    form: str  # replicate | colwise | rowwise | vocab | heads | tp
-    axis: str | None = None  # mesh axis the form uses
+    kind: str  # linear | embedding | attention | mlp | loss | norm | moe
+    form: str  # a registered form's name (autopar.forms)
+    axes: tuple[str, ...] = ()  # mesh axes the form uses (two for heads+ring)
     params: tuple[tuple[str, str], ...] = ()  # (parameter fqn, placements) of the structure's own parameters
     members: tuple[str, ...] = ()  # module paths of the layers it covers (collectives there are its own)
     note: str = ""
+
+    @property
+    def axis(self) -> str | None:
+        return self.axes[0] if self.axes else None
+
+    @property
+    def label(self) -> str:
+        parts = self.form.split("+")
+        if len(parts) == len(self.axes) > 1:
+            return "+".join(f"{f}@{a}" for f, a in zip(parts, self.axes))
+        return self.form + (f"@{self.axis}" if self.axis else "")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +112,8 @@ class Plan:
     strategies: tuple[Strategy, ...] = ()
     params: tuple[tuple[str, str], ...] = ()  # every parameter fqn -> placements, e.g. ("h.0.fc.weight", "RS(0)")
     inputs: tuple[tuple[str, str], ...] = ()  # user input name -> placements
+    directives: tuple[Directive, ...] = ()  # what lowering does beyond placements
+    graph: str = ""  # fingerprint of the captured graph the plan was made for (Captured.fingerprint)
     comms: tuple[CommRow, ...] = ()
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
@@ -92,9 +140,11 @@ class Plan:
         d = json.loads(text)
         return cls(name=d["name"], mesh=tuple(tuple(m) for m in d["mesh"]),
                    strategies=tuple(Strategy(**{**s, "params": tuple(tuple(p) for p in s["params"]),
+                                                 "axes": tuple(s.get("axes", ())),
                                                  "members": tuple(s.get("members", ()))})
                                     for s in d["strategies"]),
                    params=tuple(tuple(p) for p in d["params"]), inputs=tuple(tuple(p) for p in d["inputs"]),
+                   directives=tuple(Directive(**x) for x in d.get("directives", ())), graph=d.get("graph", ""),
                    comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
                    estimate=None if not d.get("estimate") else Estimate(
                        **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}))
@@ -143,7 +193,7 @@ class Plan:
             shown.update(id(c) for c in comms)
             pls = _params_cell(s)
             t_m = est.get(s.key)
-            rows.append((s.key, s.kind, s.form + (f"@{s.axis}" if s.axis else ""), pls, _comm_summary(comms),
+            rows.append((s.key, s.kind, s.label, pls, _comm_summary(comms),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms)),
                          f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
         rest = [c for c in self.comms if id(c) not in shown]
@@ -177,8 +227,8 @@ class Plan:
         a = {s.key: s for s in self.strategies}
         b = {s.key: s for s in other.strategies}
         for k in sorted(set(a) | set(b)):
-            fa = f"{a[k].form}@{a[k].axis}" if k in a else "-"
-            fb = f"{b[k].form}@{b[k].axis}" if k in b else "-"
+            fa = a[k].label if k in a else "-"
+            fb = b[k].label if k in b else "-"
             if fa != fb:
                 out.append(f"{k}: {fa} -> {fb}")
         for label, x, y in (("param", dict(self.params), dict(other.params)),

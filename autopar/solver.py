@@ -4,23 +4,26 @@ Sets
   K   site classes: recognised structures (attention, MLP, embedding, loss, lone linear) grouped by
       a Weisfeiler-Lehman hash of their subgraph (op and shape labels), so the L identical layers of
       a transformer are one class with multiplicity n_k and are solved once.   `_classes`
-  C_k candidates of class k: replicate, or the class's form on a model axis (`heads`, `tp`,
-      `vocab`) where its preconditions hold, each with or without FSDP sharding of its
-      parameters over the data axes.                                          `_candidates`
-  D   the data axes: the batch is split over them, forms use the other axes. Every subset of the
-      mesh axes is tried (at most 8 for a 3-D mesh), one ILP each, and the best is kept.
+  C_k candidates of class k: every registered form of its kind (`autopar.forms`) on every tuple of
+      mesh axes whose roles the form accepts and where its precondition holds, each with or
+      without FSDP sharding of its parameters over the data axes.               `candidates`
+  D   the roles of the axes: each axis of size > 1 is a data axis (the batch is split over it), a
+      model axis (forms split structures over it) or the sequence axis (at most one; then every
+      attention takes a sequence form on it). Every assignment the batch admits is tried (at most
+      27 for a 3-D mesh), one ILP each, and the best is kept.                    `_role_options`
 Variables
   x[k,c] in {0,1}: class k takes candidate c.
 Constraints
   sum_c x[k,c] = 1 for every k                                                 (one-hot)
   tied parameters (an embedding and its LM head) take matching forms and FSDP  (`_tie`)
-  a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel there
-  an embedding added to an earlier one (a position embedding) is vocab-parallel on an axis only if
-      the earlier one is: x[e2, vocab@a] <= x[e1, vocab@a] (their sum is all-reduced once)
+  each form's own constraints (`Form.add_constraints`, stated through `ConstraintView`), e.g.
+      a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel
+      there; an embedding added to an earlier one (a position embedding) is vocab-parallel on an
+      axis only if the earlier one is (their sum is all-reduced once)
   sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication,
-  `autopar.estimate`), in integer nanoseconds for CP-SAT.
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
+  each form's `cost`, `site_cost`; the rest `other_cost`), in integer nanoseconds for CP-SAT.
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
@@ -38,16 +41,19 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Candidate, Cost, SiteStats, _between, gather_stats, mesh_costing, other_cost, site_cost, \
-    site_nodes
+from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing
+from autopar.forms import Candidate, Form, Role, form_of, forms_for
+from autopar.forms import dp as dp_form
+from autopar.forms import fsdp as fsdp_form
+from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
-from autopar.planner import _attention_ok
+from autopar.sites import Kind, PassContext, Site
 from cost_model.hardware import Cluster
-from passes.context import PassContext, Site
 
 
 class InfeasibleError(ValueError):
@@ -71,14 +77,37 @@ class Solution:
     seq_axes: tuple[str, ...] = ()
 
 
-def sites_for_planning(ctx: PassContext) -> list[Site]:
-    composite = [s for s in ctx.sites if s.kind != "linear"]
-    covered = {m.key for s in composite for m in s.members()}
-    return composite + [s for s in ctx.of_kind("linear") if s.key not in covered]
+# ----------------------------------------------------------------------------- pricing
 
+def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+    """What `cand` costs for `site`: the form's own cost model."""
+    return form_of(site.kind, cand.form).cost(site, st, cand, mc)
+
+
+def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
+    """Nodes and parameters outside every site (data parallel only), the gradient buckets' fixed cost, and
+    the reductions of gradients at batch boundaries. `fsdp`: its parameters are FSDP-sharded too (then no
+    bucket is left to pay for: every site is FSDP in the plans that set it)."""
+    compute = compute_s(st, mc.dp, mc.cluster)
+    if fsdp:
+        comm_s, comm_b = fsdp_form.sync(mc, st.param_sizes, st.synced_param_sizes, 2 * compute / 3)
+        state = fsdp_form.state_bytes(mc, st.param_bytes)
+    else:
+        comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
+        comm_s += dp_form.bucket_fixed_s(mc)
+        state = dp_form.state_bytes(mc, st.param_bytes)
+    for a in mc.data_axes + mc.seq_axes:
+        for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
+            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward
+            t, b = mc.collective("all_gather" if on_seq and a in mc.seq_axes else "all_reduce", nbytes, a)
+            comm_s, comm_b = comm_s + t, comm_b + b
+    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
+
+
+# ----------------------------------------------------------------------------- classes and candidates
 
 def _signature(site: Site) -> str:
-    nodes = list(dict.fromkeys(_between(site) + site_nodes(site)))
+    nodes = block_nodes(site)
     g = nx.DiGraph()
     for n in nodes:
         val = n.meta.get("val")
@@ -91,7 +120,7 @@ def _signature(site: Site) -> str:
                 g.add_edge(a.name, n.name)
     with warnings.catch_warnings():  # networkx notes that directed-graph hashes changed in 3.5: ours are per run
         warnings.simplefilter("ignore", UserWarning)
-        return site.kind + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
+        return site.kind.value + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
 
 
 def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:
@@ -102,50 +131,38 @@ def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:
     return list(groups.values())
 
 
-def _form_ok(site: Site, form: str, t: int) -> bool:
-    info = site.info
-    if form == "heads":
-        return _attention_ok(site, t) is None
-    if form == "tp":
-        return info["features"] % t == 0
-    if form == "vocab" and site.kind == "embedding":
-        return info["vocab"] % t == 0
-    if form == "vocab" and site.kind == "loss":
-        return bool(info["vocab_ok"] and info["head"] and info["vocab"] % t == 0)
-    if form == "sequence":
-        return info["seq_len"] % t == 0
-    return False
+def axis_roles(mesh: MeshInfo, data_axes, seq_axes) -> dict[str, Role]:
+    """The role of every mesh axis of size > 1."""
+    return {n: Role.DATA if n in data_axes else Role.SEQUENCE if n in seq_axes else Role.MODEL
+            for n, s in zip(mesh.names, mesh.sizes) if s > 1}
 
 
-FORM_OF = {"attention": "heads", "mlp": "tp", "embedding": "vocab", "loss": "vocab", "norm": "sequence"}
+def form_axes(form: Form, roles: dict[str, Role]) -> list[tuple[str, ...]]:
+    """The tuples of distinct axes whose roles `form` accepts, one per axis it takes."""
+    return [axes for axes in itertools.permutations(roles, len(form.roles))
+            if all(roles[a] in ok for a, ok in zip(axes, form.roles))]
 
 
-def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None,
-                seq_axes=()) -> list[Candidate]:
-    model_axes = [n for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes and s > 1]
+def candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None,
+               seq_axes=()) -> list[Candidate]:
+    """Every form of the site's kind on every admissible tuple of axes, with and without FSDP."""
+    roles = axis_roles(mesh, data_axes, seq_axes)
     dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
-    forms = [("replicate", None)]
-    form = FORM_OF.get(site.kind)
-    if form:
-        forms += [(form, a) for a in model_axes if _form_ok(site, form, mesh.sizes[mesh.names.index(a)])]
-    if seq_axes and site.kind == "attention":  # the sequence is split: attention must be a sequence form
-        from autopar.planner import _ring_ok, _ulysses_ok
-        (q,) = seq_axes
-        u = mesh.sizes[mesh.names.index(q)]
-        forms = [(f, q) for f, ok in (("ulysses", _ulysses_ok), ("ring", _ring_ok)) if ok(site, u) is None]
-    if site.kind == "moe":  # experts shard over any axis: a data axis dispatches by all-to-all (EP within DP)
-        forms = [("replicate", None)] + [("expert", a) for a, s in zip(mesh.names, mesh.sizes)
-                                         if s > 1 and site.info["num_experts"] % s == 0]
-        F = site.info.get("ffn_features")
-        forms += [("tp", a) for a in model_axes if F and F % mesh.sizes[mesh.names.index(a)] == 0]
+    size = lambda a: mesh.sizes[mesh.names.index(a)]  # noqa: E731
+    forms = [f for f in forms_for(site.kind) if f.offered or (forced is not None and f.name == forced.form)]
+    if seq_axes and site.kind is Kind.ATTENTION:  # the sequence is split: attention must take it that way
+        forms = [f for f in forms if f.sequence]
     out = []
-    for f, a in forms:
-        t = mesh.sizes[mesh.names.index(a)] if a else 1
-        fsdp_ok = dp > 1 and st.param_dim0 and all(d % (dp * t) == 0 for d in st.param_dim0) and site.kind != "moe"
-        for fsdp in ((False, True) if fsdp_ok else (False,)):
-            out.append(Candidate(form=f, axis=a, fsdp=fsdp))
+    for form in forms:
+        for axes in form_axes(form, roles):
+            if form.precondition(site, tuple(size(a) for a in axes)) is not None:
+                continue
+            t = size(axes[0]) if axes else 1
+            fsdp_ok = fsdp_form.precondition(site, st, dp, t) is None
+            for fsdp in ((False, True) if fsdp_ok else (False,)):
+                out.append(Candidate(form=form.name, axes=axes, fsdp=fsdp))
     if forced is not None:
-        keep = [c for c in out if c.form == forced.form and (forced.axis is None or c.axis == forced.axis)]
+        keep = [c for c in out if c.form == forced.form and (not forced.axes or c.axes == forced.axes)]
         if not keep:
             raise ValueError(f"{site.kind} {site.key}: the forced form {forced.label} is not possible with data axes "
                              f"{data_axes} on mesh {mesh.describe()}")
@@ -153,24 +170,19 @@ def _candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Ca
     return out
 
 
-def _tied_pairs(ctx: PassContext, sites: list[Site]) -> list[tuple[Site, Site]]:
-    from autopar.estimate import _params
-    pairs = []
-    for a, b in itertools.combinations(sites, 2):
-        if _params(a) & _params(b):
-            pairs.append((a, b))
-    return pairs
+def _tied_pairs(sites: list[Site]) -> list[tuple[Site, Site]]:
+    return [(a, b) for a, b in itertools.combinations(sites, 2) if a.all_params() & b.all_params()]
 
 
 def _role_options(ctx: PassContext, mesh: MeshInfo, batch: int, data_axes_options):
     """(data axes, sequence axes) pairs: every split of the axes into data / model / (at most one) sequence
     axis that the batch and the model admit."""
     axes = [n for n, s in zip(mesh.names, mesh.sizes) if s > 1]
-    has_attention = bool(ctx.of_kind("attention"))
+    has_attention = bool(ctx.of_kind(Kind.ATTENTION))
     out = []
-    for roles in itertools.product(("data", "model", "seq"), repeat=len(axes)):
-        data = tuple(a for a, r in zip(axes, roles) if r == "data")
-        seq = tuple(a for a, r in zip(axes, roles) if r == "seq")
+    for roles in itertools.product((Role.DATA, Role.MODEL, Role.SEQUENCE), repeat=len(axes)):
+        data = tuple(a for a, r in zip(axes, roles) if r is Role.DATA)
+        seq = tuple(a for a, r in zip(axes, roles) if r is Role.SEQUENCE)
         if len(seq) > 1 or (seq and not has_attention):
             continue
         if data_axes_options is not None and data not in data_axes_options:
@@ -182,6 +194,32 @@ def _role_options(ctx: PassContext, mesh: MeshInfo, batch: int, data_axes_option
     return out
 
 
+# ----------------------------------------------------------------------------- the ILP
+
+class ConstraintView:
+    """What a form may say about the ILP (`Form.add_constraints`) without importing OR-Tools: implications
+    from one candidate's variable to choices of other structures."""
+
+    def __init__(self, model, classes, cands, x, stats):
+        self._model, self._classes, self._cands, self._x, self._stats = model, classes, cands, x, stats
+        self._index = {s.key: k for k, cls in enumerate(classes) for s in cls}
+
+    def stats(self, site: Site) -> SiteStats:
+        return self._stats[site.key]
+
+    def require_site(self, var, key: str, pred: Callable[[Candidate], bool]) -> None:
+        """var <= sum of the variables of structure `key`'s candidates that satisfy `pred`."""
+        k = self._index[key]
+        self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k]) if pred(c)))
+
+    def require_every(self, var, kinds, pred: Callable[[Candidate, Form], bool]) -> None:
+        """For every structure of `kinds`: var <= sum of its candidates' variables that satisfy `pred`."""
+        for k, cls in enumerate(self._classes):
+            if cls[0].kind in kinds:
+                self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k])
+                                           if pred(c, form_of(cls[0].kind, c.form))))
+
+
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
           time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0) -> Solution:
@@ -189,8 +227,8 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
-    sites = sites_for_planning(ctx)
-    pairs = _tied_pairs(ctx, sites)
+    sites = ctx.planning_sites()
+    pairs = _tied_pairs(sites)
     tied = {s.key for p in pairs for s in p}
     classes = _classes(sites, tied)
     forced = forced or {}
@@ -201,7 +239,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
                           seq_axes=seq_axes)
         try:
-            cands = [_candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key), seq_axes)
+            cands = [candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key), seq_axes)
                      for cls in classes]
         except ValueError:
             continue
@@ -233,36 +271,17 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     for xs in x:
         model.AddExactlyOne(xs)
     index = {s.key: k for k, cls in enumerate(classes) for s in cls}
-    for a, b in pairs:  # tied parameters: the same vocab axis (or none) and the same FSDP choice
+    for a, b in pairs:  # tied parameters: the same axes (or none) and the same FSDP choice
         ka, kb = index[a.key], index[b.key]
-        for axis in {c.axis for c in cands[ka]} | {c.axis for c in cands[kb]}:
-            model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.axis == axis) ==
-                      sum(v for v, c in zip(x[kb], cands[kb]) if c.axis == axis))
+        for axes in {c.axes for c in cands[ka]} | {c.axes for c in cands[kb]}:
+            model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.axes == axes) ==
+                      sum(v for v, c in zip(x[kb], cands[kb]) if c.axes == axes))
         model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.fsdp) ==
                   sum(v for v, c in zip(x[kb], cands[kb]) if c.fsdp))
-    # Megatron SP: a norm is sequence-parallel on an axis only if every block there is tensor parallel on it
-    # (x[norm, sequence@a] <= x[block, heads|tp@a] for every attention / MLP class)
-    for kn, (cls_n, cs_n) in enumerate(zip(classes, cands)):
-        if cls_n[0].kind != "norm":
-            continue
-        for i, c in enumerate(cs_n):
-            if c.form != "sequence":
-                continue
-            for kb, (cls_b, cs_b) in enumerate(zip(classes, cands)):
-                if cls_b[0].kind in ("attention", "mlp"):
-                    model.Add(x[kn][i] <= sum(v for v, cb in zip(x[kb], cs_b)
-                                              if cb.form in ("heads", "tp") and cb.axis == c.axis))
-    # an embedding added to an earlier one shares its all-reduce (estimate.summed_embeddings): it may be
-    # vocab-parallel on an axis only where the earlier one is (x[e2, vocab@a] <= x[e1, vocab@a])
-    for k2, (cls, cs) in enumerate(zip(classes, cands)):
-        leader = stats[cls[0].key].summed_into
-        if leader is None:
-            continue
-        k1 = index[leader]
-        for i, c in enumerate(cs):
-            if c.form == "vocab":
-                model.Add(x[k2][i] <= sum(v for v, c1 in zip(x[k1], cands[k1]) if c1.form == "vocab"
-                                          and c1.axis == c.axis))
+    view = ConstraintView(model, classes, cands, x, stats)
+    for cls, cs, xs in zip(classes, cands, x):
+        for c, v in zip(cs, xs):
+            form_of(cls[0].kind, c.form).add_constraints(view, cls[0], c, v)
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
     mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))
@@ -307,11 +326,11 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
                       seq_axes=seq_axes)
     base = other_cost(other, mc, fsdp=other_fsdp and bool(data_axes))
     per_site = {}
-    for site in sites_for_planning(ctx):
-        cand = choices.get(site.key, Candidate(form="replicate", axis=None))
+    for site in ctx.planning_sites():
+        cand = choices.get(site.key, Candidate(form=Replicate.name))
         st = stats[site.key]
         leader = choices.get(st.summed_into) if st.summed_into else None
-        if st.summed_into and (leader is None or (leader.form, leader.axis) != ("vocab", cand.axis)):
+        if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
         per_site[site.key] = site_cost(site, st, cand, mc)
     return _total(data_axes, choices, per_site, base, 0.0, "evaluated")

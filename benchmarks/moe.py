@@ -48,7 +48,7 @@ def _worker(out_path: str) -> None:
 
     import autopar
     from autopar.runtime.collectives import record_comms
-    from cost_model.analytical import expert_parallel_layer_volume_elems
+    from autopar.forms.expert import layer_volume_bytes
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
@@ -63,7 +63,7 @@ def _worker(out_path: str) -> None:
         tokens_local = x[0].numel() // EP
         token_a2a = [r for r in recs if r.kind == "all_to_all" and r.numel % H == 0 and r.numel >= H]
         measured = sum(r.send_bytes for r in token_a2a)
-        formula = L * expert_parallel_layer_volume_elems(tokens_local, K, H, EP) * 4
+        formula = L * layer_volume_bytes(tokens_local, K, H, EP, 4)
         expert_local = sum(p.to_local().numel() for n, p in pm.named_parameters() if ".experts." in n)
         expert_full = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         sums = torch.tensor([measured, formula], dtype=torch.float64)

@@ -1,6 +1,6 @@
 """Sequence and context forms, measured: bytes each rank sends per step, counted where autopar's
 collectives are issued (every all-gather / reduce-scatter / all-to-all / ring step), against the
-volume formulas of DESIGN.md §3 (cost_model.analytical); and activation memory saved for backward
+volume formulas of DESIGN.md §3 (each form's module in autopar.forms); and activation memory saved for backward
 per rank, tensor parallel vs tensor + sequence parallel, against Korthikanti et al. (2205.05198).
 
 Runs in one process on simulated ranks (LocalTensorMode), 4 ranks, fp32, a 4-layer GPT without
@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar.models import GPT, GPTConfig
 from autopar.runtime.collectives import record_comms
-from cost_model.analytical import (ring_layer_volume_elems, sp_layer_volume_elems, tp_layer_volume_elems,
-                                   ulysses_layer_volume_elems)
+from autopar.forms import blocks, sequence_norm, ulysses
+from autopar.forms import ring as ring_form
 
 P, B, S, H, L, HEADS = 4, 2, 256, 128, 4, 8
 
@@ -72,18 +72,18 @@ def main() -> None:
     layer_ar = sum(r.send_bytes for r in tp_recs if r.kind == "all_reduce" and r.numel == B * S * H)
     # + once per model: the vocab-parallel embedding's forward all-reduce, the LM head input's backward one
     rows.append(("tensor parallel (all-reduce of b*s*h)", layer_ar,
-                 L * tp_layer_volume_elems(B, S, H, P) * e + 2 * 2 * (P - 1) / P * B * S * H * e))
+                 L * 2 * blocks.tensor_parallel_volume_bytes(B * S * H * e, P) + 2 * 2 * (P - 1) / P * B * S * H * e))
     sp, sp_mem, sp_recs = measure("megatron", {"norm": "sequence"}, "tp")
     layer_sp = sum(r.send_bytes for r in sp_recs if r.kind in ("all_gather", "reduce_scatter") and r.numel == B * S * H)
     # the block inputs/outputs: 4 per layer each way; the embedding reduce-scatter and LM-head gather add 2 more
     rows.append(("Megatron SP (all-gather + reduce-scatter of b*s*h)", layer_sp,
-                 L * sp_layer_volume_elems(B, S, H, P) * e + 2 * 2 * (P - 1) / P * B * S * H * e))
+                 L * sequence_norm.layer_volume_bytes(B, S, H, P, e) + 2 * 2 * (P - 1) / P * B * S * H * e))
     uly, _, uly_recs = measure("dp", {"attention": "ulysses"}, "sp")
     a2a = sum(r.send_bytes for r in uly_recs if r.kind == "all_to_all")
-    rows.append(("Ulysses (all-to-all seq<->heads)", a2a, L * ulysses_layer_volume_elems(B, S, H, H, P) * e))
+    rows.append(("Ulysses (all-to-all seq<->heads)", a2a, L * ulysses.layer_volume_bytes(B, S, H, H, P, e)))
     ring, _, ring_recs = measure("dp", {"attention": "ring"}, "cp")
     p2p = sum(r.send_bytes for r in ring_recs if r.kind == "p2p")
-    rows.append(("Ring attention (K/V steps, dK/dV)", p2p, L * ring_layer_volume_elems(B, S, H, P) * e))
+    rows.append(("Ring attention (K/V steps, dK/dV)", p2p, L * ring_form.layer_volume_bytes(B, S, H, P, e)))
     for name, got, want in rows:
         print(f"RATIO bytes {name}: measured {got / 2**20:.3f} MiB, formula {want / 2**20:.3f} MiB, "
               f"measured/formula = {got / want:.3f}")

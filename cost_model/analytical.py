@@ -1,5 +1,5 @@
 """Analytical costs: collectives (alpha-beta, ring algorithms), compute (roofline), FLOPs and
-bytes per fx node, and the per-form communication volumes of DESIGN.md §3.
+bytes per fx node.
 
 Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) and bandwidth bw
 (bytes/s per rank, one direction, times `Link.efficiency`). `n` is in bytes and means:
@@ -19,12 +19,6 @@ between measured sizes, the smallest size's time below them, and the last segmen
 (seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
 moves by `sync(interval_s) - sync(Link.table_interval_s)` (`Link.sync_table`, linear between
 measured intervals, flat beyond them), never below zero.
-
-Redistribution along one mesh axis (`redistribute_kind`, `redistribute_time_s`), with n the bytes
-of the tensor as that axis' group sees it (global bytes divided by its sharding on the other
-axes): `S(d)->R` all_gather(n); `P->R` all_reduce(n); `P->S(d)` reduce_scatter(n);
-`S(i)->S(j)` all_to_all(n/p, the local buffer); `R->S`, `R->P`, `S->P` and no change are free
-(a local slice, or zeros on all ranks but one).
 
 Compute (`compute_time_s`), roofline: `max(flops / (peak_flops[dtype]·flops_efficiency),
 bytes / (memory_bytes_per_s·memory_efficiency))`.
@@ -60,24 +54,9 @@ FLOPs and bytes of one fx node (`node_cost`), from the global shapes in `node.me
   not allow a view (then they copy: bytes = in + out).
 - everything else: bytes = inputs + outputs, no flops.
 
-Per-form communication volumes, in elements each rank sends (multiply by bytes per element),
-notation of parallel-forms.md §0 (b batch, s sequence, h hidden, h_kv = kv heads · head dim,
-t/u/r/ep group sizes, Ψ parameters, T tokens on one rank, k top-k):
-- `tp_layer_volume_elems` Megatron TP, one transformer layer fwd+bwd: 4 all-reduces of b·s·h
-  (2 forward, 2 backward) = `8(t-1)/t · bsh`.
-- `sp_layer_volume_elems` Megatron SP: 4 all-gathers + 4 reduce-scatters of b·s·h = `8(t-1)/t · bsh`.
-- `vocab_embedding_volume_elems`: forward all-reduce of b·s·h `2(t-1)/t · bsh` (a reduce-scatter,
-  `(t-1)/t · bsh`, under SP); backward none.
-- `vocab_ce_volume_elems`: 3 all-reduces of b·s fp32 (max, target logit, sum-exp) `6(t-1)/t · bs`.
-- `ulysses_layer_volume_elems`: all-to-all of q,k,v (seq->heads) and o (heads->seq), local
-  buffers b·(s/u)·(2h + 2h_kv): `(u-1)/u² · bs(2h + 2h_kv)` forward, twice that fwd+bwd.
-- `ring_layer_volume_elems`: r-1 steps passing the local K,V block (2·b·(s/r)·h_kv):
-  `2bs·h_kv·(r-1)/r` forward; backward passes K,V and dK,dV, twice the forward: 3x fwd+bwd.
-- `expert_parallel_layer_volume_elems`: one all-to-all sends `k·T·h·(ep-1)/ep` (dropless, uniform
-  routing; `capacity_factor` cf pads it to `cf·k·T·h·(ep-1)/ep`); dispatch + combine, forward and
-  backward: 4 all-to-alls.
-- `dp_volume_elems` gradient all-reduce `2(p-1)/p · Ψ`; `fsdp_volume_elems` all-gather forward,
-  all-gather backward, reduce-scatter of gradients `3(p-1)/p · Ψ`.
+Per-form communication volumes (DESIGN.md §3) live with their forms (`autopar.forms`), built on
+`send_bytes`, the one formula of a collective's bytes that the estimate, the lowering's plan rows and the
+runtime recorder all use.
 """
 
 from __future__ import annotations
@@ -90,17 +69,11 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
-
 from cost_model.hardware import Cluster, Link, dtype_name
 
 __all__ = [
-    "COLLECTIVES", "collective_time_s", "interpolate_table", "send_bytes", "redistribute_kind", "redistribute_time_s",
-    "compute_time_s", "KINDS", "has_kernel_rates", "matmul_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
-    "tp_layer_volume_elems", "sp_layer_volume_elems", "vocab_embedding_volume_elems", "vocab_ce_volume_elems",
-    "ulysses_layer_volume_elems", "ring_layer_volume_elems", "expert_parallel_layer_volume_elems",
-    "dp_volume_elems", "fsdp_volume_elems",
+    "COLLECTIVES", "collective_time_s", "interpolate_table", "send_bytes", "compute_time_s", "KINDS",
+    "has_kernel_rates", "matmul_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
 ]
 
 aten = torch.ops.aten
@@ -173,26 +146,6 @@ def interpolate_table(rows, n: float) -> float:
         return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
     (n0, t0), (n1, t1) = rows[-2], rows[-1]
     return t1 + (t1 - t0) / (n1 - n0) * (n - n1)
-
-
-def redistribute_kind(src: Placement, dst: Placement) -> str | None:
-    """The collective that turns placement `src` into `dst` on one mesh axis (None: no communication)."""
-    sharded = (Shard, _StridedShard)
-    if src == dst or isinstance(src, Replicate) or (isinstance(dst, Partial) and not isinstance(src, Partial)):
-        return None
-    if isinstance(src, Partial):
-        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter"
-    assert isinstance(src, sharded), src
-    return "all_gather" if isinstance(dst, Replicate) else "all_to_all"
-
-
-def redistribute_time_s(src: Placement, dst: Placement, numel_bytes: int, group_size: int, link: Link) -> float:
-    """Time to redistribute a tensor of `numel_bytes` (as the axis' group sees it) from `src` to `dst`."""
-    kind = redistribute_kind(src, dst)
-    if kind is None:
-        return 0.0
-    n = numel_bytes / group_size if kind == "all_to_all" else numel_bytes
-    return collective_time_s(kind, n, group_size, link)
 
 
 def compute_time_s(flops: float, bytes_moved: float, dtype, cluster: Cluster) -> float:
@@ -376,53 +329,3 @@ def node_cost(node: fx.Node) -> NodeCost:
         return NodeCost(flops=max((v.numel() for v in ins + outs), default=0), bytes=io_bytes, dtype=dtype,
                         kind="vector")
     return NodeCost(bytes=io_bytes, dtype=dtype, kind="memory")
-
-
-# ------------------------------------------------------------------- per-form volumes (elements)
-def tp_layer_volume_elems(b: int, s: int, h: int, t: int) -> float:
-    """Megatron TP, one transformer layer, forward + backward: 4 all-reduces of b·s·h."""
-    return 8 * (t - 1) / t * b * s * h
-
-
-def sp_layer_volume_elems(b: int, s: int, h: int, t: int) -> float:
-    """Megatron SP, one layer, fwd + bwd: 4 all-gathers + 4 reduce-scatters of b·s·h."""
-    return 8 * (t - 1) / t * b * s * h
-
-
-def vocab_embedding_volume_elems(b: int, s: int, h: int, t: int, *, sequence_parallel: bool = False) -> float:
-    """Vocab-parallel embedding, forward only (backward is identity): all-reduce, or reduce-scatter under SP."""
-    return (1 if sequence_parallel else 2) * (t - 1) / t * b * s * h
-
-
-def vocab_ce_volume_elems(b: int, s: int, t: int) -> float:
-    """Parallel cross-entropy: 3 all-reduces of b·s fp32 values (max, target logit, sum of exps)."""
-    return 3 * 2 * (t - 1) / t * b * s
-
-
-def ulysses_layer_volume_elems(b: int, s: int, h: int, h_kv: int, u: int, *, backward: bool = True) -> float:
-    """Ulysses attention: all-to-alls of q, k, v, o; (u-1)/u² · bs(2h + 2h_kv) forward, x2 with backward."""
-    fwd = (u - 1) / u**2 * b * s * (2 * h + 2 * h_kv)
-    return 2 * fwd if backward else fwd
-
-
-def ring_layer_volume_elems(b: int, s: int, h_kv: int, r: int, *, backward: bool = True) -> float:
-    """Ring attention: r-1 steps of the local K,V block; backward sends K,V and dK,dV (2x forward)."""
-    fwd = 2 * b * s * h_kv * (r - 1) / r
-    return 3 * fwd if backward else fwd
-
-
-def expert_parallel_layer_volume_elems(tokens: int, k: int, h: int, ep: int, *,
-                                       capacity_factor: float | None = None, backward: bool = True) -> float:
-    """Expert parallel MoE layer: dispatch + combine all-to-alls of k·T·h·(ep-1)/ep each (x cf if capacity-padded)."""
-    per_a2a = (capacity_factor or 1.0) * k * tokens * h * (ep - 1) / ep
-    return (4 if backward else 2) * per_a2a
-
-
-def dp_volume_elems(num_params: int, p: int) -> float:
-    """Data parallel: gradient all-reduce per step, 2(p-1)/p · Ψ."""
-    return 2 * (p - 1) / p * num_params
-
-
-def fsdp_volume_elems(num_params: int, p: int) -> float:
-    """FSDP / ZeRO-3: all-gather fwd + all-gather bwd + gradient reduce-scatter, 3(p-1)/p · Ψ."""
-    return 3 * (p - 1) / p * num_params

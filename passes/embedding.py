@@ -1,20 +1,13 @@
-"""Embeddings: recognition and the vocab-parallel form.
-
-Vocab form on an axis of size t: the table is sharded on rows (`Shard(0)`); each rank looks up the
-ids in its rows and zeroes the rest (`autopar.runtime.ops.vocab_parallel_embedding`), the partial
-outputs are all-reduced. A tied LM head uses the same row shard (column-parallel logits).
-Precondition: vocab % t == 0 (uneven vocab shards are not supported yet: the table stays replicated).
-"""
+"""Embeddings: recognition. Its vocab-parallel form lives in `autopar.forms`."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
 
-from passes.context import PassContext, Site, module_path
+from autopar.sites import EmbeddingSite, PassContext, module_path
 
 aten = torch.ops.aten
-FORMS = ("replicate", "vocab")
 
 
 def recognise_embedding_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -24,7 +17,11 @@ def recognise_embedding_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMo
             w = node.args[0]
             if w.op == "placeholder" and w.name in params:
                 vocab, dim = (int(s) for s in w.meta["val"].shape)
-                site = Site("embedding", module_path(node) or node.name, node, {"weight": w.name})
-                site.info.update(vocab=vocab, dim=dim)
-                ctx.add(site)
+                padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+                by_freq = node.args[3] if len(node.args) > 3 else node.kwargs.get("scale_grad_by_freq", False)
+                renorm = any(u.target is aten.embedding_renorm_.default for u in w.users)
+                ctx.add(EmbeddingSite(key=module_path(node) or node.name, node=node, params=(("weight", w.name),),
+                                      vocab=vocab, dim=dim,
+                                      padding_idx=None if padding_idx is None or padding_idx < 0 else int(padding_idx),
+                                      max_norm=1.0 if renorm else None, scale_grad_by_freq=bool(by_freq)))
     return gm

@@ -16,6 +16,13 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
 - Every graph output is replicated (`R` on every axis): `pm(*inputs)` returns on every rank what
   the model returns.
 - `meta["val"]` keeps the *global* fake value; local shapes follow from it and the placements.
+
+The lowering is the ordered list of passes `LOWER`, run by `passes.pipeline.run_passes` (which lints
+the graph after each and names the pass on failure). What it lowers to is read off the plan alone
+(`lower_context`: parameter and input placements, and the forms' directives, keyed by graph names):
+a saved plan lowers on its own, and a directive naming a node this graph lacks is an error. Ops whose
+local program differs from the op on local shards are a registry (`LOCAL_FORMS`, `@local_form(op)`),
+like the sharding rules; an op registers once.
 """
 
 from __future__ import annotations
@@ -29,11 +36,15 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autopar.captured import Captured
 from autopar.mesh import MeshInfo
+from autopar.plan import AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
 from autopar.runtime import opaque as _opaque  # noqa: F401  (registers autopar::opaque)
-from autopar.spec import P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_shard
+from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
+                          is_shard, placement_from_str)
+from cost_model.analytical import send_bytes
 from passes import meta as M
 from passes.rules import RULES, arg, replicate_rule, shape
 
@@ -60,13 +71,64 @@ class LowerContext:
     placements: dict[str, tuple[Placement, ...]]  # placeholder name -> placements
     user_inputs: set[str]
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
-    gather_param_axes: tuple[int, ...] = ()  # FSDP axes: parameters sharded there are gathered before use
-    hints: dict = field(default_factory=dict)  # node name -> {axis index: placement} its value must take
-    attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: "ulysses" | "ring"}
+    gathers: dict = field(default_factory=dict)  # parameter placeholder -> axis indices it is gathered on (FSDP)
+    hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
+    attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: AttentionMode}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
     moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
-    keep_sharded: set = field(default_factory=set)  # parameters sharded on a data axis that are not FSDP (experts)
+    # fused projection node name -> (axis index, [(taker node name, first feature, end feature, heads)]): `PARTS`
+    parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+
+
+def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default") -> LowerContext:
+    """Everything lowering needs, from the plan alone (its placements and directives)."""
+    if plan.graph and plan.graph != captured.fingerprint():
+        raise ValueError(
+            f"plan {plan.name!r} was made for another graph (fingerprint {plan.graph}, this model on these inputs "
+            f"captures as {captured.fingerprint()}): a plan lowers only the model and input shapes it was made for. "
+            "Fix: re-plan for this model and inputs (autopar.plan(...) or plan='auto').")
+    fqn_pls = plan.param_placements()
+    placements: dict[str, tuple] = {}
+    for ph, fqn in captured.param_fqns.items():  # an owned expert is, in the graph, S(0) of the stacked experts
+        placements[ph] = tuple(Shard(0) if is_owned(p) else p for p in fqn_pls[fqn])
+    placements.update(plan.input_placements())
+    nodes = {n.name for n in captured.gm.graph.nodes}
+    by_fqn = {fqn: ph for ph, fqn in captured.param_fqns.items()}
+    ctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=rng_stream)
+    zigzag = set()
+    for d in plan.directives:
+        ax = info.names.index(info.axis(d.axis).name)
+        if d.kind is DirectiveKind.ZIGZAG:
+            zigzag.add(ax)
+            continue
+        if d.kind is DirectiveKind.GATHER:
+            if d.node not in by_fqn:
+                raise ValueError(f"plan {plan.name!r} gathers parameter {d.node!r}, which this model does not have; "
+                                 "re-plan for this model")
+            ctx.gathers.setdefault(by_fqn[d.node], set()).add(ax)
+            continue
+        if d.node not in nodes:
+            raise ValueError(f"plan {plan.name!r} has a {d.kind.value} directive for graph node {d.node!r}, which "
+                             "this model's graph does not have: the plan was made for another model or input "
+                             "shapes. Fix: re-plan for this model and inputs.")
+        if d.kind is DirectiveKind.HINT:
+            ctx.hints.setdefault(d.node, {})[ax] = placement_from_str(d.value)
+        elif d.kind is DirectiveKind.ROW_OUTPUT:
+            ctx.hints.setdefault("row:" + d.node, {})[ax] = placement_from_str(d.value)
+        elif d.kind is DirectiveKind.ATTENTION:
+            ctx.attention_modes.setdefault(d.node, {})[ax] = AttentionMode(d.value)
+        elif d.kind is DirectiveKind.EXPERTS:
+            ctx.moe_axes[d.node] = ax
+        elif d.kind is DirectiveKind.PARTS:
+            blocks = [(b.split(":")[0], *map(int, b.split(":")[1:])) for b in d.value.split(",")]
+            if any(name not in nodes for name, *_ in blocks):
+                raise ValueError(f"plan {plan.name!r} takes the fused projection {d.node!r} apart at nodes "
+                                 f"{[name for name, *_ in blocks]}, which this model's graph does not all have: the "
+                                 "plan was made for another model or input shapes. Fix: re-plan for this model.")
+            ctx.parts[d.node] = (ax, blocks)
+    ctx.zigzag_axes = tuple(sorted(zigzag))
+    return ctx
 
 
 def module_path(node: fx.Node) -> str:
@@ -102,11 +164,14 @@ def local_shape(global_shape, pls, sizes) -> list[int]:
 
 
 def _comm_elems(fn, m: int, p: int) -> tuple[float, float]:
-    """Elements each rank sends (forward, backward) for collective fn on a local input of m elements."""
-    ar, gather, scatter = 2 * (p - 1) / p * m, (p - 1) * m, (p - 1) / p * m
+    """Elements each rank sends (forward, backward) for collective fn on a local input of m elements
+    (`cost_model.analytical.send_bytes`, the one formula the estimate and the runtime recorder use too)."""
+    ar, gather, scatter = send_bytes("all_reduce", m, p), send_bytes("all_gather", m * p, p), \
+        send_bytes("reduce_scatter", m, p)
     return {C.all_reduce: (ar, 0), C.grad_all_reduce: (0, ar), C.all_gather: (gather, 0),
-            C.all_gather_rs: (gather, gather), C.split: (0, scatter), C.reduce_scatter: (scatter, scatter),
-            C.all_to_all: (scatter, scatter)}[fn]
+            C.all_gather_rs: (gather, gather), C.split: (0, send_bytes("all_gather", m, p)),
+            C.reduce_scatter: (scatter, send_bytes("all_gather", m, p)),
+            C.all_to_all: (send_bytes("all_to_all", m, p),) * 2}[fn]
 
 
 class _Lowerer:
@@ -201,12 +266,6 @@ class _Lowerer:
     # ------------------------------------------------------------------ nodes
     def run(self) -> None:
         g = self.graph
-        for node in list(g.nodes):
-            if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
-                g.erase_node(node)
-        self._decompose_row_parallel_bias()
-        self._local_expert_stacks()
-        self._insert_hints()
         self.needs_grad = self._needs_grad()
         for node in list(g.nodes):
             if node.op == "placeholder":
@@ -215,25 +274,6 @@ class _Lowerer:
                 self._call(node)
             elif node.op == "output":
                 self._output(node)
-
-    def _insert_hints(self) -> None:
-        """A `placement_hint` node after each hinted value; every use of the value reads the hint."""
-        decomposed = {n.meta["autopar_row_of"] for n in self.graph.nodes if "autopar_row_of" in n.meta}
-        for node in list(self.graph.nodes):
-            spec = dict(self.ctx.hints.get(node.name, {}))
-            row = node.meta.get("autopar_row_of") or (node.name if node.name not in decomposed else None)
-            if row is not None:
-                spec.update(self.ctx.hints.get("row:" + row, {}))
-            if not spec:
-                continue
-            users = list(node.users)
-            with self.graph.inserting_after(node):
-                h = self.graph.call_function(placement_hint, (node, {self.axes[a].name: fmt(p) for a, p in spec.items()}))
-            h.meta["val"] = node.meta["val"]
-            h.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
-            h.meta["autopar_hint"] = spec
-            for u in users:
-                u.replace_input_with(node, h)
 
     def _needs_grad(self) -> set[fx.Node]:
         """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
@@ -252,8 +292,7 @@ class _Lowerer:
         want = self.ctx.placements.get(node.name, self.all_r)
         if node.name not in self.ctx.user_inputs:
             self.pl[node] = tuple(want)
-            gather = [ax for ax in self.ctx.gather_param_axes if is_shard(want[ax])] \
-                if node.name not in self.ctx.keep_sharded else []
+            gather = sorted(self.ctx.gathers.get(node.name, ()))
             if gather and node.users:
                 # FSDP: all-gather the parameter forward; its gradient is reduce-scattered backward
                 req = tuple(R if ax in gather else p for ax, p in enumerate(want))
@@ -312,6 +351,8 @@ class _Lowerer:
             in_p = [self.pl[t][ax] for t in tin]
             req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
                 rule(node, tin, in_p, size)
+            if node.target in _VIEWS and tin:
+                req, out = self._unflatten_strided(node, tin, in_p, ax, rule) or (req, out)
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
@@ -334,6 +375,23 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _unflatten_strided(self, node: fx.Node, tin, in_p, ax: int, rule):
+        """A strided shard's blocks are those of the local tensor: with its dim also sharded on other axes (the
+        batch of `(b*heads, s, d)` on a data axis, the heads strided on the model axis), the view rule, which
+        sees global shapes, must count the blocks of the global tensor to split it back to `(b, heads, s, d)`
+        (with one local block, `split_factor=1`, it would read the shard as one of the outer dim). The (required
+        input, plain-shard output) of that, or None."""
+        p = in_p[0]
+        others = math.prod(self.sizes[bx] for bx, q in enumerate(self.pl[tin[0]])
+                           if bx != ax and is_shard(q) and q.dim == getattr(p, "dim", None))
+        if not isinstance(p, _StridedShard) or others == 1:
+            return None
+        wide = _StridedShard(p.dim, split_factor=p.split_factor * others)
+        req, out = rule(node, tin, [wide] + in_p[1:], self.sizes[ax])
+        if req[0] != wide or not is_shard(out) or isinstance(out, _StridedShard):
+            return None
+        return [p] + list(req[1:]), out
 
     def _local_split_factors(self, src: fx.Node, in_pls, out_pls, node: fx.Node):
         """A merge `(b, s) -> b*s` with s sharded on one axis gives `_StridedShard(split_factor=blocks)`;
@@ -362,155 +420,161 @@ class _Lowerer:
         flat = [self.redistribute(a, self.all_r, (), node) if _is_tensor_node(a) and a in self.pl else a for a in flat]
         node.args = pytree.tree_unflatten(flat, spec)
 
-    # ------------------------------------------------------------------ local forms
-    def _decompose_row_parallel_bias(self) -> None:
-        """A row-parallel linear's bias is added once, after the reduction: split it from the matmul."""
-        for node in list(self.graph.nodes):
-            if node.op != "call_function":
-                continue
-            if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
-                x, w, b = node.args[:3]
-                wpl = self.ctx.placements.get(getattr(w, "name", None), ())
-                if any(is_shard(p) and p.dim == 1 for p in wpl):
-                    with self.graph.inserting_before(node):
-                        mm = self.graph.call_function(aten.linear.default, (x, w))
-                        mm.meta.update(node.meta)
-                        mm.meta["autopar_row_of"] = node.name
-                        node.target, node.args = aten.add.Tensor, (mm, b)
-            elif node.target is aten.addmm.default:
-                b, x, w = node.args[:3]
-                wpl = self.ctx.placements.get(getattr(w, "name", None), ())
-                if any(is_shard(p) and p.dim == 0 for p in wpl):
-                    with self.graph.inserting_before(node):
-                        mm = self.graph.call_function(aten.mm.default, (x, w))
-                        mm.meta.update(node.meta)
-                        mm.meta["autopar_row_of"] = node.name
-                        node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
-
-    def _local_expert_stacks(self) -> None:
-        """ModuleList experts owned per rank (their placeholders marked S(0) on the expert axis): the
-        graph's stack of all experts becomes a stack of this rank's, S(0) on that axis."""
-        from autopar.runtime.moe import local_expert_stack
-        for node in list(self.graph.nodes):
-            ax = self.ctx.moe_axes.get(node.name)
-            if ax is None:
-                continue
-            for p in node.args[4]:
-                if p.target is not aten.stack.default or not all(
-                        q.op == "placeholder" and is_shard(self.ctx.placements.get(q.name, self.all_r)[ax])
-                        for q in p.args[0]):
-                    continue
-                per_rank = len(p.args[0]) // self.sizes[ax]
-                p.target, p.args, p.kwargs = local_expert_stack, (list(p.args[0]), self.axes[ax].key, per_rank), {}
-
     def _sharded_axes(self, pls, dims=None):
         return [ax for ax, p in enumerate(pls) if is_shard(p) and (dims is None or p.dim in dims)]
 
     def _localize(self, node: fx.Node, reqs, outs) -> None:
-        t = node.target
-        out = outs[0]
-        if t in (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int,
-                 aten.expand.default):
-            if self._sharded_axes(out):
-                node.target = aten.expand.default if t is aten.expand.default else aten.reshape.default
-                node.args = (node.args[0], local_shape(shape(node), out, self.sizes))
-                node.kwargs = {}
-        elif t in (aten.split.Tensor, aten.split_with_sizes.default):
-            dim = arg(node, 2, "dim", 0)
-            nd = len(shape(node.args[0]))
-            dim = dim + nd if dim < 0 else dim
-            factor = math.prod(self.sizes[ax] for ax in self._sharded_axes(reqs[0], [dim]))
-            if factor > 1:
-                sizes = node.args[1]
-                sizes = [s // factor for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // factor
-                node.args = (node.args[0], sizes) + tuple(node.args[2:])
-        elif t is aten.embedding.default:
-            vocab_axes = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 0]
-            if vocab_axes:
-                node.target = O.vocab_parallel_embedding
-                node.args, node.kwargs = (node.args[0], node.args[1], self.axes[vocab_axes[0]].key), {}
-        elif t is aten.dropout.default:
-            p, train = node.args[1], node.args[2]
-            if train and p > 0:
-                sharded = tuple(self.axes[ax].key for ax in self._sharded_axes(out))
-                node.target = O.parallel_dropout
-                node.args = (node.args[0], p, train, self.ctx.rng_stream, self._dropout_count, sharded)
-                self._dropout_count += 1
-        elif t is aten.cross_entropy_loss.default:
-            self._localize_cross_entropy(node, reqs, out)
-        elif t is torch.ops.autopar.moe_experts.default:
-            from autopar.runtime.moe import moe_experts
-            key, x, idx, w, params = node.args
-            ep = self.ctx.moe_axes.get(node.name)
-            mode, axis = "local", None
-            if ep is not None:
-                axis = self.axes[ep].key
-                mode = "partial" if isinstance(out[ep], Partial) else "a2a"
-            token_axes = tuple(self.axes[ax].key for ax in self._sharded_axes(reqs[0], [0]))
-            from autopar.runtime.moe import spec_of
-            if spec_of(key).capacity_factor is not None and any(isinstance(p, _StridedShard) for p in reqs[0]):
-                raise NotImplementedError(
-                    f"MoE {spec_of(key).path} with a capacity factor: its tokens are sharded on the sequence here, so "
-                    "a rank's tokens are not one contiguous range of the global order that capacity is counted in. "
-                    "Fix: shard only the batch (no sequence form on the expert's token axes), or make it dropless.")
-            node.target = moe_experts
-            node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
-            node.kwargs = {}
-        elif t is aten.mse_loss.default:
-            batch_axes = self._sharded_axes(reqs[0])
-            if batch_axes:
-                reduction = arg(node, 2, "reduction", 1)
-                node.target = O.mse_loss_sharded
-                node.args, node.kwargs = (node.args[0], node.args[1], reduction, math.prod(shape(node.args[0]))), {}
-        elif t in (aten.mean.dim, aten.mean.default):
-            if any(isinstance(p, Partial) for p in out) and self._sharded_axes(reqs[0]):
-                x = node.args[0]
-                nd = len(shape(x))
-                dims = None if t is aten.mean.default else arg(node, 1, "dim", None)
-                red = range(nd) if not dims else [d + nd if d < 0 else d for d in dims]
-                count = math.prod(shape(x)[d] for d in red)
-                keepdim = False if t is aten.mean.default else bool(arg(node, 2, "keepdim", False))
-                node.target = O.sum_div
-                node.args, node.kwargs = (x, None if dims is None else list(red), keepdim, count), {}
-        elif t is aten.scaled_dot_product_attention.default and node.name in self.ctx.attention_modes and \
-                "ring" in self.ctx.attention_modes[node.name].values():
-            from autopar.runtime.ring_attention import ring_attention
-            ax = next(a for a, m in self.ctx.attention_modes[node.name].items() if m == "ring")
-            a = node.args
-            causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
-            scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
-            node.target = ring_attention
-            node.args = (a[0], a[1], a[2], self.axes[ax].key)
-            node.kwargs = {"causal": causal, "scale": scale}
-        elif t is aten.scaled_dot_product_attention.default:
-            q_heads = shape(node.args[0])[1]
-            for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
-                if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate):
-                    args = list(node.args)
-                    with self.graph.inserting_before(node):
-                        for i in (1, 2):
-                            if shape(args[i])[1] == q_heads:
-                                continue
-                            sel = self.graph.call_function(O.gqa_kv_heads, (args[i], self.axes[ax].key, q_heads))
-                            sel.meta["val"] = args[i].meta["val"]
-                            args[i] = sel
-                    node.args = tuple(args)
+        """Swap the op for its local program where that is not the op on local shards (`LOCAL_FORMS`)."""
+        fn = LOCAL_FORMS.get(node.target)
+        if fn is not None:
+            fn(self, node, [tuple(r) for r in reqs], outs)
 
-    def _localize_cross_entropy(self, node: fx.Node, reqs, out) -> None:
-        x, target = node.args[0], node.args[1]
-        reduction = arg(node, 3, "reduction", 1)
-        ignore_index = arg(node, 4, "ignore_index", -100)
-        smoothing = arg(node, 5, "label_smoothing", 0.0)
-        vocab = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]
-        batch = tuple(self.axes[ax].key for ax, p in enumerate(reqs[1]) if is_shard(p) and p.dim == 0)
-        if vocab:
-            node.target = O.vocab_parallel_cross_entropy_loss
-            node.args = (x, target, self.axes[vocab[0]].key, reduction, ignore_index, batch)
-            node.kwargs = {}
-        elif batch and reduction != 0:
-            node.target = O.cross_entropy_sharded_batch
-            node.args = (x, target, reduction, ignore_index, smoothing, batch)
-            node.kwargs = {}
+
+# ----------------------------------------------------------------------------- local forms
+
+LocalForm = "Callable[[_Lowerer, fx.Node, list[tuple], list[tuple]], None]"
+LOCAL_FORMS: dict[object, object] = {}
+
+
+def local_form(*targets):
+    """Register the local program of ops (`fn(lowerer, node, required input placements, output placements)`,
+    rewriting the node in place). An op registers once."""
+    def deco(fn):
+        for t in targets:
+            if t in LOCAL_FORMS:
+                raise ValueError(f"a local form for {t} is registered twice ({LOCAL_FORMS[t].__name__}, {fn.__name__})")
+            LOCAL_FORMS[t] = fn
+        return fn
+    return deco
+
+
+@local_form(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.expand.default)
+def _local_shape(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    """Shape literals become local shapes: view(b, s, heads, d) -> view(b, s, heads/t, d)."""
+    out = outs[0]
+    if lw._sharded_axes(out):
+        node.target = aten.expand.default if node.target is aten.expand.default else aten.reshape.default
+        node.args = (node.args[0], local_shape(shape(node), out, lw.sizes))
+        node.kwargs = {}
+
+
+@local_form(aten.split.Tensor, aten.split_with_sizes.default)
+def _local_split(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    dim = arg(node, 2, "dim", 0)
+    nd = len(shape(node.args[0]))
+    dim = dim + nd if dim < 0 else dim
+    factor = math.prod(lw.sizes[ax] for ax in lw._sharded_axes(reqs[0], [dim]))
+    if factor > 1:
+        sizes = node.args[1]
+        sizes = [s // factor for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // factor
+        node.args = (node.args[0], sizes) + tuple(node.args[2:])
+
+
+@local_form(aten.embedding.default)
+def _local_embedding(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    """Vocab-sharded table: masked lookup of this rank's rows (padding_idx kept), partial output."""
+    vocab_axes = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 0]
+    if vocab_axes:
+        padding_idx = arg(node, 2, "padding_idx", -1)
+        node.target = O.vocab_parallel_embedding
+        node.args, node.kwargs = (node.args[0], node.args[1], lw.axes[vocab_axes[0]].key, padding_idx), {}
+
+
+@local_form(aten.dropout.default)
+def _local_dropout(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    p, train = node.args[1], node.args[2]
+    if train and p > 0:
+        sharded = tuple(lw.axes[ax].key for ax in lw._sharded_axes(outs[0]))
+        node.target = O.parallel_dropout
+        node.args = (node.args[0], p, train, lw.ctx.rng_stream, lw._dropout_count, sharded)
+        lw._dropout_count += 1
+
+
+@local_form(aten.cross_entropy_loss.default)
+def _local_cross_entropy(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    x, target = node.args[0], node.args[1]
+    reduction = arg(node, 3, "reduction", 1)
+    ignore_index = arg(node, 4, "ignore_index", -100)
+    smoothing = arg(node, 5, "label_smoothing", 0.0)
+    vocab = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]
+    batch = tuple(lw.axes[ax].key for ax, p in enumerate(reqs[1]) if is_shard(p) and p.dim == 0)
+    if vocab:
+        node.target = O.vocab_parallel_cross_entropy_loss
+        node.args = (x, target, lw.axes[vocab[0]].key, reduction, ignore_index, batch)
+        node.kwargs = {}
+    elif batch and reduction != 0:
+        node.target = O.cross_entropy_sharded_batch
+        node.args = (x, target, reduction, ignore_index, smoothing, batch)
+        node.kwargs = {}
+
+
+@local_form(torch.ops.autopar.moe_experts.default)
+def _local_moe(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    from autopar.runtime.moe import moe_experts, spec_of
+    key, x, idx, w, params = node.args
+    ep = lw.ctx.moe_axes.get(node.name)
+    mode, axis = "local", None
+    if ep is not None:
+        axis = lw.axes[ep].key
+        mode = "partial" if isinstance(outs[0][ep], Partial) else "a2a"
+    token_axes = tuple(lw.axes[ax].key for ax in lw._sharded_axes(reqs[0], [0]))
+    if spec_of(key).capacity_factor is not None and any(isinstance(p, _StridedShard) for p in reqs[0]):
+        raise NotImplementedError(
+            f"MoE {spec_of(key).path} with a capacity factor: its tokens are sharded on the sequence here, so "
+            "a rank's tokens are not one contiguous range of the global order that capacity is counted in. "
+            "Fix: shard only the batch (no sequence form on the expert's token axes), or make it dropless.")
+    node.target = moe_experts
+    node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
+    node.kwargs = {}
+
+
+@local_form(aten.mse_loss.default)
+def _local_mse(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    if lw._sharded_axes(reqs[0]):
+        reduction = arg(node, 2, "reduction", 1)
+        node.target = O.mse_loss_sharded
+        node.args, node.kwargs = (node.args[0], node.args[1], reduction, math.prod(shape(node.args[0]))), {}
+
+
+@local_form(aten.mean.dim, aten.mean.default)
+def _local_mean(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    """A mean over sharded dims: local sum / global count (the output is Partial)."""
+    if any(isinstance(p, Partial) for p in outs[0]) and lw._sharded_axes(reqs[0]):
+        x = node.args[0]
+        nd = len(shape(x))
+        dims = None if node.target is aten.mean.default else arg(node, 1, "dim", None)
+        red = range(nd) if not dims else [d + nd if d < 0 else d for d in dims]
+        count = math.prod(shape(x)[d] for d in red)
+        keepdim = False if node.target is aten.mean.default else bool(arg(node, 2, "keepdim", False))
+        node.target = O.sum_div
+        node.args, node.kwargs = (x, None if dims is None else list(red), keepdim, count), {}
+
+
+@local_form(aten.scaled_dot_product_attention.default)
+def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    modes = lw.ctx.attention_modes.get(node.name, {})
+    ring = [ax for ax, m in modes.items() if m is AttentionMode.RING]
+    if ring:  # q, k, v on their zigzag sequence shards: K/V circulate over the axis
+        from autopar.runtime.ring_attention import ring_attention
+        a = node.args
+        causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
+        scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
+        node.target = ring_attention
+        node.args = (a[0], a[1], a[2], lw.axes[ring[0]].key)
+        node.kwargs = {"causal": causal, "scale": scale}
+        return
+    q_heads = shape(node.args[0])[1]
+    for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
+        if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate):  # fewer KV heads than ranks
+            args = list(node.args)
+            with lw.graph.inserting_before(node):
+                for i in (1, 2):
+                    if shape(args[i])[1] == q_heads:
+                        continue
+                    sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
+                    sel.meta["val"] = args[i].meta["val"]
+                    args[i] = sel
+            node.args = tuple(args)
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
@@ -522,7 +586,7 @@ def placement_hint(x: torch.Tensor, spec: dict) -> torch.Tensor:
     return x
 
 
-def _ulysses_rule(modes: dict[int, str]):
+def _ulysses_rule(modes: dict[int, AttentionMode]):
     """SDPA in Ulysses mode on the given axes: queries, keys and values sharded on heads (an all-to-all
     from the sequence shard), the output on heads (sent back to the sequence by a hint after it)."""
     from passes.rules import RULES as _R, shape as _shape
@@ -530,7 +594,7 @@ def _ulysses_rule(modes: dict[int, str]):
     def rule(node, tin, ins, n, ax):
         if ax not in modes:
             return _R[node.target](node, tin, ins, n)
-        if modes[ax] == "ring":  # q, k, v stay on their (zigzag) sequence shards; K/V circulate
+        if modes[ax] is AttentionMode.RING:  # q, k, v stay on their (zigzag) sequence shards; K/V circulate
             return [Shard(2), Shard(2), Shard(2)] + [R] * (len(tin) - 3), Shard(2)
         kv_heads = _shape(tin[1])[1]
         kv = Shard(1) if kv_heads % n == 0 else R  # fewer KV heads than ranks: gathered, picked per rank
@@ -567,7 +631,7 @@ def _moe_rule(ep: int):
     return rule
 
 
-def _fuse_gather_grad_reduce(gm: fx.GraphModule) -> None:
+def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """all_gather whose every user is grad_all_reduce on the same axis -> all_gather_rs (SP's g, FSDP).
 
     The gradient of the gathered value is then partial on every rank; reduce-scattering it moves
@@ -587,9 +651,10 @@ def _fuse_gather_grad_reduce(gm: fx.GraphModule) -> None:
         for u in users:
             u.replace_all_uses_with(g)
             gm.graph.erase_node(u)
+    return gm
 
 
-def _bucket_parameter_gradients(gm: fx.GraphModule) -> None:
+def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) becomes one bucketed
     all-reduce of all those gradients (per axis and dtype), as DDP buckets them: one collective per
     step instead of one per parameter.
@@ -608,7 +673,7 @@ def _bucket_parameter_gradients(gm: fx.GraphModule) -> None:
                 groups.setdefault((n.args[1], n.args[0].meta["val"].dtype), []).append(n)
         groups = {k: nodes for k, nodes in groups.items() if len(nodes) >= 2}
         if not groups:
-            return
+            return gm
         bucketed = set()
         for (axis, _), nodes in groups.items():
             with gm.graph.inserting_before(first):
@@ -626,18 +691,202 @@ def _bucket_parameter_gradients(gm: fx.GraphModule) -> None:
                 bucketed.add(item)
 
 
-def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+def erase_asserts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """Drop the trace's dtype/device asserts: they are not part of the computation."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+    return gm
+
+
+def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """A row-parallel linear's bias is added once, after the reduction: split it from the matmul."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
+            x, w, b = node.args[:3]
+            wpl = ctx.placements.get(getattr(w, "name", None), ())
+            if any(is_shard(p) and p.dim == 1 for p in wpl):
+                with gm.graph.inserting_before(node):
+                    mm = gm.graph.call_function(aten.linear.default, (x, w))
+                    mm.meta.update(node.meta)
+                    mm.meta["autopar_row_of"] = node.name
+                    node.target, node.args = aten.add.Tensor, (mm, b)
+        elif node.target is aten.addmm.default:
+            b, x, w = node.args[:3]
+            wpl = ctx.placements.get(getattr(w, "name", None), ())
+            if any(is_shard(p) and p.dim == 0 for p in wpl):
+                with gm.graph.inserting_before(node):
+                    mm = gm.graph.call_function(aten.mm.default, (x, w))
+                    mm.meta.update(node.meta)
+                    mm.meta["autopar_row_of"] = node.name
+                    node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
+    return gm
+
+
+def local_expert_stacks_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """ModuleList experts owned per rank (their placeholders marked S(0) on the expert axis): the graph's
+    stack of all experts becomes a stack of this rank's, S(0) on that axis."""
+    from autopar.runtime.moe import local_expert_stack
+    axes = ctx.mesh.axes
+    for node in list(gm.graph.nodes):
+        ax = ctx.moe_axes.get(node.name)
+        if ax is None:
+            continue
+        for p in node.args[4]:
+            if p.target is not aten.stack.default or not all(
+                    q.op == "placeholder" and is_shard(ctx.placements.get(q.name, (R,) * len(axes))[ax])
+                    for q in p.args[0]):
+                continue
+            per_rank = len(p.args[0]) // ctx.mesh.sizes[ax]
+            p.target, p.args, p.kwargs = local_expert_stack, (list(p.args[0]), axes[ax].key, per_rank), {}
+    return gm
+
+
+def _narrow(g: fx.Graph, x: fx.Node, dim: int, first: int, end: int, stack: dict) -> fx.Node:
+    n = g.call_function(aten.slice.Tensor, (x, dim, first, end))
+    n.meta.update({"val": x.meta["val"].narrow(dim, first, end - first), "nn_module_stack": stack})
+    return n
+
+
+def _hint(g: fx.Graph, x: fx.Node, spec: dict[int, Placement], names) -> fx.Node:
+    h = g.call_function(placement_hint, (x, {names[a]: fmt(p) for a, p in spec.items()}))
+    h.meta.update({"val": x.meta["val"], "nn_module_stack": x.meta["nn_module_stack"], "autopar_hint": spec})
+    return h
+
+
+def fused_parts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """A fused projection with a `PARTS` directive (unequal q/k/v blocks: `autopar.forms.heads`) becomes one
+    projection per block of its output features, on the block's rows of its replicated weight (and bias); a
+    block whose heads divide over the axis has those rows split there (a `placement_hint`: forward a local
+    slice, backward the rows' gradient all-gathered, so the weight's gradient is whole on every rank). Every use
+    of the node that took a block apart reads the block's projection, viewed to that node's shape."""
+    g = gm.graph
+    by_name = {n.name: n for n in g.nodes}
+    for name, (ax, blocks) in ctx.parts.items():
+        node = by_name[name]
+        if node.target is aten.linear.default:
+            x, w, b, w_dim = node.args[0], node.args[1], (node.args[2] if len(node.args) > 2 else None), 0
+        elif node.target is aten.addmm.default:
+            b, x, w, w_dim = node.args[0], node.args[1], node.args[2], 1
+        elif node.target in (aten.mm.default, aten.matmul.default):
+            x, w, b, w_dim = node.args[0], node.args[1], None, 1
+        else:
+            raise ValueError(f"PARTS directive for {name} ({node.target}): not a linear projection; the plan was "
+                             "made for another graph. Fix: re-plan for this model.")
+        split = ctx.mesh.sizes[ax]
+        takers = []
+        for taker_name, first, end, heads in blocks:
+            taker = by_name[taker_name]
+            with g.inserting_before(node):
+                stack = node.meta.get("nn_module_stack", {})  # collectives of the blocks belong to the projection
+                w_i = _narrow(g, w, w_dim, first, end, stack)
+                b_i = None if b is None else _narrow(g, b, len(shape(b)) - 1, first, end, stack)
+                if heads % split == 0:  # whole heads per rank; else (fewer KV heads than ranks) replicated
+                    w_i = _hint(g, w_i, {ax: Shard(w_dim)}, ctx.mesh.names)
+                    b_i = None if b_i is None else _hint(g, b_i, {ax: Shard(len(shape(b)) - 1)}, ctx.mesh.names)
+                if node.target is aten.addmm.default:
+                    args = (b_i, x, w_i)
+                else:
+                    args = (x, w_i) if b_i is None else (x, w_i, b_i)
+                y = g.call_function(node.target, args)
+                y.meta.update({"val": node.meta["val"].narrow(-1, first, end - first), "nn_module_stack": stack})
+                out = g.call_function(aten.reshape.default, (y, list(shape(taker))))
+                out.meta.update({"val": taker.meta["val"], "nn_module_stack": taker.meta.get("nn_module_stack", {})})
+            taker.replace_all_uses_with(out)
+            takers.append(taker)
+        while takers:  # the takers, and what fed only them (back to the fused projection), are dead now
+            n = takers.pop()
+            if n.op == "call_function" and not n.users and not n.is_impure():
+                takers.extend(n.all_input_nodes)
+                g.erase_node(n)
+    return gm
+
+
+def insert_hints_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """A `placement_hint` node after each hinted value (a `HINT` directive, or the row-parallel output of a
+    `ROW_OUTPUT` one, before its bias); every use of the value reads the hint."""
+    names = ctx.mesh.names
+    decomposed = {n.meta["autopar_row_of"] for n in gm.graph.nodes if "autopar_row_of" in n.meta}
+    for node in list(gm.graph.nodes):
+        spec = dict(ctx.hints.get(node.name, {}))
+        row = node.meta.get("autopar_row_of") or (node.name if node.name not in decomposed else None)
+        if row is not None:
+            spec.update(ctx.hints.get("row:" + row, {}))
+        if not spec:
+            continue
+        users = list(node.users)
+        with gm.graph.inserting_after(node):
+            h = gm.graph.call_function(placement_hint, (node, {names[a]: fmt(p) for a, p in spec.items()}))
+        h.meta["val"] = node.meta["val"]
+        h.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        h.meta["autopar_hint"] = spec
+        for u in users:
+            u.replace_input_with(node, h)
+    return gm
+
+
+def propagate_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """Placements node by node from the sharding rules; the collectives between them; local shapes and forms."""
     _Lowerer(gm, ctx).run()
-    _fuse_gather_grad_reduce(gm)
-    _bucket_parameter_gradients(gm)
+    return gm
+
+
+def dead_code_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
-    gm.graph.lint()
     gm.recompile()
     return gm
 
 
+# the lowering, in order (run by passes.pipeline.run_passes, which lints after each pass)
+LOWER = [
+    erase_asserts_pass,
+    decompose_row_bias_pass,
+    local_expert_stacks_pass,
+    fused_parts_pass,
+    insert_hints_pass,
+    propagate_pass,
+    fuse_gather_grad_reduce_pass,
+    bucket_gradients_pass,
+    dead_code_pass,
+]
+
+
+def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """The whole lowering (`LOWER`)."""
+    from passes.pipeline import run_passes
+    return run_passes(gm, ctx, LOWER)
+
+
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C.COLLECTIVES]
+
+
+def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
+    """The plan's collective rows: every collective node of the lowered graph, and the all-to-alls inside
+    expert-parallel MoE nodes (issued at run time with this step's splits: tokens out and back, forward and
+    backward, priced for uniform routing, k*T*h*(ep-1)/ep each)."""
+    from autopar.mesh import resolve_axis
+    from autopar.plan import CommRow
+    from autopar.runtime.moe import moe_experts, spec_of
+    rows = []
+    for n in collective_nodes(gm):
+        c = n.meta[M.COMM]
+        rows.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
+                            bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
+            continue
+        x, idx, key, axis = n.args[0], n.args[1], n.args[4], resolve_axis(n.args[5])
+        t, h = x.meta["val"].shape
+        local_t = t // math.prod(info.sizes[i] for i, a in enumerate(info.axes) if a.key in n.args[7])
+        k = idx.meta["val"].shape[-1]
+        b = round(2 * send_bytes("all_to_all", k * local_t * h * x.meta["val"].element_size(), axis.size))
+        rows.append(CommRow(module=spec_of(key).path, fn="moe_all_to_all", axis=axis.name,
+                            forward="all_to_all x2 (+counts)", backward="all_to_all x2", bytes_forward=b,
+                            bytes_backward=b))
+    return rows
 
 
 def placements_str(node: fx.Node) -> str:

@@ -1,4 +1,5 @@
-"""The ordered pass pipeline. The runner lints the graph after each pass and names the pass on failure."""
+"""The ordered recognition pipeline, and the runner of every pass list (recognition, lowering): it lints the
+graph after each pass and names the pass on failure."""
 
 from __future__ import annotations
 

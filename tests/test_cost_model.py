@@ -72,12 +72,20 @@ def test_load_cluster(tmp_path, monkeypatch):
     custom = dataclasses.replace(H.PRESETS["cpu"], name="mine")
     good.write_text(custom.to_json())
     assert H.load_cluster(good) == custom and H.load_cluster(str(good)) == custom
-    # None: no cached profile and no CUDA -> the cpu preset; a cached profile for the mesh wins
+    # None: no cached profile -> the preset of this machine's device: cpu without CUDA, else by GPU name (an
+    # unknown GPU plans with a100's and warns how to profile); a cached profile for the mesh wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpu, preset in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, name=gpu: name)
+        assert H.load_cluster(None, (2, 2)) is H.PRESETS[preset], gpu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA B300")
+    with pytest.warns(UserWarning, match=r"no hardware preset for 'NVIDIA B300'.*autopar profile"):
+        assert H.load_cluster(None, (2, 2)) is H.PRESETS["a100"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fallback = H.load_cluster(None, (2, 2))
-    if not torch.cuda.is_available():
-        assert fallback is H.PRESETS["cpu"]
+    assert fallback is H.PRESETS["cpu"]
     path = H.default_profile_path((2, 2))
-    assert path == tmp_path / "cache" / "autopar" / f"profile-{H.device_name()}-2x2.json"
+    assert path == tmp_path / "cache" / "autopar" / "profile-cpu-2x2.json"
     path.parent.mkdir(parents=True)
     path.write_text(custom.to_json())
     assert H.load_cluster(None, (2, 2)) == custom
@@ -186,18 +194,6 @@ def test_link_table_validates_and_round_trips_json():
         dataclasses.replace(H.PRESETS["cpu"], op_overhead_s=-1.0)
     with pytest.raises(ValueError, match="matmul_table"):
         dataclasses.replace(H.PRESETS["cpu"], matmul_table={"float32": [[2e9, 1e11], [3e7, 8e10]]})
-
-
-def test_redistribute():
-    S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
-    kinds = {(S0, R): "all_gather", (P, R): "all_reduce", (P, S0): "reduce_scatter", (S0, S1): "all_to_all",
-             (R, S0): None, (R, P): None, (S0, S0): None, (_StridedShard(0, split_factor=3), R): "all_gather"}
-    for (src, dst), kind in kinds.items():
-        assert A.redistribute_kind(src, dst) == kind, (src, dst)
-    n = 4096
-    assert A.redistribute_time_s(S0, S1, n, 4, LINK) == A.collective_time_s("all_to_all", n / 4, 4, LINK)
-    assert A.redistribute_time_s(P, S0, n, 4, LINK) == A.collective_time_s("reduce_scatter", n, 4, LINK)
-    assert A.redistribute_time_s(R, S0, n, 4, LINK) == 0
 
 
 def test_roofline():
@@ -312,23 +308,26 @@ def test_node_bytes():
 
 
 def test_form_volumes_match_collectives():
+    """Each form's volume formula (its own module) is the sum of the collectives DESIGN.md §3 lists for it."""
+    from autopar.forms import blocks, dp, expert, fsdp, ring, sequence_norm, ulysses, vocab_embedding, vocab_loss
     b, s, h, h_kv, t = 2, 64, 32, 16, 4
     ar = A.send_bytes("all_reduce", b * s * h, t)
-    assert A.tp_layer_volume_elems(b, s, h, t) == pytest.approx(4 * ar)
-    assert A.sp_layer_volume_elems(b, s, h, t) == pytest.approx(
+    assert 2 * blocks.tensor_parallel_volume_bytes(b * s * h, t) == pytest.approx(4 * ar)  # attention + MLP
+    assert sequence_norm.layer_volume_bytes(b, s, h, t, 1) == pytest.approx(
         4 * A.send_bytes("all_gather", b * s * h, t) + 4 * A.send_bytes("reduce_scatter", b * s * h, t))
-    assert A.vocab_ce_volume_elems(b, s, t) == pytest.approx(3 * A.send_bytes("all_reduce", b * s, t))
-    assert A.vocab_embedding_volume_elems(b, s, h, t) == pytest.approx(ar)
+    assert vocab_loss.volume_bytes(b * s, t) == pytest.approx(3 * A.send_bytes("all_reduce", 4 * b * s, t))
+    assert vocab_embedding.volume_bytes(b * s * h, t) == pytest.approx(ar)
     local = b * (s // t)  # tokens per rank before the seq -> heads all-to-all
     a2a = sum(A.send_bytes("all_to_all", local * x, t) for x in (h, h_kv, h_kv, h))  # q, k, v, o
-    assert A.ulysses_layer_volume_elems(b, s, h, h_kv, t, backward=False) == pytest.approx(a2a)
+    assert ulysses.layer_volume_bytes(b, s, h, h_kv, t, 1, backward=False) == pytest.approx(a2a)
     steps = (t - 1) * A.send_bytes("p2p", 2 * b * (s // t) * h_kv, t)  # K and V blocks
-    assert A.ring_layer_volume_elems(b, s, h_kv, t, backward=False) == pytest.approx(steps)
-    assert A.ring_layer_volume_elems(b, s, h_kv, t) == pytest.approx(3 * steps)
-    assert A.expert_parallel_layer_volume_elems(1024, 2, h, t) == pytest.approx(
-        4 * A.send_bytes("all_to_all", 2 * 1024 * h, t))
-    assert A.dp_volume_elems(1000, t) == A.send_bytes("all_reduce", 1000, t)
-    assert A.fsdp_volume_elems(1000, t) == pytest.approx(3 * A.send_bytes("all_gather", 1000, t))
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 1, backward=False) == pytest.approx(steps)
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 4) == pytest.approx(3 * 4 * steps)  # fp32: K,V + dK,dV backward
+    assert ring.layer_volume_bytes(b, s, h_kv, t, 2, ring.accumulator_itemsize(torch.bfloat16)) == \
+        pytest.approx(2 * steps + 2 * steps + 4 * steps)  # bf16 K,V; fp32 dK,dV accumulators
+    assert expert.layer_volume_bytes(1024, 2, h, t, 1) == pytest.approx(4 * A.send_bytes("all_to_all", 2 * 1024 * h, t))
+    assert dp.volume_bytes(1000, t) == A.send_bytes("all_reduce", 1000, t)
+    assert fsdp.volume_bytes(1000, t) == pytest.approx(2 * A.send_bytes("all_gather", 1000, t))
 
 
 # -------------------------------------------------------------------------------------- memory

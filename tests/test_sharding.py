@@ -179,7 +179,7 @@ def test_plan_diff_auto_vs_dp(gpt_plans):
     lines = set(auto.diff(dp).splitlines())
     for s in auto.strategies:
         if s.form != "replicate":
-            assert f"{s.key}: {s.form}@{s.axis} -> replicate@None" in lines, (s.key, lines)
+            assert f"{s.key}: {s.label} -> replicate" in lines, (s.key, lines)
     a, d = dict(auto.params), dict(dp.params)
     for fqn in a:
         if a[fqn] != d[fqn]:

@@ -28,6 +28,7 @@ import torch
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
+from cost_model.analytical import send_bytes
 
 _c10d = torch.ops._c10d_functional
 
@@ -57,11 +58,8 @@ def record_comms():
 def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward: bool) -> None:
     if not _RECORDERS:
         return
-    p, size = axis.size, t.element_size()
-    factor = {"all_reduce": 2 * (p - 1) / p, "all_gather": (p - 1) / p,
-              "reduce_scatter": (p - 1) / p, "all_to_all": (p - 1) / p, "p2p": 1.0}[kind]
     rec = CommRecord(kind, axis.name, "backward" if backward else "forward", full_numel,
-                     round(factor * full_numel * size))
+                     round(send_bytes(kind, full_numel * t.element_size(), axis.size)))
     for r in _RECORDERS:
         r.append(rec)
 

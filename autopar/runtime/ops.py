@@ -2,7 +2,8 @@
 
 - `vocab_parallel_embedding`: the weight is sharded on the vocabulary (rows); ids outside this
   rank's rows look up row 0 and are zeroed, so the output is Partial (summed by the caller's
-  all-reduce or reduce-scatter). Backward needs no communication.
+  all-reduce or reduce-scatter); the `padding_idx` row gets no gradient. Backward needs no
+  communication.
 - `vocab_parallel_cross_entropy`: logits sharded on the vocabulary; 3 all-reduces of b*s fp32
   values forward (max, target logit, sum of exps), none backward (Megatron's
   `_VocabParallelCrossEntropy`). Returns per-token losses, replicated over the vocab axis.
@@ -30,10 +31,16 @@ def _vocab_local_ids(ids: torch.Tensor, rank: int, rows: int):
     return (ids - start).masked_fill(outside, 0), outside
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: AxisRef | str) -> torch.Tensor:
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: AxisRef | str,
+                             padding_idx: int | None = -1) -> torch.Tensor:
+    """This rank's rows (V/t, h) of the table, global ids -> the partial lookup (rows of other ranks are zero).
+    `padding_idx` (a global id, negative for none): its row's value is looked up but gets no gradient, as
+    `F.embedding(..., padding_idx=...)` does on one device."""
     axis = resolve_axis(axis)
     local_ids, outside = _vocab_local_ids(ids, axis.local_rank(), weight.shape[0])
     out = F.embedding(local_ids, weight)
+    if padding_idx is not None and padding_idx >= 0:
+        out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

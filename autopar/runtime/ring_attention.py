@@ -45,7 +45,7 @@ from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
 from autopar.runtime import collectives
-from autopar.runtime.collectives import CommRecord, _raw_all_gather
+from autopar.runtime.collectives import _raw_all_gather
 from autopar.runtime.kernels.block_attention import (
     acc_dtype,
     attention_delta,
@@ -87,13 +87,7 @@ def _ring_split_sizes(rank: int, p: int, n: int) -> tuple[int, ...]:
 
 
 def _record_p2p(axis: AxisRef, flat: torch.Tensor, backward: bool) -> None:
-    # collectives._record prices only its four collectives; a ring step sends its whole buffer once
-    if not collectives._RECORDERS:
-        return
-    rec = CommRecord("p2p", axis.name, "backward" if backward else "forward", flat.numel(),
-                     flat.numel() * flat.element_size())
-    for r in collectives._RECORDERS:
-        r.append(rec)
+    collectives._record("p2p", axis, flat, flat.numel(), backward)  # a ring step sends its whole buffer once
 
 
 class _Shift:

@@ -1,0 +1,107 @@
+"""Cost pieces several forms share: a structure's parameters over the data axes, a tensor-parallel block,
+an MoE block. Each form's module says which it uses and what it adds."""
+
+from __future__ import annotations
+
+from autopar.estimate import Cost, MeshCosting, SiteStats, compute_s
+from autopar.forms import dp, fsdp
+from autopar.forms.base import Candidate
+from autopar.sites import MoeSite
+from cost_model.analytical import compute_time_s, send_bytes
+
+COUNT_ITEMSIZE = 8  # the per-expert row counts expert parallelism exchanges are int64 (`autopar.runtime.moe`)
+
+
+class Comms:
+    """Accumulates (seconds, bytes sent) of a form's own collectives on one axis."""
+
+    def __init__(self, mc: MeshCosting, axis: str | None):
+        self.mc, self.axis, self.time_s, self.bytes = mc, axis, 0.0, 0.0
+
+    def add(self, kind: str, nbytes: float, interval_s: float | None = None, *, axis: str | None = None) -> None:
+        t, b = self.mc.collective(kind, nbytes, axis or self.axis, interval_s)
+        self.time_s, self.bytes = self.time_s + t, self.bytes + b
+
+
+def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, comms: Comms | None, act: float,
+           param_split: int = 1, backward_s: float | None = None) -> Cost:
+    """A structure's cost: its compute and collectives, plus its parameters over the data axes (FSDP or the
+    data-parallel bucket, their state) and the loss' scalar reductions. `param_split`: the ranks its
+    parameters are divided over by the form itself."""
+    backward_s = 2 * compute / 3 if backward_s is None else backward_s
+    local = st.param_bytes / param_split
+    if cand.fsdp:
+        t, b = fsdp.sync(mc, [x / param_split for x in st.param_sizes],
+                         [x / param_split for x in st.synced_param_sizes], backward_s)
+        state = fsdp.state_bytes(mc, local)
+    else:
+        t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
+        state = dp.state_bytes(mc, local)
+    lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
+    own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
+    return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act)
+
+
+def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+    """Every rank runs the structure on its share of the tokens, parameters whole."""
+    return finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=None, act=st.act_bytes / mc.dp)
+
+
+def tensor_parallel_volume_bytes(block_input_bytes: float, t: int) -> float:
+    """Bytes each rank sends per tensor-parallel block, forward + backward: two all-reduces of its input's size
+    (a transformer layer, attention + MLP, sends twice that: `8(t-1)/t · bsh`)."""
+    return 2 * send_bytes("all_reduce", block_input_bytes, t)
+
+
+def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+    """A Megatron block (attention by heads, MLP colwise -> rowwise) on `cand.axis` of size t: work and
+    parameters / t; one all-reduce of the block's output forward (the row-parallel sum) and one of its
+    input's gradient backward (the column-parallel f), each the size of the block input; activations
+    inside the block / t, its replicated input whole."""
+    t = mc.size(cand.axis)
+    compute = compute_s(st, mc.dp * t, mc.cluster)
+    comms = Comms(mc, cand.axis)
+    comms.add("all_reduce", st.io_bytes / mc.dp, compute / 3)
+    comms.add("all_reduce", st.io_bytes / mc.dp, 2 * compute / 3)
+    act = st.io_bytes / mc.dp + (st.act_bytes - st.io_bytes) / mc.dp / t
+    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
+
+
+def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split: int, on_data: bool) -> Cost:
+    """An MoE block: router + experts (+ aux loss in `st`), the experts (or their features) split `split` ways.
+
+    Expert work per token is 2 FLOPs per expert weight element for each of its k experts; routing is
+    assumed balanced. With the experts on a data axis (`on_data`: tokens sharded there) each token's k rows
+    go out and back by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3),
+    after one all-to-all of the per-expert row counts (the splits; int64). On a model axis (tokens
+    replicated) each rank runs its experts (or its share of every expert's features) on every token and
+    the output is all-reduced (forward), and backward the input's gradient and the routing weights'
+    (T, k) gradient, which each rank holds partially. Expert gradients are reduced over the data axes
+    the experts are not split over."""
+    T, H, k, E = site.tokens, site.hidden, site.top_k, site.num_experts
+    item = site.itemsize
+    per_expert = site.expert_numel / E
+    ffn = per_expert / (3 * H)  # a gated MLP expert holds 3*H*F weights
+    tokens = T / mc.dp  # this rank's tokens
+    work = 2 * T * k * per_expert / mc.dp / (1 if on_data else split)
+    dtype = site.dtype if site.dtype in mc.cluster.peak_flops else "float32"
+    routed_bytes = tokens * k * (2 * H + 3 * ffn) * item / (1 if on_data else split)  # expert activations saved
+    compute = compute_s(st, mc.dp, mc.cluster) + compute_time_s(3 * work, 3 * routed_bytes, dtype, mc.cluster)
+    comms = Comms(mc, cand.axis)
+    if split > 1 and on_data:
+        comms.add("all_to_all", E * COUNT_ITEMSIZE)  # rows per (rank, expert): the dispatch's splits
+        for _ in range(4):
+            comms.add("all_to_all", tokens * k * H * item)
+    elif split > 1:  # every token on every rank: partial outputs all-reduced, and input and routing weight grads
+        for _ in range(2):
+            comms.add("all_reduce", tokens * H * item)
+        comms.add("all_reduce", tokens * k * item)
+    expert_bytes = site.expert_numel * item
+    dense_bytes = max(st.param_bytes - expert_bytes, 0.0)
+    local = dense_bytes + expert_bytes / split
+    gs_t, gs_b = dp.grad_sync(mc, expert_bytes / split,
+                              axes=tuple(a for a in mc.data_axes + mc.seq_axes if a != cand.axis))
+    d_t, d_b = dp.grad_sync(mc, dense_bytes)
+    state = local * mc.state_factor() / (mc.dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
+    return Cost(compute_s=compute, comm_s=comms.time_s + gs_t + d_t, comm_bytes=comms.bytes + gs_b + d_b,
+                memory_bytes=state + st.act_bytes / mc.dp + routed_bytes)

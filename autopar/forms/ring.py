@@ -1,0 +1,78 @@
+"""`ring`: ring attention (context parallelism) over the sequence axis.
+
+Everything holds s/p tokens in the zigzag layout (rank r holds chunks r and 2p-1-r of 2p, so causal
+work is balanced: a `ZIGZAG` directive on the axis); K/V circulate in p-1 steps while each block is
+computed, with the online-softmax merge in fp32 (`autopar.runtime.ring_attention`, an `ATTENTION`
+directive, mode ring). Backward circulates K/V again and the dK/dV accumulators (in the accumulation
+dtype: fp32 for half precision), p-1 steps each. Volume per layer (`layer_volume_bytes`): forward
+`2·b·s·h_kv·(p-1)/p` elements, backward the same plus the accumulators. Preconditions: SDPA (or
+explicit attention fused to it); no attention mask other than causal (a mask built from positions
+only and proved causal counts as causal); no attention dropout; sequence % 2p == 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.estimate import compute_s
+from autopar.forms import blocks
+from autopar.forms.base import Form, Role, register
+from autopar.plan import AttentionMode, Directive, DirectiveKind
+from autopar.sites import AttentionSite, Kind
+
+
+def ring_precondition(site: AttentionSite, p: int) -> str | None:
+    if site.spelling != "sdpa":
+        return (f"it is explicit matmul-softmax-matmul attention, not fused into SDPA: {site.unfused_why}. "
+                "Fix: 'heads' or 'replicate'")
+    if site.has_mask and not site.mask_causal:
+        why = site.mask_note or "it takes an explicit attention mask that is not a causal mask built from positions"
+        return f"{why}; ring attention supports is_causal or no mask. Fix: 'ulysses', 'heads' or 'replicate'"
+    if site.dropout:
+        return "attention dropout is not supported by ring attention. Fix: 'ulysses', 'heads' or 'replicate'"
+    if site.seq_len % (2 * p):
+        return (f"sequence {site.seq_len} does not split into 2x{p} zigzag chunks. Fix: pad the sequence to a "
+                f"multiple of {2 * p}, or 'ulysses'/'heads'/'replicate'")
+    return None
+
+
+def accumulator_itemsize(dtype: torch.dtype) -> int:
+    """dK/dV accumulate in fp32 for half precision, in the input dtype otherwise (`block_attention.acc_dtype`)."""
+    return max(4, torch.empty((), dtype=dtype).element_size())
+
+
+def layer_volume_bytes(b: int, s: int, h_kv: int, p: int, itemsize: int, acc_itemsize: int | None = None, *,
+                       backward: bool = True) -> float:
+    """Bytes each rank sends per layer: p-1 steps of its K,V block (2·b·(s/p)·h_kv) forward; backward K,V again
+    and the dK,dV accumulators (`acc_itemsize`, default the input's)."""
+    steps, block = p - 1, 2 * b * s / p * h_kv
+    fwd = steps * block * itemsize
+    bwd = steps * block * (itemsize + (acc_itemsize or itemsize))
+    return fwd + bwd if backward else fwd
+
+
+@register
+class Ring(Form):
+    name = "ring"
+    kinds = (Kind.ATTENTION,)
+    roles = (frozenset({Role.SEQUENCE}),)
+    sequence = True
+
+    def precondition(self, site: AttentionSite, sizes):
+        return ring_precondition(site, sizes[0])
+
+    def directives(self, site: AttentionSite, axes):
+        (axis,) = axes
+        return [Directive(kind=DirectiveKind.ATTENTION, node=site.node.name, axis=axis, value=AttentionMode.RING),
+                Directive(kind=DirectiveKind.ZIGZAG, node="", axis=axis)]
+
+    def cost(self, site: AttentionSite, st, cand, mc):
+        p = mc.size(cand.axis)
+        dtype = site.node.args[0].meta["val"].dtype
+        ratio = accumulator_itemsize(dtype) / torch.empty((), dtype=dtype).element_size()
+        block = 2 * st.io_bytes / mc.dp * site.kv_heads / site.heads  # this rank's K,V block
+        comms = blocks.Comms(mc, cand.axis)
+        for nbytes in [block] * (p - 1) + [block, ratio * block] * (p - 1):
+            comms.add("p2p", nbytes)
+        act = st.act_bytes / mc.dp + 2 * block  # K/V double buffer
+        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms, act=act)

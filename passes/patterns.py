@@ -1,0 +1,63 @@
+"""Graph patterns recognition passes share: ops that only move data, and walks to the linears behind or
+after a value."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from autopar.sites import LinearSite
+
+aten = torch.ops.aten
+
+# ops that move or rename data without mixing features across positions: recognisers see through them
+TRANSPARENT = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int, aten.permute.default,
+    aten.contiguous.default, aten.clone.default, aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+    aten.alias.default, aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.expand.default,
+    aten.slice.Tensor, aten.dropout.default, aten.squeeze.dim,
+}
+# what the walk back from q/k/v (and from logits) to their projections crosses: RoPE's mul/add/neg/cat, fused-QKV
+# splits (Bloom selects q/k/v out of a per-head (heads, 3, d) view, Falcon indexes its one KV head), the casts of q/k norms (Gemma 3's
+# `type_as`), and the elementwise scaling or soft-capping of logits (Granite's `div` by logits_scaling, Cohere's
+# `mul` by logit_scale, Gemma 2's `tanh(x / cap) * cap`)
+_BACK_THROUGH = TRANSPARENT | {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default,
+                               aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.select.int,
+                               aten.index.Tensor, aten.type_as.default, aten.div.Tensor, aten.tanh.default}
+
+
+def linears_behind(node: fx.Node, linear_nodes: dict[fx.Node, LinearSite]) -> list[LinearSite]:
+    """The linears whose outputs reach `node` through data movement, RoPE arithmetic and splits."""
+    found, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen or not isinstance(n, fx.Node):
+            continue
+        seen.add(n)
+        if n in linear_nodes:
+            found.append(linear_nodes[n])
+            continue
+        if n.op != "call_function" or not (n.target in _BACK_THROUGH or n.target is operator.getitem):
+            continue
+        for a in n.all_input_nodes:
+            if isinstance(a.meta.get("val"), (torch.Tensor, list, tuple)):
+                stack.append(a)
+    return found
+
+
+def linears_after(node: fx.Node, linear_nodes: dict[fx.Node, LinearSite]) -> list[LinearSite]:
+    """The linears that take `node` (through data movement only) as their input."""
+    found, seen, stack = [], set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in n.users:
+            if u in linear_nodes and linear_nodes[u].input is n:
+                found.append(linear_nodes[u])
+            elif u.op == "call_function" and u.target in TRANSPARENT:
+                stack.append(u)
+    return found
