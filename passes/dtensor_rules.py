@@ -7,7 +7,9 @@ returns the required input placements and the output placement, a list for multi
 How a decision is derived (`derive`):
 1. the node's arguments become an `OpSchema`: every tensor input a `DTensorSpec` on a 1-D mesh of n
    ranks built without a process group (`DeviceMesh(..., _init_backend=False)`), with the input's
-   *global* shape, stride and dtype (`meta["val"]`) and its placement on this axis; every other
+   *global* shape and dtype (`meta["val"]`), contiguous strides (placements do not depend on the layout, and
+   DTensor's decomposition of a composite op such as `matmul` fails on some non-contiguous inputs, e.g. the
+   transposed q of an explicit attention), and its placement on this axis; every other
    argument as it is (an fx node that is not a tensor, e.g. a SymInt, as its `meta["val"]`);
 2. DTensor's sharding propagator picks its cheapest strategy for those placements
    (`propagate_op_sharding_non_cached`): the placements it wants the inputs in (`redistribute_schema`,
@@ -38,7 +40,7 @@ without a rule), and `derive(...).reason` says why:
   forms take class indices only);
 - DTensor has no strategy for the op (neither registered nor through its decomposition), or raised.
 
-Decisions are cached by (op, input placements, axis size, input shapes/strides/dtypes, other
+Decisions are cached by (op, input placements, axis size, input shapes/dtypes, other
 arguments). DTensor's own rules have bugs: `tests/test_rule_check.py` checks every derived rule
 numerically as it checks autopar's; `DENY` lists the ops whose DTensor answer it finds wrong (replicated,
 with why) and `DIM_ARG` the ops asked with a normalised dim because DTensor mishandles a negative one.
@@ -148,7 +150,7 @@ def _freeze(a):
     if isinstance(a, fx.Node):
         v = a.meta.get("val")
         if isinstance(v, torch.Tensor):
-            return ("tensor", tuple(v.shape), tuple(v.stride()), v.dtype)
+            return ("tensor", tuple(v.shape), v.dtype)
         return ("node", _freeze(v) if isinstance(v, (int, float, bool)) else str(v))
     if isinstance(a, float) and math.isnan(a):
         return "nan"
@@ -159,11 +161,21 @@ def _freeze(a):
         return repr(a)
 
 
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))
+
+
 def _is_tensor_node(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
 def _schema(node: fx.Node, ins: list[Placement], n: int):
+    """The node as DTensor's dispatcher would see it, and the positions (among its tensor specs) of the specs
+    that stand for python scalars (`SCALAR_AS_TENSOR`)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, RuntimeSchemaInfo
@@ -174,21 +186,40 @@ def _schema(node: fx.Node, ins: list[Placement], n: int):
     def spec(a):
         if _is_tensor_node(a):
             v = a.meta["val"]
-            return DTensorSpec(mesh, (next(it),), TensorMeta(v.shape, v.stride(), v.dtype))
+            return DTensorSpec(mesh, (next(it),), TensorMeta(v.shape, _contiguous(v.shape), v.dtype))
         if isinstance(a, fx.Node):
             return a.meta.get("val")
         return a
 
+    target, scalar = ASKED_AS.get(node.target, (node.target, None))
     flat, tree = pytree.tree_flatten((_canonical_args(node), node.kwargs))
     flat = [spec(a) for a in flat]
     args, kwargs = pytree.tree_unflatten(flat, tree)
+    fake = None
+    if scalar is not None:  # the python scalar as the 0-d replicated tensor the composite op makes of it
+        fake = DTensorSpec(mesh, (R,), TensorMeta(torch.Size([]), (), node.meta["val"].dtype))
+        args = args[:scalar] + (fake,) + args[scalar + 1:]
     # as DTensor's dispatcher does: the op's runtime schema info, with pytree flattening where a list
     # argument holds tensors (cat, stack), so that DTensor sees the specs inside the list
     prop = DTensor._op_dispatcher.sharding_propagator
-    info = prop.op_to_schema_info.get(node.target) or prop.op_to_schema_info_for_single_dim_strategy.get(node.target)
+    info = prop.op_to_schema_info.get(target) or prop.op_to_schema_info_for_single_dim_strategy.get(target)
     if any(isinstance(a, (list, tuple)) and any(_is_tensor_node(x) for x in a) for a in node.args):
         info = dataclasses.replace(info, needs_pytree=True) if info is not None else RuntimeSchemaInfo(needs_pytree=True)
-    return OpSchema(node.target, tuple(args), dict(kwargs), schema_info=info)
+    schema = OpSchema(target, tuple(args), dict(kwargs), schema_info=info)
+    return schema, [i for i, x in enumerate(_specs_of(schema)) if x is fake]
+
+
+# Ops asked as another spelling of the same computation: (op asked, position of a python scalar asked as the 0-d
+# replicated tensor of the output's dtype that the composite op makes of it, or None).
+# - reshape as view: DTensor's reshape strategy does not turn a merge of an inner shard ((b, heads, s, d) ->
+#   (b*heads, s, d) with heads sharded: Bloom) into a `_StridedShard` (a reshape may copy), its view strategy does;
+#   the lowering's local reshape is the same for both;
+# - `where(c, x, 0.0)`: DTensor has no strategy for the scalar overloads, the composite op is `where.self`.
+ASKED_AS = {aten.reshape.default: (aten.view.default, None), aten.where.ScalarOther: (aten.where.self, 2),
+            aten.where.ScalarSelf: (aten.where.self, 1)}
+# Ops through which a partial input stays partial (a sum of partials): every other op gets its partial inputs
+# reduced first (asked with them replicated), the lowering sharing one reduction per value among its consumers.
+PARTIAL_SUMS = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
 
 
 # DTensor's scan strategy (cumsum, cumprod, logcumsumexp) compares the scanned dim with shard dims without
@@ -258,15 +289,19 @@ def _derive(node: fx.Node, tin: list[fx.Node], ins: list[Placement], n: int) -> 
     denied = DENY.get(node.target)
     if denied:
         return _replicated(node, ins, f"DTensor's answer is wrong here: {denied}")
+    if any(isinstance(p, Partial) for p in ins) and not (
+            node.target in PARTIAL_SUMS and len(tin) == 2 and all(isinstance(p, Partial) for p in ins)):
+        d = derive(node, tin, [R if isinstance(p, Partial) else p for p in ins], n)
+        return dataclasses.replace(d, reason=d.reason or "partial inputs reduced first")
     prop = DTensor._op_dispatcher.sharding_propagator
     try:
         with maybe_disable_local_tensor_mode():
-            schema = _schema(node, ins, n)
+            schema, scalars = _schema(node, ins, n)
             out = prop.propagate_op_sharding_non_cached(schema)
     except Exception as e:  # noqa: BLE001  (no strategy, or DTensor failed: replicate, say why)
         return _replicated(node, ins, f"DTensor has no answer: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
     specs = _specs_of(out.redistribute_schema) if out.redistribute_schema is not None else None
-    want = [s.placements[0] for s in specs] if specs is not None else list(ins)
+    want = [s.placements[0] for i, s in enumerate(specs) if i not in scalars] if specs is not None else list(ins)
     outs = out.output_spec
     multi = isinstance(outs, (list, tuple))
     out_pls = [s.placements[0] if s is not None else R for s in (outs if multi else [outs])] if outs is not None \

@@ -142,6 +142,20 @@ def _is_tensor_node(a) -> bool:
     return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
 
 
+def _writes_into_a_view(node: fx.Node) -> bool:
+    """An in-place op (`copy_`, `fill_`, `add_`...) whose destination is a view of another value (a slice of a
+    buffer): its write is seen through the viewed value, so the destination cannot be redistributed."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.arguments or schema.arguments[0].alias_info is None \
+            or not schema.arguments[0].alias_info.is_write:
+        return False
+    dst = node.args[0]
+    if isinstance(dst, fx.Node) and dst.target is operator.getitem:
+        dst = dst.args[0]
+    view = getattr(getattr(dst, "target", None), "_schema", None)
+    return view is not None and bool(view.returns) and view.returns[0].alias_info is not None
+
+
 def _local_numel(node: fx.Node, pls, sizes) -> int:
     shp = list(shape(node))
     numel = math.prod(shp)
@@ -361,6 +375,13 @@ class _Lowerer:
         if node.target in _VIEWS and tin:
             outs[0] = self._local_split_factors(tin[0], reqs[0], outs[0], node)
         outs_t = [tuple(o) for o in outs]
+        if tin and tuple(reqs[0]) != tuple(self.pl[tin[0]]) and _writes_into_a_view(node):
+            raise NotImplementedError(
+                f"{node.name} ({node.target}) in {module_path(node) or '<top>'} writes in place into "
+                f"{tin[0].name}, a view of another tensor, which its sharding rule needs as "
+                f"{fmt_placements(reqs[0])} but is {fmt_placements(self.pl[tin[0]])} (mesh axes {self.ctx.mesh.names}): "
+                "the write would land in a redistributed copy, not in the viewed tensor. Fix: keep that module "
+                "replicated (plan overrides), or write the op out of place in the model.")
         # emit redistributions, one per tensor input position
         new_inputs = []
         for t, req in zip(tin, reqs):
@@ -664,9 +685,11 @@ def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModu
     catches reductions of parameters, each later one the reductions of the previous round's bucketed
     values, so every axis of the chain gets one bucket (a later round's bucket is inserted after the
     earlier ones: in backward it runs first, as the chain's outer reduction did)."""
-    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
     bucketed = {n for n in gm.graph.nodes if n.op == "placeholder"}  # values a bucketable reduction reduces
-    while True:
+    # buckets and their items go right after the placeholders, each after the previous one (the first node after the
+    # placeholders may itself be a reduction this pass erases)
+    cursor = next((n for n in reversed(gm.graph.nodes) if n.op == "placeholder"), None)
+    while cursor is not None:
         groups: dict[tuple, list[fx.Node]] = {}
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target is C.grad_all_reduce and n.args[0] in bucketed:
@@ -676,19 +699,22 @@ def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModu
             return gm
         bucketed = set()
         for (axis, _), nodes in groups.items():
-            with gm.graph.inserting_before(first):
+            with gm.graph.inserting_after(cursor):
                 bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
+            cursor = bucket
             infos = [n.meta[M.COMM] for n in nodes]
             bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
                                            0, sum(i.bytes_backward for i in infos), "(gradient bucket)")
             bucket.meta["val"] = tuple(n.meta["val"] for n in nodes)
             for i, n in enumerate(nodes):
-                with gm.graph.inserting_before(first):
+                with gm.graph.inserting_after(cursor):
                     item = gm.graph.call_function(operator.getitem, (bucket, i))
+                cursor = item
                 item.meta.update({k: v for k, v in n.meta.items() if k != M.COMM})
                 n.replace_all_uses_with(item)
                 gm.graph.erase_node(n)
                 bucketed.add(item)
+    return gm
 
 
 def erase_asserts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
@@ -715,14 +741,24 @@ def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
                     node.target, node.args = aten.add.Tensor, (mm, b)
         elif node.target is aten.addmm.default:
             b, x, w = node.args[:3]
+            beta, alpha = arg(node, 3, "beta", 1), arg(node, 4, "alpha", 1)
             wpl = ctx.placements.get(getattr(w, "name", None), ())
             if any(is_shard(p) and p.dim == 0 for p in wpl):
                 with gm.graph.inserting_before(node):
                     mm = gm.graph.call_function(aten.mm.default, (x, w))
                     mm.meta.update(node.meta)
                     mm.meta["autopar_row_of"] = node.name
-                    node.target, node.args, node.kwargs = aten.add.Tensor, (mm, b), {}
+                    # beta * bias + alpha * (x @ w)
+                    prod = mm if alpha == 1 else _scaled(gm.graph, mm, alpha, node)
+                    b = b if beta == 1 else _scaled(gm.graph, b, beta, node)
+                    node.target, node.args, node.kwargs = aten.add.Tensor, (prod, b), {}
     return gm
+
+
+def _scaled(g: fx.Graph, x: fx.Node, factor, like: fx.Node) -> fx.Node:
+    y = g.call_function(aten.mul.Tensor, (x, factor))
+    y.meta.update({"val": x.meta["val"], "nn_module_stack": like.meta.get("nn_module_stack", {})})
+    return y
 
 
 def local_expert_stacks_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:

@@ -22,8 +22,9 @@ Nothing is skipped silently: an exception while lowering or running is a failure
 listed in `EXPECTED_ERRORS` (a clear error the lowering raises on purpose); an op whose global
 backward does not exist (e.g. `histc`) is checked forward only and says so in the outcome's note.
 
-Which rules are checked: `RULES` as it is, or any rule function for every op (`rules_replaced`,
-used to check the DTensor-derived rules of `passes.dtensor_rules` by the same harness).
+Which rules are checked: `RULES` as it is (its DTensor-derived and its own entries alike), or any rule
+function for every op (`rules_replaced`: DTensor's answer for the ops that keep an own rule or have none,
+an old rule reinstated to show the check catches it).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class Outcome:
     decision: str = ""  # what the lowered graph does, node by node
     error: float = 0.0  # largest absolute error
     note: str = ""
+    lowering_notes: list[str] = field(default_factory=list)  # what the lowering noted (`LowerContext.notes`)
 
     def line(self) -> str:
         pls = ",".join(fmt(p) for p in self.placements) or "-"
@@ -208,12 +210,6 @@ def build_graph(sample: Sample, out_val) -> tuple[fx.GraphModule, list[str]]:
             ph.meta["val"] = _meta(a)
             names.append(ph.name)
             flat[i] = ph
-    # A model's graph never starts with a collective the lowering inserts: an unused first node (removed
-    # as dead code at the end) keeps the lowering's "first non-placeholder node" fixed. Without it,
-    # bucketing two parameter-gradient reductions erases the node it inserts before
-    # (`test_lowering_buckets_grads_of_the_first_op`).
-    anchor = g.call_function(torch.ops.aten.scalar_tensor.default, (0.0,), {"dtype": torch.float64})
-    anchor.meta["val"] = torch.empty((), dtype=torch.float64, device="meta")
     args, kwargs = pytree.tree_unflatten(flat, spec)
     node = g.call_function(sample.op, tuple(args), dict(kwargs))
     node.meta["val"] = _meta(out_val)
@@ -254,12 +250,10 @@ def rules_replaced(rule_for: Callable[[object], Callable | None]):
     ops' rules in `RULES` come back afterwards. `passes.lower` reads the same dict object."""
     saved = dict(RULES)
     ops = set(saved) | set(getattr(rule_for, "extra_ops", ()))
+    new = {op: rule_for(op) for op in ops}  # asked before the swap: rule_for may read RULES as it is
     try:
         RULES.clear()
-        for op in ops:
-            r = rule_for(op)
-            if r is not None:
-                RULES[op] = r
+        RULES.update({op: r for op, r in new.items() if r is not None})
         yield
     finally:
         RULES.clear()
@@ -416,7 +410,7 @@ def check_case(sample: Sample, placements: tuple[Placement, ...], n: int, mesh_i
                         return Outcome(sample, n, placements, False, "backward",
                                        f"gradient of input {j} ({fmt(p)}) on rank {rank}: {_what(v, want)}",
                                        decision, e, note)
-    return Outcome(sample, n, placements, True, "ok", "", decision, 0.0, note)
+    return Outcome(sample, n, placements, True, "ok", "", decision, 0.0, note, list(ctx.notes))
 
 
 def _what(got: torch.Tensor, want: torch.Tensor) -> str:

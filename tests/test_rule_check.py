@@ -1,18 +1,18 @@
 """Every sharding rule, checked numerically op by op, forward and backward, fp64 (see `rule_check.py`).
 
-- `test_rule[...]`: autopar's own rules (`passes.rules.RULES`). One test per op and mesh-axis size:
-  every sample of the op (`rule_samples.py`) under every combination of input placements (R, S(d)
-  for each dim that divides, P for floating inputs, `_StridedShard` where a sample asks), lowered
-  by the real `lower_pass` and run on simulated ranks, against the op on the full inputs.
-- `test_dtensor_rule[...]`: the rules derived from DTensor's strategies (`passes.dtensor_rules`),
-  used for every op of the graph, checked the same way on the ops of `RULES` and on ops real graphs
-  hold that have no autopar rule (`rule_samples.EXTRA_OPS`). By default the first
-  `DTENSOR_MAX_SAMPLES` samples of an op try at most `DTENSOR_MAX_COMBOS` placement combinations each,
-  on an axis of 2 (DTensor's decomposition-based propagation, e.g. for SDPA, costs ~0.3 s a query);
-  `RULECHECK_FULL=1` checks every sample and combination, on axes of 2 and 4.
+- `test_rule[...]`: every op of `passes.rules.RULES`, the DTensor-derived entries and autopar's own alike. One
+  test per op and mesh-axis size: every sample of the op (`rule_samples.py`) under every combination of input
+  placements (R, S(d) for each dim that divides, P for floating inputs, `_StridedShard` where a sample asks; at
+  most `rule_check.MAX_COMBOS` per sample, in a fixed order), lowered by the real `lower_pass` and run on
+  simulated ranks, against the op on the full inputs. Axes of 2, and 4 where a sample asks.
+- `test_unruled_ops_are_replicated_and_noted`: an op without a rule gathers its sharded inputs, computes right,
+  and the lowering notes it.
+- `RULECHECK_FULL=1` checks every combination (no cap) and adds `test_dtensor_alternative[...]`: DTensor's
+  derived answer for the ops that keep an own rule and for ops without a rule (`rule_samples.EXTRA_OPS`), the
+  evidence for moving an op to DTensor or adding one to the table.
 
-A failure lists every failing (sample, placements): what the lowered graph did, node by node, and
-how far off which output or gradient is, on which rank.
+A failure lists every failing (sample, placements): what the lowered graph did, node by node, and how far off
+which output or gradient is, on which rank.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import autopar  # noqa: F401  (import order: passes.rules needs autopar first)
-from autopar.spec import P, R
+from autopar.spec import P, R, Shard
+from passes import meta as M
 from passes.dtensor_rules import dtensor_rule
 from passes.rules import RULES
 from rule_check import Sample, check_sample, rules_replaced
@@ -31,10 +32,9 @@ from rule_samples import EXTRA_OPS, samples_for
 
 aten = torch.ops.aten
 FULL = os.environ.get("RULECHECK_FULL") == "1"
-DTENSOR_MAX_COMBOS = None if FULL else 6
-DTENSOR_MAX_SAMPLES = None if FULL else 3
+MAX_COMBOS = 10**9 if FULL else None  # None: rule_check.MAX_COMBOS
 RULE_OPS = sorted(RULES, key=str)
-DTENSOR_OPS = RULE_OPS + [op for op in EXTRA_OPS if op not in RULES]
+OWN_OPS = [op for op in RULE_OPS if RULES[op] is not dtensor_rule]
 
 
 def _cases(ops, worlds):
@@ -71,7 +71,21 @@ def test_every_rule_has_samples():
 
 @pytest.mark.parametrize("op, n", _cases(RULE_OPS, (2, 4)))
 def test_rule(op, n, local_world, fp64):
-    assert_all_ok(op, run(samples_for(op), n, local_world))
+    assert_all_ok(op, run(samples_for(op), n, local_world, MAX_COMBOS))
+
+
+def test_unruled_ops_are_replicated_and_noted(local_world, fp64):
+    """An op without a rule: its sharded inputs are gathered (never a guess), the result is right, and the
+    lowering notes the replication ("... no sharding rule ...")."""
+    ops = [op for op in EXTRA_OPS if op not in RULES]
+    assert ops
+    for op in ops:
+        sample = samples_for(op)[0]
+        shard = next(i for i, t in enumerate(sample.tensors) if t.dim() and t.shape[0] % 2 == 0)
+        pls = tuple(Shard(0) if i == shard else R for i in range(len(sample.tensors)))
+        (o,) = run([Sample(**{**sample.__dict__, "only": [pls], "worlds": (2,)})], 2, local_world)
+        assert o.ok, o.line()
+        assert any("no sharding rule" in note and str(op) in note for note in o.lowering_notes), (op, o.lowering_notes)
 
 
 def _dtensor_everywhere(op):
@@ -81,24 +95,26 @@ def _dtensor_everywhere(op):
 _dtensor_everywhere.extra_ops = EXTRA_OPS
 
 
-@pytest.mark.parametrize("op, n", _cases(DTENSOR_OPS, (2, 4) if FULL else (2,)))
-def test_dtensor_rule(op, n, local_world, fp64):
-    with rules_replaced(_dtensor_everywhere):
-        outcomes = run(samples_for(op)[:DTENSOR_MAX_SAMPLES], n, local_world, DTENSOR_MAX_COMBOS)
-    assert_all_ok(op, outcomes)
+if FULL:
+    @pytest.mark.parametrize("op, n", _cases(OWN_OPS + [op for op in EXTRA_OPS if op not in RULES], (2, 4)))
+    def test_dtensor_alternative(op, n, local_world, fp64):
+        """What DTensor's derived rule would do for an op that keeps autopar's own rule or has none."""
+        with rules_replaced(_dtensor_everywhere):
+            outcomes = run(samples_for(op), n, local_world, MAX_COMBOS)
+        assert_all_ok(op, outcomes)
 
 
 # Ops with floating inputs and outputs but no gradient to check (the output does not depend on the
 # values differentiably, or the op has no derivative): their check is forward only. Ops with integer or
 # boolean outputs (comparisons, argmax, one_hot) have no backward at all.
-FORWARD_ONLY = {"histc", "bincount", "detach", "zeros_like", "ones_like", "full_like", "new_ones", "new_zeros",
-                "new_full", "new_empty", "type_as"}
+FORWARD_ONLY = {"histc", "bincount", "detach", "detach_", "zeros_like", "ones_like", "full_like", "new_ones",
+                "new_zeros", "new_full", "new_empty", "type_as"}
 
 
 def test_forward_only_ops_are_the_known_ones(local_world, fp64):
     """Nothing is skipped silently: the samples checked forward only (no gradient flows through the op)
     are exactly those of FORWARD_ONLY."""
-    samples = [s for op in DTENSOR_OPS for s in samples_for(op)]
+    samples = [s for op in RULE_OPS + EXTRA_OPS for s in samples_for(op)]
     seen = set()
     for o in run([Sample(**{**s.__dict__, "only": [tuple(R for _ in s.tensors)], "worlds": (2,)}) for s in samples],
                  2, local_world):
@@ -119,32 +135,74 @@ def test_checker_flags_partial_plus_constant(local_world, fp64):
             bad, good = run([Sample(**{**sample.__dict__, "worlds": (n,)})], n, local_world)
             assert not bad.ok and bad.kind == "forward" and bad.error == pytest.approx((n - 1) * 1e-6, rel=1e-6), bad.line()
             assert good.ok, good.line()
+    (today,) = run([Sample(**{**sample.__dict__, "only": [(P,)]})], 2, local_world)
+    assert today.ok and "all_reduce" in today.decision, today.line()  # the table's rule reduces first
 
 
-def test_lowering_buckets_grads_of_the_first_op(local_world, fp64):
-    """passes.lower._bucket_parameter_gradients inserts its buckets before the graph's first
-    non-placeholder node; when that node is itself one of the bucketed `grad_all_reduce`s (the first op
-    of the graph consumes two replicated parameters into a sharded output) it is erased mid-way and the
-    graph comes out out of order ("used before it has been defined"). The rule check keeps an unused
-    first node in its graphs to stay clear of it; this test builds the graph without it."""
+# ----------------------------------------------------------------------------- lowering bugs the checker found
+
+def _one_node_graph(op, named: dict, out_val, args=None):
+    from torch import fx
+
+    g = fx.Graph()
+    phs = {}
+    for name, t in named.items():
+        phs[name] = g.placeholder(name)
+        phs[name].meta["val"] = torch.empty_like(t, device="meta")
+    node = g.call_function(op, tuple(phs[a] if isinstance(a, str) and a in phs else a
+                                     for a in (args or list(named))))
+    node.meta["val"] = torch.empty_like(out_val, device="meta")
+    return g, node
+
+
+def _lower(local_world, g, placements):
     from torch import fx
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.mesh import mesh_info
-    from autopar.spec import Shard
     from passes.lower import LowerContext, lower_pass
 
-    x, w, b = torch.randn(4, 6), torch.randn(8, 6), torch.randn(8)
-    g = fx.Graph()
-    phs = []
-    for name, t in (("x", x), ("w", w), ("b", b)):
-        ph = g.placeholder(name)
-        ph.meta["val"] = torch.empty_like(t, device="meta")
-        phs.append(ph)
-    node = g.call_function(aten.linear.default, tuple(phs))
-    node.meta["val"] = torch.empty(4, 8, device="meta")
-    g.output(node)
     with local_world(2):
         info = mesh_info(init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-        ctx = LowerContext(info, {"x": (Shard(0),), "w": (R,), "b": (R,)}, set())
-        lower_pass(fx.GraphModule(torch.nn.Module(), g), ctx)
+        return lower_pass(fx.GraphModule(torch.nn.Module(), g), LowerContext(info, placements, set()))
+
+
+def test_lowering_buckets_grads_of_the_first_op(local_world, fp64):
+    """`bucket_gradients_pass` used to insert its buckets before the graph's first non-placeholder node; when that
+    node was itself one of the bucketed `grad_all_reduce`s (the first op of the graph consumes two replicated
+    parameters into a sharded output) it was erased mid-way and the graph came out of order ("used before it has
+    been defined"). The buckets now follow the placeholders."""
+    from autopar.runtime import collectives as C
+
+    x, w, b = torch.randn(4, 6), torch.randn(8, 6), torch.randn(8)
+    g, node = _one_node_graph(aten.linear.default, {"x": x, "w": w, "b": b}, torch.randn(4, 8))
+    g.output(node)
+    gm = _lower(local_world, g, {"x": (Shard(0),), "w": (R,), "b": (R,)})
+    (bucket,) = [n for n in gm.graph.nodes if n.target is C.grad_sync_bucket]
+    assert [a.name for a in bucket.args[0]] == ["w", "b"]
+    linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
+    assert [a.args for a in linear.args[1:]] == [(bucket, 0), (bucket, 1)]
+
+
+def test_in_place_write_into_a_redistributed_view_is_refused(local_world, fp64):
+    """`buf[:, :4].copy_(src)` writes through a view: were the view redistributed (a copy), `buf` would never see
+    the write. Where a rule asks for that, the lowering refuses with a clear error instead of a wrong result."""
+    def gathers_self(node, tin, ins, n):
+        return [R] * len(ins), R
+
+    def graph():
+        buf, src = torch.randn(4, 8), torch.randn(4, 4)
+        g, view = _one_node_graph(aten.slice.Tensor, {"buf": buf}, buf[:, :4], ["buf", 1, 0, 4])
+        src_ph = g.placeholder("src")
+        src_ph.meta["val"] = torch.empty_like(src, device="meta")
+        write = g.call_function(aten.copy_.default, (view, src_ph))
+        write.meta["val"] = torch.empty_like(src, device="meta")
+        g.output(view.args[0])
+        return g
+
+    placed = {"buf": (Shard(0),), "src": (Shard(0),)}
+    with rules_replaced(lambda op: gathers_self if op is aten.copy_.default else RULES.get(op)):
+        with pytest.raises(NotImplementedError, match="writes in place into slice.*a view of another tensor.*Fix:"):
+            _lower(local_world, graph(), placed)
+    gm = _lower(local_world, graph(), placed)  # the table's copy_ (DTensor's) writes into the view as it is
+    assert next(n for n in gm.graph.nodes if n.target is aten.copy_.default).meta[M.PLACEMENTS] == (Shard(0),)
