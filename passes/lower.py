@@ -41,12 +41,11 @@ from autopar.mesh import MeshInfo
 from autopar.plan import AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
 from autopar.runtime import ops as O
-from autopar.runtime import opaque as _opaque  # noqa: F401  (registers autopar::opaque)
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
                           is_shard, placement_from_str)
 from cost_model.analytical import send_bytes
 from passes import meta as M
-from passes.rules import RULES, arg, replicate_rule, shape
+from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
 aten = torch.ops.aten
 
@@ -354,7 +353,7 @@ class _Lowerer:
             rule = _local_stack_rule
         if rule is None:
             rule = replicate_rule
-            if any(p != R for t in tin for p in self.pl[t]) and node.target is not torch.ops.autopar.opaque.default:
+            if any(p != R for t in tin for p in self.pl[t]) and node.target not in REPLICATED_ON_PURPOSE:
                 self.ctx.notes.append(
                     f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: no sharding rule, "
                     "its sharded inputs are gathered")

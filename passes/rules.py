@@ -22,9 +22,10 @@ Both kinds are checked the same way, op by op: `tests/test_rule_check.py` lowers
 every combination of input placements (R, S(d), `_StridedShard`, P; scalars and broadcasting) on simulated
 ranks and compares the output and every input gradient with the op on full inputs, fp64 (`tests/rule_check.py`).
 
-An op without a rule is replicated: every input is made `R` and the output is `R`; the lowering reports it
-("replicated: no sharding rule for aten.X"). Never a guess. `tests/test_rule_check.py` lists the ops of the
-test models' graphs that are replicated on purpose (`REPLICATED_ON_PURPOSE`).
+An op without a rule is replicated: every input is made `R` and the output is `R`; the lowering notes it
+("replicated ... no sharding rule, its sharded inputs are gathered"). Never a guess. Every op in the graphs of the
+test models (the Hugging Face zoo, `autopar.models`) has a rule or is in `REPLICATED_ON_PURPOSE`, with why
+(`tests/test_model_ops.py`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from torch import fx
 
 import autopar.runtime.moe  # noqa: F401  (registers autopar::moe_experts)
+import autopar.runtime.opaque  # noqa: F401  (registers autopar::opaque)
 from autopar.spec import P, R, Placement, Partial, Shard, _StridedShard, is_shard, with_dim
 from passes.dtensor_rules import dtensor_rule
 
@@ -427,3 +429,11 @@ FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, ate
              aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
              aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default]
 register(*FACTORIES)(replicate_rule)
+
+# Ops without a rule on purpose (the lowering gathers their sharded inputs), each with why; the lowering does not
+# note them again where their replication is noted elsewhere.
+REPLICATED_ON_PURPOSE: dict[object, str] = {
+    torch.ops.autopar.opaque.default: (
+        "a submodule torch.export cannot trace (data-dependent control flow), run whole on every rank; capture "
+        "notes it ('captured as one opaque node')"),
+}
