@@ -20,6 +20,16 @@ How a decision is derived (`derive`):
 3. the answer is translated into autopar's placements, which are torch's own (`autopar.spec`):
    `Replicate`, `Shard`, `_StridedShard` and `Partial("sum")` carry over as they are.
 
+Two choices are autopar's, not DTensor's:
+- a `Partial` input is reduced at its first consumer, except in a sum of two partials (`PARTIAL_SUMS`):
+  DTensor is asked with the partial inputs replicated. (DTensor keeps a partial through `mul`, `div`,
+  views and casts; the lowering shares one reduction of a value among its consumers, so a partial kept
+  past a consumer that reduced it is reduced twice: RMSNorm's `x * rsqrt(mean(x^2))` after a
+  row-parallel output would all-reduce `x` for the mean and the product again.)
+- some ops are asked in another spelling of the same computation (`ASKED_AS`): `reshape` as `view`
+  (DTensor's reshape strategy does not merge an inner shard into a `_StridedShard`), `where` with a
+  python scalar as `where.self` with a 0-d replicated tensor (no strategy for the scalar overloads).
+
 What autopar's lowering cannot realise is replicated instead (every input `R`, outputs `R`, as an op
 without a rule), and `derive(...).reason` says why:
 - a `Partial` whose reduce op is not sum (`avg`, `max`, `min`, a norm's `_NormPartial`): the lowering
@@ -36,14 +46,14 @@ without a rule), and `derive(...).reason` says why:
   does not rewrite them (it does for view, reshape, _unsafe_view, unflatten, expand and split sizes);
 - the lowering swaps the op for a parallel form that computes something else for that decision
   (`LOCAL_FORM_CONFLICTS`: `view_as`/`reshape_as`/`expand_as` take their shape from a tensor the
-  lowering leaves global, vocab-parallel embedding ignores `padding_idx`, the sharded cross-entropy
-  forms take class indices only);
+  lowering leaves global, the sharded cross-entropy forms take class indices only);
 - DTensor has no strategy for the op (neither registered nor through its decomposition), or raised.
 
-Decisions are cached by (op, input placements, axis size, input shapes/dtypes, other
-arguments). DTensor's own rules have bugs: `tests/test_rule_check.py` checks every derived rule
-numerically as it checks autopar's; `DENY` lists the ops whose DTensor answer it finds wrong (replicated,
-with why) and `DIM_ARG` the ops asked with a normalised dim because DTensor mishandles a negative one.
+Decisions are cached by (op, input placements, axis size, input shapes/dtypes, other arguments): a
+model's repeated layers ask once. `passes.rules` registers `dtensor_rule` for the ops in `FROM_DTENSOR`.
+DTensor's own rules have bugs: `tests/test_rule_check.py` checks every entry of the rule table
+numerically, derived or own; `DENY` lists the ops whose DTensor answer it finds wrong (replicated, with
+why) and `DIM_ARG` the ops asked with a normalised dim because DTensor mishandles a negative one.
 """
 
 from __future__ import annotations
@@ -83,14 +93,6 @@ def _shape_from_tensor(node, req, out) -> str | None:
     return None
 
 
-def _embedding_padding(node, req, out) -> str | None:
-    # Drop once vocab_parallel_embedding honours padding_idx: the rule check then passes without it.
-    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
-    if padding_idx != -1 and isinstance(req[0], Shard) and req[0].dim == 0:
-        return "vocab_parallel_embedding (the lowering's masked lookup) ignores padding_idx: the padding row would get a gradient"
-    return None
-
-
 def _soft_targets(node, req, out) -> str | None:
     target = node.args[1].meta["val"]
     if target.dtype.is_floating_point and any(not isinstance(p, Replicate) for p in list(req) + _as_list(out)):
@@ -105,7 +107,6 @@ LOCAL_FORM_CONFLICTS = {
     aten.view_as.default: _shape_from_tensor,
     aten.reshape_as.default: _shape_from_tensor,
     aten.expand_as.default: _shape_from_tensor,
-    aten.embedding.default: _embedding_padding,
     aten.cross_entropy_loss.default: _soft_targets,
 }
 

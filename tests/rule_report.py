@@ -1,4 +1,8 @@
-"""Compare autopar's sharding rules with the DTensor-derived ones, op by op, and check both.
+"""Compare the rule table with DTensor's derived rule on every op, op by op, and check both.
+
+The table (`passes.rules.RULES`, "autopar" below) holds DTensor-derived entries and autopar's own; for a derived
+entry both columns agree, so the comparison says something for the ops that keep an own rule (why they do) and for
+the ops without a rule (`rule_samples.EXTRA_OPS`: what DTensor would answer, the evidence for adding one).
 
     PYTHONPATH=.:tests OMP_NUM_THREADS=1 python tests/rule_report.py [--ops aten.add.Tensor,...] [--out FILE]
 

@@ -59,8 +59,37 @@ def test_vocab_parallel_embedding_is_the_lowerings_masked_lookup():
     node, tin = node_of(aten.embedding.default, torch.randn(16, 8), torch.randint(0, 16, (2, 4)))
     assert dtensor_rule(node, tin, [Shard(0), R], 2) == ([Shard(0), R], P)
     node, tin = node_of(aten.embedding.default, torch.randn(16, 8), torch.randint(0, 16, (2, 4)), 0)
-    d = derive(node, tin, [Shard(0), R], 2)
-    assert (d.req, d.out) == ((R, R), R) and "padding_idx" in d.reason
+    assert dtensor_rule(node, tin, [Shard(0), R], 2) == ([Shard(0), R], P)  # the masked lookup keeps padding_idx
+
+
+def test_partials_are_reduced_at_their_first_consumer():
+    """DTensor keeps P through mul (P * R -> P); autopar reduces first, so that a value reduced for one consumer is
+    not reduced again after another."""
+    node, tin = node_of(aten.mul.Tensor, torch.randn(4, 6), torch.randn(4, 1))
+    d = derive(node, tin, [P, R], 2)
+    assert (d.req, d.out) == ((R, R), R) and "partial inputs reduced first" in d.reason
+    node, tin = node_of(aten.add_.Tensor, torch.randn(4, 6), torch.randn(4, 6))
+    assert dtensor_rule(node, tin, [P, P], 2) == ([P, P], P)  # a sum of partials (Falcon's mlp_out += attn_out)
+
+
+def test_reshape_is_asked_as_view():
+    """(b, heads, s, d) -> (b*heads, s, d) with heads sharded: a strided shard of the merged dim (Bloom), which
+    DTensor's reshape strategy would gather."""
+    node, tin = node_of(aten.reshape.default, torch.randn(4, 4, 16, 8), [16, 16, 8])
+    assert dtensor_rule(node, tin, [Shard(1)], 2) == ([Shard(1)], _StridedShard(0, split_factor=4))
+
+
+def test_where_with_a_python_scalar():
+    node, tin = node_of(aten.where.ScalarOther, torch.rand(4, 6) > 0.5, torch.randn(2, 4, 6), -1e4)
+    assert dtensor_rule(node, tin, [Shard(0), Shard(1)], 2) == ([Shard(0), Shard(1)], Shard(1))
+
+
+def test_layout_does_not_matter():
+    """The explicit attention's q @ k^T with q transposed (non-contiguous): DTensor's matmul decomposition fails on
+    its strides, not on its placements."""
+    q = torch.randn(4, 16, 4, 8).transpose(1, 2)
+    node, tin = node_of(aten.matmul.default, q, torch.randn(4, 4, 8, 16))
+    assert dtensor_rule(node, tin, [Shard(1), Shard(1)], 2) == ([Shard(1), Shard(1)], Shard(1))
 
 
 def test_partial_max_falls_back_with_a_reason():
