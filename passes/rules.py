@@ -95,22 +95,22 @@ ELEMENTWISE = [
     aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten._to_copy.default, aten.type_as.default,
     aten.dropout.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
-    aten.where.ScalarOther, aten.where.ScalarSelf,
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor, aten.lt.Scalar,
     aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor,
     aten.logical_not.default, aten.logical_and.default, aten.bitwise_not.default,
     aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.minimum.default,
-    aten.maximum.default, aten.min.other, aten.max.other, aten.clamp.default, aten.clamp.Tensor,
-    aten.float_power.Tensor_Scalar, aten.square.default,
+    aten.maximum.default, aten.clamp.default, aten.float_power.Tensor_Scalar, aten.square.default,
     aten.softplus.default, aten.log1p.default, aten.expm1.default, aten.mish.default,
     aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.relu6.default,
     aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Scalar, aten.mul_.Scalar,
-    aten.masked_fill_.Scalar, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default, aten.detach_.default,
 ]
 OWN_POINTWISE = {aten.to.device, aten.to.dtype_layout, aten.dropout.default}
 
 FROM_DTENSOR = [op for op in ELEMENTWISE if op not in OWN_POINTWISE] + [
+    # more pointwise ops, and in-place writes (DTensor keeps the written tensor's placement)
+    aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other, aten.clamp.Tensor,
+    aten.masked_fill_.Scalar, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default, aten.detach_.default,
     # views and shape ops (their shape arguments are rewritten to local sizes by the lowering: `_local_shape`)
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
     aten.unflatten.int, aten.unsqueeze.default, aten.expand.default, aten.permute.default, aten.transpose.int,
