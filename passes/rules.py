@@ -209,9 +209,9 @@ def map_view_dim(a, b, d: int, n: int, p: Placement) -> Placement | None:
 
 @register(aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims, aten.view_as.default, aten.reshape_as.default)
 def view_rule(node, tin, ins, n) -> Decision:
-    """squeeze: DTensor rewrites its dims argument to local sizes, which the lowering does not; view_as/reshape_as:
-    DTensor derives them from a decomposition that replicates the shape tensor; here `other` is placed like the
-    output, so that its local shape is the output's."""
+    """squeeze: DTensor rewrites its arguments for the local shards, which the lowering does not; view_as/reshape_as:
+    the shape comes from `other`, which DTensor leaves as it is (its local shape is then not the output's); here
+    `other` is placed like the output."""
     p = ins[0]
     req = [R] * len(ins)
     if not is_shard(p):
@@ -255,8 +255,8 @@ def _linear_like(x_p, w_p, x_nd, w_in_dim: int, bias: bool) -> tuple[Placement, 
     if is_shard(w_p) and w_p.dim == w_out_dim:  # column-parallel
         return R, w_p, with_dim(w_p, last)
     if is_shard(w_p) and w_p.dim == w_in_dim:  # row-parallel: x sharded alike on features -> partial sums
-        if bias:  # a bias joins partial sums only after the reduction: decompose_row_bias_pass splits it off
-            return R, R, R  # (parameters); a weight computed in the graph is gathered
+        if bias:  # the bias joins after the reduction: decompose_row_bias_pass splits it off a parameter weight;
+            return R, R, R  # a row-sharded weight computed in the graph is gathered instead
         return with_dim(w_p, last), w_p, P
     # replicated weight
     if is_shard(x_p) and x_p.dim < last:
@@ -266,9 +266,9 @@ def _linear_like(x_p, w_p, x_nd, w_in_dim: int, bias: bool) -> tuple[Placement, 
 
 @register(aten.linear.default)
 def linear_rule(node, tin, ins, n) -> Decision:
-    """Column- and row-parallel linear layers. DTensor derives linear from its decomposition (t, then addmm/mm), in
-    which a row-parallel bias would be added on every rank before the reduction; here it is added once after it
-    (`passes.lower.decompose_row_bias_pass`)."""
+    """Column- and row-parallel linear layers. DTensor derives linear from its decomposition, which cannot add a
+    row-parallel product's bias after the reduction (it asks for the bias as a partial, which no collective of the
+    lowering makes, or has no answer); here the bias is added once, after it (`decompose_row_bias_pass`)."""
     bias = len(tin) > 2
     xr, wr, out = _linear_like(ins[0], ins[1], ndim(tin[0]), 1, bias)
     req = [xr, wr]
@@ -316,7 +316,8 @@ def bincount_rule(node, tin, ins, n) -> Decision:
 @register(aten.embedding.default)
 def embedding_rule(node, tin, ins, n) -> Decision:
     """Vocab-parallel (rows sharded: the lowering's masked lookup, padding_idx kept), hidden-sharded, or ids
-    sharded. DTensor's vocab-parallel answer is a `_MaskPartial`, which the lowering does not carry."""
+    sharded. DTensor gathers a row-sharded table whose ids are sharded on the same axis, undoing the plan's
+    vocab-parallel form; here the ids are gathered (they are small)."""
     w, ids = ins
     out_nd = ndim(node)
     if is_shard(w) and w.dim == 0 and not isinstance(w, _StridedShard):
@@ -331,7 +332,8 @@ def embedding_rule(node, tin, ins, n) -> Decision:
 @register(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node, tin, ins, n) -> Decision:
     """Batch- or heads-parallel attention, GQA's fewer KV heads picked per rank (`gqa_kv_heads`); Ulysses, ring and
-    zigzag come from the plan's directives (`passes.lower._ulysses_rule`). DTensor has no strategy for SDPA on CPU."""
+    zigzag come from the plan's directives (`passes.lower._ulysses_rule`). DTensor answers only through the math
+    decomposition, without GQA's KV-head selection (with fewer KV heads than ranks it gathers the queries)."""
     q = ins[0]
     has_mask = len(tin) > 3
     sq, sk = shape(tin[0]), shape(tin[1])
