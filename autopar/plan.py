@@ -24,6 +24,7 @@ class DirectiveKind(str, enum.Enum):
     EXPERTS = "experts"  # MoE experts `node` has its experts sharded over `axis`
     GATHER = "gather"  # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP)
     ZIGZAG = "zigzag"  # shards of a dim over `axis` use the zigzag layout (context parallelism)
+    CAUSAL_MASK = "causal_mask"  # attention `node`'s mask is the causal mask: ring over `axis` drops it, is_causal
 
 
 class AttentionMode(str, enum.Enum):

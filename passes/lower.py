@@ -75,6 +75,7 @@ class LowerContext:
     hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: AttentionMode}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
+    causal_masks: set = field(default_factory=set)  # sdpa node names whose mask is the causal mask (recognised)
     moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
     notes: list[str] = field(default_factory=list)
 
@@ -116,6 +117,8 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.hints.setdefault("row:" + d.node, {})[ax] = placement_from_str(d.value)
         elif d.kind is DirectiveKind.ATTENTION:
             ctx.attention_modes.setdefault(d.node, {})[ax] = AttentionMode(d.value)
+        elif d.kind is DirectiveKind.CAUSAL_MASK:
+            ctx.causal_masks.add(d.node)
         elif d.kind is DirectiveKind.EXPERTS:
             ctx.moe_axes[d.node] = ax
     ctx.zigzag_axes = tuple(sorted(zigzag))
@@ -531,8 +534,18 @@ def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
         a = node.args
         causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
         scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
+        mask = a[3] if len(a) > 3 else node.kwargs.get("attn_mask")
+        if mask is not None:  # recognition proved it the causal mask (`passes.masks`); it is dead after this
+            if node.name not in lw.ctx.causal_masks:
+                raise ValueError(f"attention {node.name} ({module_path(node)}) runs as ring attention but takes a mask "
+                                 "the plan does not say is causal: ring attention supports is_causal or no mask. "
+                                 "Fix: re-plan (ring is offered only where the mask is the causal mask)")
+            causal = True
+        k, v = _kv_before_repeat(lw, a[1]), _kv_before_repeat(lw, a[2])
+        if k is None or v is None:  # ring attention takes grouped K/V itself: circulate the KV heads only
+            k, v = a[1], a[2]
         node.target = ring_attention
-        node.args = (a[0], a[1], a[2], lw.axes[ring[0]].key)
+        node.args = (a[0], k, v, lw.axes[ring[0]].key)
         node.kwargs = {"causal": causal, "scale": scale}
         return
     q_heads = shape(node.args[0])[1]
@@ -550,6 +563,25 @@ def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+
+
+def _kv_before_repeat(lw: _Lowerer, kv: fx.Node) -> fx.Node | None:
+    """The grouped K or V behind a `repeat_kv` expansion (Hugging Face's
+    `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`), if it is placed as the expansion is, so
+    that local query head i still uses local KV head i // n; else None."""
+    if kv.target not in _VIEWS or len(shape(kv)) != 4:
+        return None
+    ex = kv.args[0]
+    if not isinstance(ex, fx.Node) or ex.target is not aten.expand.default or len(ex.users) != 1:
+        return None
+    un = ex.args[0]
+    if not isinstance(un, fx.Node) or un.target is not aten.unsqueeze.default or un.args[1] != 2:
+        return None
+    x = un.args[0]
+    (b, h, s, d), (b2, h_kv, n, s2, d2) = shape(kv), shape(ex)
+    if (b2, h_kv * n, s2, d2) != (b, h, s, d) or tuple(shape(x)) != (b, h_kv, s, d) or lw.pl.get(x) != lw.pl.get(kv):
+        return None
+    return x
 
 
 def placement_hint(x: torch.Tensor, spec: dict) -> torch.Tensor:

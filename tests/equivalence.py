@@ -24,6 +24,7 @@ class Result:
     param_err: dict[str, float] = field(default_factory=dict)
     plan: object = None
     comm_counts: dict[str, int] = field(default_factory=dict)
+    records: list = field(default_factory=list)  # the last step's CommRecords (record_comms), in issue order
     graph_counts: dict[str, int] = field(default_factory=dict)
     local_numel: dict[str, int] = field(default_factory=dict)
     idle: set[str] = field(default_factory=set)  # parameters without a reference gradient
@@ -98,6 +99,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
             k = f"{r.kind}.{r.pass_}"
             counts[k] = counts.get(k, 0) + 1
         res.comm_counts = counts
+        res.records = list(recs)
     res.graph_counts = {}
     from passes.lower import collective_nodes
     for n in collective_nodes(pm.graph_module):

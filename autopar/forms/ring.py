@@ -63,8 +63,11 @@ class Ring(Form):
 
     def directives(self, site: AttentionSite, axes):
         (axis,) = axes
-        return [Directive(kind=DirectiveKind.ATTENTION, node=site.node.name, axis=axis, value=AttentionMode.RING),
-                Directive(kind=DirectiveKind.ZIGZAG, node="", axis=axis)]
+        out = [Directive(kind=DirectiveKind.ATTENTION, node=site.node.name, axis=axis, value=AttentionMode.RING),
+               Directive(kind=DirectiveKind.ZIGZAG, node="", axis=axis)]
+        if site.has_mask:  # the precondition admits only a mask proved causal: run is_causal, drop the mask
+            out.append(Directive(kind=DirectiveKind.CAUSAL_MASK, node=site.node.name, axis=axis))
+        return out
 
     def cost(self, site: AttentionSite, st, cand, mc):
         p = mc.size(cand.axis)
