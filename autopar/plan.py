@@ -29,7 +29,7 @@ class DirectiveKind(str, enum.Enum):
 
 class AttentionMode(str, enum.Enum):
     ALL_TO_ALL = "all_to_all"  # Ulysses: heads-sharded attention between sequence<->heads all-to-alls
-    RING = "ring"  # K/V circulate over the axis in p-1 steps, zigzag layout
+    RING = "kv_ring"  # K/V circulate over the axis in p-1 steps, zigzag layout
 
 
 @dataclass(frozen=True, kw_only=True)
