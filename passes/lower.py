@@ -527,9 +527,10 @@ def _local_mean(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
 
 @local_form(aten.scaled_dot_product_attention.default)
 def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    _pick_kv_heads(lw, node, reqs)
     modes = lw.ctx.attention_modes.get(node.name, {})
     ring = [ax for ax, m in modes.items() if m is AttentionMode.RING]
-    if ring:  # q, k, v on their zigzag sequence shards: K/V circulate over the axis
+    if ring:  # q, k, v on their zigzag sequence shards (and on heads over a heads axis): K/V circulate
         from autopar.runtime.ring_attention import ring_attention
         a = node.args
         causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
@@ -547,19 +548,31 @@ def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
         node.target = ring_attention
         node.args = (a[0], k, v, lw.axes[ring[0]].key)
         node.kwargs = {"causal": causal, "scale": scale}
-        return
+
+
+def _pick_kv_heads(lw: _Lowerer, node: fx.Node, reqs) -> None:
+    """Fewer KV heads than the ranks of an axis splitting the query heads: K/V stay replicated there and each
+    rank picks the KV heads its query heads use (`gqa_kv_heads`)."""
     q_heads = shape(node.args[0])[1]
-    for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
-        if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate):  # fewer KV heads than ranks
-            args = list(node.args)
-            with lw.graph.inserting_before(node):
-                for i in (1, 2):
-                    if shape(args[i])[1] == q_heads:
-                        continue
-                    sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
-                    sel.meta["val"] = args[i].meta["val"]
-                    args[i] = sel
-            node.args = tuple(args)
+    picks = [ax for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1]))
+             if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate)]
+    if len(picks) > 1 or (picks and sum(is_shard(p) and p.dim == 1 for p in reqs[0]) > 1):
+        raise NotImplementedError(
+            f"attention {node.name} ({module_path(node)}): its query heads are split over mesh axes "
+            f"{[lw.axes[ax].name for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]} and its "
+            f"{shape(node.args[1])[1]} KV heads are fewer than the ranks of {[lw.axes[ax].name for ax in picks]}: "
+            "picking KV heads under heads split over two axes is not supported. Fix: axes whose sizes multiply to "
+            "a divisor of the KV heads, or one axis for the heads")
+    for ax in picks:
+        args = list(node.args)
+        with lw.graph.inserting_before(node):
+            for i in (1, 2):
+                if shape(args[i])[1] == q_heads:
+                    continue
+                sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
+                sel.meta["val"] = args[i].meta["val"]
+                args[i] = sel
+        node.args = tuple(args)
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}

@@ -55,14 +55,21 @@ def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """A Megatron block (attention by heads, MLP colwise -> rowwise) on `cand.axis` of size t: work and
     parameters / t; one all-reduce of the block's output forward (the row-parallel sum) and one of its
     input's gradient backward (the column-parallel f), each the size of the block input; activations
-    inside the block / t, its replicated input whole."""
-    t = mc.size(cand.axis)
+    inside the block / t, its replicated input whole (`tensor_parallel_parts`)."""
+    compute, comms, act = tensor_parallel_parts(st, mc, cand.axis)
+    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=mc.size(cand.axis))
+
+
+def tensor_parallel_parts(st: SiteStats, mc: MeshCosting, axis: str) -> tuple[float, Comms, float]:
+    """(compute seconds, collectives, activation bytes) of a Megatron block on `axis`, before its parameters
+    are priced: what a form that adds its own collectives on another axis builds on (heads + ring)."""
+    t = mc.size(axis)
     compute = compute_s(st, mc.dp * t, mc.cluster)
-    comms = Comms(mc, cand.axis)
+    comms = Comms(mc, axis)
     comms.add("all_reduce", st.io_bytes / mc.dp, compute / 3)
     comms.add("all_reduce", st.io_bytes / mc.dp, 2 * compute / 3)
     act = st.io_bytes / mc.dp + (st.act_bytes - st.io_bytes) / mc.dp / t
-    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
+    return compute, comms, act
 
 
 def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split: int, on_data: bool) -> Cost:

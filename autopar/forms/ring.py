@@ -70,12 +70,22 @@ class Ring(Form):
         return out
 
     def cost(self, site: AttentionSite, st, cand, mc):
-        p = mc.size(cand.axis)
-        dtype = site.node.args[0].meta["val"].dtype
-        ratio = accumulator_itemsize(dtype) / torch.empty((), dtype=dtype).element_size()
-        block = 2 * st.io_bytes / mc.dp * site.kv_heads / site.heads  # this rank's K,V block
         comms = blocks.Comms(mc, cand.axis)
-        for nbytes in [block] * (p - 1) + [block, ratio * block] * (p - 1):
-            comms.add("p2p", nbytes)
-        act = st.act_bytes / mc.dp + 2 * block  # K/V double buffer
+        buffers = add_ring_comms(comms, site, st, mc, cand.axis)
+        act = st.act_bytes / mc.dp + buffers
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms, act=act)
+
+
+def add_ring_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> float:
+    """Add the ring's p-1 K/V transfers forward and p-1 K/V + p-1 dK/dV transfers backward on `axis` to `comms`
+    (K/V of this rank's tokens, their KV heads split `heads_split` ways by a heads axis); return the bytes of
+    the K/V double buffer it holds."""
+    p = mc.size(axis)
+    dtype = site.node.args[0].meta["val"].dtype
+    ratio = accumulator_itemsize(dtype) / torch.empty((), dtype=dtype).element_size()
+    # a heads axis splits the KV heads, or (fewer than its ranks) leaves each rank the one its query heads use
+    kv_heads = site.kv_heads // heads_split if site.kv_heads % heads_split == 0 else 1
+    block = 2 * st.io_bytes / mc.dp * kv_heads / site.heads  # this rank's K,V block
+    for nbytes in [block] * (p - 1) + [block, ratio * block] * (p - 1):
+        comms.add("p2p", nbytes, axis=axis)
+    return 2 * block
