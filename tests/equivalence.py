@@ -23,6 +23,7 @@ class Result:
     grad_err: dict[str, float] = field(default_factory=dict)
     param_err: dict[str, float] = field(default_factory=dict)
     plan: object = None
+    graph_module: object = None  # the lowered graph
     comm_counts: dict[str, int] = field(default_factory=dict)
     records: list = field(default_factory=list)  # the last step's CommRecords (record_comms), in issue order
     graph_counts: dict[str, int] = field(default_factory=dict)
@@ -101,6 +102,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
         res.comm_counts = counts
         res.records = list(recs)
     res.graph_counts = {}
+    res.graph_module = pm.graph_module
     from passes.lower import collective_nodes
     for n in collective_nodes(pm.graph_module):
         res.graph_counts[n.target.__name__] = res.graph_counts.get(n.target.__name__, 0) + 1
@@ -119,5 +121,5 @@ def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", ov
         res = run_equivalence(ref, inputs, mesh_shape, names, plan=plan, overrides=overrides, steps=steps)
     finally:
         torch.set_default_dtype(torch.float32)
-    res.plan = None
+    res.plan = res.graph_module = None  # not sent back from the worker
     return res
