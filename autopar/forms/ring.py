@@ -3,8 +3,11 @@
 Everything holds s/p tokens in the zigzag layout (rank r holds chunks r and 2p-1-r of 2p, so causal
 work is balanced: a `ZIGZAG` directive on the axis); K/V circulate in p-1 steps while each block is
 computed, with the online-softmax merge in fp32 (`autopar.runtime.ring_attention`, an `ATTENTION`
-directive, mode ring). Backward circulates K/V again and the dK/dV accumulators (in the accumulation
-dtype: fp32 for half precision), p-1 steps each. Volume per layer (`layer_volume_bytes`): forward
+directive, mode ring). An explicit mask that recognition proved causal (`passes.masks`: built from
+positions only, as Hugging Face models pass one) is dropped and the ring runs is_causal (a
+`CAUSAL_MASK` directive). Grouped K/V behind a `repeat_kv` expansion circulate unexpanded. Backward
+circulates K/V again and the dK/dV accumulators (in the accumulation dtype: fp32 for half precision),
+p-1 steps each. Volume per layer (`layer_volume_bytes`): forward
 `2·b·s·h_kv·(p-1)/p` elements, backward the same plus the accumulators. Preconditions: SDPA (or
 explicit attention fused to it); no attention mask other than causal (a mask built from positions
 only and proved causal counts as causal); no attention dropout; sequence % 2p == 0.
