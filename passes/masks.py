@@ -87,17 +87,17 @@ def evaluate_mask(mask: fx.Node, captured: Captured) -> torch.Tensor | str:
             return (f"its mask is built from positions only, but evaluating it to check that it is causal needs a "
                     f"{'x'.join(map(str, val.shape))} value ({n.name}), more than the {MAX_ELEMENTS} elements "
                     "recognition evaluates")
-        if n.op == "placeholder":
-            env[n] = captured.constants[n.name].to("cpu")
-            continue
-        if n.op != "call_function":
+        if n.op not in ("placeholder", "call_function"):
             return f"its mask is computed by {n.op} {n.target}, which recognition does not evaluate"
-        args, kwargs = torch.utils._pytree.tree_map(
-            lambda a: env[a] if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
-        kwargs = {k: _on_cpu(v) if k == "device" else v for k, v in kwargs.items()}
         try:
+            if n.op == "placeholder":  # a lifted constant
+                env[n] = captured.constants[n.name].to("cpu")
+                continue
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda a: env[a] if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+            kwargs = {k: _on_cpu(v) if k == "device" else v for k, v in kwargs.items()}
             env[n] = n.target(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - an op that does not run eagerly: the mask stays unproved
+        except Exception as e:  # noqa: BLE001 - e.g. a constant on the meta device: the mask stays unproved
             return f"its mask could not be evaluated ({n.name}: {type(e).__name__}: {str(e).splitlines()[0]})"
     return env[mask]
 
@@ -149,11 +149,16 @@ def analyse_mask(mask: fx.Node, captured: Captured) -> tuple[bool, str]:
 
 
 def recognise_masks_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Fill `mask_causal` / `mask_note` of every SDPA attention site that takes a mask."""
+    """Fill `mask_causal` / `mask_note` of every SDPA attention site that takes a mask (each mask analysed once:
+    the layers of a model share one)."""
+    found: dict[fx.Node, tuple[bool, str]] = {}
     for idx, site in enumerate(ctx.sites):
         if site.kind is not Kind.ATTENTION or not site.has_mask or site.spelling != "sdpa":
             continue
         assert isinstance(site, AttentionSite)
-        causal, note = analyse_mask(site.node.args[3], ctx.captured)
+        mask = site.node.args[3]
+        if mask not in found:
+            found[mask] = analyse_mask(mask, ctx.captured)
+        causal, note = found[mask]
         ctx.sites[idx] = dataclasses.replace(site, mask_causal=causal, mask_note=note)
     return gm

@@ -26,6 +26,7 @@ from autopar.api import _prepare
 from autopar.forms import ring, ulysses
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from autopar.solver import candidates, gather_stats
+from autopar.spec import Shard, placements_from_str
 from equivalence import run_equivalence
 
 B, S, P = 4, 16, 2
@@ -57,7 +58,7 @@ MODELS = {  # name -> () -> (model, inputs, tolerance, hidden, KV width at the a
 
 def _run(local_world, name, names, form, plan="dp", extra=None, steps=2):
     model, inputs, tol, hidden, kv_width = MODELS[name]()
-    tp, seq = ("tp", names[1] if names[0] == "tp" else names[0])
+    seq = names[1] if names[0] == "tp" else names[0]
     with local_world(4):
         res = run_equivalence(model, inputs, (2, 2), names, plan=plan, steps=steps,
                               overrides={"attention": f"heads@tp+{form}@{seq}", **(extra or {})})
@@ -183,8 +184,11 @@ def test_solver_offers_two_axis_attention_and_chooses_it_for_a_long_sequence():
     auto = autopar.plan(model, mesh, inputs, cluster="h100", memory_limit=limit)
     att = {(s.form, s.axes) for s in auto.strategies if s.kind == "attention"}
     assert len(att) == 1 and next(iter(att))[0] == "heads+ring", att
-    (form, (model_axis, seq_axis)), = att
-    assert auto.estimate.fits and all(f"S(1)" in p for _, p in auto.inputs)
+    ((_, (model_axis, seq_axis)),) = att
+    mlps = {(s.form, s.axes) for s in auto.strategies if s.kind == "mlp"}
+    assert mlps == {("tp", (model_axis,))}, mlps  # the MLPs tensor parallel on the attention's heads axis
+    ax = list(mesh).index(seq_axis)  # the token inputs split on the sequence axis
+    assert auto.estimate.fits and all(placements_from_str(p)[ax] == Shard(1) for _, p in auto.inputs), auto.inputs
     for single in ("ring@cp", "ulysses@cp", "ring@tp", "heads@tp", "heads@cp"):
         alone = autopar.plan(model, mesh, inputs, cluster="h100", overrides={"attention": single})
         assert alone.estimate.memory_bytes_per_device > limit, (single, alone.estimate.summary())
