@@ -175,6 +175,10 @@ class _Lowerer:
                           for i, a in enumerate(ctx.mesh.axes))
         self.sizes = ctx.mesh.sizes
         self.all_r = (R,) * len(self.axes)
+        # the sequence axes (ring, Ulysses): the tokens are split there first (the inputs), so a dim nested over
+        # one of them and another axis (sequence-parallel norms on a model axis) holds the sequence shard's split
+        seq_axes = set(ctx.zigzag_axes) | {ax for modes in ctx.attention_modes.values() for ax in modes}
+        self.nesting = sorted(range(len(self.axes)), key=lambda ax: (ax not in seq_axes, ax))  # outer first
         self.pl: dict[fx.Node, object] = {}
         self.cache: dict[tuple, fx.Node] = {}
         self._dropout_count = 0
@@ -222,10 +226,10 @@ class _Lowerer:
             return self.cache[key]
         x, pls = src, list(cur)
         self._origin = src
-        # Nested shards of one dim (S(0) on two axes) were split outer axis first: gather the inner
-        # axis first (reverse axis order), then split in axis order.
-        unshard = [ax for ax in reversed(range(len(self.axes))) if is_shard(pls[ax]) and pls[ax] != req[ax]]
-        rest = [ax for ax in range(len(self.axes)) if ax not in unshard]
+        # Nested shards of one dim (S(1) on two axes) were split outer axis first (`self.nesting`: sequence
+        # axes, then the others in axis order): gather the inner axis first, then split outer first.
+        unshard = [ax for ax in reversed(self.nesting) if is_shard(pls[ax]) and pls[ax] != req[ax]]
+        rest = [ax for ax in self.nesting if ax not in unshard]
         for ax in unshard + rest:
             axis = self.axes[ax]
             c, r = pls[ax], req[ax]

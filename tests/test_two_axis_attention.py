@@ -114,15 +114,31 @@ def test_heads_ulysses_matches_one_device(local_world, name, names):
     _heads_all_reduces(res, layers, hidden)
 
 
+SP = {"mlp": "tp@tp", "norm": "sequence@tp"}
+
+
+@pytest.mark.parametrize("names", [("cp", "tp"), ("tp", "cp")])
 @pytest.mark.parametrize("name", ["llama-mqa", "hf-llama"])
-def test_heads_ring_in_a_megatron_plan_with_sequence_parallel_norms(local_world, name):
-    """TP + SP + CP: MLPs tensor parallel and norms sequence parallel on tp, attention heads on tp and ring on cp."""
-    res, layers, _, _ = _run(local_world, name, ("cp", "tp"), "ring", plan="megatron", extra={"norm": "sequence"},
-                             steps=1)
+def test_heads_ring_with_sequence_parallel_norms(local_world, name, names):
+    """TP + SP + CP: MLPs tensor parallel and norms sequence parallel on tp, attention heads on tp and ring on cp.
+    The norms split each rank's zigzag shard of the tokens further over tp, whichever axis comes first in the mesh:
+    Llama's replicated one-KV-head projection takes that split input, so its RoPE cos/sin are split the same way."""
+    res, layers, _, _ = _run(local_world, name, names, "ring", extra=SP, steps=1)
     forms = Counter((s.kind, s.form, s.axes) for s in res.plan.strategies if s.kind in ("mlp", "norm"))
     assert forms[("mlp", "tp", ("tp",))] == layers and forms[("norm", "sequence", ("tp",))] == 2 * layers + 1, forms
     assert res.comm_counts["p2p.forward"] == layers and res.comm_counts["p2p.backward"] == 2 * layers
     assert not any(r.kind == "all_reduce" and r.axis == "tp" and r.numel == B * S // P * 32 for r in res.records)
+
+
+@pytest.mark.parametrize("form", ["ulysses", "ring"])
+def test_a_sequence_axis_after_the_norms_model_axis(local_world, form):
+    """Mesh (tp, sp): Llama's RoPE runs on tokens split over sp (the inputs) and then over tp (sequence-parallel
+    norms), so a replicated value meeting them is split sp first, whatever the mesh order."""
+    model, inputs, tol, _, _ = MODELS["llama-mqa"]()
+    with local_world(4):
+        res = run_equivalence(model, inputs, (2, 2), ("tp", "sp"), plan="dp", steps=1,
+                              overrides={"attention": f"{form}@sp", **SP})
+    assert res.max_err() < tol, res.max_err()
 
 
 def _plan(model, inputs, mesh, overrides, **kw):
