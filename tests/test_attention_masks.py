@@ -99,8 +99,12 @@ def _site(kind: str) -> AttentionSite:
     return site
 
 
+@pytest.mark.parametrize("chunk", ["whole", "rows"])
 @pytest.mark.parametrize("kind", list(MASKS))
-def test_mask_is_causal_exactly_when_position_only_and_causal(kind, fp64):
+def test_mask_is_causal_exactly_when_position_only_and_causal(kind, chunk, fp64, monkeypatch):
+    """Held whole, or computed and checked a few rows at a time (as a long sequence's mask is)."""
+    if chunk == "rows":
+        monkeypatch.setattr(masks, "CHUNK_ELEMENTS", 3 * S)  # blocks of 3 rows (the last one shorter)
     _, causal, note = MASKS[kind]
     site = _site(kind)
     assert site.mask_causal is causal, site.mask_note
@@ -114,10 +118,17 @@ def test_mask_is_causal_exactly_when_position_only_and_causal(kind, fp64):
 
 
 def test_a_mask_too_large_to_evaluate_stays_unproved_with_a_note(fp64, monkeypatch):
+    monkeypatch.setattr(masks, "CHUNK_ELEMENTS", 3 * S)
     monkeypatch.setattr(masks, "MAX_ELEMENTS", 100)
     site = _site("bool-compare")
     assert not site.mask_causal
-    assert "built from positions only, but evaluating it" in site.mask_note and "more than the 100" in site.mask_note
+    assert re.fullmatch(r"its mask is built from positions only, but checking that it is causal needs a 16x16 value "
+                        r"\(le\w*, aten\.le\.Tensor\), more than recognition evaluates \(48 elements at once, 100 by "
+                        r"blocks of rows of elementwise ops\)", site.mask_note), site.mask_note
+    monkeypatch.setattr(masks, "MAX_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(masks, "_ROWWISE", masks._ROWWISE - {torch.ops.aten.le.Tensor})
+    site = _site("bool-compare")  # an op not computed by rows makes a value larger than a block
+    assert not site.mask_causal and "(le" in site.mask_note, site.mask_note
 
 
 def test_a_mask_on_the_meta_device_is_evaluated_on_the_host():
