@@ -8,9 +8,11 @@ order, and inside a Megatron plan with sequence-parallel norms (TP + SP + CP). C
 axis one all-reduce forward (the row-parallel output) and one backward (the column-parallel input gradient) per
 layer, each `b·(s/p)·h`; on the sequence axis the ring's p-1 K/V steps forward and 2(p-1) backward of the
 heads/t KV heads (`ring.layer_volume_bytes` with h_kv/t), or Ulysses' 4 all-to-alls forward and 4 backward of
-`b·(s/u)·h/t` (`ulysses.layer_volume_bytes` with h/t). The override parser refuses an unknown combination and a
-repeated axis; preconditions combine with reasons that name the axis. The solver offers the combined forms on a
-2-D mesh and chooses heads+ring for a long sequence under a memory limit no single-axis form meets.
+`b·(s/u)·h/t` (`ulysses.layer_volume_bytes` with h/t). Sequence-parallel norms on tp nest their split inside the
+sequence axis's, whichever axis comes first in the mesh. The override parser refuses an unknown combination and a
+repeated axis; preconditions combine with reasons that name the axis. A saved plan lowers on its own. The
+estimate prices the bytes a step sends. The solver offers the combined forms on a 2-D mesh and chooses heads+ring
+for a long sequence under a memory limit no single-axis form meets.
 """
 
 from __future__ import annotations
@@ -212,3 +214,45 @@ def test_solver_offers_two_axis_attention_and_chooses_it_for_a_long_sequence():
     short, short_inputs = _meta_llama(2048, 16)  # the same tokens in short rows: no sequence split pays
     plain = autopar.plan(short, mesh, short_inputs, cluster="h100", memory_limit=limit)
     assert not any("+" in s.form for s in plain.strategies if s.kind == "attention"), plain
+
+
+def test_a_saved_two_axis_plan_lowers_on_its_own(local_world, tmp_path):
+    """The plan's directives (heads placements on tp; ring, zigzag and causal-mask directives on cp) are all
+    lowering needs: a saved and loaded HF Llama plan gives the same program."""
+    import copy
+
+    from autopar.plan import DirectiveKind, Plan
+    from torch.distributed.device_mesh import init_device_mesh
+    model, inputs, _, _, _ = MODELS["hf-llama"]()
+    with local_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp"))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="dp",
+                                 overrides={"attention": "heads@tp+ring@cp"})
+        path = tmp_path / "plan.json"
+        pm.plan.save(str(path))
+        loaded = Plan.load(str(path))
+        assert {d.kind for d in loaded.directives} >= {DirectiveKind.ATTENTION, DirectiveKind.ZIGZAG,
+                                                       DirectiveKind.CAUSAL_MASK}
+        again = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=str(path))
+    assert again.plan.comms == pm.plan.comms and again.plan.params == pm.plan.params
+    assert str(again.graph_module.code) == str(pm.graph_module.code)
+    assert [s.label for s in loaded.strategies if s.kind == "attention"] == ["heads@tp+ring@cp"] * 2
+
+
+@pytest.mark.parametrize("form", ["ring", "ulysses"])
+def test_the_estimate_prices_the_bytes_the_step_sends(local_world, form):
+    """The combined forms' cost (the heads block's all-reduces on tp, the sequence form's collectives for the
+    heads of one rank on cp) gives the bytes one training step sends, within 3% (biases, as for every form)."""
+    from test_estimate import COUNTING, _gpt
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.runtime.collectives import record_comms
+    model, inputs = _gpt()
+    with local_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "cp"))
+        pm = autopar.parallelize(model, mesh, inputs, plan="dp", cluster=COUNTING,
+                                 overrides={"attention": f"heads@tp+{form}@cp"})
+        with record_comms() as recs:
+            pm(*inputs).backward()
+    assert {r.kind for r in recs if r.axis == "tp"} == {"all_reduce"}
+    assert pm.plan.estimate.comm_bytes_per_step == pytest.approx(sum(r.send_bytes for r in recs), rel=0.03)
