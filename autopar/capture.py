@@ -120,6 +120,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
             path = _failing_submodule(model, e)
+            failed = [v for v in moe if path is not None and (path + ".").startswith(v.found.path + ".")]
+            if failed:  # a verified MoE replacement that does not trace: the block is traced as written instead
+                moe = [v for v in moe if v not in failed]
+                for v in failed:
+                    moe_notes[:] = [n for n in moe_notes if not n.startswith(f"MoE {v.found.path} ")]
+                    moe_notes.append(f"MoE {v.found.path} left as written: its verified replacement did not trace "
+                                     f"({_first_line(e)})")
+                continue
             if path is None or path in keys or len(keys) >= max_opaque:
                 raise CaptureError(
                     f"autopar could not capture {type(model).__name__} with torch.export (non-strict): "

@@ -64,6 +64,9 @@ class SiteStats:
     # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
+    # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
+    # axis it is then split on the sequence, and its gradient all-gathered, not all-reduced)
+    boundary_on_sequence: list[bool] = field(default_factory=list)
     summed_into: str | None = None  # embedding: the earlier embedding its output is added to (one reduction)
     loss_reductions: int = 0  # loss: scalars all-reduced per data axis (the loss; the count of a mean)
     ce_logits_fp32_bytes: float = 0.0  # cross-entropy loss: its logits in (at least) fp32
@@ -71,6 +74,10 @@ class SiteStats:
     logits_bytes: float = 0.0  # loss: logits, global
     logits_out: bool = False  # loss: the model also returns its logits
     tokens: int = 0
+    # norm: its share (1 / the number of norms) of the gradient bucket sequence parallelism adds on its axis, and
+    # of the row-parallel biases whose gradients that bucket sums (added after the reduce-scatter: partial)
+    sequence_bucket_share: float = 0.0
+    sequence_bias_bytes: float = 0.0
 
     def add_node(self, n: fx.Node) -> None:
         c = node_cost(n)
@@ -152,6 +159,16 @@ def _block_input(site: Site) -> fx.Node | None:
     return x if isinstance(x, fx.Node) else None
 
 
+def _row_linears(site: Site) -> tuple:
+    """The row-parallel layers of a block tensor parallelism splits: an attention's output projection, an MLP's
+    row layers (what Megatron sequence parallelism reduce-scatters onto the sequence)."""
+    if site.kind is Kind.ATTENTION:
+        return site.out
+    if site.kind is Kind.MLP:
+        return site.row
+    return ()
+
+
 def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[str]) -> list[fx.Node]:
     """Values that depend on a parameter but not on the batch and are consumed by batch-dependent ops:
     with the batch split, the lowering reduces each one's (partial) gradient on the data axes there
@@ -168,6 +185,24 @@ def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[
         elif n.op == "call_function" and any(a in grad for a in n.all_input_nodes):
             grad.add(n)
     return [n for n in gm.graph.nodes if n in grad and any(u in batch for u in n.users)]
+
+
+def _on_sequence(n: fx.Node, seq_len: int | None) -> bool:
+    """Whether boundary `n` holds the sequence at the dim where a consumer does (right-aligned: a broadcast
+    operand such as a position embedding (S, h) added to a (b, S, h) stream). With the sequence split, the
+    lowering splits such a value on that dim (`collectives.split`: backward all-gathers its gradient) and
+    all-reduces the gradient of any other value (`grad_all_reduce`)."""
+    v = n.meta.get("val")
+    if seq_len is None or not isinstance(v, torch.Tensor):
+        return False
+    for u in n.users:
+        out = u.meta.get("val")
+        if not isinstance(out, torch.Tensor):
+            continue
+        off = out.dim() - v.dim()
+        if any(out.shape[j] == seq_len and j - off >= 0 and v.shape[j - off] == seq_len for j in range(out.dim())):
+            return True
+    return False
 
 
 def _loss_reductions(site: LossSite) -> int:
@@ -238,6 +273,13 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             st.logits_out = _reaches_output(logits, outputs)
             st.tokens = int(site.node.args[1].meta["val"].numel())
         stats[site.key] = st
+    norms = ctx.of_kind(Kind.NORM)
+    row_bias_bytes = sum(_bytes(ph[lin.param["bias"]].meta["val"]) for site in ctx.planning_sites()
+                         for lin in _row_linears(site)
+                         if "bias" in lin.param and len(lin.node.meta["val"].shape) >= 3)  # (b, s, h) outputs
+    for site in norms:
+        stats[site.key].sequence_bucket_share = 1 / len(norms)
+        stats[site.key].sequence_bias_bytes = row_bias_bytes / len(norms)
     other = SiteStats()
     for n in gm.graph.nodes:
         if n.op == "call_function" and n not in covered_nodes:
@@ -246,6 +288,8 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
         if name not in owned:
             other.add_param(ph[name].meta["val"], name in synced, used=bool(ph[name].users))
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
+    seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
+    other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
     return stats, other, owned
 
 

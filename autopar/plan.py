@@ -25,6 +25,10 @@ class DirectiveKind(str, enum.Enum):
     GATHER = "gather"  # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP)
     ZIGZAG = "zigzag"  # shards of a dim over `axis` use the zigzag layout (context parallelism)
     CAUSAL_MASK = "causal_mask"  # attention `node`'s mask is the causal mask: ring over `axis` drops it, is_causal
+    # the fused projection `node` runs as one projection per feature block, on row blocks of its (replicated)
+    # weight; `value` lists the blocks as `taker:first:end:heads,...` (the node taking each block of the output):
+    # a block whose heads divide over `axis` is split over it, the others stay replicated
+    PARTS = "parts"
 
 
 class AttentionMode(str, enum.Enum):

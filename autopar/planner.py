@@ -292,6 +292,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     for site, form, cand in chosen:
         directives += form.directives(site, cand.axes)
         directives += form.plan_directives(site, cand.axes, chosen)
+        notes += form.notes(site, cand.axes)
     directives = list(dict.fromkeys(directives))
     strategies = _strategies(ctx, chosen, forced_linears, pls)
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)

@@ -8,9 +8,9 @@ prices them, the planner assigns forms to them).
 
 | kind        | anchor node                      | fields                                                    |
 |-------------|----------------------------------|-----------------------------------------------------------|
-| `linear`    | linear / addmm / mm / matmul     | weight layout (out dim), features, fused parts            |
+| `linear`    | linear / addmm / mm / matmul     | weight layout (out dim), features, fused parts or slices  |
 | `embedding` | aten.embedding                   | vocab, dim, padding_idx, max_norm, scale_grad_by_freq      |
-| `attention` | SDPA (or the explicit 2nd matmul)| heads, KV heads, head dim, sequence, mask, q/k/v/out linears|
+| `attention` | SDPA (or the explicit 1st matmul)| heads, KV heads, head dim, sequence, mask, q/k/v/out linears|
 | `mlp`       | its first column linear          | col / row linears, hidden features                        |
 | `loss`      | cross_entropy_loss / mse_loss    | LM head linears, vocab, whether vocab-parallel applies    |
 | `norm`      | layer_norm / the RMSNorm pow     | the normalised input, sequence dim and length             |
@@ -88,7 +88,10 @@ class LinearSite(Site):
     out_features: int
     in_features: int
     parts: int = 1  # a fused projection whose output is split into `parts` equal feature blocks (QKV, gate-up)
-    head_interleaved: int = 0  # per-head fused QKV (GPT-NeoX, Bloom): head dim of each of the 3 blocks per head
+    head_interleaved: int = 0  # per-head fused QKV (GPT-NeoX, Bloom): head dim of each of the parts per head
+    # a fused projection whose output is taken apart in contiguous feature blocks of any sizes (GQA/MQA fused QKV:
+    # Phi-3's slices, Falcon's heads slice and KV index): (the node taking the block, first feature, end feature)
+    part_slices: tuple[tuple[fx.Node, int, int], ...] = ()
     weight_shape: tuple[int, ...] = ()
 
     @property
@@ -119,6 +122,7 @@ class AttentionSite(Site):
     has_mask: bool = False
     mask_causal: bool = False  # the mask is built from positions only and is causal (treated as is_causal)
     mask_note: str = ""  # why a mask is not usable by sequence forms
+    unfused_why: str = ""  # explicit spelling: why it was not fused into SDPA (what sequence forms would need)
     dropout: float = 0.0
     causal: bool = False
     q: tuple[LinearSite, ...] = ()
@@ -164,11 +168,12 @@ class MoeSite(Site):
     tokens: int
     hidden: int
     ffn_features: int | None
-    ffn_dims: tuple[tuple[int, int], ...] | None  # per stacked parameter: (dim, blocks) of its FFN features
+    ffn_dims: tuple[tuple[int, int], ...] | None  # per entry of `params`: (dim, blocks) of its FFN features
     stacked: bool  # experts stored stacked (E, ...) rather than as a ModuleList
     expert_numel: int
     itemsize: int
     dtype: str
+    ffn_why: str = ""  # why its experts' FFN features cannot be split (no `ffn_dims`)
 
 
 SITE_TYPES: dict[Kind, type[Site]] = {t.kind: t for t in (LinearSite, EmbeddingSite, AttentionSite, MlpSite,

@@ -97,8 +97,9 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
     for a in mc.data_axes + mc.seq_axes:
-        for nbytes in st.boundary_grad_bytes:
-            t, b = mc.collective("all_reduce", nbytes, a)
+        for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
+            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward
+            t, b = mc.collective("all_gather" if on_seq and a in mc.seq_axes else "all_reduce", nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
 

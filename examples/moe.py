@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 4 examples/moe.py
 
 The MoE block is written the classic way (a router, an `nn.ModuleList` of experts, a Python loop that
-skips idle experts, a load-balancing loss). autopar verifies its canonical form on the example
-inputs, then shards the experts over "ep" (each rank holds 2 of the 8) and dispatches tokens with
+skips idle experts, a load-balancing loss). autopar keeps its router and loss as written, captures the
+experts' dispatch (verified on the example inputs), then shards the experts over "ep" (each rank holds 2 of the 8) and dispatches tokens with
 all-to-alls; the batch is split over both axes. Every rank trains the single-device model next to
 it and prints both losses (auxiliary loss included): they match.
 """

@@ -4,7 +4,10 @@
 matmuls, becomes `aten.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)`:
 its memory is then that of a flash/memory-efficient kernel (no materialised b·h·s² score matrix on
 GPUs), and every attention form (heads, Ulysses, ring) applies to it. A chain with any op this pass
-does not understand is left alone (the attention is still recognised and sharded by heads).
+does not understand is left alone (the attention is still recognised and sharded by heads), and its
+second matmul records why in `node.meta[passes.meta.UNFUSED]`: soft-capped scores (Gemma 2's
+`tanh(s / cap) * cap`), scores computed per (batch·head) with `bmm`/`baddbmm` (Bloom's ALiBi), a
+narrowing cast, or another op the fusion does not understand.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from passes.attention import explicit_attention
 from autopar.sites import PassContext
+from passes import meta as M
+from passes.attention import attention_start, explicit_attention
 
 aten = torch.ops.aten
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.to.dtype_layout}
@@ -34,7 +38,7 @@ def _is_causal_mask(m: fx.Node, s_q: int, s_k: int) -> bool:
 
 
 def _plan_fusion(m1: fx.Node, m2: fx.Node):
-    """(scale, is_causal, additive mask node, bool keep-mask node, dropout_p) or None if not fusable."""
+    """(scale, is_causal, additive mask node, bool keep-mask node, dropout_p), or why it is not fusable (a str)."""
     q, kt = m1.args[0], m1.args[1]
     s_q, s_k = q.meta["val"].shape[-2], kt.meta["val"].shape[-1]
     scale, causal, add_mask, fill_mask, dropout = 1.0, False, None, None, 0.0
@@ -56,23 +60,29 @@ def _plan_fusion(m1: fx.Node, m2: fx.Node):
             elif fill_mask is None and add_mask is None:
                 fill_mask = other
             else:
-                return None
+                return "its scores take more than one mask"
         elif t is aten.add.Tensor and isinstance(other, fx.Node) and not saw_softmax and add_mask is None \
                 and fill_mask is None:
             add_mask = other
         elif t in _CASTS:
             # an upcast is what SDPA does internally; a downcast changes the numbers: leave the chain alone
             if u.meta["val"].element_size() < q.meta["val"].element_size():
-                return None
+                return f"it rounds the scores to {u.meta['val'].dtype}, which a fused attention would not"
         elif t in (aten.softmax.int, aten._softmax.default) and not saw_softmax:
             dim = u.args[1]
             if dim not in (-1, len(u.meta["val"].shape) - 1):
-                return None
+                return f"its softmax runs over dim {dim}, not the keys"
+            if u.meta["val"].element_size() < q.meta["val"].element_size():  # softmax(..., dtype=float32)
+                return f"it rounds the scores to {u.meta['val'].dtype} in its softmax, which a fused attention would not"
             saw_softmax = True
         elif t is aten.dropout.default and saw_softmax:
             dropout = float(u.args[1]) if u.args[2] else 0.0
+        elif t is aten.tanh.default:
+            return ("its scores are soft-capped (tanh(scores / cap) * cap), which a fused attention (SDPA) cannot "
+                    "compute")
         else:
-            return None
+            return f"its score chain has {t} {'after' if saw_softmax else 'before'} the softmax, which the fusion " \
+                   "does not understand"
         n = u
     return scale, causal, add_mask, fill_mask, dropout
 
@@ -81,13 +91,19 @@ def fuse_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
     fused = 0
     for m1 in list(g.nodes):
-        if m1.op != "call_function" or m1.target is not aten.matmul.default or len(m1.meta["val"].shape) != 4:
+        if attention_start(m1) is None:
             continue
         m2 = explicit_attention(m1)
         if m2 is None:
             continue
+        if len(m1.meta["val"].shape) != 4:
+            m2.meta[M.UNFUSED] = ("its scores are computed per (batch x head) with bmm/baddbmm on (b*heads, s, d) "
+                                  "tensors (e.g. Bloom's ALiBi bias), which autopar does not fuse into a fused "
+                                  "attention (SDPA) yet")
+            continue
         plan = _plan_fusion(m1, m2)
-        if plan is None:
+        if isinstance(plan, str):
+            m2.meta[M.UNFUSED] = plan
             continue
         scale, causal, add_mask, fill_mask, dropout = plan
         q, kt, v = m1.args[0], m1.args[1], m2.args[1]

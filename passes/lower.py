@@ -77,6 +77,8 @@ class LowerContext:
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
     causal_masks: set = field(default_factory=set)  # sdpa node names whose mask is the causal mask (recognised)
     moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
+    # fused projection node name -> (axis index, [(taker node name, first feature, end feature, heads)]): `PARTS`
+    parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -121,6 +123,13 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.causal_masks.add(d.node)
         elif d.kind is DirectiveKind.EXPERTS:
             ctx.moe_axes[d.node] = ax
+        elif d.kind is DirectiveKind.PARTS:
+            blocks = [(b.split(":")[0], *map(int, b.split(":")[1:])) for b in d.value.split(",")]
+            if any(name not in nodes for name, *_ in blocks):
+                raise ValueError(f"plan {plan.name!r} takes the fused projection {d.node!r} apart at nodes "
+                                 f"{[name for name, *_ in blocks]}, which this model's graph does not all have: the "
+                                 "plan was made for another model or input shapes. Fix: re-plan for this model.")
+            ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
     return ctx
 
@@ -349,6 +358,8 @@ class _Lowerer:
             in_p = [self.pl[t][ax] for t in tin]
             req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
                 rule(node, tin, in_p, size)
+            if node.target in _VIEWS and tin:
+                req, out = self._unflatten_strided(node, tin, in_p, ax, rule) or (req, out)
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
@@ -371,6 +382,23 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _unflatten_strided(self, node: fx.Node, tin, in_p, ax: int, rule):
+        """A strided shard's blocks are those of the local tensor: with its dim also sharded on other axes (the
+        batch of `(b*heads, s, d)` on a data axis, the heads strided on the model axis), the view rule, which
+        sees global shapes, must count the blocks of the global tensor to split it back to `(b, heads, s, d)`
+        (with one local block, `split_factor=1`, it would read the shard as one of the outer dim). The (required
+        input, plain-shard output) of that, or None."""
+        p = in_p[0]
+        others = math.prod(self.sizes[bx] for bx, q in enumerate(self.pl[tin[0]])
+                           if bx != ax and is_shard(q) and q.dim == getattr(p, "dim", None))
+        if not isinstance(p, _StridedShard) or others == 1:
+            return None
+        wide = _StridedShard(p.dim, split_factor=p.split_factor * others)
+        req, out = rule(node, tin, [wide] + in_p[1:], self.sizes[ax])
+        if req[0] != wide or not is_shard(out) or isinstance(out, _StridedShard):
+            return None
+        return [p] + list(req[1:]), out
 
     def _local_split_factors(self, src: fx.Node, in_pls, out_pls, node: fx.Node):
         """A merge `(b, s) -> b*s` with s sharded on one axis gives `_StridedShard(split_factor=blocks)`;
@@ -765,6 +793,66 @@ def local_expert_stacks_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphM
     return gm
 
 
+def _narrow(g: fx.Graph, x: fx.Node, dim: int, first: int, end: int, stack: dict) -> fx.Node:
+    n = g.call_function(aten.slice.Tensor, (x, dim, first, end))
+    n.meta.update({"val": x.meta["val"].narrow(dim, first, end - first), "nn_module_stack": stack})
+    return n
+
+
+def _hint(g: fx.Graph, x: fx.Node, spec: dict[int, Placement], names) -> fx.Node:
+    h = g.call_function(placement_hint, (x, {names[a]: fmt(p) for a, p in spec.items()}))
+    h.meta.update({"val": x.meta["val"], "nn_module_stack": x.meta["nn_module_stack"], "autopar_hint": spec})
+    return h
+
+
+def fused_parts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """A fused projection with a `PARTS` directive (unequal q/k/v blocks: `autopar.forms.heads`) becomes one
+    projection per block of its output features, on the block's rows of its replicated weight (and bias); a
+    block whose heads divide over the axis has those rows split there (a `placement_hint`: forward a local
+    slice, backward the rows' gradient all-gathered, so the weight's gradient is whole on every rank). Every use
+    of the node that took a block apart reads the block's projection, viewed to that node's shape."""
+    g = gm.graph
+    by_name = {n.name: n for n in g.nodes}
+    for name, (ax, blocks) in ctx.parts.items():
+        node = by_name[name]
+        if node.target is aten.linear.default:
+            x, w, b, w_dim = node.args[0], node.args[1], (node.args[2] if len(node.args) > 2 else None), 0
+        elif node.target is aten.addmm.default:
+            b, x, w, w_dim = node.args[0], node.args[1], node.args[2], 1
+        elif node.target in (aten.mm.default, aten.matmul.default):
+            x, w, b, w_dim = node.args[0], node.args[1], None, 1
+        else:
+            raise ValueError(f"PARTS directive for {name} ({node.target}): not a linear projection; the plan was "
+                             "made for another graph. Fix: re-plan for this model.")
+        split = ctx.mesh.sizes[ax]
+        takers = []
+        for taker_name, first, end, heads in blocks:
+            taker = by_name[taker_name]
+            with g.inserting_before(node):
+                stack = node.meta.get("nn_module_stack", {})  # collectives of the blocks belong to the projection
+                w_i = _narrow(g, w, w_dim, first, end, stack)
+                b_i = None if b is None else _narrow(g, b, len(shape(b)) - 1, first, end, stack)
+                if heads % split == 0:  # whole heads per rank; else (fewer KV heads than ranks) replicated
+                    w_i = _hint(g, w_i, {ax: Shard(w_dim)}, ctx.mesh.names)
+                    b_i = None if b_i is None else _hint(g, b_i, {ax: Shard(len(shape(b)) - 1)}, ctx.mesh.names)
+                if node.target is aten.addmm.default:
+                    args = (b_i, x, w_i)
+                else:
+                    args = (x, w_i) if b_i is None else (x, w_i, b_i)
+                y = g.call_function(node.target, args)
+                y.meta.update({"val": node.meta["val"].narrow(-1, first, end - first), "nn_module_stack": stack})
+                out = g.call_function(aten.reshape.default, (y, list(shape(taker))))
+                out.meta.update({"val": taker.meta["val"], "nn_module_stack": taker.meta.get("nn_module_stack", {})})
+            taker.replace_all_uses_with(out)
+            takers.append(taker)
+        while takers:  # the takers, and what fed only them (back to the fused projection), are dead now
+            n = takers.pop()
+            if n.op == "call_function" and not n.users and not n.is_impure():
+                takers.extend(n.all_input_nodes)
+                g.erase_node(n)
+    return gm
+
+
 def insert_hints_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """A `placement_hint` node after each hinted value (a `HINT` directive, or the row-parallel output of a
     `ROW_OUTPUT` one, before its bias); every use of the value reads the hint."""
@@ -805,6 +893,7 @@ LOWER = [
     erase_asserts_pass,
     decompose_row_bias_pass,
     local_expert_stacks_pass,
+    fused_parts_pass,
     insert_hints_pass,
     propagate_pass,
     fuse_gather_grad_reduce_pass,

@@ -5,3 +5,4 @@ PLACEMENTS = "autopar_placements"  # tuple of placements per mesh axis (list of 
 COMM = "autopar_comm"  # on inserted collective nodes: CommInfo
 ORIGIN = "autopar_origin"  # module path of the node a collective was inserted for
 REPLICATED = "autopar_replicated"  # why an op was replicated (no rule / precondition)
+UNFUSED = "autopar_unfused"  # on the 2nd matmul of an explicit attention left unfused: why (passes.fuse_attention)

@@ -1,24 +1,35 @@
-"""MoE blocks: recognised on the module tree, verified on the example inputs, captured as one op.
+"""MoE blocks: recognised on the module tree, verified on the example inputs, their experts captured as one op.
 
 The spellings people write:
 
 | spelling      | what is found                                                        | captured as |
 |---------------|----------------------------------------------------------------------|-------------|
 | `hf-stacked`  | a Hugging Face experts module: 3-D `gate_up_proj` (E, 2F, H) and `down_proj` (E, H, F), called as `experts(x, top_k_index, top_k_weights)` (Mixtral, Qwen2/3-MoE, OLMoE) | the experts call; the router and the auxiliary loss stay in the traced graph |
-| `modulelist`  | a block with a router `nn.Linear(H, E)` and an `nn.ModuleList` of E identical expert modules, run by a Python loop (also the data-dependent `if tokens.numel() == 0: continue` loop that cannot be traced) | the whole block, rewritten to its canonical form below |
-| `grouped`     | a block with a router and a torchtitan-style `GroupedExperts` child: 3-D `w1` (E, F, H), `w2` (E, H, F), `w3` (E, F, H), grouped or looped matmuls | the whole block |
+| `modulelist`  | a block with a router `nn.Linear(H, E)` and an `nn.ModuleList` of E identical expert modules, run by a Python loop (also the data-dependent `if tokens.numel() == 0: continue` loop that cannot be traced) | the experts' dispatch (below); the router and the losses stay in the traced graph |
+| `grouped`     | a block with a router and a torchtitan-style `GroupedExperts` child: 3-D `w1` (E, F, H), `w2` (E, H, F), `w3` (E, F, H), grouped or looped matmuls over tokens sorted by expert | the experts' dispatch |
 
-A whole block is replaced, for the trace only, by its *canonical form*: router linear, then
+**The dispatch** (`passes/moe_dispatch.py`): the block's own forward is recorded on its example input, the
+tokens `x`, chosen experts `idx` (T, k) and weights (T, k) the user's code computed are found, and the
+computation of the experts on their routed tokens (the loop, or the sort and grouped call, and the
+combination) is replaced — for the trace only — by `autopar::moe_experts(x, idx, weights)`. Everything
+else (router, softmax or sigmoid, top-k or argmaxes, renormalisation, auxiliary and z-losses) is
+traced as written, and its sharding follows the op rules (`passes/rules.py`: means over sharded tokens are
+global sums divided by the global count, `histc`/`bincount` of sharded tokens partial sums reduced before
+use, so a loss made of products of such means equals one device's).
+
+**Canonical forms**, where the dispatch cannot be captured: the whole block replaced by router linear,
 softmax and top-k (in either order, top-k weights renormalised or not, router in fp32 or not), then
-`autopar::moe_experts`, then the outputs the block returns: `y`, `(y, aux_loss)` or
-`(y, router_logits)`. The auxiliary loss is the switch load-balancing loss written with means over
-tokens, `E * sum_e mean_t(count_te) * mean_t(p_te)` (divided by k for the Switch/Megatron
-normalisation), so the lowering computes it from globally reduced counts and probabilities.
+`autopar::moe_experts`, then the outputs the block returns: `y`, `(y, aux_loss)` or `(y, router_logits)`, the
+auxiliary loss being the switch load-balancing loss `E * sum_e mean_t(count_te) * mean_t(p_te)` (divided by k
+for the Switch/Megatron normalisation).
 
-Nothing is replaced on trust: the block (or experts module) runs once eagerly on the example
-inputs, and each candidate canonical form is compared with it, outputs and the gradients of input
-and parameters. The first that matches is used; if none does, the module is left as it is (traced
-as written, or opaque and replicated) and the capture notes say why.
+Nothing is replaced on trust: the block (or experts module) runs eagerly on the example inputs and each
+candidate — the captured dispatch first, then each canonical form — is compared with it, outputs and the
+gradients of input and parameters. The first that matches is used; if none does, the module is left as it
+is (traced as written, or opaque and replicated) and the capture notes say why.
+
+Tensor-parallel experts (`forms/moe_tp.py`) need each expert parameter's FFN dim (`_ffn_dims`): known for
+the stacked spellings, inferred from a ModuleList expert's shapes and checked numerically.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from autopar.runtime import moe as rt
+from passes import moe_dispatch as D
 from cost_model.hardware import dtype_name
 from autopar.sites import MoeSite, PassContext
 
@@ -187,9 +199,52 @@ def _graph_op(k, x, idx, w, params):
 
 
 # Tensor-parallel experts: where each stacked weight keeps the expert's hidden (FFN) features. HF's
-# gate_up_proj is gate and up concatenated: two blocks, each split over the axis. A ModuleList
-# expert is any module, so its FFN dims are not known: it is offered replicate and expert only.
+# gate_up_proj is gate and up concatenated: two blocks, each split over the axis. A ModuleList expert is any
+# module: its FFN dims are inferred from its parameters' shapes and checked (`_ffn_dims`).
 _FFN_DIMS = {"hf-stacked": [(1, 2), (2, 1)], "grouped": [(1, 1), (2, 1), (1, 1)]}
+
+
+def _half(p: torch.Tensor, d: int, k: int, i: int) -> torch.Tensor:
+    """Half i of p's FFN features on dim d (k blocks, each halved)."""
+    return torch.cat([torch.tensor_split(b, 2, d)[i] for b in p.chunk(k, d)], d)
+
+
+def _ffn_dims(f: Found, fn, hidden: int) -> tuple[list[tuple[int, int]] | None, str]:
+    """Where each expert parameter keeps the expert's FFN features (for tensor-parallel experts), or why they
+    cannot be split: a ModuleList expert's 2-D weights must be (F, H) or (H, F) and its 1-D ones (F,) with one
+    F != H; and (for a ModuleList expert or a GroupedExperts module's own forward) an expert on random rows must
+    give the sum of what its two halves of the FFN features give."""
+    if f.spelling == "hf-stacked":
+        return _FFN_DIMS[f.spelling], ""
+    if f.spelling == "grouped":
+        dims = [(d - 1, k) for d, k in _FFN_DIMS["grouped"]]
+        one = [getattr(f.experts, n)[0] for n in f.expert_params]
+        if one[0].is_meta:  # planned as recognised (torchtitan's expert function)
+            return _FFN_DIMS[f.spelling], ""
+    else:
+        one = [dict(f.experts[0].named_parameters())[n] for n in f.expert_params]
+        dims, features = [], set()
+        for n, p in zip(f.expert_params, one):
+            if p.dim() == 2 and p.shape[1] == hidden != p.shape[0]:
+                dims.append((0, 1))
+            elif p.dim() == 2 and p.shape[0] == hidden != p.shape[1]:
+                dims.append((1, 1))
+            elif p.dim() == 1 and p.shape[0] != hidden:
+                dims.append((0, 1))
+            else:
+                return None, (f"its expert's parameter {n} {tuple(p.shape)} has no dim of FFN features apart from "
+                              f"the hidden size {hidden}")
+            features.add(p.shape[dims[-1][0]])
+        if len(features) != 1:
+            return None, f"its expert's parameters have several FFN sizes ({sorted(features)})"
+    if any(p.is_meta for p in one):
+        return None, "splitting its experts is checked on real weights, and the model is on the meta device"
+    x = torch.randn(6, hidden, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(one[0].dtype)
+    with torch.no_grad():
+        halves = [fn([_half(p, d, k, i) for p, (d, k) in zip(one, dims)], x) for i in (0, 1)]
+        if not _close(halves[0] + halves[1], fn(one, x)):
+            return None, "its expert's output is not the sum of what the two halves of its FFN features give"
+    return ([(d + 1, k) for d, k in dims] if f.spelling == "grouped" else dims), ""
 
 
 # ----------------------------------------------------------------------------- verification
@@ -293,6 +348,98 @@ def _record(model: nn.Module, mods: dict[str, nn.Module], args: tuple, kwargs: d
     return seen
 
 
+def _perturbed(args: tuple) -> tuple:
+    """The block's input moved by half its spread: another routing of the same tokens."""
+    x = args[0]
+    g = torch.Generator(device=x.device).manual_seed(1)
+    noise = torch.randn(x.shape, generator=g, dtype=torch.float64, device=x.device).to(x.dtype)
+    return (x + 0.5 * float(x.detach().float().std()) * noise, *args[1:])
+
+
+def _expert_fn(f: Found, rec: D.Recording):
+    """The function of one expert the runtime calls (`ExpertsSpec.expert_fn`), checked on every recorded expert
+    call: a ModuleList expert's own module with another expert's parameters; for GroupedExperts, torchtitan's
+    `w2(silu(w1 x) * w3 x)` or, if that is not what it computes, the module itself called with one expert."""
+    calls = [e for e in rec.entries if e.expert is not None]
+    if f.spelling == "modulelist":
+        fn = rt.module_expert(f.experts[0], f.expert_params)
+        per = [[dict(m.named_parameters())[n] for n in f.expert_params] for m in f.experts]
+        for e in calls:
+            got = fn(per[e.expert], rec.snapshot[e.ins[0]])
+            if not _close(got, rec.snapshot[e.outs[0]]):
+                return None, (f"expert {e.expert} is not its first expert's module run with its parameters "
+                              "(a buffer or attribute differs)")
+        return fn, ""
+    stacked = [getattr(f.experts, n) for n in f.expert_params]
+    rows, counts = rec.snapshot[calls[0].ins[0]], next(
+        (rec.snapshot[v] for v in calls[0].ins[1:] if rec.snapshot[v].shape == (f.num_experts,)
+         and not rec.snapshot[v].is_floating_point()), None)
+    if len(calls) != 1 or counts is None:
+        return rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)), ""
+    for fn in (rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
+               rt.grouped_module_expert(f.experts, f.expert_params, counts.dtype)):
+        spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), fn, f.spelling)
+        if _close(rt._run_grouped(spec, stacked, rows, counts.tolist()), rec.snapshot[calls[0].outs[0]]):
+            return fn, ""
+    return None, "its grouped experts, run one expert at a time on their rows, do not give what its call gives"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    rtol, atol = _tol(b.dtype)
+    return a.shape == b.shape and bool(torch.allclose(a.to(b.dtype), b, rtol=rtol, atol=atol))
+
+
+def _capture_dispatch(f: Found, spec: rt.ExpertsSpec, key: str, args: tuple, params: list[nn.Parameter]):
+    """The block with its own forward kept and only its experts' dispatch captured (`passes.moe_dispatch`),
+    verified; or None and why not."""
+    experts = list(f.experts) if f.spelling == "modulelist" else [f.experts]
+    grouped = f.spelling == "grouped"
+    forward = f.module.forward
+    try:
+        rec = D.record(forward, args, experts, grouped)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's forward under recording is a reason
+        return None, f"its forward could not be recorded: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if not any(e.expert is not None for e in rec.entries):
+        return None, "its experts are never called in its forward"
+    with torch.no_grad():
+        fn, why = _expert_fn(f, rec)
+    if fn is None:
+        return None, why
+    spec_fn = spec.expert_fn
+    spec.expert_fn = fn
+
+    def all_experts(x):
+        stacked = _stacked(f)
+        return torch.stack([fn([p[e] for p in stacked], x) for e in range(f.num_experts)])
+
+    def eager_op(x, idx, w):
+        return rt.moe_experts(x, idx, w, _stacked(f), key)
+
+    def verify(split: D.Split) -> str | None:
+        spec.top_k = split.top_k
+        replay = D.replay_forward(forward, rec, split, experts, grouped, eager_op)
+        try:
+            why = _compare(f.module, replay, args, params)
+            if why is None:
+                why = _compare(f.module, replay, _perturbed(args), params)
+                why = why and f"on an input routed differently, {why}"
+        except D.Diverged as e:
+            why = f"replaying it diverges: {e}"
+        return why
+
+    split, why = D.find_split(rec, num_experts=f.num_experts, all_experts=all_experts,
+                              capacity_factor=spec.capacity_factor, verify=verify)
+    if split is None:
+        spec.expert_fn = spec_fn
+        return None, why
+    spec.top_k = split.top_k
+
+    def graph_op(x, idx, w):
+        return _graph_op(key, x, idx, w, _stacked(f))
+
+    return Verified(f, key, D.replay_forward(forward, rec, split, experts, grouped, graph_op), None), ""
+
+
 def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: list[str]) -> list[Verified]:
     """Find MoE blocks, verify a canonical form of each on the example inputs; notes say what and why."""
     found = find_moe_modules(model)
@@ -306,8 +453,7 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                    "grouped": lambda: rt.grouped_expert(getattr(f.experts, "act_fn", F.silu)),
                    "modulelist": lambda: rt.module_expert(f.experts[0], f.expert_params)}[f.spelling]
         spec = rt.ExpertsSpec(f.path, f.num_experts, 0, list(f.expert_params), spec_fn(), f.spelling,
-                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None,
-                              ffn_dims=_FFN_DIMS.get(f.spelling))
+                              capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
         key = rt.register(spec, f.module)
         params = list(f.module.parameters())
         if not real:  # planning on meta: nothing can run; routing details do not change the cost
@@ -339,6 +485,14 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
         if len(a) != 1 or not isinstance(a[0], torch.Tensor):
             notes.append(f"MoE {f.path} left as written: its forward takes {len(a)} inputs, not one tensor")
             continue
+        v, dispatch_why = _capture_dispatch(f, spec, key, a, params)
+        if v is not None:
+            notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{spec.top_k}"
+                         f"{f', capacity factor {spec.capacity_factor:g}' if spec.capacity_factor is not None else ''}) "
+                         "verified on the example inputs: its own router and auxiliary losses are kept as written, "
+                         "its experts' dispatch is captured as autopar::moe_experts")
+            out.append(v)
+            continue
         why, chosen = "no routing form matched", None
         for routing in _routings(f, o):
             spec.top_k = routing.top_k
@@ -347,15 +501,21 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                 chosen = routing
                 break
         if chosen is None:
-            notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): no canonical form of its routing "
+            notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): autopar cannot capture how it "
+                         f"dispatches tokens to its experts ({dispatch_why}), and no canonical form of its routing "
                          f"reproduces it on the example inputs (last difference: {why})")
             continue
         spec.top_k = chosen.top_k
         notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{chosen.top_k}, {chosen.order}"
                      f"{', renormalised' if chosen.renorm else ''}"
                      f"{f', capacity factor {spec.capacity_factor:g}' if spec.capacity_factor is not None else ''}{', aux ' + chosen.aux if chosen.aux else ''}) "
-                     "verified on the example inputs")
+                     "verified on the example inputs in a canonical form (its dispatch could not be captured: "
+                     f"{dispatch_why})")
         out.append(Verified(f, key, canonical_block(f, key, chosen, _graph_op), chosen))
+    for v in out:
+        spec = rt.spec_of(v.key)
+        hidden = v.found.router.in_features if v.found.router is not None else None
+        spec.ffn_dims, spec.ffn_why = _ffn_dims(v.found, spec.expert_fn, hidden)
     return out
 
 
@@ -387,13 +547,20 @@ def recognise_moe_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 roles += [(f"{i}.{name}", q.name) for i, q in enumerate(p.args[0]) if q.op == "placeholder"]
         t, h = x.meta["val"].shape
         stacked = all(p.op == "placeholder" for p in params)
-        ffn = None
+        ffn, dims, why = None, None, spec.ffn_why
         if spec.ffn_dims and stacked:
-            d, k = spec.ffn_dims[0]
-            ffn = params[0].meta["val"].shape[d] // k
+            dims = tuple(spec.ffn_dims)
+            ffn = params[0].meta["val"].shape[dims[0][0]] // dims[0][1]
+        elif spec.ffn_dims and len(roles) == spec.num_experts * len(spec.param_names):  # ModuleList: per expert
+            by_name = dict(zip(spec.param_names, spec.ffn_dims))
+            dims = tuple(by_name[role.split(".", 1)[1]] for role, _ in roles)
+            first = params[0].args[0][0].meta["val"]  # expert 0's first parameter
+            ffn = first.shape[dims[0][0]] // dims[0][1]
+        elif spec.ffn_dims:
+            why = "its experts' parameters are not all graph inputs"
         ctx.add(MoeSite(key=spec.path, node=node, params=tuple(roles), spec_key=key, spelling=spec.spelling,
                         num_experts=spec.num_experts, top_k=idx.meta["val"].shape[-1], tokens=t, hidden=h,
-                        ffn_features=ffn, ffn_dims=tuple(spec.ffn_dims) if spec.ffn_dims and stacked else None,
+                        ffn_features=ffn, ffn_dims=dims, ffn_why=why,
                         stacked=stacked, expert_numel=sum(p.meta["val"].numel() for p in params),
                         itemsize=x.meta["val"].element_size(), dtype=dtype_name(x.meta["val"].dtype)))
     return gm

@@ -19,9 +19,13 @@ TRANSPARENT = {
     aten.alias.default, aten.flatten.using_ints, aten.unflatten.int, aten.unsqueeze.default, aten.expand.default,
     aten.slice.Tensor, aten.dropout.default, aten.squeeze.dim,
 }
-# what the walk back from q/k/v to their projections crosses (RoPE's mul/add/neg/cat, fused-QKV splits)
+# what the walk back from q/k/v (and from logits) to their projections crosses: RoPE's mul/add/neg/cat, fused-QKV
+# splits (Bloom selects q/k/v out of a per-head (heads, 3, d) view, Falcon indexes its one KV head), the casts of q/k norms (Gemma 3's
+# `type_as`), and the elementwise scaling or soft-capping of logits (Granite's `div` by logits_scaling, Cohere's
+# `mul` by logit_scale, Gemma 2's `tanh(x / cap) * cap`)
 _BACK_THROUGH = TRANSPARENT | {aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.neg.default, aten.cat.default,
-                               aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default}
+                               aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default, aten.select.int,
+                               aten.index.Tensor, aten.type_as.default, aten.div.Tensor, aten.tanh.default}
 
 
 def linears_behind(node: fx.Node, linear_nodes: dict[fx.Node, LinearSite]) -> list[LinearSite]:

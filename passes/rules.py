@@ -209,6 +209,8 @@ def view_rule(node, tin, ins, n) -> Decision:
     out = map_view_dim(shape(tin[0]), shape(node), p.dim, n, p)
     if out is None:
         return req, R
+    if node.target in (aten.view_as.default, aten.reshape_as.default):  # the shape comes from `other`: its local
+        return [p, out], out  # shape is the output's if it is placed like the output
     return [p] + req[1:], out
 
 
@@ -224,7 +226,7 @@ def expand_rule(node, tin, ins, n) -> Decision:
     return [p], with_dim(p, od)
 
 
-@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.swapaxes.default)
+@register(aten.transpose.int, aten.permute.default, aten.t.default, aten.swapaxes.default, aten.numpy_T.default)
 def permute_rule(node, tin, ins, n) -> Decision:
     p = ins[0]
     if not is_shard(p):
@@ -232,6 +234,8 @@ def permute_rule(node, tin, ins, n) -> Decision:
     nd = ndim(tin[0])
     if node.target is aten.permute.default:
         perm = [_norm(d, nd) for d in node.args[1]]
+    elif node.target is aten.numpy_T.default:  # x.T: every dim reversed
+        perm = list(reversed(range(nd)))
     else:
         d0, d1 = (0, 1) if node.target is aten.t.default else (_norm(node.args[1], nd), _norm(node.args[2], nd))
         perm = list(range(nd))
@@ -263,6 +267,21 @@ def slice_rule(node, tin, ins, n) -> Decision:
     if (start in (None, 0)) and (end is None or end >= s[dim]) and step == 1:
         return [p], p
     return [R], R
+
+
+@register(aten.index.Tensor)
+def index_rule(node, tin, ins, n) -> Decision:
+    """x[..., idx, ...] with integer index tensors on adjacent dims (Falcon's `qkv[:, :, [-2]]`): a shard of x on a
+    dim that is not indexed carries to the output (dims after the indexed block shift by the index's ndim less
+    the dims it indexes); the index tensors are replicated. A shard of an indexed dim, or of an index: replicated."""
+    p = ins[0]
+    idx = [i for i, t in enumerate(node.args[1]) if t is not None]
+    vals = [node.args[1][i].meta["val"] for i in idx]
+    if not is_shard(p) or not idx or any(v.dtype == torch.bool for v in vals) \
+            or idx != list(range(idx[0], idx[-1] + 1)) or p.dim in idx:
+        return [R] * len(ins), R
+    shift = max(v.dim() for v in vals) - len(idx) if p.dim > idx[-1] else 0
+    return [p] + [R] * (len(ins) - 1), with_dim(p, p.dim + shift)
 
 
 def _split_outputs(node) -> int:
@@ -367,13 +386,15 @@ def matmul_rule(node, tin, ins, n) -> Decision:
     # batched: (..., m, k) @ (..., k, n)
     oa, ob = nd - len(sa), nd - len(sb)
     for p, s, off, other_s, other_off, first in ((a, sa, oa, sb, ob, True), (b, sb, ob, sa, oa, False)):
-        if not is_shard(p) or isinstance(p, _StridedShard):
+        if not is_shard(p):
             continue
         od = p.dim + off
-        if od < nd - 2 and s[p.dim] == out[od]:  # batch dim
+        if od < nd - 2 and s[p.dim] == out[od]:  # batch dim: batches are independent, so a strided shard too
             d_other = od - other_off
-            other_req = Shard(d_other) if d_other >= 0 and other_s[d_other] != 1 else R
-            return ([p, other_req] if first else [other_req, p]), Shard(od)
+            other_req = with_dim(p, d_other) if d_other >= 0 and other_s[d_other] != 1 else R
+            return ([p, other_req] if first else [other_req, p]), with_dim(p, od)
+        if isinstance(p, _StridedShard):
+            continue
         if first and p.dim == len(s) - 2:  # m
             return [p, R], Shard(nd - 2)
         if not first and p.dim == len(s) - 1:  # n
@@ -383,6 +404,19 @@ def matmul_rule(node, tin, ins, n) -> Decision:
         if not first and p.dim == len(s) - 2:
             return [Shard(len(sa) - 1), p], P
     return [R, R], R
+
+
+@register(aten.baddbmm.default)
+def baddbmm_rule(node, tin, ins, n) -> Decision:
+    """beta·self + alpha·(batch1 @ batch2) (Bloom's ALiBi scores): the product sharded as `bmm` shards it (batch,
+    m or n), self (broadcast to the output) sharded alike; a sharded contraction would leave partial products
+    that self cannot join (it would be added once per rank): replicated then."""
+    req, out = matmul_rule(node, tin[1:], ins[1:], n)
+    if not is_shard(out):
+        return [R] * len(ins), R
+    s_self, s_out = shape(tin[0]), shape(node)
+    d = out.dim - (len(s_out) - len(s_self))
+    return [with_dim(out, d) if d >= 0 and s_self[d] != 1 else R] + req, out
 
 
 @register(aten.outer.default)
@@ -429,6 +463,48 @@ def amax_rule(node, tin, ins, n) -> Decision:
     if p.dim in dims:
         return [R], R
     return [p], with_dim(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+
+
+@register(aten.logsumexp.default)
+def logsumexp_rule(node, tin, ins, n) -> Decision:
+    """Per-row reduction (`torch.logsumexp(x, dims)`): a shard on a kept dim passes; a reduced one gathers."""
+    return amax_rule(node, tin, ins, n)
+
+
+@register(aten.argmax.default, aten.argmin.default)
+def argmax_rule(node, tin, ins, n) -> Decision:
+    """Index of the max along one dim: rows sharded on another dim keep their shard (no dim: a flat index, R)."""
+    p = ins[0]
+    dim = arg(node, 1, "dim", None)
+    if not is_shard(p) or dim is None:
+        return [R], R
+    nd = ndim(tin[0])
+    dim = _norm(dim, nd)
+    if p.dim == dim:
+        return [R], R
+    keepdim = bool(arg(node, 2, "keepdim", False))
+    return [p], with_dim(p, p.dim if keepdim or p.dim < dim else p.dim - 1)
+
+
+@register(aten.one_hot.default)
+def one_hot_rule(node, tin, ins, n) -> Decision:
+    """One-hot rows (a new last dim of classes): the input's shard passes through."""
+    p = ins[0]
+    if is_shard(p) and arg(node, 1, "num_classes", -1) > 0:  # -1: classes = max + 1, data-dependent
+        return [p], p
+    return [R], R
+
+
+@register(aten.gather.default)
+def gather_rule(node, tin, ins, n) -> Decision:
+    """`x.gather(d, index)`: input and index sharded alike on another dim than d (rows picked per row) keep it."""
+    x, index = ins[0], ins[1]
+    nd = ndim(tin[0])
+    dim = _norm(arg(node, 1, "dim"), nd)
+    p = x if is_shard(x) else index if is_shard(index) else None
+    if p is None or p.dim == dim or shape(tin[0])[p.dim] != shape(tin[1])[p.dim]:
+        return [R, R], R
+    return [p, p], p
 
 
 @register(aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,

@@ -25,7 +25,7 @@ class Result:
     plan: object = None
     graph_module: object = None  # the lowered graph
     comm_counts: dict[str, int] = field(default_factory=dict)
-    records: list = field(default_factory=list)  # the last step's CommRecords (record_comms), in issue order
+    comms: list[tuple] = field(default_factory=list)  # (kind, axis, pass, numel, send_bytes) of the last step, in order
     graph_counts: dict[str, int] = field(default_factory=dict)
     local_numel: dict[str, int] = field(default_factory=dict)
     idle: set[str] = field(default_factory=set)  # parameters without a reference gradient
@@ -52,13 +52,15 @@ def loss_of(out) -> torch.Tensor:
 
 
 def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="megatron", overrides=None,
-                    steps: int = 1, lr: float = 0.1) -> Result:
+                    steps: int = 1, lr: float = 0.1, cluster=None, memory_limit=None) -> Result:
     """Parallelise a deepcopy of `ref` on a mesh of `mesh_shape`, train `steps` steps with SGD next to
-    `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo)."""
+    `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo).
+    `cluster` and `memory_limit` go to `autopar.parallelize` (what the `auto` plan is solved for)."""
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
-    pm = autopar.parallelize(model, mesh, inputs, plan=plan, overrides=overrides)
+    pm = autopar.parallelize(model, mesh, inputs, plan=plan, overrides=overrides, cluster=cluster,
+                             memory_limit=memory_limit)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
     opt = torch.optim.SGD(pm.parameters(), lr=lr)
     res = Result(0.0, 0.0, plan=pm.plan)
@@ -100,7 +102,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
             k = f"{r.kind}.{r.pass_}"
             counts[k] = counts.get(k, 0) + 1
         res.comm_counts = counts
-        res.records = list(recs)
+        res.comms = [(r.kind, r.axis, r.pass_, r.numel, r.send_bytes) for r in recs]
     res.graph_counts = {}
     res.graph_module = pm.graph_module
     from passes.lower import collective_nodes

@@ -72,12 +72,20 @@ def test_load_cluster(tmp_path, monkeypatch):
     custom = dataclasses.replace(H.PRESETS["cpu"], name="mine")
     good.write_text(custom.to_json())
     assert H.load_cluster(good) == custom and H.load_cluster(str(good)) == custom
-    # None: no cached profile and no CUDA -> the cpu preset; a cached profile for the mesh wins
+    # None: no cached profile -> the preset of this machine's device: cpu without CUDA, else by GPU name (an
+    # unknown GPU plans with a100's and warns how to profile); a cached profile for the mesh wins
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for gpu, preset in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100")):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, name=gpu: name)
+        assert H.load_cluster(None, (2, 2)) is H.PRESETS[preset], gpu
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA B300")
+    with pytest.warns(UserWarning, match=r"no hardware preset for 'NVIDIA B300'.*autopar profile"):
+        assert H.load_cluster(None, (2, 2)) is H.PRESETS["a100"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     fallback = H.load_cluster(None, (2, 2))
-    if not torch.cuda.is_available():
-        assert fallback is H.PRESETS["cpu"]
+    assert fallback is H.PRESETS["cpu"]
     path = H.default_profile_path((2, 2))
-    assert path == tmp_path / "cache" / "autopar" / f"profile-{H.device_name()}-2x2.json"
+    assert path == tmp_path / "cache" / "autopar" / "profile-cpu-2x2.json"
     path.parent.mkdir(parents=True)
     path.write_text(custom.to_json())
     assert H.load_cluster(None, (2, 2)) == custom

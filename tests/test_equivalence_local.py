@@ -80,6 +80,8 @@ EXTRA_MODELS = {
     "gpt_odd": (lambda: make_gpt(num_heads=6, hidden=48), OWN_TOL),
     "llama_mqa": (lambda: make_llama(num_heads=4, num_kv_heads=1), OWN_TOL),
     "llama_kv3": (lambda: make_llama(num_heads=6, num_kv_heads=3, hidden=48), OWN_TOL),
+    # SDPA attention (the sequence forms need it; fp64 explicit attention stays unfused: its softmax downcasts)
+    "llama_sdpa": (lambda: make_llama(num_heads=4, num_kv_heads=2, attention="sdpa"), OWN_TOL),
 }
 MESHES = {
     "tp2": ((2,), ("tp",)),
@@ -209,3 +211,69 @@ def test_kv_heads_neither_dividing_nor_divided_by_tp_stay_replicated_with_a_note
     assert len([n for n in res.plan.notes if "attention" in n and "KV heads" in n]) == 2, res.plan.notes
     assert all(s.form == "replicate" for s in res.plan.strategies if s.kind == "attention")
     assert any(s.form == "tp" for s in res.plan.strategies if s.kind == "mlp")  # the rest still shards
+
+
+def _world(shape) -> int:
+    world = 1
+    for s in shape:
+        world *= s
+    return world
+
+
+def test_auto_plan_forced_by_memory_mixes_forms_and_matches(local_world):
+    """`auto` on dp=2 x tp=2 with 70% of the memory the data-parallel plan needs: neither `dp` nor `megatron`
+    fits, and the ILP combines tensor parallelism (attention by heads, MLPs, vocab-parallel embedding and loss),
+    Megatron sequence parallelism (norms) and FSDP (parameters sharded over dp). That plan, run: loss, every
+    gradient and every parameter after the step equal one device's, and each form's collectives ran."""
+    import autopar
+
+    model, inputs, tol = build("llama")
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    mesh = {"dp": 2, "tp": 2}
+    whole = autopar.plan(model, mesh, inputs, plan="dp", cluster="cpu", memory_limit=2**40)
+    limit = 0.7 * whole.estimate.memory_bytes_per_device
+    for hand in ("dp", "megatron"):
+        assert not autopar.plan(model, mesh, inputs, plan=hand, cluster="cpu", memory_limit=limit).estimate.fits, hand
+    planned = autopar.plan(model, mesh, inputs, plan="auto", cluster="cpu", memory_limit=limit)
+    assert planned.estimate.fits and planned.estimate.memory_bytes_per_device <= limit
+    forms = {(s.kind, s.label) for s in planned.strategies}
+    assert {("attention", "heads@tp"), ("mlp", "tp@tp"), ("embedding", "vocab@tp"), ("loss", "vocab@tp"),
+            ("norm", "sequence@tp")} <= forms, planned
+    fsdp = [n for n, p in planned.params if is_shard(placements_from_str(p)[0])]  # sharded on dp: FSDP
+    assert fsdp, planned
+    with local_world(4):
+        res = run_equivalence(model, inputs, (2, 2), ("dp", "tp"), plan="auto", cluster="cpu", memory_limit=limit)
+    check(res, set(numels), tol)
+    assert res.plan.strategies == planned.strategies and res.plan.params == planned.params
+    for n in fsdp:
+        assert res.local_numel[n] * 2 <= numels[n], (n, res.local_numel[n], numels[n])
+    c = res.comm_counts
+    assert c.get("reduce_scatter.forward", 0) > 0, c  # sequence parallel: block outputs scattered on the sequence
+    gathered = {r.module for r in res.plan.comms if r.axis == "dp" and r.fn.startswith("all_gather")}
+    assert gathered, res.plan.comms  # FSDP: parameters gathered on dp before use
+
+
+@pytest.mark.parametrize("attention", ["ring", "ulysses"])
+def test_three_axis_mesh_dp_cp_tp(local_world, attention):
+    """8 simulated ranks on dp=2 x cp=2 x tp=2: the batch split on dp, the sequence on cp (attention by ring or
+    Ulysses there), MLPs, the embedding and the loss tensor parallel on tp. Loss, every gradient and every
+    parameter after two SGD steps equal one device's; collectives run on all three axes."""
+    model, inputs, tol = build("llama_sdpa")
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    shape, names = (2, 2, 2), ("dp", "cp", "tp")
+    with local_world(_world(shape)):
+        res = run_equivalence(model, inputs, shape, names, plan="megatron", overrides={"attention": f"{attention}@cp"},
+                              steps=2)
+    check(res, set(numels), tol)
+    by_kind = {}
+    for s in res.plan.strategies:
+        by_kind.setdefault(s.kind, set()).add(s.label)
+    assert by_kind["attention"] == {f"{attention}@cp"}, res.plan
+    assert by_kind["mlp"] == {"tp@tp"} and by_kind["embedding"] == {"vocab@tp"} and by_kind["loss"] == {"vocab@tp"}
+    assert res.plan.inputs and all(p == "S(0)S(1)R" for _, p in res.plan.inputs), res.plan.inputs
+    tp_sharded = [n for n, p in res.plan.params if is_shard(placements_from_str(p)[2])]
+    assert tp_sharded and all(res.local_numel[n] * 2 == numels[n] for n in tp_sharded)
+    assert {r.axis for r in res.plan.comms} == set(names), res.plan.comms
+    c = res.comm_counts
+    kind = {"ring": "p2p", "ulysses": "all_to_all"}[attention]
+    assert c.get(f"{kind}.forward", 0) >= 2 and c.get(f"{kind}.backward", 0) >= 2, c

@@ -4,8 +4,6 @@ collectives of each form; sequences that do not divide are not offered, and forc
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
@@ -30,7 +28,28 @@ MODELS = {
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=16, use_cache=False)),
         lambda: dict(zip(("input_ids", "labels"), _tokens())), 1e-5),
+    "llama-sdpa-mqa": (lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=1, attention="sdpa")),
+                       lambda: _tokens(), 1e-10),
+    "llama-sdpa-bidirectional": (lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=2, attention="sdpa",
+                                                           causal=False)), lambda: _tokens(), 1e-10),
 }
+LAYERS = 2  # every model above
+# the collective each sequence form of attention runs (forward and backward, once per layer at least)
+SEQUENCE_COMM = {"ulysses": "all_to_all", "ring": "p2p"}
+
+
+def _attention_forms(plan) -> list[str]:
+    """The form of every attention of the plan; one per layer (so that `all(...)` over it cannot hold vacuously)."""
+    forms = [s.form for s in plan.strategies if s.kind == "attention"]
+    assert len(forms) == LAYERS, plan.strategies
+    return forms
+
+
+def _ran_sequence_collectives(res, form: str) -> None:
+    """The form's collective ran forward and backward in every layer (the plan was lowered as it says)."""
+    kind = SEQUENCE_COMM[form]
+    c = res.comm_counts
+    assert c.get(f"{kind}.forward", 0) >= LAYERS and c.get(f"{kind}.backward", 0) >= LAYERS, c
 
 
 def _run(local_world, name, shape, names, plan, overrides, steps=2):
@@ -46,7 +65,7 @@ def _run(local_world, name, shape, names, plan, overrides, steps=2):
         world *= s
     with local_world(world):
         res = run_equivalence(ref, x, shape, names, plan=plan, overrides=overrides, steps=steps)
-    assert set(res.grad_err) == {n for n, p in ref.named_parameters()}
+    assert set(res.grad_err) == set(res.param_err) == {n for n, p in ref.named_parameters()}
     assert res.max_err() < tol, (res.max_err(), {k: v for k, v in res.grad_err.items() if v > tol})
     return res
 
@@ -55,7 +74,11 @@ def _run(local_world, name, shape, names, plan, overrides, steps=2):
 @pytest.mark.parametrize("shape,names", [((2,), ("tp",)), ((4,), ("tp",)), ((2, 2), ("dp", "tp"))])
 def test_megatron_sp_matches_one_device(local_world, name, shape, names):
     res = _run(local_world, name, shape, names, "megatron", {"norm": "sequence"})
-    assert any(s.kind == "norm" and s.form == "sequence" for s in res.plan.strategies)
+    norms = [s for s in res.plan.strategies if s.kind == "norm"]
+    assert len(norms) == 2 * LAYERS + 1 and all(s.form == "sequence" and s.axis == "tp" for s in norms), norms
+    # and the lowering ran it: the stream is gathered into each tensor-parallel block and scattered out of it
+    c = res.comm_counts
+    assert c.get("all_gather.forward", 0) > 2 * LAYERS and c.get("reduce_scatter.forward", 0) > 2 * LAYERS, c
 
 
 def test_megatron_sp_collectives_per_layer(local_world):
@@ -96,9 +119,12 @@ def test_ulysses_matches_one_device(local_world, name, shape, names, axis):
             _run(local_world, name, shape, names, "dp", {"attention": f"ulysses@{axis}"})
         return
     res = _run(local_world, name, shape, names, "dp", {"attention": f"ulysses@{axis}"})
-    assert all(s.form == "ulysses" for s in res.plan.strategies if s.kind == "attention")
-    # tokens are split on the sequence over the Ulysses axis
-    assert all("S(1)" in p for _, p in res.plan.inputs), res.plan.inputs
+    assert all(f == "ulysses" for f in _attention_forms(res.plan))
+    # tokens are split on the sequence over the Ulysses axis (and on the batch over dp)
+    want = "S(0)S(1)" if len(shape) == 2 else "S(1)"
+    assert len(res.plan.inputs) == 2 and all(p == want for _, p in res.plan.inputs), res.plan.inputs
+    c = res.comm_counts
+    assert c.get("all_to_all.forward") == c.get("all_to_all.backward") == 4 * LAYERS, c
 
 
 def test_ulysses_collectives_four_all_to_alls_each_way_per_layer(local_world):
@@ -132,7 +158,8 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
             autopar.parallelize(model, mesh, x, plan="megatron", overrides={"norm": "sequence"})
         with pytest.raises(ValueError, match=r"'ulysses'.*sequence 15 does not divide over 2"):
             autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ulysses"})
-        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention is not lowered to a fused"):
+        with pytest.raises(ValueError, match=r"explicit matmul-softmax-matmul attention, not fused into SDPA: it rounds "
+                                             r"the scores to torch.float32"):
             autopar.parallelize(llama, mesh, tokens, plan="dp", overrides={"attention": "ulysses"})
 
 
@@ -140,7 +167,7 @@ def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
 @pytest.mark.parametrize("shape,names", [((2,), ("cp",)), ((4,), ("cp",)), ((2, 2), ("dp", "cp"))])
 def test_ring_attention_matches_one_device(local_world, name, shape, names):
     res = _run(local_world, name, shape, names, "dp", {"attention": "ring@cp"})
-    assert all(s.form == "ring" for s in res.plan.strategies if s.kind == "attention")
+    assert all(f == "ring" for f in _attention_forms(res.plan))
     p, layers = shape[-1], 2
     c = res.comm_counts
     # p-1 K/V steps forward per layer; backward passes K/V and dK/dV: 2(p-1)
@@ -149,10 +176,9 @@ def test_ring_attention_matches_one_device(local_world, name, shape, names):
 
 @pytest.mark.parametrize("form", ["ring", "ulysses"])
 def test_sequence_forms_with_gqa_and_fewer_kv_heads_than_ranks(local_world, form):
-    MODELS["llama-sdpa-mqa"] = (lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=1, attention="sdpa")),
-                                lambda: _tokens(), 1e-10)
     res = _run(local_world, "llama-sdpa-mqa", (4,), ("cp",), "dp", {"attention": form})
-    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
+    assert all(f == form for f in _attention_forms(res.plan))
+    _ran_sequence_collectives(res, form)
 
 
 def test_ring_not_offered_with_an_explicit_mask_or_indivisible_sequence(local_world):
@@ -160,19 +186,28 @@ def test_ring_not_offered_with_an_explicit_mask_or_indivisible_sequence(local_wo
     model = GPT(GPTConfig(seq_len=12))
     g = torch.Generator().manual_seed(0)
     x = (torch.randint(0, 128, (2, 12), generator=g), torch.randint(0, 128, (2, 12), generator=g))
-    hf = MODELS["hf-llama"][0]()
     with local_world(4):
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
         with pytest.raises(ValueError, match=r"'ring'.*sequence 12 does not split into 2x4 zigzag chunks"):
             autopar.parallelize(model, mesh, x, plan="dp", overrides={"attention": "ring"})
-    ids = dict(zip(("input_ids", "labels"), _tokens()))
-    with local_world(2):
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-        # HF passes an explicit mask built from positions only, proved causal (passes/masks.py): ring applies
-        pm = autopar.parallelize(hf, mesh, ids, plan="dp", overrides={"attention": "ring"})
-        assert all(s.form == "ring" for s in pm.plan.strategies if s.kind == "attention")
+    # a padding mask (rows 1 and 3 end in pads) is no causal mask: every query sees only some keys
+    hf = MODELS["hf-llama"][0]()
+    ids, labels = _tokens()
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    mask[3, 5:] = 0
+    padded = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with pytest.raises(ValueError, match=r"'ring'.*its mask depends on input attention_mask \(padding\); ring "
+                                         r"attention supports is_causal or no mask"):
+        autopar.plan(hf, {"cp": 2}, padded, plan="dp", overrides={"attention": "ring"})
+    # not offered: the ILP, free to choose, never gives the attention ring
+    free = autopar.plan(hf, {"cp": 2}, padded, cluster="h100", memory_limit=2**40)
+    assert "ring" not in _attention_forms(free)
+    # without the user's attention_mask, HF's mask is built from positions only and proved causal: ring applies
+    plain = autopar.plan(hf, {"cp": 2}, {"input_ids": ids, "labels": labels}, plan="dp",
+                         overrides={"attention": "ring"})
+    assert _attention_forms(plain) == ["ring", "ring"]
 
 
 @pytest.mark.parametrize("form", ["ulysses", "ring"])
@@ -190,13 +225,14 @@ def test_explicit_attention_is_fused_and_takes_sequence_forms(local_world, form)
     with local_world(2):
         res = run_equivalence(ref, x, (2,), ("cp",), plan="dp", overrides={"attention": form}, steps=2)
     assert res.max_err() < 1e-5, res.max_err()
-    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
+    assert set(res.grad_err) == set(res.param_err) == {n for n, _ in ref.named_parameters()}
+    assert all(f == form for f in _attention_forms(res.plan))
+    _ran_sequence_collectives(res, form)
 
 
 @pytest.mark.parametrize("form", ["ring", "ulysses"])
 @pytest.mark.parametrize("p", [2, 4])
 def test_sequence_forms_non_causal(local_world, form, p):
-    MODELS["llama-sdpa-bidirectional"] = (
-        lambda: Llama(LlamaConfig(num_heads=4, num_kv_heads=2, attention="sdpa", causal=False)), lambda: _tokens(), 1e-10)
     res = _run(local_world, "llama-sdpa-bidirectional", (p,), ("cp",), "dp", {"attention": form})
-    assert all(s.form == form for s in res.plan.strategies if s.kind == "attention")
+    assert all(f == form for f in _attention_forms(res.plan))
+    _ran_sequence_collectives(res, form)

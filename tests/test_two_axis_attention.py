@@ -17,7 +17,7 @@ for a long sequence under a memory limit no single-axis form meets.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, namedtuple
 
 import pytest
 import torch
@@ -32,6 +32,13 @@ from autopar.spec import Shard, placements_from_str
 from equivalence import run_equivalence
 
 B, S, P = 4, 16, 2
+
+
+Comm = namedtuple("Comm", "kind axis pass_ numel send_bytes")  # a row of `Result.comms`
+
+
+def _records(res) -> list[Comm]:
+    return [Comm(*c) for c in res.comms]
 
 
 def _tokens():
@@ -75,7 +82,7 @@ def _run(local_world, name, names, form, plan="dp", extra=None, steps=2):
 def _heads_all_reduces(res, layers, hidden):
     """One all-reduce forward and one backward per layer on tp, each b*(s/p)*h, and nothing else of the
     attention's on tp (dp plan: the rest of the model is replicated on tp)."""
-    tp = [(r.kind, r.pass_, r.numel) for r in res.records if r.axis == "tp"]
+    tp = [(r.kind, r.pass_, r.numel) for r in _records(res) if r.axis == "tp"]
     assert Counter(tp) == {("all_reduce", "forward", B * S // P * hidden): layers,
                            ("all_reduce", "backward", B * S // P * hidden): layers}, Counter(tp)
 
@@ -89,13 +96,13 @@ RING_KV_WIDTH = {"gpt": 16, "llama-mqa": 8, "hf-llama": 8}
 @pytest.mark.parametrize("name", ["gpt", "llama-mqa", "hf-llama"])
 def test_heads_ring_matches_one_device(local_world, name, names):
     res, layers, hidden, kv_width = _run(local_world, name, names, "ring")
-    p2p = [r for r in res.records if r.kind == "p2p"]
+    p2p = [r for r in _records(res) if r.kind == "p2p"]
     assert {r.axis for r in p2p} == {"cp"}
     assert sum(r.pass_ == "forward" for r in p2p) == (P - 1) * layers
     assert sum(r.pass_ == "backward" for r in p2p) == 2 * (P - 1) * layers
     assert sum(r.send_bytes for r in p2p) == layers * ring.layer_volume_bytes(B, S, RING_KV_WIDTH[name], P, 8)
     if name == "llama-mqa":  # its one KV head is replicated over tp (each rank picks it): K/V gradients summed on tp
-        tp = Counter((r.kind, r.pass_, r.numel) for r in res.records if r.axis == "tp")
+        tp = Counter((r.kind, r.pass_, r.numel) for r in _records(res) if r.axis == "tp")
         assert tp == {("all_reduce", "forward", B * S // P * hidden): layers,
                       ("all_reduce", "backward", B * S // P * hidden): layers,
                       ("all_reduce", "backward", B * S // P * kv_width): 2 * layers}, tp
@@ -107,7 +114,7 @@ def test_heads_ring_matches_one_device(local_world, name, names):
 @pytest.mark.parametrize("name", ["gpt", "llama-mha", "hf-llama"])
 def test_heads_ulysses_matches_one_device(local_world, name, names):
     res, layers, hidden, kv_width = _run(local_world, name, names, "ulysses")
-    a2a = [r for r in res.records if r.kind == "all_to_all"]
+    a2a = [r for r in _records(res) if r.kind == "all_to_all"]
     assert {r.axis for r in a2a} == {"sp"}
     per = B * S // P * hidden // P  # (b, s/u, h/t) on each rank; K/V as wide (MHA, or expanded by repeat_kv)
     assert Counter((r.pass_, r.numel) for r in a2a) == {("forward", per): 4 * layers, ("backward", per): 4 * layers}
@@ -129,7 +136,7 @@ def test_heads_ring_with_sequence_parallel_norms(local_world, name, names):
     forms = Counter((s.kind, s.form, s.axes) for s in res.plan.strategies if s.kind in ("mlp", "norm"))
     assert forms[("mlp", "tp", ("tp",))] == layers and forms[("norm", "sequence", ("tp",))] == 2 * layers + 1, forms
     assert res.comm_counts["p2p.forward"] == layers and res.comm_counts["p2p.backward"] == 2 * layers
-    assert not any(r.kind == "all_reduce" and r.axis == "tp" and r.numel == B * S // P * 32 for r in res.records)
+    assert not any(r.kind == "all_reduce" and r.axis == "tp" and r.numel == B * S // P * 32 for r in _records(res))
 
 
 @pytest.mark.parametrize("form", ["ulysses", "ring"])

@@ -10,8 +10,9 @@ everything about it (`Form`):
   included), or None;
 - `placements(site, axes)`: what it does to the structure's parameters, per placeholder and mesh axis;
 - `directives(site, axes)`: what lowering needs beyond placements (`autopar.plan.Directive`: a value's
-  placement, a row-parallel output's placement, an attention's runtime mode, the experts' axis),
-  keyed by graph node names so that a saved plan lowers on its own;
+  placement, a row-parallel output's placement, an attention's runtime mode, the experts' axis, a fused
+  projection run per block), keyed by graph node names so that a saved plan lowers on its own;
+- `notes(site, axes)`: what the plan says about the choice beyond its placements (a parameter it leaves whole);
 - `cost(site, stats, cand, mc)`: time and memory per device, from `cost_model`'s collective and
   compute functions (`autopar.estimate` gathers the shape facts and the mesh);
 - flags the planner and solver read instead of names: `tensor_parallel` (splits its block over a
@@ -103,6 +104,10 @@ class Form:
                         ) -> list[Directive]:
         """Directives this choice implies for other structures of the plan (`chosen`: every structure with its
         form and candidate), e.g. sequence parallelism reduce-scatters the tensor-parallel blocks' outputs."""
+        return []
+
+    def notes(self, site: Site, axes: tuple[str, ...]) -> list[str]:
+        """What the plan should say about this choice beyond its placements (e.g. a parameter it leaves whole)."""
         return []
 
     def cost(self, site: Site, st: "SiteStats", cand: Candidate, mc: "MeshCosting") -> "Cost":

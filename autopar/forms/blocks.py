@@ -9,6 +9,8 @@ from autopar.forms.base import Candidate
 from autopar.sites import MoeSite
 from cost_model.analytical import compute_time_s, send_bytes
 
+COUNT_ITEMSIZE = 8  # the per-expert row counts expert parallelism exchanges are int64 (`autopar.runtime.moe`)
+
 
 class Comms:
     """Accumulates (seconds, bytes sent) of a form's own collectives on one axis."""
@@ -55,21 +57,14 @@ def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """A Megatron block (attention by heads, MLP colwise -> rowwise) on `cand.axis` of size t: work and
     parameters / t; one all-reduce of the block's output forward (the row-parallel sum) and one of its
     input's gradient backward (the column-parallel f), each the size of the block input; activations
-    inside the block / t, its replicated input whole (`tensor_parallel_parts`)."""
-    compute, comms, act = tensor_parallel_parts(st, mc, cand.axis)
-    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=mc.size(cand.axis))
-
-
-def tensor_parallel_parts(st: SiteStats, mc: MeshCosting, axis: str) -> tuple[float, Comms, float]:
-    """(compute seconds, collectives, activation bytes) of a Megatron block on `axis`, before its parameters
-    are priced: what a form that adds its own collectives on another axis builds on (heads + ring)."""
-    t = mc.size(axis)
+    inside the block / t, its replicated input whole."""
+    t = mc.size(cand.axis)
     compute = compute_s(st, mc.dp * t, mc.cluster)
-    comms = Comms(mc, axis)
+    comms = Comms(mc, cand.axis)
     comms.add("all_reduce", st.io_bytes / mc.dp, compute / 3)
     comms.add("all_reduce", st.io_bytes / mc.dp, 2 * compute / 3)
     act = st.io_bytes / mc.dp + (st.act_bytes - st.io_bytes) / mc.dp / t
-    return compute, comms, act
+    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
 
 
 def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split: int, on_data: bool) -> Cost:
@@ -77,10 +72,12 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
 
     Expert work per token is 2 FLOPs per expert weight element for each of its k experts; routing is
     assumed balanced. With the experts on a data axis (`on_data`: tokens sharded there) each token's k rows
-    go out and back by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3).
-    On a model axis (tokens replicated) each rank runs its experts (or its share of every expert's
-    features) on every token and the output is all-reduced (forward) and so is the input's gradient
-    (backward). Expert gradients are reduced over the data axes the experts are not split over."""
+    go out and back by all-to-all, forward and backward: 4 all-to-alls of k*T*h*(ep-1)/ep (DESIGN.md §3),
+    after one all-to-all of the per-expert row counts (the splits; int64). On a model axis (tokens
+    replicated) each rank runs its experts (or its share of every expert's features) on every token and
+    the output is all-reduced (forward), and backward the input's gradient and the routing weights'
+    (T, k) gradient, which each rank holds partially. Expert gradients are reduced over the data axes
+    the experts are not split over."""
     T, H, k, E = site.tokens, site.hidden, site.top_k, site.num_experts
     item = site.itemsize
     per_expert = site.expert_numel / E
@@ -92,11 +89,13 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     compute = compute_s(st, mc.dp, mc.cluster) + compute_time_s(3 * work, 3 * routed_bytes, dtype, mc.cluster)
     comms = Comms(mc, cand.axis)
     if split > 1 and on_data:
+        comms.add("all_to_all", E * COUNT_ITEMSIZE)  # rows per (rank, expert): the dispatch's splits
         for _ in range(4):
             comms.add("all_to_all", tokens * k * H * item)
-    elif split > 1:  # every token on every rank: partial outputs all-reduced, and input grads
+    elif split > 1:  # every token on every rank: partial outputs all-reduced, and input and routing weight grads
         for _ in range(2):
             comms.add("all_reduce", tokens * H * item)
+        comms.add("all_reduce", tokens * k * item)
     expert_bytes = site.expert_numel * item
     dense_bytes = max(st.param_bytes - expert_bytes, 0.0)
     local = dense_bytes + expert_bytes / split

@@ -1,10 +1,12 @@
 """`tp` of MoE experts: every expert's FFN features split over a model axis (Megatron within each expert).
 
-Stacked expert weights are sharded on their FFN dim (Hugging Face's `gate_up_proj` as two strided
-blocks, gate and up); each rank runs its share of every expert on every token and the partial
-outputs are summed (one all-reduce forward, one of the input's gradient backward). This is
-Megatron-LM's default expert tensor parallelism, and `megatron`'s form for MoE blocks.
-Precondition: stacked experts with known FFN dims, FFN features % t == 0.
+Expert weights are sharded on their FFN dim: stacked ones (Hugging Face's `gate_up_proj` as two strided
+blocks, gate and up) and a ModuleList expert's own weights alike (its first-layer weights (F, H) on dim 0,
+its last (H, F) on dim 1, checked on the example to give the expert's output as the sum of the two halves'
+outputs: `passes/moe.py`). Each rank runs its share of every expert on every token and the partial outputs
+are summed (one all-reduce forward, one of the input's gradient backward). This is Megatron-LM's default
+expert tensor parallelism, and `megatron`'s form for MoE blocks.
+Precondition: experts with known FFN dims, FFN features % t == 0.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class MoeTensorParallel(Form):
     def precondition(self, site: MoeSite, sizes):
         (t,) = sizes
         if not site.ffn_dims or not site.ffn_features:
-            return (f"its experts ({site.spelling}) are not stacked weights with known FFN dims. Fix: 'expert' "
-                    "(expert parallel) or 'replicate'")
+            return (f"its experts ({site.spelling}) cannot be split on their FFN features: "
+                    f"{site.ffn_why or 'their layout is not known'}. Fix: 'expert' (expert parallel) or 'replicate'")
         if site.ffn_features % t:
             return (f"its {site.ffn_features} expert features do not divide over {t} ranks. Fix: 'expert' "
                     "(expert parallel) or 'replicate'")

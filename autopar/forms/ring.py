@@ -26,8 +26,8 @@ from autopar.sites import AttentionSite, Kind
 
 def ring_precondition(site: AttentionSite, p: int) -> str | None:
     if site.spelling != "sdpa":
-        return ("explicit matmul-softmax-matmul attention is not lowered to a fused attention yet (its chain has "
-                "an op the fusion does not understand). Fix: 'heads' or 'replicate'")
+        return (f"it is explicit matmul-softmax-matmul attention, not fused into SDPA: {site.unfused_why}. "
+                "Fix: 'heads' or 'replicate'")
     if site.has_mask and not site.mask_causal:
         why = site.mask_note or "it takes an explicit attention mask that is not a causal mask built from positions"
         return f"{why}; ring attention supports is_causal or no mask. Fix: 'ulysses', 'heads' or 'replicate'"

@@ -6,8 +6,10 @@ tokens. The lowering then needs no special case: a column-parallel linear consum
 sequence-sharded stream all-gathers it (forward) and reduce-scatters its input gradient (backward);
 the row-parallel outputs of the tensor-parallel blocks on that axis are reduce-scattered onto the
 sequence (forward, before their bias; all-gather backward: `ROW_OUTPUT` directives); norm weights
-see partial gradients, summed over the axis by `grad_all_reduce`. Volume per layer: 4 all-gathers +
-4 reduce-scatters of b·s·h, `8(t-1)/t · bsh` (`layer_volume_bytes`), as tensor parallelism alone.
+see partial gradients, summed over the axis by `grad_all_reduce`, and so do the row-parallel biases
+(added after the reduce-scatter); all of them in one bucket per axis (`bucket_gradients_pass`). Volume
+per layer: 4 all-gathers + 4 reduce-scatters of b·s·h, `8(t-1)/t · bsh` (`layer_volume_bytes`), as
+tensor parallelism alone.
 Preconditions: sequence % t == 0; every attention and MLP tensor parallel on the axis (an ILP
 constraint; a hand plan whose blocks are not keeps them replicated around sequence-sharded norms).
 """
@@ -15,7 +17,7 @@ constraint; a hand plan whose blocks are not keeps them replicated around sequen
 from __future__ import annotations
 
 from autopar.estimate import compute_s
-from autopar.forms import blocks
+from autopar.forms import blocks, dp
 from autopar.forms.base import Form, Role, register
 from autopar.plan import Directive, DirectiveKind
 from autopar.sites import Kind, NormSite
@@ -63,6 +65,11 @@ class SequenceNorm(Form):
     def cost(self, site, st, cand, mc):
         t = mc.size(cand.axis)
         comms = blocks.Comms(mc, cand.axis)
-        comms.add("all_reduce", st.param_bytes)  # norm weights stay replicated; their partial gradients summed
+        # Norm weights stay replicated and see partial gradients; so do the row-parallel biases. All are summed in
+        # one bucket on the axis: each norm pays its bytes and its share of the biases at the bucket's per-byte
+        # rate, and its share of the bucket's fixed cost (exact when every norm is sequence parallel).
+        sync_s, sync_bytes = dp.grad_sync(mc, st.param_bytes + st.sequence_bias_bytes, axes=(cand.axis,))
+        comms.time_s += sync_s + st.sequence_bucket_share * mc.bucket_rate(cand.axis)[0]
+        comms.bytes += sync_bytes
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp * t, mc.cluster), comms=comms,
                              act=st.act_bytes / mc.dp / t)

@@ -14,6 +14,7 @@ replicated on it in and out, the row-parallel output partial), so Megatron seque
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 from autopar.forms import blocks
@@ -58,12 +59,18 @@ class HeadsAndSequence(Form):
     def directives(self, site: AttentionSite, axes):
         return self.heads.directives(site, axes[:1]) + self.within.directives(site, axes[1:])
 
+    def notes(self, site: AttentionSite, axes):
+        return self.heads.notes(site, axes[:1]) + self.within.notes(site, axes[1:])
+
     def row_linears(self, site: AttentionSite):
         return self.heads.row_linears(site)
 
     def cost(self, site: AttentionSite, st, cand, mc):
+        """`heads` on the model axis (its tokens already split over the sequence axis: `mc.dp` counts it), plus
+        the sequence form's collectives for the heads of one rank."""
         tp, seq = cand.axes
-        t = mc.size(tp)
-        compute, comms, act = blocks.tensor_parallel_parts(st, mc, tp)
-        act += self.add_within_comms(comms, site, st, mc, seq, t)
-        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
+        cost = self.heads.cost(site, st, dataclasses.replace(cand, form=self.heads.name, axes=(tp,)), mc)
+        comms = blocks.Comms(mc, seq)
+        act = self.add_within_comms(comms, site, st, mc, seq, mc.size(tp))
+        return dataclasses.replace(cost, comm_s=cost.comm_s + comms.time_s, comm_bytes=cost.comm_bytes + comms.bytes,
+                                   memory_bytes=cost.memory_bytes + act)

@@ -23,8 +23,8 @@ from cost_model.analytical import send_bytes
 
 def ulysses_precondition(site: AttentionSite, u: int) -> str | None:
     if site.spelling != "sdpa":
-        return ("explicit matmul-softmax-matmul attention is not lowered to a fused attention yet (its chain has "
-                "an op the fusion does not understand). Fix: 'heads' or 'replicate'")
+        return (f"it is explicit matmul-softmax-matmul attention, not fused into SDPA: {site.unfused_why}. "
+                "Fix: 'heads' or 'replicate'")
     if site.heads % u:
         return f"{site.heads} heads do not divide over {u} ranks. Fix: an axis whose size divides the heads"
     if site.kv_heads % u and u % site.kv_heads:

@@ -60,8 +60,10 @@ class ExpertsSpec:
     expert_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor]  # (params of one expert, rows) -> rows
     spelling: str  # "modulelist", "hf-stacked", "grouped"
     capacity_factor: float | None = None
-    # per stacked parameter: (dim, blocks) of its FFN dim, for tensor-parallel experts (None: not offered)
+    # per parameter name: (dim, blocks) of its FFN features, for tensor-parallel experts (None: not offered, see
+    # ffn_why); the dim of the stacked (E, ...) parameter, or of one ModuleList expert's own parameter
     ffn_dims: list[tuple[int, int]] | None = None
+    ffn_why: str = ""
     notes: list[str] = field(default_factory=list)
 
 
@@ -94,6 +96,15 @@ def grouped_expert(act: Callable):
     def fn(params, x):
         w1, w2, w3 = params
         return F.linear(act(F.linear(x, w1)) * F.linear(x, w3), w2)
+    return fn
+
+
+def grouped_module_expert(module: nn.Module, names: list[str], counts_dtype: torch.dtype):
+    """A GroupedExperts module's own forward `(rows, num_tokens_per_expert)`, called with one expert's
+    parameters (stacked as one expert) and all the rows for it."""
+    def fn(params, x):
+        counts = torch.full((1,), x.shape[0], dtype=counts_dtype, device=x.device)
+        return functional_call(module, {n: p.unsqueeze(0) for n, p in zip(names, params)}, (x, counts))
     return fn
 
 
