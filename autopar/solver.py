@@ -96,10 +96,15 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
+    seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
         for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
-            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward
-            t, b = mc.collective("all_gather" if on_seq and a in mc.seq_axes else "all_reduce", nbytes, a)
+            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward; on a
+            # data axis, its shard of the sequence is all-reduced (the lowering splits the sequence first)
+            if on_seq and a in mc.seq_axes:
+                t, b = mc.collective("all_gather", nbytes, a)
+            else:
+                t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
 

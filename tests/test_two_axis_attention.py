@@ -249,7 +249,8 @@ def test_a_saved_two_axis_plan_lowers_on_its_own(local_world, tmp_path):
 @pytest.mark.parametrize("form", ["ring", "ulysses"])
 def test_the_estimate_prices_the_bytes_the_step_sends(local_world, form):
     """The combined forms' cost (the heads block's all-reduces on tp, the sequence form's collectives for the
-    heads of one rank on cp) gives the bytes one training step sends, within 3% (biases, as for every form)."""
+    heads of one rank on cp) gives the bytes one training step sends, up to the output projection's bias, which
+    stays whole on tp while the estimate's gradient bucket counts 1/t of it (as `test_estimate` notes for tp)."""
     from test_estimate import COUNTING, _gpt
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -262,4 +263,5 @@ def test_the_estimate_prices_the_bytes_the_step_sends(local_world, form):
         with record_comms() as recs:
             pm(*inputs).backward()
     assert {r.kind for r in recs if r.axis == "tp"} == {"all_reduce"}
-    assert pm.plan.estimate.comm_bytes_per_step == pytest.approx(sum(r.send_bytes for r in recs), rel=0.03)
+    bias = GPTConfig().hidden * 4 * GPTConfig().num_layers  # fp32, one per layer
+    assert pm.plan.estimate.comm_bytes_per_step == pytest.approx(sum(r.send_bytes for r in recs), abs=bias)
