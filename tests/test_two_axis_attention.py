@@ -265,3 +265,12 @@ def test_the_estimate_prices_the_bytes_the_step_sends(local_world, form):
     assert {r.kind for r in recs if r.axis == "tp"} == {"all_reduce"}
     bias = GPTConfig().hidden * 4 * GPTConfig().num_layers  # fp32, one per layer
     assert pm.plan.estimate.comm_bytes_per_step == pytest.approx(sum(r.send_bytes for r in recs), abs=bias)
+
+
+@pytest.mark.parametrize("names", [("tp", "cp"), ("cp", "tp")])
+def test_megatron_puts_its_model_axis_where_no_override_takes_the_sequence(local_world, names):
+    """megatron's tensor parallelism goes on the last axis that no override uses as a sequence axis: with the
+    attention forced heads@tp+ring@cp, the MLPs, embedding and loss take tp whichever order the mesh has."""
+    res, layers, _, _ = _run(local_world, "gpt", names, "ring", plan="megatron")
+    forms = {s.kind: s.axes for s in res.plan.strategies if s.kind in ("mlp", "embedding", "loss")}
+    assert forms and all(axes == ("tp",) for axes in forms.values()), res.plan
