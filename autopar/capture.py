@@ -104,6 +104,31 @@ def _opaque_forwards(model: nn.Module, keys: dict[str, str]):
             del mod.forward
 
 
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def _refuse_parameter_mutation(gm, params: dict[str, str], model_name: str) -> None:
+    """A forward that writes into a parameter in place (an `nn.Embedding(max_norm=...)` renormalises its looked-up
+    rows through `weight.detach()`) cannot run on the parameter's shards as the graph reads them: raise, saying so."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        args = node.target._schema.arguments
+        for i, a in enumerate(node.args[:len(args)]):
+            info = args[i].alias_info
+            if not (info is not None and info.is_write and hasattr(a, "op")):
+                continue
+            while a.op == "call_function" and a.target in _ALIASES:
+                a = a.args[0]
+            if a.op == "placeholder" and a.name in params:
+                raise NotImplementedError(
+                    f"{model_name}.forward writes into parameter {params[a.name]} in place "
+                    f"({node.target.__name__}{', e.g. nn.Embedding(max_norm=...)' if 'renorm' in str(node.target) else ''}); "
+                    "autopar runs forward on parameter shards and does not support parameters mutated in forward "
+                    "yet. Fix: apply the renormalisation (or other in-place update) outside forward, e.g. after the "
+                    "optimizer step, and drop it from the module.")
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16) -> Captured:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -178,6 +203,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
             kinds.append((name, "input", None))
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} for {name}")
+    _refuse_parameter_mutation(gm, params, type(model).__name__)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))

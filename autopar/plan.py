@@ -24,6 +24,7 @@ class DirectiveKind(str, enum.Enum):
     EXPERTS = "experts"  # MoE experts `node` has its experts sharded over `axis`
     GATHER = "gather"  # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP)
     ZIGZAG = "zigzag"  # shards of a dim over `axis` use the zigzag layout (context parallelism)
+    CAUSAL_MASK = "causal_mask"  # attention `node`'s mask is the causal mask: ring over `axis` drops it, is_causal
     # the fused projection `node` runs as one projection per feature block, on row blocks of its (replicated)
     # weight; `value` lists the blocks as `taker:first:end:heads,...` (the node taking each block of the output):
     # a block whose heads divide over `axis` is split over it, the others stay replicated
@@ -49,6 +50,14 @@ class Directive:
         object.__setattr__(self, "kind", DirectiveKind(self.kind))
 
 
+def form_label(form: str, axes: tuple[str, ...]) -> str:
+    """How plans print a form on its axes: 'replicate', 'heads@tp', 'heads@tp+ring@cp'."""
+    parts = form.split("+")
+    if len(parts) == len(axes) > 1:
+        return "+".join(f"{f}@{a}" for f, a in zip(parts, axes))
+    return form + (f"@{axes[0]}" if axes else "")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Strategy:
     key: str  # module path of the structure, e.g. "h.0.attn"
@@ -65,10 +74,7 @@ class Strategy:
 
     @property
     def label(self) -> str:
-        parts = self.form.split("+")
-        if len(parts) == len(self.axes) > 1:
-            return "+".join(f"{f}@{a}" for f, a in zip(parts, self.axes))
-        return self.form + (f"@{self.axis}" if self.axis else "")
+        return form_label(self.form, self.axes)
 
 
 @dataclass(frozen=True, kw_only=True)

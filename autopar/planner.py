@@ -1,7 +1,8 @@
 """Plans: which form each recognised structure takes on which mesh axes, and the `Plan` that says so.
 
 Named plans:
-- `megatron`: tensor parallel on the last mesh axis — every structure takes the form that declares
+- `megatron`: tensor parallel on the last mesh axis (the last one no override takes as a sequence or
+  data axis) — every structure takes the form that declares
   itself megatron's for its kind (`Form.hand_plans`: attention by heads, MLPs column -> row, MoE
   experts feature-split, vocab-parallel embedding and cross-entropy) — data parallel on the others.
 - `dp`: every parameter replicated, the batch sharded over all axes.
@@ -105,9 +106,15 @@ def check_forced(site: Site, cand: Candidate, mesh: MeshInfo) -> None:
 
 # ----------------------------------------------------------------------------- named plans
 
-def _hand_choice(site: Site, plan: str, mesh: MeshInfo, notes: list[str]) -> Candidate:
-    """The form a named plan gives a structure: its kind's form for that plan on the last axis, if possible."""
-    tp, t = mesh.names[-1], mesh.sizes[-1]
+def _tensor_axis(mesh: MeshInfo, forced: list[tuple[Site, Candidate]]) -> str | None:
+    """megatron's model axis: the last mesh axis that no override uses in a sequence or data role."""
+    taken = {a for s, c in forced for a, ok in _roles_used(s, c) if Role.MODEL not in ok}
+    return next((n for n in reversed(mesh.names) if n not in taken), None)
+
+
+def _hand_choice(site: Site, plan: str, mesh: MeshInfo, tp: str | None, notes: list[str]) -> Candidate:
+    """The form a named plan gives a structure: its kind's form for that plan on axis `tp`, if possible."""
+    t = mesh.axis(tp).size if tp else 1
     if plan != "megatron" or t == 1:
         return REPLICATE
     for form in forms_for(site.kind):
@@ -260,11 +267,11 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         choices.update({k: c for k, c in forced.items() if planning[k].kind is Kind.LINEAR})
         data_axes, seq_axes = list(solution.data_axes), list(solution.seq_axes)
     else:
-        choices = {s.key: _hand_choice(s, name, mesh, notes) for s in ctx.planning_sites()}
+        tp = _tensor_axis(mesh, parsed)
+        choices = {s.key: _hand_choice(s, name, mesh, tp, notes) for s in ctx.planning_sites()}
         choices.update(forced)
         _tied_choices(ctx, mesh, choices, set(forced), notes)
-        data_axes = [n for n, s in zip(mesh.names, mesh.sizes)
-                     if name in ("dp", "fsdp") or n != mesh.names[-1]]
+        data_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
         used = {a for s, c in [(s, choices[s.key]) for s in ctx.planning_sites()] + forced_linears
                 for a, ok in _roles_used(s, c) if Role.DATA not in ok}
         data_axes = [a for a in data_axes if a not in used]

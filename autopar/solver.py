@@ -60,6 +60,11 @@ class InfeasibleError(ValueError):
     """No plan fits the memory limit."""
 
 
+class _Conflict(Exception):
+    def __init__(self, whys: list[str]):
+        self.whys = whys
+
+
 @dataclass
 class Solution:
     data_axes: tuple[str, ...]
@@ -96,10 +101,15 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
+    seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
         for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
-            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward
-            t, b = mc.collective("all_gather" if on_seq and a in mc.seq_axes else "all_reduce", nbytes, a)
+            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward; on a
+            # data axis, its shard of the sequence is all-reduced (the lowering splits the sequence first)
+            if on_seq and a in mc.seq_axes:
+                t, b = mc.collective("all_gather", nbytes, a)
+            else:
+                t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
 
@@ -203,21 +213,28 @@ class ConstraintView:
     def __init__(self, model, classes, cands, x, stats):
         self._model, self._classes, self._cands, self._x, self._stats = model, classes, cands, x, stats
         self._index = {s.key: k for k, cls in enumerate(classes) for s in cls}
+        self.whys: dict[str, str] = {}  # site key -> what its forms' constraints require (reported on a conflict)
 
     def stats(self, site: Site) -> SiteStats:
         return self._stats[site.key]
 
-    def require_site(self, var, key: str, pred: Callable[[Candidate], bool]) -> None:
+    def require_site(self, var, key: str, pred: Callable[[Candidate], bool], why: str = "") -> None:
         """var <= sum of the variables of structure `key`'s candidates that satisfy `pred`."""
         k = self._index[key]
         self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k]) if pred(c)))
+        self._note(why)
 
-    def require_every(self, var, kinds, pred: Callable[[Candidate, Form], bool]) -> None:
+    def require_every(self, var, kinds, pred: Callable[[Candidate, Form], bool], why: str = "") -> None:
         """For every structure of `kinds`: var <= sum of its candidates' variables that satisfy `pred`."""
         for k, cls in enumerate(self._classes):
             if cls[0].kind in kinds:
                 self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k])
                                            if pred(c, form_of(cls[0].kind, c.form))))
+        self._note(why)
+
+    def _note(self, why: str) -> None:
+        if why:
+            self.whys.setdefault(why, why)
 
 
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
@@ -235,6 +252,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     options = _role_options(ctx, mesh, batch, data_axes_options)
     best: Solution | None = None
     least_memory = math.inf
+    conflicts: set[str] = set()
     for data_axes, seq_axes in options:
         mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
                           seq_axes=seq_axes)
@@ -247,7 +265,11 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
-        sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
+        try:
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
+        except _Conflict as c:
+            conflicts.update(c.whys)
+            continue
         least_memory = min(least_memory, mem_min)
         if sol is None:
             continue
@@ -255,6 +277,12 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         sol.seq_axes = tuple(seq_axes)
         if best is None or sol.time_s < best.time_s - 1e-12:
             best = sol
+    if best is None and math.isinf(least_memory):
+        forced_labels = ", ".join(f"{k}: {c.label}" for k, c in forced.items()) or "none"
+        raise ValueError(
+            f"no plan satisfies the forced forms ({forced_labels}) on mesh {mesh.describe()}, whatever the memory: "
+            + ("; ".join(sorted(conflicts)) if conflicts else "no role of the mesh axes admits them")
+            + ". Fix: change the overrides so that they agree (or drop one).")
     if best is None:
         raise InfeasibleError(
             f"no plan fits {limit / 2**30:.2f} GiB per device on mesh {mesh.describe()}: the least memory any plan "
@@ -288,7 +316,9 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     # the least memory any plan of this family needs (reported when nothing fits)
     mem_min = kib(base.memory_bytes) + sum(len(cls) * min(kib(c.memory_bytes) for c in cs)
                                            for cls, cs in zip(classes, costs))
-    model.Add(mem + kib(base.memory_bytes) <= int(limit // 1024))
+    memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
+    model.Add(mem + kib(base.memory_bytes) <= int(limit // 1024)).OnlyEnforceIf(memory_on)
+    model.AddAssumptions([memory_on])
     model.Minimize(sum(len(cls) * ns(c.time_s) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs)))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
@@ -296,6 +326,9 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     solver.parameters.max_time_in_seconds = time_limit_s
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        model.ClearAssumptions()  # without the memory limit: is it the forms' own constraints that conflict?
+        if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise _Conflict(sorted(view.whys))
         return None, mem_min * 1024
     choices, per_site = {}, {}
     for cls, cs, cost, xs in zip(classes, cands, costs, x):

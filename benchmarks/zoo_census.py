@@ -157,7 +157,23 @@ def fmt_row(r: dict) -> str:
     return line
 
 
-def census(families, plans, verbose: bool, no_cache: bool = False) -> None:
+def markdown(rows: list[dict]) -> str:
+    """The README's model table: per family, the forms megatron gives each kind of structure, the share of the
+    parameters each of the 2 ranks holds under megatron and fsdp, and whether both equal one device."""
+    by = {(r["family"], r["plan"]): r for r in rows}
+    out = ["| family | megatron: forms per structure | held per rank, megatron / fsdp | loss, grads, step = one device |",
+           "|---|---|---|---|"]
+    for fam in dict.fromkeys(r["family"] for r in rows):
+        mg, fs = by.get((fam, "megatron")), by.get((fam, "fsdp"))
+        forms = ", ".join(part for part in (mg["forms"] if mg else "").split(", ")
+                          if not part.startswith(("norm:", "linear:")))
+        held = " / ".join("-" if r is None or r["held"] is None else f"{r['held']:.2f}" for r in (mg, fs))
+        ok = "yes" if all(r is not None and r["status"] == "ok" for r in (mg, fs)) else "NO"
+        out.append(f"| {fam} | {forms} | {held} | {ok} |")
+    return "\n".join(out)
+
+
+def census(families, plans, verbose: bool, no_cache: bool = False, as_markdown: bool = False) -> None:
     print(f"{'family':<12} {'plan':<9} {'status':<6} {'max err':>8} {'held':>6} {'repl':>5} {'time':>7}  forms")
     t0 = time.perf_counter()
     rows = []
@@ -169,6 +185,8 @@ def census(families, plans, verbose: bool, no_cache: bool = False) -> None:
     counts = Counter(r["status"] for r in rows)
     print(f"\n{len(rows)} rows: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
           + f"; total wall time {time.perf_counter() - t0:.1f} s")
+    if as_markdown:
+        print("\n" + markdown(rows))
 
 
 # ----------------------------------------------------------------------------- graph surveys
@@ -241,6 +259,7 @@ def main() -> None:
                          "KV-cache crash; shows what hides behind it)")
     ap.add_argument("--ops", action="store_true", help="list every ATen op in the captured zoo graphs")
     ap.add_argument("--fp32", action="store_true", help="per family: parameter-dependent values rounded to fp32")
+    ap.add_argument("--markdown", action="store_true", help="also print the README's model table")
     args = ap.parse_args()
     families = args.family or list(FAMILIES)
     if args.ops:
@@ -249,7 +268,7 @@ def main() -> None:
     if args.fp32:
         fp32_census(families)
         return
-    census(families, args.plan or list(PLANS), args.verbose, args.no_cache)
+    census(families, args.plan or list(PLANS), args.verbose, args.no_cache, args.markdown)
 
 
 if __name__ == "__main__":

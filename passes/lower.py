@@ -74,6 +74,7 @@ class LowerContext:
     hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: AttentionMode}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
+    causal_masks: set = field(default_factory=set)  # sdpa node names whose mask is the causal mask (recognised)
     moe_axes: dict = field(default_factory=dict)  # moe_experts node name -> expert-parallel axis index
     # fused projection node name -> (axis index, [(taker node name, first feature, end feature, heads)]): `PARTS`
     parts: dict = field(default_factory=dict)
@@ -117,6 +118,8 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.hints.setdefault("row:" + d.node, {})[ax] = placement_from_str(d.value)
         elif d.kind is DirectiveKind.ATTENTION:
             ctx.attention_modes.setdefault(d.node, {})[ax] = AttentionMode(d.value)
+        elif d.kind is DirectiveKind.CAUSAL_MASK:
+            ctx.causal_masks.add(d.node)
         elif d.kind is DirectiveKind.EXPERTS:
             ctx.moe_axes[d.node] = ax
         elif d.kind is DirectiveKind.PARTS:
@@ -194,6 +197,10 @@ class _Lowerer:
                           for i, a in enumerate(ctx.mesh.axes))
         self.sizes = ctx.mesh.sizes
         self.all_r = (R,) * len(self.axes)
+        # the sequence axes (ring, Ulysses): the tokens are split there first (the inputs), so a dim nested over
+        # one of them and another axis (sequence-parallel norms on a model axis) holds the sequence shard's split
+        seq_axes = set(ctx.zigzag_axes) | {ax for modes in ctx.attention_modes.values() for ax in modes}
+        self.nesting = sorted(range(len(self.axes)), key=lambda ax: (ax not in seq_axes, ax))  # outer first
         self.pl: dict[fx.Node, object] = {}
         self.cache: dict[tuple, fx.Node] = {}
         self._dropout_count = 0
@@ -241,10 +248,10 @@ class _Lowerer:
             return self.cache[key]
         x, pls = src, list(cur)
         self._origin = src
-        # Nested shards of one dim (S(0) on two axes) were split outer axis first: gather the inner
-        # axis first (reverse axis order), then split in axis order.
-        unshard = [ax for ax in reversed(range(len(self.axes))) if is_shard(pls[ax]) and pls[ax] != req[ax]]
-        rest = [ax for ax in range(len(self.axes)) if ax not in unshard]
+        # Nested shards of one dim (S(1) on two axes) were split outer axis first (`self.nesting`: sequence
+        # axes, then the others in axis order): gather the inner axis first, then split outer first.
+        unshard = [ax for ax in reversed(self.nesting) if is_shard(pls[ax]) and pls[ax] != req[ax]]
+        rest = [ax for ax in self.nesting if ax not in unshard]
         for ax in unshard + rest:
             axis = self.axes[ax]
             c, r = pls[ax], req[ax]
@@ -572,32 +579,74 @@ def _local_mean(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
 
 @local_form(aten.scaled_dot_product_attention.default)
 def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
+    _pick_kv_heads(lw, node, reqs)
     modes = lw.ctx.attention_modes.get(node.name, {})
     ring = [ax for ax, m in modes.items() if m is AttentionMode.RING]
-    if ring:  # q, k, v on their zigzag sequence shards: K/V circulate over the axis
+    if ring:  # q, k, v on their zigzag sequence shards (and on heads over a heads axis): K/V circulate
         from autopar.runtime.ring_attention import ring_attention
         a = node.args
         causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
         scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
+        mask = a[3] if len(a) > 3 else node.kwargs.get("attn_mask")
+        if mask is not None:  # recognition proved it the causal mask (`passes.masks`); it is dead after this
+            if node.name not in lw.ctx.causal_masks:
+                raise ValueError(f"attention {node.name} ({module_path(node)}) runs as ring attention but takes a mask "
+                                 "the plan does not say is causal: ring attention supports is_causal or no mask. "
+                                 "Fix: re-plan (ring is offered only where the mask is the causal mask)")
+            causal = True
+        k, v = _kv_before_repeat(lw, a[1]), _kv_before_repeat(lw, a[2])
+        if k is None or v is None:  # ring attention takes grouped K/V itself: circulate the KV heads only
+            k, v = a[1], a[2]
         node.target = ring_attention
-        node.args = (a[0], a[1], a[2], lw.axes[ring[0]].key)
+        node.args = (a[0], k, v, lw.axes[ring[0]].key)
         node.kwargs = {"causal": causal, "scale": scale}
-        return
+
+
+def _pick_kv_heads(lw: _Lowerer, node: fx.Node, reqs) -> None:
+    """Fewer KV heads than the ranks of an axis splitting the query heads: K/V stay replicated there and each
+    rank picks the KV heads its query heads use (`gqa_kv_heads`)."""
     q_heads = shape(node.args[0])[1]
-    for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1])):
-        if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate):  # fewer KV heads than ranks
-            args = list(node.args)
-            with lw.graph.inserting_before(node):
-                for i in (1, 2):
-                    if shape(args[i])[1] == q_heads:
-                        continue
-                    sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
-                    sel.meta["val"] = args[i].meta["val"]
-                    args[i] = sel
-            node.args = tuple(args)
+    picks = [ax for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1]))
+             if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate)]
+    if len(picks) > 1 or (picks and sum(is_shard(p) and p.dim == 1 for p in reqs[0]) > 1):
+        raise NotImplementedError(
+            f"attention {node.name} ({module_path(node)}): its query heads are split over mesh axes "
+            f"{[lw.axes[ax].name for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]} and its "
+            f"{shape(node.args[1])[1]} KV heads are fewer than the ranks of {[lw.axes[ax].name for ax in picks]}: "
+            "picking KV heads under heads split over two axes is not supported. Fix: axes whose sizes multiply to "
+            "a divisor of the KV heads, or one axis for the heads")
+    for ax in picks:
+        args = list(node.args)
+        with lw.graph.inserting_before(node):
+            for i in (1, 2):
+                if shape(args[i])[1] == q_heads:
+                    continue
+                sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
+                sel.meta["val"] = args[i].meta["val"]
+                args[i] = sel
+        node.args = tuple(args)
 
 
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
+
+
+def _kv_before_repeat(lw: _Lowerer, kv: fx.Node) -> fx.Node | None:
+    """The grouped K or V behind a `repeat_kv` expansion (Hugging Face's
+    `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`), if it is placed as the expansion is, so
+    that local query head i still uses local KV head i // n; else None."""
+    if kv.target not in _VIEWS or len(shape(kv)) != 4:
+        return None
+    ex = kv.args[0]
+    if not isinstance(ex, fx.Node) or ex.target is not aten.expand.default or len(ex.users) != 1:
+        return None
+    un = ex.args[0]
+    if not isinstance(un, fx.Node) or un.target is not aten.unsqueeze.default or un.args[1] != 2:
+        return None
+    x = un.args[0]
+    (b, h, s, d), (b2, h_kv, n, s2, d2) = shape(kv), shape(ex)
+    if (b2, h_kv * n, s2, d2) != (b, h, s, d) or tuple(shape(x)) != (b, h_kv, s, d) or lw.pl.get(x) != lw.pl.get(kv):
+        return None
+    return x
 
 
 def placement_hint(x: torch.Tensor, spec: dict) -> torch.Tensor:

@@ -10,6 +10,7 @@ from passes.embedding import recognise_embedding_pass
 from passes.fuse_attention import fuse_attention_pass
 from passes.linear import recognise_linear_pass
 from passes.loss import recognise_loss_pass
+from passes.masks import recognise_masks_pass
 from passes.mlp import recognise_mlp_pass
 from passes.moe import recognise_moe_pass
 from passes.norm import recognise_norm_pass
@@ -20,6 +21,7 @@ RECOGNISE = [
     recognise_linear_pass,
     recognise_embedding_pass,
     recognise_attention_pass,
+    recognise_masks_pass,  # which explicit masks are the causal mask (AttentionSite.mask_causal)
     recognise_loss_pass,
     recognise_mlp_pass,
     recognise_moe_pass,  # MoE blocks were verified and captured as autopar::moe_experts

@@ -23,6 +23,7 @@ class Result:
     grad_err: dict[str, float] = field(default_factory=dict)
     param_err: dict[str, float] = field(default_factory=dict)
     plan: object = None
+    graph_module: object = None  # the lowered graph
     comm_counts: dict[str, int] = field(default_factory=dict)
     comms: list[tuple] = field(default_factory=list)  # (kind, axis, pass, numel, send_bytes) of the last step, in order
     graph_counts: dict[str, int] = field(default_factory=dict)
@@ -103,6 +104,7 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
         res.comm_counts = counts
         res.comms = [(r.kind, r.axis, r.pass_, r.numel, r.send_bytes) for r in recs]
     res.graph_counts = {}
+    res.graph_module = pm.graph_module
     from passes.lower import collective_nodes
     for n in collective_nodes(pm.graph_module):
         res.graph_counts[n.target.__name__] = res.graph_counts.get(n.target.__name__, 0) + 1
@@ -121,5 +123,5 @@ def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", ov
         res = run_equivalence(ref, inputs, mesh_shape, names, plan=plan, overrides=overrides, steps=steps)
     finally:
         torch.set_default_dtype(torch.float32)
-    res.plan = None
+    res.plan = res.graph_module = None  # not sent back from the worker
     return res

@@ -198,11 +198,16 @@ def test_ring_not_offered_with_an_explicit_mask_or_indivisible_sequence(local_wo
     mask[1, 10:] = 0
     mask[3, 5:] = 0
     padded = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    with pytest.raises(ValueError, match=r"'ring'.*explicit attention mask that is not a causal mask"):
+    with pytest.raises(ValueError, match=r"'ring'.*its mask depends on input attention_mask \(padding\); ring "
+                                         r"attention supports is_causal or no mask"):
         autopar.plan(hf, {"cp": 2}, padded, plan="dp", overrides={"attention": "ring"})
     # not offered: the ILP, free to choose, never gives the attention ring
     free = autopar.plan(hf, {"cp": 2}, padded, cluster="h100", memory_limit=2**40)
     assert "ring" not in _attention_forms(free)
+    # without the user's attention_mask, HF's mask is built from positions only and proved causal: ring applies
+    plain = autopar.plan(hf, {"cp": 2}, {"input_ids": ids, "labels": labels}, plan="dp",
+                         overrides={"attention": "ring"})
+    assert _attention_forms(plain) == ["ring", "ring"]
 
 
 @pytest.mark.parametrize("form", ["ulysses", "ring"])

@@ -167,5 +167,16 @@ def test_sequence_parallel_is_chosen_when_memory_needs_it_and_only_with_tp_block
     for n in norms:  # the ILP's coupling: sequence-parallel norms only around tensor-parallel blocks
         assert all(s.form in ("heads", "tp") and s.axis == n.axis
                    for s in auto.strategies if s.kind in ("attention", "mlp")), auto
-    with pytest.raises(autopar.InfeasibleError):
+    with pytest.raises(ValueError, match="sequence-parallel norm needs every attention and MLP tensor parallel"):
         autopar.plan(model, mesh, inputs, cluster="h100", overrides={"attention": "replicate", "norm": "sequence"})
+
+
+def test_conflicting_overrides_are_named_not_blamed_on_memory():
+    """Forcing sequence-parallel norms with replicated attention has no plan at any memory: the error says the
+    overrides conflict and which constraint, not that nothing fits."""
+    model, inputs = _meta_llama()
+    with pytest.raises(ValueError, match=r"(?s)no plan satisfies the forced forms.*whatever the memory.*"
+                                         r"sequence-parallel norm needs every attention and MLP tensor parallel") as e:
+        autopar.plan(model, {"dp": 2, "tp": 4}, inputs, cluster="h100",
+                     overrides={"attention": "replicate", "norm": "sequence"})
+    assert not isinstance(e.value, autopar.InfeasibleError)

@@ -32,19 +32,14 @@ NOTED_KINDS = ("attention", "mlp", "loss", "embedding", "moe")  # a replicated o
 
 # Per family, the structure kinds whose every site megatron makes tensor parallel on `tp` today. A floor,
 # not a pin: a family may gain kinds (recognition improves: add them here, the floor rises) but never lose
-# one. Kinds absent here are replicated today (with a note, checked below): e.g. Gemma2's and Bloom's
-# attention are not recognised, Phi-3's and GPT-NeoX's fused QKV splits unequally, Gemma3's projections
-# are not recognised linears, tied or unrecognised LM heads keep embedding/loss replicated.
+# one. Every dense family now has its embedding, attention, MLP and loss tensor parallel (Phi-3's and
+# Falcon's unequal fused QKV run by heads with the weight held whole: noted). Kinds absent here are
+# replicated today, with a note (checked below): ViT has no embedding (a patch convolution).
 _DENSE = frozenset({"embedding", "attention", "mlp", "loss"})
 MEGATRON_FLOOR: dict[str, frozenset[str]] = {
-    **{f: _DENSE for f in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi", "gptj", "opt", "falcon",
-                           "stablelm", "starcoder2", "olmo", "olmo2", "cohere", "bert", "t5")},
-    "gemma2": frozenset({"mlp"}),
-    "gemma3": frozenset({"embedding", "mlp", "loss"}),
-    "phi3": frozenset({"embedding", "mlp", "loss"}),
-    "gpt_neox": frozenset({"embedding", "mlp", "loss"}),
-    "bloom": frozenset({"embedding", "mlp", "loss"}),
-    "granite": frozenset({"embedding", "attention", "mlp"}),
+    **{f: _DENSE for f in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi", "phi3",
+                           "gptj", "gpt_neox", "opt", "falcon", "bloom", "stablelm", "starcoder2", "olmo", "olmo2",
+                           "granite", "cohere", "bert", "t5")},
     "vit": frozenset({"attention", "mlp", "loss"}),
     "mixtral": frozenset({"embedding", "attention", "moe", "loss"}),
     "qwen2_moe": frozenset({"embedding", "attention", "mlp", "moe", "loss"}),

@@ -1,26 +1,29 @@
 """The forms: one module per form, each registered in `autopar.forms.base.FORMS` when imported here.
 
-| module            | kind        | form        | axes              |
-|-------------------|-------------|-------------|-------------------|
-| `replicate`       | every kind  | replicate   | -                 |
-| `colwise`         | linear      | colwise     | model             |
-| `rowwise`         | linear      | rowwise     | model             |
-| `heads`           | attention   | heads       | model             |
-| `ulysses`         | attention   | ulysses     | sequence          |
-| `ring`            | attention   | ring        | sequence          |
-| `mlp_tp`          | mlp         | tp          | model             |
-| `vocab_embedding` | embedding   | vocab       | model             |
-| `vocab_loss`      | loss        | vocab       | model             |
-| `sequence_norm`   | norm        | sequence    | model             |
-| `expert`          | moe         | expert      | data or model     |
-| `moe_tp`          | moe         | tp          | model             |
+| module            | kind        | form          | axes              |
+|-------------------|-------------|---------------|-------------------|
+| `replicate`       | every kind  | replicate     | -                 |
+| `colwise`         | linear      | colwise       | model             |
+| `rowwise`         | linear      | rowwise       | model             |
+| `heads`           | attention   | heads         | model             |
+| `ulysses`         | attention   | ulysses       | sequence          |
+| `ring`            | attention   | ring          | sequence          |
+| `heads_ring`      | attention   | heads+ring    | model, sequence   |
+| `heads_ulysses`   | attention   | heads+ulysses | model, sequence   |
+| `mlp_tp`          | mlp         | tp            | model             |
+| `vocab_embedding` | embedding   | vocab         | model             |
+| `vocab_loss`      | loss        | vocab         | model             |
+| `sequence_norm`   | norm        | sequence      | model             |
+| `expert`          | moe         | expert        | data or model     |
+| `moe_tp`          | moe         | tp            | model             |
 
 and the parameters' forms over the data axes: `dp` (gradient buckets) and `fsdp` (sharded, gathered).
+`two_axis` is the base the two-axis attention forms share (it registers nothing).
 """
 
 from autopar.forms import replicate  # noqa: F401  (first: candidates list it first, ties break by order)
-from autopar.forms import (colwise, expert, heads, mlp_tp, moe_tp, ring, rowwise, sequence_norm,  # noqa: F401
-                           ulysses, vocab_embedding, vocab_loss)
+from autopar.forms import (colwise, expert, heads, heads_ring, heads_ulysses, mlp_tp, moe_tp, ring,  # noqa: F401
+                           rowwise, sequence_norm, ulysses, vocab_embedding, vocab_loss)
 from autopar.forms.base import FORMS, Candidate, Form, Role, form_names, form_of, forms_for
 
 __all__ = ["FORMS", "Candidate", "Form", "Role", "form_names", "form_of", "forms_for"]

@@ -36,7 +36,7 @@ import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from autopar.plan import Directive
+from autopar.plan import Directive, form_label
 from autopar.sites import Kind, Site
 from autopar.spec import Placement
 
@@ -67,12 +67,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        parts = self.form.split("+")
-        if self.axes and len(parts) == len(self.axes):
-            s = "+".join(f"{f}@{a}" for f, a in zip(parts, self.axes))
-        else:
-            s = self.form + (f"@{self.axis}" if self.axis else "")
-        return s + ("+fsdp" if self.fsdp else "")
+        return form_label(self.form, self.axes) + ("+fsdp" if self.fsdp else "")
 
 
 class Form:

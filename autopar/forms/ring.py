@@ -3,8 +3,11 @@
 Everything holds s/p tokens in the zigzag layout (rank r holds chunks r and 2p-1-r of 2p, so causal
 work is balanced: a `ZIGZAG` directive on the axis); K/V circulate in p-1 steps while each block is
 computed, with the online-softmax merge in fp32 (`autopar.runtime.ring_attention`, an `ATTENTION`
-directive, mode ring). Backward circulates K/V again and the dK/dV accumulators (in the accumulation
-dtype: fp32 for half precision), p-1 steps each. Volume per layer (`layer_volume_bytes`): forward
+directive, mode ring). An explicit mask that recognition proved causal (`passes.masks`: built from
+positions only, as Hugging Face models pass one) is dropped and the ring runs is_causal (a
+`CAUSAL_MASK` directive). Grouped K/V behind a `repeat_kv` expansion circulate unexpanded. Backward
+circulates K/V again and the dK/dV accumulators (in the accumulation dtype: fp32 for half precision),
+p-1 steps each. Volume per layer (`layer_volume_bytes`): forward
 `2·b·s·h_kv·(p-1)/p` elements, backward the same plus the accumulators. Preconditions: SDPA (or
 explicit attention fused to it); no attention mask other than causal (a mask built from positions
 only and proved causal counts as causal); no attention dropout; sequence % 2p == 0.
@@ -63,16 +66,29 @@ class Ring(Form):
 
     def directives(self, site: AttentionSite, axes):
         (axis,) = axes
-        return [Directive(kind=DirectiveKind.ATTENTION, node=site.node.name, axis=axis, value=AttentionMode.RING),
-                Directive(kind=DirectiveKind.ZIGZAG, node="", axis=axis)]
+        out = [Directive(kind=DirectiveKind.ATTENTION, node=site.node.name, axis=axis, value=AttentionMode.RING),
+               Directive(kind=DirectiveKind.ZIGZAG, node="", axis=axis)]
+        if site.has_mask:  # the precondition admits only a mask proved causal: run is_causal, drop the mask
+            out.append(Directive(kind=DirectiveKind.CAUSAL_MASK, node=site.node.name, axis=axis))
+        return out
 
     def cost(self, site: AttentionSite, st, cand, mc):
-        p = mc.size(cand.axis)
-        dtype = site.node.args[0].meta["val"].dtype
-        ratio = accumulator_itemsize(dtype) / torch.empty((), dtype=dtype).element_size()
-        block = 2 * st.io_bytes / mc.dp * site.kv_heads / site.heads  # this rank's K,V block
         comms = blocks.Comms(mc, cand.axis)
-        for nbytes in [block] * (p - 1) + [block, ratio * block] * (p - 1):
-            comms.add("p2p", nbytes)
-        act = st.act_bytes / mc.dp + 2 * block  # K/V double buffer
+        buffers = add_ring_comms(comms, site, st, mc, cand.axis)
+        act = st.act_bytes / mc.dp + buffers
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms, act=act)
+
+
+def add_ring_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> float:
+    """Add the ring's p-1 K/V transfers forward and p-1 K/V + p-1 dK/dV transfers backward on `axis` to `comms`
+    (K/V of this rank's tokens, their KV heads split `heads_split` ways by a heads axis); return the bytes of
+    the K/V double buffer it holds."""
+    p = mc.size(axis)
+    dtype = site.node.args[0].meta["val"].dtype
+    ratio = accumulator_itemsize(dtype) / torch.empty((), dtype=dtype).element_size()
+    # a heads axis splits the KV heads, or (fewer than its ranks) leaves each rank the one its query heads use
+    kv_heads = site.kv_heads // heads_split if site.kv_heads % heads_split == 0 else 1
+    block = 2 * st.io_bytes / mc.dp * kv_heads / site.heads  # this rank's K,V block
+    for nbytes in [block] * (p - 1) + [block, ratio * block] * (p - 1):
+        comms.add("p2p", nbytes, axis=axis)
+    return 2 * block

@@ -60,7 +60,8 @@ class SequenceNorm(Form):
 
     def add_constraints(self, view, site, cand, var):
         view.require_every(var, (Kind.ATTENTION, Kind.MLP),
-                           lambda c, form: form.tensor_parallel and c.axis == cand.axis)
+                           lambda c, form: form.tensor_parallel and c.axis == cand.axis,
+                           why="a sequence-parallel norm needs every attention and MLP tensor parallel on its axis")
 
     def cost(self, site, st, cand, mc):
         t = mc.size(cand.axis)

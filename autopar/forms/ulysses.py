@@ -58,10 +58,16 @@ class Ulysses(Form):
                 Directive(kind=DirectiveKind.HINT, node=site.node.name, axis=axis, value=fmt(Shard(2)))]
 
     def cost(self, site: AttentionSite, st, cand, mc):
-        kv = site.kv_heads / site.heads
-        m = st.io_bytes / mc.dp  # one (b, s/u, h) buffer on this rank
         comms = blocks.Comms(mc, cand.axis)
-        for nbytes in (m, m * kv, m * kv, m) * 2:  # q, k, v seq->heads and o heads->seq, forward and backward
-            comms.add("all_to_all", nbytes)
+        add_ulysses_comms(comms, site, st, mc, cand.axis)
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms,
                              act=st.act_bytes / mc.dp)
+
+
+def add_ulysses_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> None:
+    """Add the all-to-alls of q, k, v (sequence -> heads) and o (heads -> sequence), forward and backward, on
+    `axis` to `comms` (this rank's tokens, their heads split `heads_split` ways by a heads axis)."""
+    kv = site.kv_heads / site.heads
+    m = st.io_bytes / mc.dp / heads_split  # one (b, s/u, h/t) buffer on this rank
+    for nbytes in (m, m * kv, m * kv, m) * 2:  # q, k, v seq->heads and o heads->seq, forward and backward
+        comms.add("all_to_all", nbytes, axis=axis)

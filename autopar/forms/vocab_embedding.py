@@ -58,4 +58,5 @@ class VocabEmbedding(Form):
     def add_constraints(self, view, site, cand, var):
         leader = view.stats(site).summed_into
         if leader is not None:
-            view.require_site(var, leader, lambda c: c.form == self.name and c.axis == cand.axis)
+            view.require_site(var, leader, lambda c: c.form == self.name and c.axis == cand.axis,
+                              why=f"an embedding added to {leader} is vocab-parallel only where {leader} is")
