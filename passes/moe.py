@@ -425,6 +425,8 @@ def _capture_dispatch(f: Found, spec: rt.ExpertsSpec, key: str, args: tuple, par
                 why = why and f"on an input routed differently, {why}"
         except D.Diverged as e:
             why = f"replaying it diverges: {e}"
+        except Exception as e:  # noqa: BLE001 - a replay that breaks (e.g. on the input routed differently) is a reason
+            why = f"replaying it fails: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         return why
 
     split, why = D.find_split(rec, num_experts=f.num_experts, all_experts=all_experts,
