@@ -31,7 +31,7 @@ def main() -> None:
         t0 = time.perf_counter()
         p = autopar.plan(model, mesh, (ids, ids), plan=plan, cluster="h100")
         e = p.estimate
-        forms = sorted({f"{s.kind}:{s.form}@{s.axis}" for s in p.strategies if s.form != "replicate"})
+        forms = sorted({f"{s.kind}:{s.label}" for s in p.strategies if s.form != "replicate"})
         results[plan] = e
         print(f"{plan:9s} {e.step_time_s * 1e3:9.1f} ms/step  {e.memory_bytes_per_device / 2**30:7.1f} GiB/device  "
               f"fits={e.fits!s:5s}  planned in {time.perf_counter() - t0:.1f} s  {', '.join(forms) or 'replicated'}")

@@ -80,9 +80,9 @@ def forms(p) -> str:
     from autopar.spec import placements_from_str
     counts: dict[str, int] = {}
     for s in p.strategies:
-        fsdp = any(getattr(x, "dim", None) is not None and name != s.axis
+        fsdp = any(getattr(x, "dim", None) is not None and name not in s.axes
                    for _, pl in s.params for (name, _), x in zip(p.mesh, placements_from_str(pl)))
-        label = f"{s.kind} {s.form}" + (f"@{s.axis}" if s.axis else "") + ("+fsdp" if fsdp else "")
+        label = f"{s.kind} {s.label}" + ("+fsdp" if fsdp else "")
         counts[label] = counts.get(label, 0) + 1
     return ", ".join(f"{k} x{v}" for k, v in counts.items())
 
