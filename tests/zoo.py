@@ -60,18 +60,8 @@ TOL_FP32 = 1e-5
 
 
 class LossWrap(nn.Module):
-    """A causal LM as users hold it: their own module returning the loss."""
-
-    def __init__(self, m):
-        super().__init__()
-        self.m = m
-
-    def forward(self, input_ids, labels):
-        return self.m(input_ids=input_ids, labels=labels).loss
-
-
-class Seq2SeqLossWrap(nn.Module):
-    """T5: encoder inputs and decoder labels (the decoder inputs are the labels shifted right)."""
+    """A causal LM (or T5: encoder inputs, decoder labels shifted right inside) as users hold it: their own
+    module returning the loss."""
 
     def __init__(self, m):
         super().__init__()
@@ -405,7 +395,7 @@ def t5():
     # pad id, 0, and _shift_right needs it): set as t5-small ships it.
     config = transformers.T5Config(vocab_size=VOCAB, d_model=H, d_kv=8, d_ff=I, num_layers=L, num_decoder_layers=L,
                                    num_heads=NH, dropout_rate=0.0, decoder_start_token_id=0)
-    return _build(transformers.T5ForConditionalGeneration, config, Seq2SeqLossWrap, seq2seq_batch(config.pad_token_id),
+    return _build(transformers.T5ForConditionalGeneration, config, LossWrap, seq2seq_batch(config.pad_token_id),
                   TOL_FP32)
 
 
