@@ -21,7 +21,7 @@ The lowering is the ordered list of passes `LOWER`, run by `passes.pipeline.run_
 the graph after each and names the pass on failure). What it lowers to is read off the plan alone
 (`lower_context`: parameter and input placements, and the forms' directives, keyed by graph names):
 a saved plan lowers on its own, and a directive naming a node this graph lacks is an error. Ops whose
-local program differs from the op on local shards are a registry (`LOCAL_FORMS`, `@local_form(op)`),
+local program differs from the op on local shards are a registry (`passes.local_forms`, `@local_form(op)`),
 like the sharding rules; an op registers once.
 """
 
@@ -40,11 +40,11 @@ from autopar.captured import Captured
 from autopar.mesh import MeshInfo
 from autopar.plan import AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
-from autopar.runtime import ops as O
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
                           is_shard, placement_from_str)
 from cost_model.analytical import send_bytes
 from passes import meta as M
+from passes.local_forms import LOCAL_FORMS
 from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
 aten = torch.ops.aten
@@ -165,18 +165,6 @@ def _local_numel(node: fx.Node, pls, sizes) -> int:
         if is_shard(p):
             numel //= n
     return numel
-
-
-def local_shape(global_shape, pls, sizes) -> list[int]:
-    out = list(global_shape)
-    for p, n in zip(pls, sizes):
-        if is_shard(p):
-            if out[p.dim] % n:
-                raise NotImplementedError(
-                    f"dim {p.dim} of size {out[p.dim]} does not divide over a mesh axis of size {n}: "
-                    "uneven shards are not supported yet")
-            out[p.dim] //= n
-    return out
 
 
 def _comm_elems(fn, m: int, p: int) -> tuple[float, float]:
@@ -457,196 +445,7 @@ class _Lowerer:
             fn(self, node, [tuple(r) for r in reqs], outs)
 
 
-# ----------------------------------------------------------------------------- local forms
-
-LocalForm = "Callable[[_Lowerer, fx.Node, list[tuple], list[tuple]], None]"
-LOCAL_FORMS: dict[object, object] = {}
-
-
-def local_form(*targets):
-    """Register the local program of ops (`fn(lowerer, node, required input placements, output placements)`,
-    rewriting the node in place). An op registers once."""
-    def deco(fn):
-        for t in targets:
-            if t in LOCAL_FORMS:
-                raise ValueError(f"a local form for {t} is registered twice ({LOCAL_FORMS[t].__name__}, {fn.__name__})")
-            LOCAL_FORMS[t] = fn
-        return fn
-    return deco
-
-
-@local_form(aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unflatten.int, aten.expand.default)
-def _local_shape(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    """Shape literals become local shapes: view(b, s, heads, d) -> view(b, s, heads/t, d)."""
-    out = outs[0]
-    if lw._sharded_axes(out):
-        node.target = aten.expand.default if node.target is aten.expand.default else aten.reshape.default
-        node.args = (node.args[0], local_shape(shape(node), out, lw.sizes))
-        node.kwargs = {}
-
-
-@local_form(aten.split.Tensor, aten.split_with_sizes.default)
-def _local_split(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    dim = arg(node, 2, "dim", 0)
-    nd = len(shape(node.args[0]))
-    dim = dim + nd if dim < 0 else dim
-    factor = math.prod(lw.sizes[ax] for ax in lw._sharded_axes(reqs[0], [dim]))
-    if factor > 1:
-        sizes = node.args[1]
-        sizes = [s // factor for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // factor
-        node.args = (node.args[0], sizes) + tuple(node.args[2:])
-
-
-@local_form(aten.embedding.default)
-def _local_embedding(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    """Vocab-sharded table: masked lookup of this rank's rows (padding_idx kept), partial output."""
-    vocab_axes = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 0]
-    if vocab_axes:
-        padding_idx = arg(node, 2, "padding_idx", -1)
-        node.target = O.vocab_parallel_embedding
-        node.args, node.kwargs = (node.args[0], node.args[1], lw.axes[vocab_axes[0]].key, padding_idx), {}
-
-
-@local_form(aten.dropout.default)
-def _local_dropout(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    p, train = node.args[1], node.args[2]
-    if train and p > 0:
-        sharded = tuple(lw.axes[ax].key for ax in lw._sharded_axes(outs[0]))
-        node.target = O.parallel_dropout
-        node.args = (node.args[0], p, train, lw.ctx.rng_stream, lw._dropout_count, sharded)
-        lw._dropout_count += 1
-
-
-@local_form(aten.cross_entropy_loss.default)
-def _local_cross_entropy(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    x, target = node.args[0], node.args[1]
-    reduction = arg(node, 3, "reduction", 1)
-    ignore_index = arg(node, 4, "ignore_index", -100)
-    smoothing = arg(node, 5, "label_smoothing", 0.0)
-    vocab = [ax for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]
-    batch = tuple(lw.axes[ax].key for ax, p in enumerate(reqs[1]) if is_shard(p) and p.dim == 0)
-    if vocab:
-        node.target = O.vocab_parallel_cross_entropy_loss
-        node.args = (x, target, lw.axes[vocab[0]].key, reduction, ignore_index, batch)
-        node.kwargs = {}
-    elif batch and reduction != 0:
-        node.target = O.cross_entropy_sharded_batch
-        node.args = (x, target, reduction, ignore_index, smoothing, batch)
-        node.kwargs = {}
-
-
-@local_form(torch.ops.autopar.moe_experts.default)
-def _local_moe(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    from autopar.runtime.moe import moe_experts, spec_of
-    key, x, idx, w, params = node.args
-    ep = lw.ctx.moe_axes.get(node.name)
-    mode, axis = "local", None
-    if ep is not None:
-        axis = lw.axes[ep].key
-        mode = "partial" if isinstance(outs[0][ep], Partial) else "a2a"
-    token_axes = tuple(lw.axes[ax].key for ax in lw._sharded_axes(reqs[0], [0]))
-    if spec_of(key).capacity_factor is not None and any(isinstance(p, _StridedShard) for p in reqs[0]):
-        raise NotImplementedError(
-            f"MoE {spec_of(key).path} with a capacity factor: its tokens are sharded on the sequence here, so "
-            "a rank's tokens are not one contiguous range of the global order that capacity is counted in. "
-            "Fix: shard only the batch (no sequence form on the expert's token axes), or make it dropless.")
-    node.target = moe_experts
-    node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
-    node.kwargs = {}
-
-
-@local_form(aten.mse_loss.default)
-def _local_mse(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    if lw._sharded_axes(reqs[0]):
-        reduction = arg(node, 2, "reduction", 1)
-        node.target = O.mse_loss_sharded
-        node.args, node.kwargs = (node.args[0], node.args[1], reduction, math.prod(shape(node.args[0]))), {}
-
-
-@local_form(aten.mean.dim, aten.mean.default)
-def _local_mean(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    """A mean over sharded dims: local sum / global count (the output is Partial)."""
-    if any(isinstance(p, Partial) for p in outs[0]) and lw._sharded_axes(reqs[0]):
-        x = node.args[0]
-        nd = len(shape(x))
-        dims = None if node.target is aten.mean.default else arg(node, 1, "dim", None)
-        red = range(nd) if not dims else [d + nd if d < 0 else d for d in dims]
-        count = math.prod(shape(x)[d] for d in red)
-        keepdim = False if node.target is aten.mean.default else bool(arg(node, 2, "keepdim", False))
-        node.target = O.sum_div
-        node.args, node.kwargs = (x, None if dims is None else list(red), keepdim, count), {}
-
-
-@local_form(aten.scaled_dot_product_attention.default)
-def _local_attention(lw: _Lowerer, node: fx.Node, reqs, outs) -> None:
-    _pick_kv_heads(lw, node, reqs)
-    modes = lw.ctx.attention_modes.get(node.name, {})
-    ring = [ax for ax, m in modes.items() if m is AttentionMode.RING]
-    if ring:  # q, k, v on their zigzag sequence shards (and on heads over a heads axis): K/V circulate
-        from autopar.runtime.ring_attention import ring_attention
-        a = node.args
-        causal = bool(a[5]) if len(a) > 5 else bool(node.kwargs.get("is_causal", False))
-        scale = a[6] if len(a) > 6 else node.kwargs.get("scale")
-        mask = a[3] if len(a) > 3 else node.kwargs.get("attn_mask")
-        if mask is not None:  # recognition proved it the causal mask (`passes.masks`); it is dead after this
-            if node.name not in lw.ctx.causal_masks:
-                raise ValueError(f"attention {node.name} ({module_path(node)}) runs as ring attention but takes a mask "
-                                 "the plan does not say is causal: ring attention supports is_causal or no mask. "
-                                 "Fix: re-plan (ring is offered only where the mask is the causal mask)")
-            causal = True
-        k, v = _kv_before_repeat(lw, a[1]), _kv_before_repeat(lw, a[2])
-        if k is None or v is None:  # ring attention takes grouped K/V itself: circulate the KV heads only
-            k, v = a[1], a[2]
-        node.target = ring_attention
-        node.args = (a[0], k, v, lw.axes[ring[0]].key)
-        node.kwargs = {"causal": causal, "scale": scale}
-
-
-def _pick_kv_heads(lw: _Lowerer, node: fx.Node, reqs) -> None:
-    """Fewer KV heads than the ranks of an axis splitting the query heads: K/V stay replicated there and each
-    rank picks the KV heads its query heads use (`gqa_kv_heads`)."""
-    q_heads = shape(node.args[0])[1]
-    picks = [ax for ax, (rq, rk) in enumerate(zip(reqs[0], reqs[1]))
-             if is_shard(rq) and rq.dim == 1 and isinstance(rk, Replicate)]
-    if len(picks) > 1 or (picks and sum(is_shard(p) and p.dim == 1 for p in reqs[0]) > 1):
-        raise NotImplementedError(
-            f"attention {node.name} ({module_path(node)}): its query heads are split over mesh axes "
-            f"{[lw.axes[ax].name for ax, p in enumerate(reqs[0]) if is_shard(p) and p.dim == 1]} and its "
-            f"{shape(node.args[1])[1]} KV heads are fewer than the ranks of {[lw.axes[ax].name for ax in picks]}: "
-            "picking KV heads under heads split over two axes is not supported. Fix: axes whose sizes multiply to "
-            "a divisor of the KV heads, or one axis for the heads")
-    for ax in picks:
-        args = list(node.args)
-        with lw.graph.inserting_before(node):
-            for i in (1, 2):
-                if shape(args[i])[1] == q_heads:
-                    continue
-                sel = lw.graph.call_function(O.gqa_kv_heads, (args[i], lw.axes[ax].key, q_heads))
-                sel.meta["val"] = args[i].meta["val"]
-                args[i] = sel
-        node.args = tuple(args)
-
-
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
-
-
-def _kv_before_repeat(lw: _Lowerer, kv: fx.Node) -> fx.Node | None:
-    """The grouped K or V behind a `repeat_kv` expansion (Hugging Face's
-    `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`), if it is placed as the expansion is, so
-    that local query head i still uses local KV head i // n; else None."""
-    if kv.target not in _VIEWS or len(shape(kv)) != 4:
-        return None
-    ex = kv.args[0]
-    if not isinstance(ex, fx.Node) or ex.target is not aten.expand.default or len(ex.users) != 1:
-        return None
-    un = ex.args[0]
-    if not isinstance(un, fx.Node) or un.target is not aten.unsqueeze.default or un.args[1] != 2:
-        return None
-    x = un.args[0]
-    (b, h, s, d), (b2, h_kv, n, s2, d2) = shape(kv), shape(ex)
-    if (b2, h_kv * n, s2, d2) != (b, h, s, d) or tuple(shape(x)) != (b, h_kv, s, d) or lw.pl.get(x) != lw.pl.get(kv):
-        return None
-    return x
 
 
 def placement_hint(x: torch.Tensor, spec: dict) -> torch.Tensor:

@@ -68,7 +68,7 @@ def test_every_kind_has_replicate_first_and_forms_register_once():
 
 
 def test_rules_and_local_forms_register_once():
-    from passes.lower import local_form
+    from passes.local_forms import local_form
     from passes.rules import register as register_rule
     with pytest.raises(ValueError, match="registered twice"):
         register_rule(torch.ops.aten.add.Tensor)(lambda *a: None)
