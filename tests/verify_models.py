@@ -1,0 +1,40 @@
+"""Factories for `python -m autopar verify --model verify_models:<name>` in tests/test_verify.py: each returns
+(model, example_inputs), the same on every rank (seeded)."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.models import GPT, GPTConfig
+
+
+def gpt():
+    """A 2-layer GPT in fp64 and a batch of 4 x 16 tokens."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig()).double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (4, 16), generator=g)
+    labels = torch.randint(0, 128, (4, 16), generator=g)
+    return model, (ids, labels)
+
+
+WRONG_PARAM = "ln_f.weight"
+
+
+def gpt_wrong_on_rank1():
+    """`gpt()`, with a bug injected into the parallel module on rank 1 only: the gradient of its replica of
+    `WRONG_PARAM` is scaled by 1.5 (rank 0's copy is right, so only a check across ranks sees it)."""
+    import torch.distributed as dist
+
+    import autopar.api
+
+    parallelize = autopar.api.parallelize
+
+    def broken(*args, **kwargs):
+        pm = parallelize(*args, **kwargs)
+        if dist.get_rank() == 1:
+            pm.get_parameter(WRONG_PARAM).register_hook(lambda g: g * 1.5)
+        return pm
+
+    autopar.api.parallelize = broken
+    return gpt()
