@@ -1,5 +1,5 @@
 """`torchrun --nproc-per-node N -m autopar verify --model pkg.module:factory [--mesh 2x2 --mesh-names dp,tp]
-[--plan megatron] [--steps 1] [--lr 0.01] [--dtype float64] [--loss-fn pkg.module:fn] [--rtol R]`.
+[--plan megatron] [--override moe=expert@ep ...] [--steps 1] [--lr 0.01] [--dtype float64] [--loss-fn pkg.module:fn] [--rtol R]`.
 
 `factory()` returns `(model, example_inputs)`, the same on every rank (seed it). The command joins the process
 group torchrun set up (nccl on GPUs, gloo otherwise; a single process without torchrun is a 1-rank world),
@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--mesh-names", help="comma-separated axis names, e.g. dp,tp (default: dp for 1-D, else axis0,...)")
     p.add_argument("--plan", default="auto", help="a named plan (megatron, dp, fsdp, auto, ...) or a saved plan's "
                                                   "JSON path (default: auto)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=FORM",
+                   help="a plan override, e.g. moe=expert@ep or h.0.mlp=tp@tp (repeatable; see autopar.parallelize)")
     p.add_argument("--steps", type=int, default=1, help="SGD steps to compare (default: 1)")
     p.add_argument("--lr", type=float, default=1e-2, help="SGD learning rate (default: 0.01)")
     p.add_argument("--dtype", choices=_DTYPES, help="cast the model's parameters and floating inputs to this dtype")
@@ -48,6 +50,16 @@ def _load(spec: str, what: str):
         return getattr(mod, attr)
     except AttributeError:
         raise SystemExit(f"{what} {spec!r}: module {mod_name!r} has no {attr!r}") from None
+
+
+def _overrides(items: list[str]) -> dict[str, str] | None:
+    out = {}
+    for item in items:
+        key, sep, form = item.partition("=")
+        if not sep or not key.strip() or not form.strip():
+            raise SystemExit(f"--override {item!r}: expected KEY=FORM, e.g. moe=expert@ep")
+        out[key.strip()] = form.strip()
+    return out or None
 
 
 def _mesh_shape(text: str | None, world: int) -> tuple[int, ...]:
@@ -92,6 +104,7 @@ def _world():
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         yield
+        dist.barrier()  # no rank tears its group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -131,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             model = model.to(device)
             inputs = pytree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, inputs)
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-        report = verify(model, mesh, inputs, plan=args.plan, steps=args.steps, lr=args.lr, loss_fn=loss_fn,
+        report = verify(model, mesh, inputs, plan=args.plan, overrides=_overrides(args.override), steps=args.steps, lr=args.lr, loss_fn=loss_fn,
                         rtol=args.rtol)
         if dist.get_rank() == 0:
             print(report, flush=True)

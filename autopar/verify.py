@@ -284,6 +284,8 @@ def _grad_diff(p, rp):
     with _local_tensor_off():
         rg = rp.grad if rp.grad is not None else torch.zeros_like(rp)
         scale = rg.abs().max() if rg.numel() else rg.new_zeros(())
+    if _elsewhere(p):
+        return rg.new_zeros(()), scale
     if p.grad is None:
         return scale, scale
     return _diff(p.grad, rg), scale
@@ -292,13 +294,18 @@ def _grad_diff(p, rp):
 def _diff(t, ref: torch.Tensor):
     """max |t - ref| on this rank (a LocalTensor: one value per simulated rank). An expert weight owned by
     other ranks only (empty here) counts 0: its owners compare it."""
+    if _elsewhere(t):
+        return ref.new_zeros(())
     if isinstance(t, DTensor):
-        if t.device_mesh.get_coordinate() is None:
-            return ref.new_zeros(())
         t = t.full_tensor()
     if t.numel() == 0:
         return ref.new_zeros(())
     return (t.detach() - ref.detach()).abs().max()
+
+
+def _elsewhere(t) -> bool:
+    """An expert weight that lives on other ranks only (an `Owned` parameter, `autopar.dtensors.owned_tensor`)."""
+    return isinstance(t, DTensor) and t.device_mesh.get_coordinate() is None
 
 
 def _checks(rows, step, mesh, compute, rtol) -> list[Check]:

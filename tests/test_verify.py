@@ -19,7 +19,7 @@ import autopar
 import autopar.api
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.verify import Check, VerifyReport, rtol_for
-from verify_models import WRONG_PARAM, gpt
+from verify_models import WRONG_PARAM, moe_top1
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -194,15 +194,16 @@ def _torchrun(factory: str, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     torchrun = Path(sys.executable).with_name("torchrun")
     return subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "autopar", "verify",
-                             "--model", f"verify_models:{factory}", "--mesh", "2", "--mesh-names", "tp",
-                             "--plan", "megatron", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             "--model", f"verify_models:{factory}", "--mesh", "2", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
 def cli_runs():
     """Both command lines, started together (most of each is starting Python and torch)."""
-    procs = {"pass": _torchrun("gpt", "--steps", "2", "--table"), "fail": _torchrun("gpt_wrong_on_rank1")}
+    procs = {"pass": _torchrun("moe_top1", "--mesh-names", "ep", "--plan", "dp", "--override", "moe=expert@ep",
+                               "--steps", "2", "--table"),
+             "fail": _torchrun("gpt_wrong_on_rank1", "--mesh-names", "tp", "--plan", "megatron")}
     results = {}
     try:
         for key, proc in procs.items():
@@ -217,13 +218,19 @@ def cli_runs():
 
 
 def test_cli_passes_on_gloo(cli_runs):
+    """Expert parallelism over a ModuleList: each expert's weights live on its owner only (the other rank holds
+    none), and the last expert receives no token; both ranks run the check, rank 0 prints it."""
     out = cli_runs["pass"]
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("autopar.verify: PASSED: plan 'megatron' on mesh (tp=2)") == 1  # rank 0 prints
-    assert "2 SGD step(s)" in out.stdout and "rtol float64 1.5e-08" in out.stdout
-    model, _ = gpt()
-    assert all(n in out.stdout for n, _ in model.named_parameters())  # --table: every parameter
-    assert "Plan 'megatron' on mesh (tp=2)" in out.stdout  # and the plan's table
+    assert out.stdout.count("autopar.verify: PASSED: plan 'dp' on mesh (ep=2)") == 1
+    assert "moe expert@ep x2" in out.stdout and "2 SGD step(s)" in out.stdout
+    model, _ = moe_top1()
+    names = [n for n, _ in model.named_parameters()]
+    assert f"{2 * (1 + 2 * len(names))} checks" in out.stdout and ", 0 failed" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line[:1] in "12" and len(line.split()) >= 7]
+    assert {r[1] for r in rows if r[1] != "loss"} == set(names)  # --table: every parameter, both steps
+    assert all(r[6] == "ok" for r in rows)
+    assert "Plan 'dp' on mesh (ep=2)" in out.stdout  # and the plan's table
 
 
 def test_cli_fails_when_one_rank_is_wrong(cli_runs):

@@ -38,3 +38,19 @@ def gpt_wrong_on_rank1():
 
     autopar.api.parallelize = broken
     return gpt()
+
+
+def moe_top1():
+    """A 2-layer Llama whose MLPs are 4-expert top-1 MoEs over a `ModuleList` (experts owned whole by their
+    ranks under expert parallelism); the last expert never wins a token (an expert without a gradient)."""
+    from autopar.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(num_heads=4, num_kv_heads=2, moe_experts=4, moe_top_k=1, moe_style="modulelist"))
+    model = model.double()
+    for layer in model.layers:
+        w = layer.mlp.router.weight
+        with torch.no_grad():
+            w[-1] = (w[0] + w[1]) / 2
+    _, inputs = gpt()
+    return model, inputs
