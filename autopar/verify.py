@@ -196,6 +196,10 @@ def verify(model: nn.Module, mesh, example_inputs, *, steps: int = 1, lr: float 
         raise NotImplementedError("verify compares the parallel module with one device on the same global "
                                   "batch; inputs='local' is not supported. Fix: pass the global batch.")
     _check_backend()
+    meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"verify runs the model on one device, but {meta[0]} (and {len(meta) - 1} more) is on the "
+                         "meta device and has no values. Fix: materialise and initialise the model first.")
     args, kwargs = _split(example_inputs)
     notes: list[str] = []
     with _local_tensor_off():
@@ -227,17 +231,20 @@ def verify(model: nn.Module, mesh, example_inputs, *, steps: int = 1, lr: float 
     checks, ref_time, par_time = _train_side_by_side(ref, pm, args, kwargs, start, steps, lr, loss_fn,
                                                      compute, rtol)
     changed += [n for n in _changed(model, original) if n not in changed]
+    parallelize_time, ref_time, par_time, any_changed = _rank_max(
+        [parallelize_time, ref_time, par_time, float(bool(changed))], mesh)
     if changed:
         notes.append("parallelize or training the parallel module changed the model's "
                      + ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else ""))
-    ref_time, par_time, par_changed = _rank_max([ref_time, par_time, float(bool(changed))], mesh)
+    elif any_changed:
+        notes.append("parallelize or training the parallel module changed the model on another rank")
     dtypes = sorted({c.dtype for c in checks if c.kind != "loss"})
     return VerifyReport(
         plan=_plan_line(pm.plan), plan_table=pm.plan.table(), steps=steps, lr=float(lr), compute_dtype=str(compute)
         .removeprefix("torch."), tolerances=tuple((d, _rtol(getattr(torch, d), compute, rtol)) for d in dtypes),
-        checks=tuple(checks), model_unchanged=par_changed == 0, parallelize_time_s=parallelize_time,
+        checks=tuple(checks), model_unchanged=any_changed == 0, parallelize_time_s=parallelize_time,
         reference_time_s=ref_time, parallel_time_s=par_time, notes=tuple(notes),
-        passed=par_changed == 0 and all(c.passed for c in checks))
+        passed=any_changed == 0 and all(c.passed for c in checks))
 
 
 def _train_side_by_side(ref, pm, args, kwargs, start, steps, lr, loss_fn, compute, rtol):
