@@ -6,7 +6,8 @@ from autopar.capture import CaptureError
 from autopar.plan import CommRow, Estimate, Plan, Strategy
 from autopar.profile import profile
 from autopar.solver import InfeasibleError
+from autopar.verify import VerifyReport, verify
 
 
 __all__ = ["parallelize", "plan", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
-           "CaptureError", "InfeasibleError"]
+           "CaptureError", "InfeasibleError", "verify", "VerifyReport"]

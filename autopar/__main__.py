@@ -1,4 +1,5 @@
-"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`.
+"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`,
+`torchrun ... -m autopar verify --model pkg.module:factory ...` (see `autopar.cli_verify`).
 
 `profile` measures the mesh (see `autopar.profile`) and writes the JSON profile that
 `cost_model.load_cluster` reads. It joins the process group torchrun set up (initialising it
@@ -94,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", help="mesh shape over the world, e.g. 2x4 (default: 1-D over all ranks)")
     p.add_argument("--dtypes", default="float32", help="comma-separated matmul dtypes (default: float32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from autopar import cli_verify
+    cli_verify.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "profile":
         return _profile(args)
+    if hasattr(args, "run"):
+        return args.run(args)
     return 2
 
 

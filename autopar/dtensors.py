@@ -25,7 +25,9 @@ def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bo
     from autopar.spec import is_shard
 
     if broadcast:
-        local = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim).to_local()  # broadcast from rank 0
+        # a copy: the broadcast writes into its input, and a replicated parameter must not share the model's storage
+        # (parallelize leaves the model as it was; training the parallel module must not train the model)
+        local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local()
     else:
         local = full
     for ax, p in enumerate(placements):
@@ -67,11 +69,11 @@ def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
         raise NotImplementedError(OWNED_NEEDS_PROCESSES)
     (ax,) = [i for i, p in enumerate(placements) if is_owned(p)]
     owner = placements[ax].owner
-    local = distribute_tensor(full, mesh, [Replicate()] * mesh.ndim).to_local()  # rank 0's copy everywhere
+    local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local()  # rank 0's everywhere
     sub = _owner_mesh(mesh, ax, owner)
     rest = [p for i, p in enumerate(placements) if i != ax] or [Replicate()]
     if any(not isinstance(p, Replicate) for p in rest):
         raise NotImplementedError(f"an owned expert weight must be replicated on the other mesh axes, got {placements}")
     if mesh.get_local_rank(ax) != owner:
         local = local.new_empty(0)
-    return DTensor.from_local(local.clone(), sub, rest, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local, sub, rest, run_check=False, shape=full.shape, stride=full.stride())
