@@ -122,7 +122,8 @@ def fingerprints(model, mesh: DeviceMesh, args: tuple, kwargs: dict, captured, a
     parts["captured graph"] = (*graph, f"fingerprint {captured.fingerprint()}")
     out = []
     for rank in ranks:
-        values = [s + (f" sha {_values(a, rank)}" if isinstance(a, torch.Tensor) else "") for s, (_, a) in zip(shapes, flat)]
+        values = [s + (f" sha {_values(a, rank)}" if isinstance(a, torch.Tensor) else "")
+                  for s, (_, a) in zip(shapes, flat)]
         out.append(Fingerprint({**parts, VALUES: tuple(values),
                                 UNBATCHED: tuple(v for v, b in zip(values, batched) if not b)}))
     return out

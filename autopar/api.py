@@ -68,7 +68,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
     arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs)
-    copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1  # a guess of the data-parallel degree, settled below
+    # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
+    copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
     if inputs == "global":
         check_input_values(agreement)
