@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Callable
@@ -85,7 +86,15 @@ def _stable(x) -> str:
         return f"Plan {x.name!r} (sha {hashlib.sha256(x.to_json().encode()).hexdigest()[:12]})"
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         x = dataclasses.asdict(x)
-    return json.dumps(x, sort_keys=True, default=lambda o: getattr(o, "__dict__", type(o).__name__))
+    return json.dumps(x, sort_keys=True, default=lambda o: os.fspath(o) if isinstance(o, os.PathLike)
+                      else getattr(o, "__dict__", type(o).__name__))
+
+
+def _leaf(a) -> str:
+    """A non-tensor input: its value if plain (no object addresses), else its type."""
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return f"{type(a).__name__} {a!r:.60}"
+    return type(a).__name__
 
 
 def _values(t, rank: int | None) -> str:
@@ -112,7 +121,7 @@ def fingerprints(model, mesh: DeviceMesh, args: tuple, kwargs: dict, captured, a
         + [f"buffer {n}: {tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers(remove_duplicate=False)])
     flat = pytree.tree_flatten_with_path((args, kwargs))[0]
     shapes = [f"input {pytree.keystr(path)}: " + (f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
-                                                    else f"{type(a).__name__} {a!r:.60}") for path, a in flat]
+                                                    else _leaf(a)) for path, a in flat]
     parts["example input shapes"] = tuple(shapes)
     graph = []
     for n in captured.gm.graph.nodes:
