@@ -1,6 +1,7 @@
 """autopar: give it an unmodified single-device model and a device mesh; get back the same model
 running as a distributed program, with every collective explicit in its graph."""
 
+from autopar.agree import RankMismatchError
 from autopar.api import ParallelModule, parallelize, plan
 from autopar.capture import CaptureError
 from autopar.plan import CommRow, Estimate, Plan, Strategy
@@ -10,4 +11,4 @@ from autopar.verify import VerifyReport, verify
 
 
 __all__ = ["parallelize", "plan", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
-           "CaptureError", "InfeasibleError", "verify", "VerifyReport"]
+           "CaptureError", "InfeasibleError", "RankMismatchError", "verify", "VerifyReport"]

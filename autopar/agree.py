@@ -1,22 +1,52 @@
-"""Every rank runs the same plan and the same random streams: agreement across ranks.
+"""Every rank runs the same program, or every rank raises the same error: agreement across ranks.
 
-- `solve_on_rank0`: rank 0 plans; the plan is broadcast, so every rank lowers exactly the same one.
-- `agree_across_ranks`: a hash of the plan compared with one small all-reduce (MAX of the hash and of its
-  negation: equal on every rank iff all hashes agree); a mismatch raises on every rank, never hangs.
+A rank that raises alone leaves the others waiting in the next collective until the process group times out; ranks
+that captured different models or shapes lower different programs, which hang or compute wrong numbers. So
+`parallelize` meets the other ranks at two points, and each lets every rank through or raises the same error on
+every rank:
+
+- `agree_on(step, describe, mesh)`: every rank runs `step` (capture and recognition), then ONE all-gather of a
+  fixed-size int64 row per rank: [failed, a digest per fingerprint part, a digest of the example input values, one
+  of the unbatched inputs' values]. A failure on any rank raises that rank's error on every rank; parts that differ
+  raise on every rank a `RankMismatchError` naming the ranks, the part and the first thing that differs. Those
+  details travel in a second all-gather that a rank enters only once the first told every rank it is needed.
+- `solve_on_rank0`: rank 0 plans; the plan, or rank 0's error, is broadcast (one broadcast).
+- `check_input_values`: inputs="global": every rank passed the same example values; inputs="local": the ranks of
+  one data-parallel rank (differing only on non-data axes) passed the same values, and the unbatched inputs are the
+  same everywhere. Decided on the digests gathered by `agree_on`: no collective unless they differ.
 - `agreed_seed`: the dropout stream's seed, rank 0's draw broadcast.
 
-One process simulating every rank (LocalTensorMode) or the fake backend shares everything by construction.
+The fingerprint parts (`PARTS`): the mesh (axis names, sizes, rank layout), the plan arguments (plan, overrides,
+memory_limit, cluster, inputs), the parameters and buffers (names, shapes, dtypes), the example inputs (structure,
+shapes, dtypes) and the captured graph (`Captured.fingerprint`, then every node's op, shape and dtype).
+
+One process simulating every rank (LocalTensorMode, or the fake backend) shares everything but the example values
+by construction; under LocalTensorMode each simulated rank's values are compared the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
 
 from autopar.plan import Plan
+
+PARTS = ("mesh", "plan arguments", "parameters", "example input shapes", "captured graph")
+VALUES, UNBATCHED = "example input values", "unbatched example input values"
+
+
+class RankMismatchError(ValueError):
+    """The ranks called `parallelize` with different models, inputs or options."""
 
 
 def _local_tensor_off():
@@ -34,28 +64,267 @@ def _device(mesh: DeviceMesh) -> str:
     return "cuda" if mesh.device_type == "cuda" else "cpu"
 
 
+# ----------------------------------------------------------------------------- the fingerprint
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank called `parallelize` with, as readable items per part (the digests compare them)."""
+
+    parts: dict[str, tuple[str, ...]]  # PARTS, VALUES and UNBATCHED -> items
+
+    def row(self) -> list[int]:
+        return [_digest(self.parts[p]) for p in (*PARTS, VALUES, UNBATCHED)]
+
+
+def _digest(items) -> int:
+    return int.from_bytes(hashlib.sha256("\n".join(items).encode()).digest()[:8], "little") >> 1
+
+
+def _stable(x) -> str:
+    """A description that is equal on every rank for equal arguments (no object addresses)."""
+    if isinstance(x, Plan):
+        return f"Plan {x.name!r} (sha {hashlib.sha256(x.to_json().encode()).hexdigest()[:12]})"
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = dataclasses.asdict(x)
+    return json.dumps(x, sort_keys=True, default=lambda o: os.fspath(o) if isinstance(o, os.PathLike)
+                      else getattr(o, "__dict__", type(o).__name__))
+
+
+def _leaf(a) -> str:
+    """A non-tensor input: its value if plain (no object addresses), else its type."""
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return f"{type(a).__name__} {a!r:.60}"
+    return type(a).__name__
+
+
+def _values(t, rank: int | None) -> str:
+    local = getattr(t, "_local_tensors", None)
+    if local is not None:  # LocalTensor: this simulated rank's value
+        t = local[rank if rank is not None else min(local)]
+    t = t.detach()
+    if t.device.type == "meta":
+        return "meta"
+    data = t.cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+
+
+def fingerprints(model, mesh: DeviceMesh, args: tuple, kwargs: dict, captured, arguments: dict, batched: list[int],
+                 ranks: list[int | None]) -> list[Fingerprint]:
+    """The fingerprint of each of `ranks` (simulated ranks under LocalTensorMode, whose example values differ; None:
+    this process's rank). `batched`: per flattened input, whether it is batched (`inputs.batch_dims`)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    parts = {"mesh": (f"{mesh.device_type} mesh {tuple(mesh.shape)} axes {names}", f"ranks {mesh.mesh.tolist()}"),
+             "plan arguments": tuple(f"{k}={_stable(v)}" for k, v in arguments.items())}
+    parts["parameters"] = tuple(
+        [f"{n}: {tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ' frozen'}"
+         for n, p in model.named_parameters(remove_duplicate=False)]
+        + [f"buffer {n}: {tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers(remove_duplicate=False)])
+    flat = pytree.tree_flatten_with_path((args, kwargs))[0]
+    shapes = [f"input {pytree.keystr(path)}: " + (f"{tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor)
+                                                    else _leaf(a)) for path, a in flat]
+    parts["example input shapes"] = tuple(shapes)
+    graph = []
+    for n in captured.gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = f" {tuple(val.shape)} {val.dtype}" if isinstance(val, torch.Tensor) else ""
+        graph.append(f"{n.op} {n.name} {getattr(n.target, '__name__', n.target)}{shape}")
+    parts["captured graph"] = (*graph, f"fingerprint {captured.fingerprint()}")
+    out = []
+    for rank in ranks:
+        values = [s + (f" sha {_values(a, rank)}" if isinstance(a, torch.Tensor) else "")
+                  for s, (_, a) in zip(shapes, flat)]
+        out.append(Fingerprint({**parts, VALUES: tuple(values),
+                                UNBATCHED: tuple(v for v, b in zip(values, batched) if not b)}))
+    return out
+
+
+# ----------------------------------------------------------------------------- agreeing
+
+@dataclass
+class Agreement:
+    """Every rank's digests (`rows[rank]`, in `Fingerprint.row` order) and this process's fingerprints."""
+
+    rows: list[list[int]]
+    mine: list[Fingerprint]  # one per rank when one process plays every rank, else this rank's
+
+    def differ(self, part: str, ranks: list[int] | None = None) -> bool:
+        column = _COLUMNS.index(part)
+        return len({self.rows[r][column] for r in (ranks if ranks is not None else range(len(self.rows)))}) > 1
+
+    def items(self, parts: list[str]) -> list[dict[str, tuple[str, ...]]]:
+        """Every rank's items of `parts`. A collective: every rank calls it, on a mismatch every rank has seen."""
+        if len(self.mine) == len(self.rows):
+            return [{p: fp.parts[p] for p in parts} for fp in self.mine]
+        with _local_tensor_off():
+            out: list = [None] * len(self.rows)
+            dist.all_gather_object(out, {p: self.mine[0].parts[p] for p in parts})
+        return out
+
+
+_COLUMNS = (*PARTS, VALUES, UNBATCHED)
+
+
+def agree_on(step: Callable, describe: Callable, mesh: DeviceMesh):
+    """Run `step()` here, then agree with every rank: returns (its result, the `Agreement`), or raises on every rank
+    the error of the first rank whose step failed, or `RankMismatchError` where the fingerprints differ.
+    `describe(result, ranks)` gives the `Fingerprint` of each of `ranks` (simulated ranks, or [None]: this rank)."""
+    error = result = None
+    try:
+        result = step()
+        if _one_process():
+            from torch.distributed._local_tensor import local_tensor_mode
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            mine = describe(result, list(range(world))) if local_tensor_mode() is not None else \
+                describe(result, [None]) * world
+        else:
+            mine = describe(result, [None])
+    except Exception as e:  # noqa: BLE001 - every rank raises it below
+        if _one_process():
+            raise
+        error, mine = e, []
+    if _one_process():
+        return result, Agreement([fp.row() for fp in mine], mine)
+    with _local_tensor_off():
+        row = torch.tensor([1] + [0] * len(_COLUMNS) if error else [0, *mine[0].row()], dtype=torch.int64,
+                           device=_device(mesh))
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, row)
+        rows = [r.tolist() for r in rows]
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        _raise_everywhere(error, failed, len(rows), "while capturing the model")
+    agreement = Agreement([row[1:] for row in rows], mine)
+    differ = [p for p in PARTS if agreement.differ(p)]
+    if differ:
+        raise mismatch_error(agreement, differ)
+    return result, agreement
+
+
+def _raise_everywhere(error: BaseException | None, failed: list[int], world: int, doing: str):
+    """Every rank raises the first failing rank's error: the same type and message (its traceback stays there)."""
+    first = failed[0]
+    with _local_tensor_off():
+        box: list = [None] * world
+        dist.all_gather_object(box, _portable(error) if error is not None else None)
+    err = box[first]
+    original = error is not None and type(err) is type(error) and str(err) == str(error)
+    note = (f"autopar: rank{'s' if len(failed) > 1 else ''} {_ranks(failed)} of {world} raised this {doing}"
+            + (f"; rank {first}'s error is raised on every rank, so none waits for the others" if world > 1 else ""))
+    if original and dist.get_rank() == first:
+        error.add_note(note)
+        raise error
+    err.add_note(note)
+    raise err from error
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it survives pickling with its type and message, else a RuntimeError saying what it was."""
+    try:
+        copy = pickle.loads(pickle.dumps(e))
+        if type(copy) is type(e) and str(copy) == str(e):
+            return copy
+    except Exception:  # noqa: BLE001 - replaced below
+        pass
+    return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{', '.join(map(str, ranks[:8]))}, ... ({len(ranks)} ranks)]"
+
+
+def _groups(agreement: Agreement, part: str, ranks: list[int]) -> list[list[int]]:
+    column = _COLUMNS.index(part)
+    by: dict[int, list[int]] = {}
+    for r in ranks:
+        by.setdefault(agreement.rows[r][column], []).append(r)
+    return list(by.values())
+
+
+def _first_difference(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, str]:
+    for x, y in zip(a, b):
+        if x != y:
+            return repr(x), repr(y)
+    n = min(len(a), len(b))
+    more = lambda items: repr(items[n]) if len(items) > n else f"nothing more ({len(items)} items)"  # noqa: E731
+    return more(a), more(b)
+
+
+def _mismatch(agreement: Agreement, parts: list[str], ranks: list[int]) -> str:
+    """Which ranks differ from which, in which part, and the first item that differs (the same text on every rank)."""
+    items = agreement.items(parts)
+    lines = []
+    for part in parts:
+        groups = _groups(agreement, part, ranks)
+        for g in groups[1:4]:
+            a, b = _first_difference(items[groups[0][0]][part], items[g[0]][part])
+            lines.append(f"  {part}: ranks {_ranks(groups[0])} have {a}, ranks {_ranks(g)} have {b}")
+        if len(groups) > 4:
+            lines.append(f"  {part}: ... and {len(groups) - 4} more groups of ranks")
+    return "\n".join(lines)
+
+
+def mismatch_error(agreement: Agreement, parts: list[str]) -> RankMismatchError:
+    lines = _mismatch(agreement, parts, list(range(len(agreement.rows))))
+    return RankMismatchError(
+        "autopar.parallelize: the ranks passed different arguments, so they would run different programs (and "
+        f"hang, or train on wrong numbers):\n{lines}\nFix: call parallelize on every rank with the same model (same "
+        "config and layers), mesh, options and example input shapes; build the model from the same code and config "
+        "on every rank.")
+
+
+def check_input_values(agreement: Agreement, groups: list[list[int]] | None = None) -> None:
+    """inputs="global" (`groups` None): every rank passed the same example values. inputs="local": every list of
+    `groups` (the ranks of one data-parallel rank) passed the same values, and the unbatched inputs agree everywhere."""
+    world = list(range(len(agreement.rows)))
+    if groups is None:
+        if agreement.differ(VALUES):
+            raise RankMismatchError(
+                "autopar.parallelize(inputs='global'): the ranks passed different example inputs, but with "
+                "inputs='global' (the default) every rank passes the same whole batch and autopar splits it:\n"
+                + _mismatch(agreement, [VALUES], world) + "\nFix: if each rank loads its own batch (e.g. with a "
+                "DistributedSampler, as for DDP), pass inputs='local'; otherwise give every rank the same inputs "
+                "(same data, same seed).")
+        return
+    bad = [g for g in groups if agreement.differ(VALUES, g)]
+    if bad:
+        raise RankMismatchError(
+            "autopar.parallelize(inputs='local'): ranks that hold the same data-parallel shard (they differ only on "
+            "the tensor/sequence/expert axes) passed different example inputs:\n"
+            + "\n".join(_mismatch(agreement, [VALUES], g) for g in bad)
+            + "\nFix: the ranks of one data-parallel group must pass the same batch; shard the data over the data "
+            "axes only (e.g. DistributedSampler(num_replicas=<data-parallel size>, rank=<data-parallel rank>)).")
+    if agreement.differ(UNBATCHED):
+        raise RankMismatchError(
+            "autopar.parallelize(inputs='local'): inputs without the batch dimension (dim 0 differs from the first "
+            "input's) are used whole on every rank, but the ranks passed different values:\n"
+            + _mismatch(agreement, [UNBATCHED], world)
+            + "\nFix: pass the same unbatched inputs on every rank, or give them the batch dimension.")
+
+
+# ----------------------------------------------------------------------------- planning and seeding
+
 def solve_on_rank0(make_plan) -> Plan:
-    """Rank 0 plans; the plan is broadcast so every rank runs exactly the same one."""
+    """Rank 0 plans; the plan is broadcast so every rank runs exactly the same one. If planning fails, rank 0's
+    error is broadcast instead and raised on every rank."""
     with _local_tensor_off():
         if _one_process():
             return make_plan()
-        box = [make_plan().to_json() if dist.get_rank() == 0 else None]
+        box, error = [None], None
+        if dist.get_rank() == 0:
+            try:
+                box = [("plan", make_plan().to_json())]
+            except Exception as e:  # noqa: BLE001 - raised on every rank below
+                error, box = e, [("error", _portable(e))]
         dist.broadcast_object_list(box, src=0)
-        return Plan.from_json(box[0])
-
-
-def agree_across_ranks(plan: Plan, mesh: DeviceMesh) -> None:
-    """Every rank must run the same plan: compare a hash of it, raise on mismatch (never hang)."""
-    if _one_process():
-        return
-    digest = int(hashlib.sha256(plan.to_json().encode()).hexdigest()[:12], 16)
-    mine = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(mesh))
-    got = mine.clone()
-    dist.all_reduce(got, op=dist.ReduceOp.MAX)
-    if got[0] != digest or -got[1] != digest:
-        raise RuntimeError(
-            f"rank {dist.get_rank()}: ranks computed different plans (hash {digest:x} here); every rank must "
-            "call parallelize with the same model, mesh, example input shapes and options.")
+    kind, value = box[0]
+    if kind == "plan":
+        return Plan.from_json(value)
+    note = "autopar: rank 0 raised this while planning (only rank 0 plans); it is raised on every rank"
+    if error is not None and type(value) is type(error) and str(value) == str(error):
+        error.add_note(note)
+        raise error
+    value.add_note(note)
+    raise value
 
 
 def agreed_seed(mesh: DeviceMesh) -> int:

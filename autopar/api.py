@@ -7,7 +7,7 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 | capture   | `autopar.capture` (torch.export, opaque submodules, MoE)    |
 | recognise | `passes.pipeline.RECOGNISE` (typed sites, `autopar.sites`) |
 | plan      | `autopar.planner` (named plans, overrides; the ILP in `autopar.solver`; forms in `autopar.forms`) |
-| agree     | `autopar.agree` (rank 0 plans, every rank checks the hash)  |
+| agree     | `autopar.agree` (one fingerprint all-gather; rank 0 plans; errors raised on every rank) |
 | lower     | `passes.lower.LOWER` (from the plan alone)                  |
 | run       | `autopar.module.ParallelModule`                             |
 """
@@ -17,12 +17,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.agree import agree_across_ranks, agreed_seed, solve_on_rank0
+from autopar.agree import agree_on, agreed_seed, check_input_values, fingerprints, solve_on_rank0
 from autopar.capture import Captured, capture, split_example_inputs
+from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data_groups, global_example,
+                            local_arrivals)
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
@@ -46,21 +49,53 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
-                memory_limit=None) -> ParallelModule:
-    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+                memory_limit=None, inputs="global") -> ParallelModule:
+    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
+
+    Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
+    one all-gather and raises on every rank, naming the ranks and what differs; an error on one rank is raised on
+    every rank, never a hang). `inputs` says what each rank passes, here and when calling the result:
+
+    - "global" (default): every rank passes the same whole batch; autopar splits it. The example inputs must be
+      the same on every rank (checked).
+    - "local": each data-parallel rank passes its own shard of the batch (the DDP habit, e.g. a
+      `DistributedSampler`); it is used as given. The data axes are the mesh axes the plan splits the batch over
+      (`plan.inputs`: `Shard(0)`); ranks that differ only on the other (tensor, sequence, expert) axes pass the same
+      data (checked). Batched inputs (dim 0 the size of the first input's) are the local shard; other inputs are
+      the same on every rank (checked). The plan is made for the global batch, local batch x data-parallel degree.
+    """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
-    info, captured, ctx = _prepare(model, mesh, example_inputs)
-    chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
+    arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs)
+    # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
+    copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
+    info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
+    if inputs == "global":
+        check_input_values(agreement)
+    solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)  # noqa: E731
+    chosen = solve_on_rank0(solve)
+    arrivals, call_shapes = {}, None
+    if inputs == "local":
+        axes = data_axes(chosen, info)
+        if data_degree(axes, info) != copies:  # the plan splits the batch over fewer axes: plan for that batch
+            info, captured, ctx, _ = _agreed_prepare(model, mesh, example_inputs, arguments, data_degree(axes, info))
+            chosen = solve_on_rank0(solve)
+            if data_axes(chosen, info) != axes:
+                raise ValueError(
+                    f"inputs='local': on the global batch of {copies} local batches plan {chosen.name!r} splits the "
+                    f"batch over {axes}, but on that batch over {data_axes(chosen, info)}; autopar cannot tell the "
+                    "data-parallel degree. Fix: choose the data axes, e.g. plan='dp', 'fsdp' or 'megatron', "
+                    "overrides, or a saved Plan; or pass inputs='global'.")
+        check_input_values(agreement, data_groups(mesh, axes, info.names))
+        arrivals, call_shapes = local_arrivals(chosen, captured, info, axes)
     chosen = _tie_placements(chosen, model)
-    agree_across_ranks(chosen, mesh)
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, agreed_seed(mesh))
-    lctx = lower_context(chosen, captured, info, rng_stream=stream)
+    lctx = lower_context(chosen, captured, info, rng_stream=stream, arrivals=arrivals)
     gm = lower_pass(captured.gm, lctx)
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
-    return ParallelModule(model, mesh, captured, chosen, gm, stream)
+    return ParallelModule(model, mesh, captured, chosen, gm, stream, call_shapes=call_shapes)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -73,12 +108,31 @@ def _local_tensor_off():
     return maybe_disable_local_tensor_mode()
 
 
-def _prepare(model, mesh, example_inputs, overrides=None) -> tuple[MeshInfo, Captured, PassContext]:
-    """Capture and recognise: the mesh's axes, the captured program, and its recognised sites."""
+def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
+    """`_prepare` on every rank (inputs="local": on the global batch, `copies` local batches), then agree: the same
+    error on every rank if one failed, `RankMismatchError` if the fingerprints differ."""
+    def step():
+        check_mode(arguments["inputs"])
+        return _prepare(model, mesh, example_inputs, copies=copies)
+
+    def describe(prepared, ranks):
+        args, kwargs = split_example_inputs(example_inputs)
+        flat = pytree.tree_leaves((args, kwargs))
+        batched = batch_dims([tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat])
+        return fingerprints(model, mesh, args, kwargs, prepared[1], arguments, batched, ranks)
+
+    (info, captured, ctx), agreement = agree_on(step, describe, mesh)
+    return info, captured, ctx, agreement
+
+
+def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1) -> tuple[MeshInfo, Captured, PassContext]:
+    """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
+    (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`)."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
     args, kwargs = _plain_inputs(args, kwargs)
     with _local_tensor_off():  # tracing runs on fake tensors, never on simulated ranks
+        args, kwargs = global_example(args, kwargs, copies)
         captured = capture(model, args, kwargs)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
@@ -86,12 +140,12 @@ def _prepare(model, mesh, example_inputs, overrides=None) -> tuple[MeshInfo, Cap
 
 
 def _plain_inputs(args, kwargs):
-    """Inputs are global (the same on every rank): under LocalTensorMode, trace rank 0's copy."""
+    """Under LocalTensorMode, trace one simulated rank's copy (the ranks' values are compared by `autopar.agree`)."""
     from torch.distributed._local_tensor import LocalTensor
 
     def plain(a):
         if isinstance(a, LocalTensor):
-            return a.reconcile()  # raises if the simulated ranks disagree
+            return a._local_tensors[min(a._local_tensors)]
         return a
 
     return pytree.tree_map(plain, (args, kwargs))
@@ -100,11 +154,8 @@ def _plain_inputs(args, kwargs):
 def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
     """A named plan built for these sites, or a given / saved Plan checked against this model and mesh."""
     if isinstance(plan, str) and plan in PLANS:
-        batch = {}
         flat_shapes = captured.example_shapes
-        first = next((s for s in flat_shapes if s), None)
-        for ph, s in zip(captured.user_inputs, flat_shapes):
-            batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
+        batch = dict(zip(captured.user_inputs, batch_dims(flat_shapes)))
         shapes = dict(zip(captured.user_inputs, flat_shapes))
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
                           input_shapes=shapes)

@@ -1,6 +1,7 @@
 """The parallel model users hold: `ParallelModule`, and how its parameters become DTensors.
 
-`pm(*inputs)` takes the same global inputs as the model and returns the same outputs on every rank;
+`pm(*inputs)` takes the same global inputs as the model (with `parallelize(..., inputs="local")`, each
+data-parallel rank's own shard of the batch) and returns the same outputs on every rank;
 parameters keep their fully-qualified names (tied weights stay tied) and are DTensors with the plan's
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. The rewritten local program runs on the
@@ -32,8 +33,11 @@ class ParallelModule(nn.Module):
     local program, with every collective an explicit node.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str):
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str,
+                 call_shapes: list | None = None):
         super().__init__()
+        # inputs="local": each rank passes its own shard of the batch (the shapes it passes); else the global inputs
+        self._call_shapes = call_shapes
         self.plan = plan
         self._captured = captured
         self._mesh = mesh
@@ -105,9 +109,15 @@ class ParallelModule(nn.Module):
                 "ParallelModule was captured for inputs structured like the example inputs "
                 f"({cap.in_spec}), got {spec}. Fix: call it with the same positional/keyword inputs as "
                 "example_inputs, or call autopar.parallelize again with new example inputs.")
-        for i, (a, s) in enumerate(zip(flat, cap.example_shapes)):
+        for i, (a, s) in enumerate(zip(flat, self._call_shapes or cap.example_shapes)):
             if s is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != s):
                 got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+                if self._call_shapes is not None and s != cap.example_shapes[i]:
+                    raise ValueError(
+                        f"input {i} has shape {got}, but with inputs='local' each data-parallel rank passes its own "
+                        f"shard of shape {s} (the global batch {cap.example_shapes[i]} over the data-parallel ranks), "
+                        "as in the example inputs. Fix: pass this rank's shard of that shape, or call "
+                        "autopar.parallelize again with example inputs of the new shape.")
                 raise ValueError(
                     f"input {i} has shape {got} but the model was parallelised for example inputs of shape {s}; "
                     "autopar specialises the program to the example shapes. Fix: call autopar.parallelize "

@@ -2,8 +2,9 @@
 
 Contract (what `lower_pass` guarantees for the rewritten graph):
 - Placeholders: parameters and buffers arrive as local shards with the placements the plan gave
-  them; user inputs arrive global (the same on every rank) and are sliced in the graph by `split`
-  nodes to the plan's input placements (e.g. the batch over data-parallel axes).
+  them; user inputs arrive global (the same on every rank), or as `ctx.arrivals` says (inputs="local": the
+  batch already split over the data axes), and are sliced in the graph by `split` nodes to the plan's input
+  placements (e.g. the batch over data-parallel axes).
 - Every node gets `meta[PLACEMENTS]` (one placement per mesh axis) from its op's rule
   (`passes.rules`). Where an input's placement differs from what the rule requires, one explicit
   collective node per mesh axis is inserted (`autopar.runtime.collectives`, each a fixed
@@ -79,10 +80,13 @@ class LowerContext:
     # fused projection node name -> (axis index, [(taker node name, first feature, end feature, heads)]): `PARTS`
     parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
 
 
-def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default") -> LowerContext:
-    """Everything lowering needs, from the plan alone (its placements and directives)."""
+def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default",
+                  arrivals: dict | None = None) -> LowerContext:
+    """Everything lowering needs, from the plan alone (its placements and directives). `arrivals`: user inputs
+    each rank passes already split (inputs="local": the batch over the data axes), by placeholder."""
     if plan.graph and plan.graph != captured.fingerprint():
         raise ValueError(
             f"plan {plan.name!r} was made for another graph (fingerprint {plan.graph}, this model on these inputs "
@@ -95,7 +99,8 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
     placements.update(plan.input_placements())
     nodes = {n.name for n in captured.gm.graph.nodes}
     by_fqn = {fqn: ph for ph, fqn in captured.param_fqns.items()}
-    ctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=rng_stream)
+    ctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=rng_stream,
+                       arrivals=dict(arrivals or {}))
     zigzag = set()
     for d in plan.directives:
         ax = info.names.index(info.axis(d.axis).name)
@@ -310,8 +315,8 @@ class _Lowerer:
                 for u in users:
                     u.replace_input_with(node, full)
             return
-        self.pl[node] = self.all_r
-        if tuple(want) != self.all_r and _is_tensor_node(node):
+        self.pl[node] = tuple(self.ctx.arrivals.get(node.name, self.all_r))
+        if tuple(want) != self.pl[node] and _is_tensor_node(node):
             users = list(node.users)
             first = next(n for n in self.graph.nodes if n.op != "placeholder")
             sliced = self.redistribute(node, tuple(want), (), first)

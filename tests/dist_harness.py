@@ -7,9 +7,10 @@ and then runs many small jobs on them (a job costs milliseconds).
 
 What it does:
 
-* ``GlooPool(world_size)`` starts ``world_size`` fresh interpreters (``subprocess``, not ``fork``)
+* ``GlooPool(world_size, pg_timeout_s=60)`` starts ``world_size`` fresh interpreters (``subprocess``, not ``fork``)
   running this file. Each one calls ``dist.init_process_group("gloo", ...)`` over a ``FileStore`` in a
-  private temp dir (no port races), with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` and ``OMP_NUM_THREADS=1``,
+  private temp dir (no port races), with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, ``OMP_NUM_THREADS=1`` and a
+  collective timeout of ``pg_timeout_s`` (it cannot be changed later: the DETAIL wrapper ignores ``_set_pg_timeout``),
   then waits for jobs on a private socket pair. The repo root and ``tests/`` (plus the parent's
   ``sys.path``) are on the workers' ``sys.path``, so ``import autopar`` / ``import tests.x`` work.
 * ``pool.run(fn, *args, **kwargs)`` runs ``fn(*args, **kwargs)`` on every rank and returns the
@@ -30,8 +31,8 @@ What it does:
 Jobs share the worker processes, so global state a job changes (RNG seed, default dtype, extra
 process groups) is visible to later jobs on that pool; keep jobs self-contained.
 
-Session-wide pools: ``gloo_pool(world_size)`` returns a lazily created pool cached per world size
-(replaced if broken); an ``atexit`` hook closes them. To close them at the end of the pytest session
+Session-wide pools: ``gloo_pool(world_size, pg_timeout_s=60)`` returns a lazily created pool cached per world
+size and timeout (replaced if broken); an ``atexit`` hook closes them. To close them at the end of the pytest session
 instead (earlier, with errors reported by pytest), paste this into ``tests/conftest.py``::
 
     import pytest
@@ -146,12 +147,14 @@ class GlooPool:
         timeout: float = 120.0,
         startup_timeout: float = 120.0,
         error_grace_s: float = 10.0,
+        pg_timeout_s: float = _PG_TIMEOUT_S,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout = timeout
         self.error_grace_s = error_grace_s
+        self.pg_timeout_s = pg_timeout_s
         self.broken: str | None = None  # reason, once the pool can no longer run jobs
         self._closed = False
         self._procs: list[subprocess.Popen[bytes]] = []
@@ -289,7 +292,7 @@ class GlooPool:
             with open(self._logs[r], "wb") as log:
                 proc = subprocess.Popen(
                     [sys.executable, str(Path(__file__).resolve()), str(r), str(self.world_size),
-                     str(child_sock.fileno()), str(init_file)],
+                     str(child_sock.fileno()), str(init_file), str(self.pg_timeout_s)],
                     env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, pass_fds=(child_sock.fileno(),),
                 )
@@ -422,19 +425,21 @@ class GlooPool:
 
 # ---------------------------------------------------------------------- session-wide pools
 
-_POOLS: dict[int, GlooPool] = {}
+_POOLS: dict[tuple[int, float], GlooPool] = {}
 _ATEXIT_REGISTERED = False
 
 
-def gloo_pool(world_size: int) -> GlooPool:
-    """The session's pool for ``world_size``, created on first use and re-created if it broke."""
+def gloo_pool(world_size: int, pg_timeout_s: float = _PG_TIMEOUT_S) -> GlooPool:
+    """The session's pool for ``world_size`` (and process-group timeout ``pg_timeout_s``), created on first use
+    and re-created if it broke."""
     global _ATEXIT_REGISTERED
-    pool = _POOLS.get(world_size)
+    key = (world_size, pg_timeout_s)
+    pool = _POOLS.get(key)
     if pool is None or pool.broken or pool._closed:
         if not _ATEXIT_REGISTERED:
             atexit.register(close_all_pools)
             _ATEXIT_REGISTERED = True
-        pool = _POOLS[world_size] = GlooPool(world_size)
+        pool = _POOLS[key] = GlooPool(world_size, pg_timeout_s=pg_timeout_s)
     return pool
 
 
@@ -453,7 +458,7 @@ def close_all_pools() -> None:
 # ---------------------------------------------------------------------- worker process
 
 
-def _worker_main(rank: int, world_size: int, fd: int, init_file: str) -> int:
+def _worker_main(rank: int, world_size: int, fd: int, init_file: str, pg_timeout_s: float = _PG_TIMEOUT_S) -> int:
     conn = Connection(fd)
 
     def reply(*msg: Any) -> None:
@@ -477,7 +482,7 @@ def _worker_main(rank: int, world_size: int, fd: int, init_file: str) -> int:
 
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=_PG_TIMEOUT_S),
+            timeout=timedelta(seconds=pg_timeout_s),
         )
     except BaseException:
         reply("err", traceback.format_exc())
@@ -533,5 +538,5 @@ def _die_with_parent() -> None:
 
 
 if __name__ == "__main__":
-    _rank, _world, _fd, _init = sys.argv[1:5]
-    sys.exit(_worker_main(int(_rank), int(_world), int(_fd), _init))
+    _rank, _world, _fd, _init, _pg_timeout = sys.argv[1:6]
+    sys.exit(_worker_main(int(_rank), int(_world), int(_fd), _init, float(_pg_timeout)))
