@@ -14,7 +14,6 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 from torch import nn
@@ -26,7 +25,8 @@ from autopar.capture import Captured, capture, split_example_inputs
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.planner import PLANS, build_plan
+from autopar.planner import PLANS, build_plan, tie_placements
+from autopar.relower import input_batch
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -42,7 +42,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
-    return _tie_placements(chosen, model).with_comms((), captured.notes)
+    return tie_placements(chosen, model).with_comms((), captured.notes)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
@@ -53,14 +53,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                         "mesh given as axis sizes")
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
-    chosen = _tie_placements(chosen, model)
+    chosen = tie_placements(chosen, model)
     agree_across_ranks(chosen, mesh)
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, agreed_seed(mesh))
     lctx = lower_context(chosen, captured, info, rng_stream=stream)
     gm = lower_pass(captured.gm, lctx)
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
-    return ParallelModule(model, mesh, captured, chosen, gm, stream)
+    return ParallelModule(model, mesh, captured, chosen, gm, stream, example_inputs=example_inputs)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -100,12 +100,7 @@ def _plain_inputs(args, kwargs):
 def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
     """A named plan built for these sites, or a given / saved Plan checked against this model and mesh."""
     if isinstance(plan, str) and plan in PLANS:
-        batch = {}
-        flat_shapes = captured.example_shapes
-        first = next((s for s in flat_shapes if s), None)
-        for ph, s in zip(captured.user_inputs, flat_shapes):
-            batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
-        shapes = dict(zip(captured.user_inputs, flat_shapes))
+        batch, shapes = input_batch(captured)
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
                           input_shapes=shapes)
     if isinstance(plan, str):
@@ -121,21 +116,3 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
     if missing:
         raise ValueError(f"the plan has no placement for parameters {sorted(missing)[:5]}; it was made for another model")
     return plan
-
-
-def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
-    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
-    groups: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(fqn)
-    pls = dict(plan.params)
-    replicated = "R" * len(plan.mesh)
-    for names in groups.values():
-        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
-        if len(chosen) > 1:
-            raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
-                             "give the structures that share them compatible forms")
-        if chosen:
-            for n in names:
-                pls[n] = next(iter(chosen))
-    return dataclasses.replace(plan, params=tuple(pls.items()))

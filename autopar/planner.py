@@ -18,9 +18,12 @@ carries what lowering needs (`assemble`): parameter and input placements and the
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import math
+
+from torch import nn
 
 from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import fsdp as fsdp_form
@@ -370,4 +373,22 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                     per_site=per_site, solver=solver_note)
 
 
-__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced"]
+def tie_placements(plan: Plan, model: nn.Module) -> Plan:
+    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
+    groups: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(fqn)
+    pls = dict(plan.params)
+    replicated = "R" * len(plan.mesh)
+    for names in groups.values():
+        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
+        if len(chosen) > 1:
+            raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
+                             "give the structures that share them compatible forms")
+        if chosen:
+            for n in names:
+                pls[n] = next(iter(chosen))
+    return dataclasses.replace(plan, params=tuple(pls.items()))
+
+
+__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "tie_placements"]
