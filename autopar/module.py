@@ -156,7 +156,7 @@ class ParallelModule(nn.Module):
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
 
     def _key(self, args, kwargs) -> tuple:
-        return guard_key(args, kwargs, training=self.training, tensors=self._tensors().values(),
+        return guard_key(args, kwargs, training=self.training, tensors=(*self.parameters(), *self.buffers()),
                          device_type=self._mesh.device_type)
 
     def _tensors(self) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from autopar.capture import capture
 from autopar.captured import Captured
 from autopar.forms import form_of
+from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.plan import DirectiveKind, Plan
 from autopar.planner import build_plan, tie_placements
@@ -136,7 +137,7 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
             if s.axes else None
         if why:
             notes.append(f"{s.kind} {s.key} replicated for these inputs, not {s.label}: {why}")
-        overrides[_exact(s.key)] = "replicate" if why else s.label
+        overrides[_exact(s.key)] = Replicate.name if why else s.label
     base = plan.name if plan.name in ("megatron", "dp", "fsdp") else \
         "fsdp" if any(d.kind is DirectiveKind.GATHER for d in plan.directives) else "megatron"
     batch, shapes = input_batch(ctx.captured)
