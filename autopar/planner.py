@@ -235,11 +235,14 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
-               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None) -> Plan:
+               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
+               data_axes: tuple[str, ...] | None = None) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
-    priced by the same cost model, so they can be compared (and may not fit).
+    priced by the same cost model, so they can be compared (and may not fit). `data_axes` (named plans only)
+    fixes the axes the batch is sharded over instead of the plan's own choice (re-lowering a plan for new
+    shapes keeps its data axes, `autopar.relower`).
     """
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
@@ -274,10 +277,10 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         choices = {s.key: _hand_choice(s, name, mesh, tp, notes) for s in ctx.planning_sites()}
         choices.update(forced)
         _tied_choices(ctx, mesh, choices, set(forced), notes)
-        data_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
+        default_axes = [n for n in mesh.names if name in ("dp", "fsdp") or n != tp]
         used = {a for s, c in [(s, choices[s.key]) for s in ctx.planning_sites()] + forced_linears
                 for a, ok in _roles_used(s, c) if Role.DATA not in ok}
-        data_axes = [a for a in data_axes if a not in used]
+        data_axes = [a for a in default_axes if a not in used] if data_axes is None else list(data_axes)
         seq_axes = sorted({a for s in ctx.planning_sites() for a, ok in _roles_used(s, choices[s.key])
                            if ok == frozenset({Role.SEQUENCE})})
         if name == "fsdp":

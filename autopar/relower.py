@@ -33,7 +33,7 @@ from autopar.mesh import MeshInfo
 from autopar.plan import DirectiveKind, Plan
 from autopar.planner import build_plan, tie_placements
 from autopar.sites import Kind, PassContext
-from autopar.spec import fmt_placements, is_owned, placements_from_str
+from autopar.spec import Shard, fmt_placements, is_owned, placements_from_str
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -138,11 +138,29 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
         if why:
             notes.append(f"{s.kind} {s.key} replicated for these inputs, not {s.label}: {why}")
         overrides[_exact(s.key)] = Replicate.name if why else s.label
-    base = plan.name if plan.name in ("megatron", "dp", "fsdp") else \
-        "fsdp" if any(d.kind is DirectiveKind.GATHER for d in plan.directives) else "megatron"
+    base = plan.name if plan.name in ("megatron", "dp", "fsdp") else _named_like(plan)
     batch, shapes = input_batch(ctx.captured)
-    new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes)
+    new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes, data_axes=_data_axes(plan, info))
     return replace(new, name=plan.name, notes=new.notes + tuple(notes))
+
+
+def _data_axes(plan: Plan, info: MeshInfo) -> tuple[str, ...] | None:
+    """The axes `plan` shards the batch over (an input's dim 0, or gathered parameters); None when nothing says
+    (every input replicated and nothing gathered: the named plan's own choice then)."""
+    axes = {d.axis for d in plan.directives if d.kind is DirectiveKind.GATHER}
+    for _, pls in plan.inputs:
+        axes |= {a for a, p in zip(info.names, placements_from_str(pls)) if p == Shard(0)}
+    if not axes and any("does not divide over" in n for n in plan.notes):
+        return None  # the example's batch did not divide: the data axes are the named plan's
+    return tuple(a for a in info.names if a in axes)
+
+
+def _named_like(plan: Plan) -> str:
+    """The named plan whose data axes an `auto` (or hand-made) plan's forms imply: `fsdp` where parameters are
+    gathered, `dp` where no structure takes a mesh axis, else `megatron`."""
+    if any(d.kind is DirectiveKind.GATHER for d in plan.directives):
+        return "fsdp"
+    return "megatron" if any(s.axes for s in plan.strategies) else "dp"
 
 
 def input_batch(captured: Captured) -> tuple[dict[str, int], dict[str, tuple]]:
