@@ -16,13 +16,13 @@ reads the same parameters.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
-
-from collections import OrderedDict
 
 from autopar.capture import split_example_inputs
 from autopar.captured import Captured
