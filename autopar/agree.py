@@ -327,6 +327,24 @@ def solve_on_rank0(make_plan) -> Plan:
     raise value
 
 
+def agree_on_call(key: tuple, mesh: DeviceMesh) -> None:
+    """inputs="local", at every call: the ranks pass shards of the same shapes, dtypes and non-tensor values (one
+    16-byte all-reduce). Ranks passing different shapes (a DistributedSampler's short last batch) would lower
+    different programs and wait in mismatched collectives; this raises on every rank instead."""
+    if _one_process():
+        return
+    digest = _digest([repr(key)])
+    mine = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(mesh))
+    got = mine.clone()
+    dist.all_reduce(got, op=dist.ReduceOp.MAX)
+    if int(got[0]) != digest or -int(got[1]) != digest:
+        raise RankMismatchError(
+            f"rank {dist.get_rank()}: with inputs='local' every rank must pass a shard of the same shapes, dtypes and "
+            f"non-tensor values at each call, but the ranks differ at this call (this rank: {key[1]}). A "
+            "DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True on the "
+            "sampler or DataLoader, or pad the last batch.")
+
+
 def agreed_seed(mesh: DeviceMesh) -> int:
     """A dropout seed that every rank agrees on (rank 0's draw, broadcast)."""
     with _local_tensor_off():

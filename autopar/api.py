@@ -14,7 +14,6 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import torch
@@ -29,7 +28,8 @@ from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.planner import PLANS, build_plan
+from autopar.planner import PLANS, build_plan, tie_placements
+from autopar.relower import plain_inputs
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -45,7 +45,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
-    return _tie_placements(chosen, model).with_comms((), captured.notes)
+    return tie_placements(chosen, model).with_comms((), captured.notes)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
@@ -89,13 +89,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                     "overrides, or a saved Plan; or pass inputs='global'.")
         check_input_values(agreement, data_groups(mesh, axes, info.names))
         arrivals, call_shapes = local_arrivals(chosen, captured, info, axes)
-    chosen = _tie_placements(chosen, model)
+    chosen = tie_placements(chosen, model)
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, agreed_seed(mesh))
     lctx = lower_context(chosen, captured, info, rng_stream=stream, arrivals=arrivals)
     gm = lower_pass(captured.gm, lctx)
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
-    return ParallelModule(model, mesh, captured, chosen, gm, stream, call_shapes=call_shapes)
+    return ParallelModule(model, mesh, captured, chosen, gm, stream, example_inputs=example_inputs,
+                          local=(axes, call_shapes) if inputs == "local" else None)
 
 
 # ----------------------------------------------------------------------------- steps
@@ -130,25 +131,13 @@ def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1) ->
     (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`)."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
-    args, kwargs = _plain_inputs(args, kwargs)
+    args, kwargs = plain_inputs(args, kwargs)
     with _local_tensor_off():  # tracing runs on fake tensors, never on simulated ranks
         args, kwargs = global_example(args, kwargs, copies)
         captured = capture(model, args, kwargs)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
     return info, captured, ctx
-
-
-def _plain_inputs(args, kwargs):
-    """Under LocalTensorMode, trace one simulated rank's copy (the ranks' values are compared by `autopar.agree`)."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    def plain(a):
-        if isinstance(a, LocalTensor):
-            return a._local_tensors[min(a._local_tensors)]
-        return a
-
-    return pytree.tree_map(plain, (args, kwargs))
 
 
 def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
@@ -172,21 +161,3 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
     if missing:
         raise ValueError(f"the plan has no placement for parameters {sorted(missing)[:5]}; it was made for another model")
     return plan
-
-
-def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
-    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
-    groups: dict[int, list[str]] = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(fqn)
-    pls = dict(plan.params)
-    replicated = "R" * len(plan.mesh)
-    for names in groups.values():
-        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
-        if len(chosen) > 1:
-            raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
-                             "give the structures that share them compatible forms")
-        if chosen:
-            for n in names:
-                pls[n] = next(iter(chosen))
-    return dataclasses.replace(plan, params=tuple(pls.items()))

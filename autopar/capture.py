@@ -129,6 +129,28 @@ def _refuse_parameter_mutation(gm, params: dict[str, str], model_name: str) -> N
                     "optimizer step, and drop it from the module.")
 
 
+_BATCH_NORMS = (torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten._native_batch_norm_legit_functional.default)
+
+
+def _refuse_train_batch_norm(gm, model_name: str) -> None:
+    """BatchNorm in train mode normalises with the statistics of the batch and updates its running statistics
+    in place: under data parallelism each rank would see only its shard of the batch (one device's numbers need
+    a cross-rank reduction, SyncBatchNorm), and the running-statistics buffers would be updated per rank. Raise,
+    saying so; eval mode (running statistics, read only) is supported."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _BATCH_NORMS and node.args[5] is True:
+            stack = node.meta.get("nn_module_stack") or {}
+            where = list(stack.values())[-1][0] if stack else model_name
+            raise NotImplementedError(
+                f"{model_name}: BatchNorm {where or '(root)'} runs in train mode (batch statistics and running-"
+                "statistics updates); autopar does not support it yet: under data parallelism each rank would "
+                "normalise with its own shard's statistics (one device's numbers need SyncBatchNorm's cross-rank "
+                "reduction) and update its running statistics alone. Fix: run the model in eval mode "
+                "(model.eval() / pm.eval(): running statistics, read only, are supported), or use a norm without "
+                "batch statistics (LayerNorm, GroupNorm, RMSNorm).")
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16) -> Captured:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -204,6 +226,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} for {name}")
     _refuse_parameter_mutation(gm, params, type(model).__name__)
+    _refuse_train_batch_norm(gm, type(model).__name__)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))

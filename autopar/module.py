@@ -6,9 +6,18 @@ parameters keep their fully-qualified names (tied weights stay tied) and are DTe
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. The rewritten local program runs on the
 local shards.
+
+The program is specialised on what the capture saw (`autopar.relower`): input shapes and dtypes, non-tensor
+input values, train/eval mode, autocast state, parameter dtypes. A call that differs in any of these (another
+sequence length or batch size, `pm.eval()`, `pm.to(torch.bfloat16)`, a changed `scale=` keyword, autocast on)
+re-captures the model it was made from and lowers the same plan's forms for it, once; the programs are cached
+per guard key, at most `ParallelModule.max_programs` (8) of them, least recently used dropped. Every program
+reads the same parameters.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -16,9 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from autopar.agree import agree_on_call
+from autopar.capture import split_example_inputs
 from autopar.captured import Captured
 from autopar.checkpoint import replicated_to_strided, strided_to_replicated
+from autopar.mesh import mesh_info
 from autopar.plan import Plan
+from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.runtime.ops import advance_rng_stream
 from autopar.dtensors import owned_tensor, shard_tensor
 from autopar.spec import is_owned
@@ -30,18 +43,22 @@ class ParallelModule(nn.Module):
     `pm(*inputs)` takes the same global inputs as the model and returns the same outputs on every
     rank; after `backward()` every parameter's gradient is its full single-device gradient,
     sharded like the parameter. `pm.plan` is what was chosen; `pm.graph_module` is the rewritten
-    local program, with every collective an explicit node.
+    local program, with every collective an explicit node (both of the program the last call ran).
+
+    `pm.train()` / `pm.eval()`, `pm.to(dtype)`, autocast around `pm`, other input shapes and other values of
+    non-tensor inputs behave as on the model: each new combination re-captures the model (kept, by reference,
+    as `pm` was made from it; it is not a submodule) in that mode and with those dtypes, and lowers the same
+    plan's forms for it (`autopar.relower`). At most `max_programs` programs are kept (least recently used
+    dropped); a call that needs a new one pays a capture and a lowering.
     """
 
+    max_programs: int = 8
+
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str,
-                 call_shapes: list | None = None):
+                 example_inputs=None, local: tuple | None = None):
         super().__init__()
-        # inputs="local": each rank passes its own shard of the batch (the shapes it passes); else the global inputs
-        self._call_shapes = call_shapes
-        self.plan = plan
-        self._captured = captured
         self._mesh = mesh
-        object.__setattr__(self, "_gm", gm)
+        object.__setattr__(self, "_model", model)  # re-captured for new call conditions; not a submodule
         pls = plan.param_placements()
         # parameters: one DTensor per distinct tensor, registered under every original name
         made: dict[int, nn.Parameter] = {}
@@ -63,9 +80,15 @@ class ParallelModule(nn.Module):
         self._register_state_dict_hook(strided_to_replicated)
         self._register_load_state_dict_pre_hook(replicated_to_strided, with_module=True)
         self._rng_stream = rng_stream
-        self._feeds = []
-        for ph, kind, name in captured.input_kinds:
-            self._feeds.append((kind, name if kind != "constant" else captured.constants[ph]))
+        # inputs="local": the data axes over which each rank passes its own shard of the batch
+        self._local_axes = local[0] if local is not None else None
+        self.train(model.training)
+        self._plan = plan  # the plan every re-lowering takes its forms from
+        self._stored = dict(plan.params)  # every parameter's placements, whatever program runs
+        self._programs: OrderedDict[tuple, Program] = OrderedDict()
+        args, kwargs = split_example_inputs(example_inputs) if example_inputs is not None else (None, None)
+        key = self._key(args, kwargs) if args is not None else None
+        self._current = self._keep(make_program(key, captured, plan, gm, self._stored))
 
     @staticmethod
     def _placement_of_alias(model, p, pls):
@@ -95,48 +118,66 @@ class ParallelModule(nn.Module):
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
-        return self._gm
+        return self._current.gm
+
+    @property
+    def plan(self) -> Plan:
+        return self._current.plan
 
     @property
     def mesh(self) -> DeviceMesh:
         return self._mesh
 
     def forward(self, *args, **kwargs):
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        cap = self._captured
-        if spec != cap.in_spec or len(flat) != len(cap.example_shapes):
-            raise ValueError(
-                "ParallelModule was captured for inputs structured like the example inputs "
-                f"({cap.in_spec}), got {spec}. Fix: call it with the same positional/keyword inputs as "
-                "example_inputs, or call autopar.parallelize again with new example inputs.")
-        for i, (a, s) in enumerate(zip(flat, self._call_shapes or cap.example_shapes)):
-            if s is not None and (not isinstance(a, torch.Tensor) or tuple(a.shape) != s):
-                got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
-                if self._call_shapes is not None and s != cap.example_shapes[i]:
-                    raise ValueError(
-                        f"input {i} has shape {got}, but with inputs='local' each data-parallel rank passes its own "
-                        f"shard of shape {s} (the global batch {cap.example_shapes[i]} over the data-parallel ranks), "
-                        "as in the example inputs. Fix: pass this rank's shard of that shape, or call "
-                        "autopar.parallelize again with example inputs of the new shape.")
-                raise ValueError(
-                    f"input {i} has shape {got} but the model was parallelised for example inputs of shape {s}; "
-                    "autopar specialises the program to the example shapes. Fix: call autopar.parallelize "
-                    "again with example inputs of the new shape (e.g. one ParallelModule per sequence length).")
+        key = self._key(args, kwargs)
+        if self._local_axes is not None:
+            agree_on_call(key, self._mesh)
+        prog = self._programs.get(key)
+        if prog is None:
+            prog = self._keep(relower(
+                self._model, mesh_info(self._mesh), self._plan, args, kwargs,
+                key=key, training=self.training, tensors=self._tensors(), stored=self._stored,
+                rng_stream=self._rng_stream, local_axes=self._local_axes))
+        self._programs.move_to_end(key)
+        self._current = prog
+        flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in prog.kw_order}))
+        cap = prog.captured
+        assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
         it = iter(flat)
         feeds = []
-        for kind, ref in self._feeds:
+        for ph, kind, ref in cap.input_kinds:
             if kind == "param":
                 p = self._lookup(ref)
+                if ref in prog.reshard:
+                    p = p.redistribute(self._mesh, prog.reshard[ref])
                 feeds.append(p.to_local() if isinstance(p, DTensor) else p)
             elif kind == "buffer":
                 feeds.append(self._lookup(ref))
             elif kind == "constant":
-                feeds.append(ref)
+                feeds.append(cap.constants[ph])
             else:
                 feeds.append(next(it))
         advance_rng_stream(self._rng_stream)
-        outs = self._gm(*feeds)
+        outs = prog.gm(*feeds)
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
+
+    def _key(self, args, kwargs) -> tuple:
+        return guard_key(args, kwargs, training=self.training, tensors=(*self.parameters(), *self.buffers()),
+                         device_type=self._mesh.device_type)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
+
+    def _keep(self, prog: Program) -> Program:
+        """Cache `prog` under its key, dropping the least recently used beyond `max_programs`."""
+        self._programs[prog.key] = prog
+        while len(self._programs) > max(1, self.max_programs):
+            self._programs.popitem(last=False)
+        return prog
+
+    def programs(self) -> list[str]:
+        """The cached programs, least recently used first: what each was captured for."""
+        return [describe_key(k) if k is not None else "the example inputs" for k in self._programs]
 
 
 def _non_persistent(model: nn.Module, fqn: str) -> set[str]:

@@ -18,9 +18,12 @@ carries what lowering needs (`assemble`): parameter and input placements and the
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import itertools
 import math
+
+from torch import nn
 
 from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import fsdp as fsdp_form
@@ -232,11 +235,14 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
-               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None) -> Plan:
+               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
+               data_axes: tuple[str, ...] | None = None) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
-    priced by the same cost model, so they can be compared (and may not fit).
+    priced by the same cost model, so they can be compared (and may not fit). `data_axes` (named plans only)
+    fixes the axes the batch is sharded over instead of the plan's own choice (re-lowering a plan for new
+    shapes keeps its data axes, `autopar.relower`).
     """
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
@@ -271,10 +277,10 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         choices = {s.key: _hand_choice(s, name, mesh, tp, notes) for s in ctx.planning_sites()}
         choices.update(forced)
         _tied_choices(ctx, mesh, choices, set(forced), notes)
-        data_axes = [n for n, s in zip(mesh.names, mesh.sizes) if name in ("dp", "fsdp") or n != tp]
+        default_axes = [n for n in mesh.names if name in ("dp", "fsdp") or n != tp]
         used = {a for s, c in [(s, choices[s.key]) for s in ctx.planning_sites()] + forced_linears
                 for a, ok in _roles_used(s, c) if Role.DATA not in ok}
-        data_axes = [a for a in data_axes if a not in used]
+        data_axes = [a for a in default_axes if a not in used] if data_axes is None else list(data_axes)
         seq_axes = sorted({a for s in ctx.planning_sites() for a, ok in _roles_used(s, choices[s.key])
                            if ok == frozenset({Role.SEQUENCE})})
         if name == "fsdp":
@@ -370,4 +376,22 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                     per_site=per_site, solver=solver_note)
 
 
-__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced"]
+def tie_placements(plan: Plan, model: nn.Module) -> Plan:
+    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
+    groups: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(fqn)
+    pls = dict(plan.params)
+    replicated = "R" * len(plan.mesh)
+    for names in groups.values():
+        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
+        if len(chosen) > 1:
+            raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
+                             "give the structures that share them compatible forms")
+        if chosen:
+            for n in names:
+                pls[n] = next(iter(chosen))
+    return dataclasses.replace(plan, params=tuple(pls.items()))
+
+
+__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "tie_placements"]

@@ -125,3 +125,36 @@ def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", ov
         torch.set_default_dtype(torch.float32)
     res.plan = res.graph_module = None  # not sent back from the worker
     return res
+
+
+def compare_step(pm, ref: torch.nn.Module, inputs, *, lr: float = 0.1, context=None) -> dict[str, float]:
+    """One training step of `pm` and of the single-device `ref` on `inputs` (a tuple of positional inputs or a
+    dict of keyword inputs), both under `context()` when given (e.g. autocast), then one SGD step on each:
+    the largest difference of the loss ("loss"), of every parameter's gradient ("grad NAME") and of every
+    parameter after the step ("param NAME"), over every simulated rank."""
+    import contextlib
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (tuple(inputs), {})
+    context = context or contextlib.nullcontext
+    with maybe_disable_local_tensor_mode():  # the reference is one plain single-device run
+        ref.zero_grad(set_to_none=True)
+        with context():
+            ref_loss = loss_of(ref(*args, **kwargs))
+        ref_loss.backward()
+    pm.zero_grad(set_to_none=True)
+    with context():
+        loss = loss_of(pm(*args, **kwargs))
+    loss.backward()
+    errs = {"loss": _worst((loss.detach().double() - ref_loss.detach().double()).abs())}
+    ref_params = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        rp = ref_params[name]
+        assert rp.grad is not None and p.grad is not None, f"{name}: no gradient"
+        errs[f"grad {name}"] = _worst((p.grad.full_tensor().double() - rp.grad.double()).abs().max())
+    with maybe_disable_local_tensor_mode():
+        torch.optim.SGD(ref.parameters(), lr=lr).step()
+    torch.optim.SGD(pm.parameters(), lr=lr).step()
+    for name, p in pm.named_parameters():
+        errs[f"param {name}"] = _worst((p.full_tensor().double() - ref_params[name].detach().double()).abs().max())
+    assert set(dict(pm.named_parameters())) == set(ref_params), "parameter names changed"
+    return errs

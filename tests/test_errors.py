@@ -103,14 +103,20 @@ def test_overrides_unknown_key_form_axis_and_memory(world4):
             autopar.parallelize(model, mesh, inputs, memory_limit=1024)
 
 
-def test_call_with_other_shapes_says_to_reparallelize(world4):
+def test_call_with_an_unguardable_input_says_what_to_pass(world4):
+    """Other shapes, modes and input values re-lower the plan (tests/test_shapes.py, tests/test_contract_modes.py);
+    a non-tensor input that cannot be compared with the captured one is an error that says what to pass."""
     torch.manual_seed(0)
     model = MLP()
     with LocalTensorMode(4):
         mesh = init_device_mesh("cpu", (4,))
         pm = autopar.parallelize(model, mesh, (torch.randn(8, 16), torch.randn(8, 16)))
-        with pytest.raises(ValueError, match=r"shape \(4, 16\).*\(8, 16\).*parallelize again"):
-            pm(torch.randn(4, 16), torch.randn(4, 16))
+        with pytest.raises(TypeError, match=r"input 1 \(flattened\) is a _Unhashable.*neither a tensor nor hashable.*Fix"):
+            pm(torch.randn(8, 16), _Unhashable())
+
+
+class _Unhashable(list):
+    """A leaf to pytree (not a list subclass it flattens) that cannot be hashed."""
 
 
 def test_model_is_not_modified_by_a_failed_parallelize(world4):
