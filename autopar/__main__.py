@@ -1,4 +1,5 @@
-"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`.
+"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`;
+`python -m autopar plan ...` plans a model offline (`autopar.cli_plan`).
 
 `profile` measures the mesh (see `autopar.profile`) and writes the JSON profile that
 `cost_model.load_cluster` reads. It joins the process group torchrun set up (initialising it
@@ -12,6 +13,8 @@ import argparse
 import math
 import os
 import sys
+
+from autopar import cli_plan
 
 
 def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
@@ -94,9 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", help="mesh shape over the world, e.g. 2x4 (default: 1-D over all ranks)")
     p.add_argument("--dtypes", default="float32", help="comma-separated matmul dtypes (default: float32)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    cli_plan.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "profile":
         return _profile(args)
+    if args.command == "plan":
+        return cli_plan.run(args)
     return 2
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,12 +37,16 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None) -> Plan:
+         overrides=None, progress=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
-    and the model may live on the meta device. Returns the Plan with its cost estimate."""
-    info, captured, ctx = _prepare(model, mesh, example_inputs)
+    and the model may live on the meta device. Returns the Plan with its cost estimate. `progress(stage,
+    seconds)` is called after each stage (capture, recognise, solve)."""
+    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress)
+    t0 = time.perf_counter()
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
+    if progress:
+        progress("solve", time.perf_counter() - t0)
     return _tie_placements(chosen, model).with_comms((), captured.notes)
 
 
@@ -73,15 +78,21 @@ def _local_tensor_off():
     return maybe_disable_local_tensor_mode()
 
 
-def _prepare(model, mesh, example_inputs, overrides=None) -> tuple[MeshInfo, Captured, PassContext]:
+def _prepare(model, mesh, example_inputs, overrides=None, progress=None) -> tuple[MeshInfo, Captured, PassContext]:
     """Capture and recognise: the mesh's axes, the captured program, and its recognised sites."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
     args, kwargs = _plain_inputs(args, kwargs)
+    t0 = time.perf_counter()
     with _local_tensor_off():  # tracing runs on fake tensors, never on simulated ranks
         captured = capture(model, args, kwargs)
+    t1 = time.perf_counter()
+    if progress:
+        progress("capture", t1 - t0)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
+    if progress:
+        progress("recognise", time.perf_counter() - t1)
     return info, captured, ctx
 
 

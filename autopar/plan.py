@@ -112,6 +112,31 @@ class Estimate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CandidateRow:
+    """One form a structure could take, priced per device by the cost model (`excluded`: why it could not, then
+    no price)."""
+
+    label: str  # e.g. 'heads@tp', 'tp@tp+fsdp'
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: int = 0
+    excluded: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Why structures took their form (`Plan.explain`): every candidate, the one chosen, what decided it.
+    `keys`: the structures it covers (identical layers are solved once); '(axis roles)' for the mesh axes'
+    roles, whose rows are the role assignments tried."""
+
+    keys: tuple[str, ...]
+    kind: str
+    chosen: str
+    decided_by: str
+    candidates: tuple[CandidateRow, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     name: str
     mesh: tuple[tuple[str, int], ...]
@@ -123,6 +148,7 @@ class Plan:
     comms: tuple[CommRow, ...] = ()
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
+    decisions: tuple[Decision, ...] = ()  # recorded at planning time, for explain()
 
     def __post_init__(self):
         for fqn, pls in self.params + self.inputs:
@@ -153,7 +179,10 @@ class Plan:
                    directives=tuple(Directive(**x) for x in d.get("directives", ())), graph=d.get("graph", ""),
                    comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
                    estimate=None if not d.get("estimate") else Estimate(
-                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}))
+                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}),
+                   decisions=tuple(Decision(**{**x, "keys": tuple(x["keys"]),
+                                               "candidates": tuple(CandidateRow(**r) for r in x["candidates"])})
+                                   for x in d.get("decisions", ())))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -226,6 +255,12 @@ class Plan:
 
     def __str__(self) -> str:
         return self.table()
+
+    def explain(self, key: str | None = None) -> str:
+        """For each structure (or the one `key` names), every form it could take with its estimated compute,
+        communication and memory per device, the one chosen and what decided it."""
+        from autopar.explain import explain
+        return explain(self, key)
 
     def diff(self, other: "Plan") -> str:
         """Lines that differ between two plans: strategies by key, parameters by fqn, inputs by name."""

@@ -26,7 +26,8 @@ from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
-from autopar.plan import Directive, Estimate, Plan, Strategy
+from autopar.decide import auto_decisions, hand_decisions
+from autopar.plan import Decision, Directive, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
 
@@ -305,10 +306,17 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
     estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
                          memory_limit)
+    if solution is not None:
+        decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
+    else:
+        decisions = hand_decisions(ctx, mesh, clus, name, choices, data_axes, seq_axes, optimizer, forced, notes)
+    decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced to "
+                                f"{c.label} (a layer inside a structure: not priced on its own)")
+                       for s, c in forced_linears)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
-                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate)
+                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate, decisions=decisions)
 
 
 def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> list[Strategy]:
