@@ -14,14 +14,20 @@ the choice, in this order:
   blocks).
 
 The mesh axes' roles are one more decision, '(axis roles)', whose rows are the role assignments tried.
+
+`site_estimates` breaks the estimate down per structure for the report (`autopar.report`): compute,
+communication per mesh axis, memory by part.
 """
 
 from __future__ import annotations
 
-from autopar.estimate import Cost, gather_stats, mesh_costing
+import dataclasses
+
+from autopar.estimate import Cost, MeshCosting, gather_stats, mesh_costing
 from autopar.forms import Candidate
 from autopar.mesh import MeshInfo
-from autopar.plan import CandidateRow, Decision, _fmt_bytes
+from autopar.plan import CandidateRow, Decision, SiteEstimate, _fmt_bytes
+from cost_model.hardware import Link
 from autopar.sites import Kind, PassContext, Site
 
 ROLES_KEY = "(axis roles)"
@@ -144,3 +150,53 @@ def _hand_rule(site: Site, name: str, cand: Candidate, forced: dict[str, Candida
     if name == "megatron" and site.kind is Kind.LINEAR and not cand.axes:
         rule = "hand plan megatron: a lone linear (not in a recognised block) stays replicated"
     return rule + ("; " + "; ".join(said) if said else "")
+
+
+# ----------------------------------------------------------------------------- the estimate broken down
+
+def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: dict[str, Candidate], data_axes,
+                   seq_axes, optimizer: str, *, other_fsdp: bool = False) -> tuple[SiteEstimate, ...]:
+    """Each structure's estimated compute and communication (split by mesh axis: the communication time less
+    the same priced with that axis' links free) and its memory by part (`Cost.act_bytes`, `transient_bytes`;
+    the rest is parameters, gradients and optimizer state, 1 : 1 : the optimizer's states)."""
+    from autopar.solver import other_cost, site_cost
+
+    stats, other, _ = gather_stats(ctx)
+    mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
+                      seq_axes=seq_axes)
+    free = {a: _FreeAxis(**{f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}, free=a)
+            for a, s in zip(mesh.names, mesh.sizes) if s > 1}
+    sites = {s.key: s for s in ctx.planning_sites()}
+    out = []
+    for key, cost in solution.per_site.items():
+        site, cand, st = sites[key], priced[key], stats[key]
+        if st.summed_into and (priced.get(st.summed_into) or cand).axes != cand.axes:
+            st = dataclasses.replace(st, summed_into=None)  # as `solver.evaluate` prices it
+        full = site_cost(site, st, cand, mc).comm_s
+        axes = tuple((a, max(0.0, full - site_cost(site, st, cand, m).comm_s)) for a, m in free.items())
+        out.append(_site_estimate(key, cost, axes, mc))
+    if solution.other is not None:
+        full = other_cost(other, mc, fsdp=other_fsdp).comm_s
+        axes = tuple((a, max(0.0, full - other_cost(other, m, fsdp=other_fsdp).comm_s)) for a, m in free.items())
+        out.append(_site_estimate("(other)", solution.other, axes, mc))
+    return tuple(out)
+
+
+def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:
+    state = max(0.0, cost.memory_bytes - cost.act_bytes - cost.transient_bytes)
+    one = state / mc.state_factor()  # parameters (and as much again for gradients)
+    return SiteEstimate(key=key, compute_s=cost.compute_s, comm_s=cost.comm_s, comm_axes=axes,
+                        parameters_bytes=int(one), gradients_bytes=int(one), optimizer_bytes=int(state - 2 * one),
+                        activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _FreeAxis(MeshCosting):
+    """The same mesh with the links of axis `free` costing nothing (to tell what a structure spends on it)."""
+
+    free: str = ""
+
+    def link(self, axis: str):
+        if axis == self.free:
+            return Link(alpha_s=0.0, bytes_per_s=1e30)
+        return super().link(axis)

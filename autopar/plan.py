@@ -89,6 +89,23 @@ class CommRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SiteEstimate:
+    """One structure's share of the estimated step and of device memory ('(other)': what no structure holds)."""
+
+    key: str
+    compute_s: float
+    comm_s: float
+    # seconds of comm_s spent on each mesh axis: comm_s less the same with that axis' links free (what remains is
+    # local copies around the collectives)
+    comm_axes: tuple[tuple[str, float], ...] = ()
+    parameters_bytes: int = 0
+    gradients_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0  # saved for backward
+    transient_bytes: int = 0  # FSDP's gathered copy of the parameters
+
+
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
     """What the cost model predicts for one training step, per device."""
 
@@ -102,6 +119,7 @@ class Estimate:
     cluster: str
     per_site: tuple[tuple[str, float, int], ...] = ()  # (structure key, time s, memory bytes)
     solver: str = ""  # how the plan was found: status, gap, time
+    sites: tuple[SiteEstimate, ...] = ()  # per structure, in plan order: time and memory broken down
 
     def summary(self) -> str:
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
@@ -179,7 +197,9 @@ class Plan:
                    directives=tuple(Directive(**x) for x in d.get("directives", ())), graph=d.get("graph", ""),
                    comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
                    estimate=None if not d.get("estimate") else Estimate(
-                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}),
+                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"]),
+                          "sites": tuple(SiteEstimate(**{**x, "comm_axes": tuple(tuple(a) for a in x["comm_axes"])})
+                                         for x in d["estimate"].get("sites", ()))}),
                    decisions=tuple(Decision(**{**x, "keys": tuple(x["keys"]),
                                                "candidates": tuple(CandidateRow(**r) for r in x["candidates"])})
                                    for x in d.get("decisions", ())))

@@ -82,6 +82,7 @@ class Solution:
     seq_axes: tuple[str, ...] = ()
     site_whys: dict[str, set[str]] = field(default_factory=dict)  # the form constraints that tie each site
     priced: "Priced | None" = None  # every candidate of the chosen role assignment, for Plan.explain
+    other: Cost | None = None  # what no structure holds (`other_cost`)
 
 
 @dataclass
@@ -127,7 +128,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
             else:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
+    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
+                act_bytes=st.act_bytes / mc.dp, transient_bytes=st.param_bytes if fsdp else 0.0)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -425,7 +427,7 @@ def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float
     costs = list(per_site.values()) + [base]
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
                     sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
-                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site))
+                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base)
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
