@@ -37,17 +37,28 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None, progress=None) -> Plan:
+         overrides=None, lower=False, progress=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
-    and the model may live on the meta device. Returns the Plan with its cost estimate. `progress(stage,
-    seconds)` is called after each stage (capture, recognise, solve)."""
+    and the model may live on the meta device. Returns the Plan with its cost estimate; `lower=True` also
+    lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
+    `parallelize` would. `progress(stage, seconds)` is called after each stage (capture, recognise, solve,
+    lower)."""
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress)
     t0 = time.perf_counter()
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
     if progress:
         progress("solve", time.perf_counter() - t0)
-    return _tie_placements(chosen, model).with_comms((), captured.notes)
+    chosen = _tie_placements(chosen, model)
+    if not lower:
+        return chosen.with_comms((), captured.notes)
+    t0 = time.perf_counter()
+    with _local_tensor_off():
+        lctx = lower_context(chosen, captured, info, rng_stream="plan")
+        gm = lower_pass(captured.gm, lctx)
+    if progress:
+        progress("lower", time.perf_counter() - t0)
+    return chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,

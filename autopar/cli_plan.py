@@ -9,7 +9,8 @@
 when those are given); the model may be on the meta device. `--hf CONFIG.json`: a Hugging Face config
 file; the model is built on the meta device with `AutoModelForCausalLM.from_config` and held the way
 users train it, `m(input_ids, labels=labels).loss` (parameters keep their checkpoint names), on (batch, seq) token ids. Prints a progress line
-per stage (capture, recognise, solve) to stderr, then the plan table and its estimate.
+per stage (capture, recognise, solve, lower) to stderr, then the plan table (with the collectives the lowered
+program inserts, unless --no-lower) and its estimate.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--html", help="write a self-contained HTML report")
     p.add_argument("--explain", nargs="?", const=ALL, metavar="KEY",
                    help="print every candidate of structure KEY (all structures without KEY) and what decided it")
+    p.add_argument("--no-lower", action="store_true",
+                   help="skip lowering (then the plan lists no collectives; faster on very large models)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
         load_factory(args.model, args.batch, args.seq)
     say(f"build: {time.perf_counter() - t0:.1f} s ({_count(model)} parameters)")
     plan = autopar.plan(model, mesh, inputs, plan=args.plan, cluster=args.cluster, memory_limit=limit,
-                        overrides=overrides, progress=lambda stage, s: say(f"{stage}: {s:.1f} s"))
+                        overrides=overrides, lower=not args.no_lower,
+                        progress=lambda stage, s: say(f"{stage}: {s:.1f} s"))
     print(plan.table())
     if args.out:
         plan.save(args.out)

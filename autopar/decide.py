@@ -86,22 +86,26 @@ def _coupling(key: str, cls, pr, solution, cheaper) -> str:
     parts += whys
     if not parts:  # site costs are independent; only constraints tie them: say what we know
         parts = ["the plan's constraints"]
-    return (f"coupling: cheaper {', '.join(c.label for c, _ in cheaper)} ruled out by " + "; ".join(parts))
+    return f"coupling: cheaper {', '.join(c.label for c, _ in cheaper)} ruled out: " + "; ".join(parts)
 
 
 def _roles_decision(solution, roles) -> Decision:
-    rows, fits = [], 0
+    rows, fits, faster = [], 0, []
     for data, seq, sol, why in roles:
         label = _roles_label(data, seq)
         if sol is None:
             rows.append(CandidateRow(label=label, excluded=why))
-        else:
-            fits += 1
-            rows.append(CandidateRow(label=label, compute_s=sol.compute_s, comm_s=sol.comm_s,
-                                     memory_bytes=int(sol.memory_bytes)))
+            continue
+        rows.append(CandidateRow(label=label, compute_s=sol.compute_s, comm_s=sol.comm_s,
+                                 memory_bytes=int(sol.memory_bytes), excluded=why))
+        fits += not why
+        if why and sol.time_s < solution.time_s - _EPS:  # priced without the limit (`solver.solve`)
+            faster.append(label)
     chosen = _roles_label(solution.data_axes, solution.seq_axes)
     by = (f"the fastest of {fits} role assignments whose best plan fits the memory limit"
-          + (f" ({len(rows) - fits} had no plan)" if len(rows) > fits else ""))
+          + (f" ({len(rows) - fits} had none)" if len(rows) > fits else ""))
+    if faster:
+        by = f"memory limit binding: {'; '.join(faster)} would be faster but no plan of it fits; " + by
     return Decision(keys=(ROLES_KEY,), kind="mesh", chosen=chosen, decided_by=by, candidates=tuple(rows))
 
 

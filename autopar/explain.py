@@ -40,12 +40,11 @@ def _one(d: Decision, key: str | None) -> str:
                                                                       ("compute", "comm", "time", "memory/device")))
     for r in d.candidates:
         mark = "  * " if r.label == d.chosen else "    "
-        if r.excluded:
-            lines.append(mark + r.label.ljust(width) + "  excluded: " + r.excluded)
-        else:
-            cells = (fmt_time(r.compute_s), fmt_time(r.comm_s), fmt_time(r.compute_s + r.comm_s),
-                     _fmt_bytes(r.memory_bytes))
-            lines.append(mark + r.label.ljust(width) + "  " + "  ".join(c.ljust(10) for c in cells).rstrip())
+        priced = not r.excluded or r.compute_s or r.comm_s or r.memory_bytes  # a role assignment over the limit
+        cells = (fmt_time(r.compute_s), fmt_time(r.comm_s), fmt_time(r.compute_s + r.comm_s),
+                 _fmt_bytes(r.memory_bytes)) if priced else ()
+        line = mark + r.label.ljust(width) + "".join("  " + c.ljust(10) for c in cells)
+        lines.append((line + ("  excluded: " + r.excluded if r.excluded else "")).rstrip())
     return "\n".join(lines)
 
 

@@ -97,6 +97,11 @@ class ParallelModule(nn.Module):
     def mesh(self) -> DeviceMesh:
         return self._mesh
 
+    def report(self, path: str) -> None:
+        """`Plan.to_html` with the rewritten graph per structure, every collective highlighted (`autopar.report`)."""
+        from autopar.report import write_report
+        write_report(path, self.plan, self.graph_module)
+
     def forward(self, *args, **kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))
         cap = self._captured

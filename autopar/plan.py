@@ -234,6 +234,25 @@ class Plan:
         return dict(out)
 
     def table(self) -> str:
+        rows = self.table_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.inputs:
+            lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.comms:
+            lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
+                         "sent per rank per step (forward + backward)")
+        if self.estimate:
+            lines.append(self.estimate.summary())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table_rows(self) -> list[tuple[str, ...]]:
+        """The table's header and one row per structure (and '(other)' for collectives outside them)."""
         by_module: dict[str, list[CommRow]] = defaultdict(list)
         for c in self.comms:
             by_module[c.module].append(c)
@@ -257,24 +276,15 @@ class Plan:
             rows.append(("(other)", "", "", "", _comm_summary(rest),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest)),
                          f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        if self.inputs:
-            lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
-        if self.comms:
-            lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
-                         "sent per rank per step (forward + backward)")
-        if self.estimate:
-            lines.append(self.estimate.summary())
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return rows
 
     def __str__(self) -> str:
         return self.table()
+
+    def to_html(self, path: str) -> None:
+        """Write a self-contained HTML report (`autopar.report`): the table, memory, the step, the collectives."""
+        from autopar.report import write_report
+        write_report(path, self)
 
     def explain(self, key: str | None = None) -> str:
         """For each structure (or the one `key` names), every form it could take with its estimated compute,

@@ -321,9 +321,11 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
             continue
         least_memory = min(least_memory, mem_min)
-        if sol is None:
-            tried.append((data_axes, seq_axes, None, f"no plan fits: the least memory is {mem_min / 2**30:.2f} GiB "
-                                                     "per device"))
+        if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
+            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
+            tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
+                                                     f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
+                                                     f"memory {mem_min / 2**30:.2f} GiB"))
             continue
         sol.data_axes = tuple(data_axes)
         sol.seq_axes = tuple(seq_axes)
