@@ -45,7 +45,7 @@ def _cheapest_text(rows, chosen: Candidate) -> str:
     possible = [(c, cost) for c, cost, why in rows if cost is not None and not why]
     t = next(cost.time_s for c, cost in possible if c == chosen)
     ties = [c.label for c, cost in possible if c != chosen and abs(cost.time_s - t) <= _EPS]
-    return (f"cheapest: the least estimated time of {len(possible)} possible candidates"
+    return (f"cheapest: the least estimated time of {_n(len(possible), 'possible candidate')}"
             + (f" (as cheap as {', '.join(ties)}: ties break by candidate order)" if ties else ""))
 
 
@@ -72,6 +72,10 @@ def auto_decisions(solution, forced: dict[str, Candidate], limit: float) -> tupl
         out.append(Decision(keys=tuple(s.key for s in cls), kind=cls[0].kind.value, chosen=chosen.label,
                             decided_by=by, candidates=tuple(_row(*r) for r in rows)))
     return tuple(out)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _time_of(rows, cand: Candidate) -> float:
@@ -102,7 +106,7 @@ def _roles_decision(solution, roles) -> Decision:
         if why and sol.time_s < solution.time_s - _EPS:  # priced without the limit (`solver.solve`)
             faster.append(label)
     chosen = _roles_label(solution.data_axes, solution.seq_axes)
-    by = (f"the fastest of {fits} role assignments whose best plan fits the memory limit"
+    by = (f"the fastest of {_n(fits, 'role assignment')} whose best plan fits the memory limit"
           + (f" ({len(rows) - fits} had none)" if len(rows) > fits else ""))
     if faster:
         by = f"memory limit binding: {'; '.join(faster)} would be faster but no plan of it fits; " + by

@@ -3,6 +3,18 @@
 A `Plan` is frozen, round-trips through JSON, is keyed by names a person can read (module paths,
 parameter FQNs, input names), prints as a table and diffs against another plan. After lowering,
 `ParallelModule.plan` also lists every collective inserted with the bytes it moves per step.
+
+`explain(key)` prints, from the `Decision`s recorded at planning time (`autopar.decide`), every form a
+structure could take, priced per device, the one chosen and what decided it:
+
+    layers.0.attn (attention; also layers.1.attn: identical, solved once)
+      chosen heads@tp: cheapest: the least estimated time of 4 possible candidates
+        candidate       compute     comm        time        memory/device
+        replicate       0.635 ms    0.015 ms    0.650 ms    696.0 MiB
+      * heads@tp        0.159 ms    0.251 ms    0.410 ms    198.0 MiB
+        ring            excluded: it takes a sequence axis; this plan has none (roles: dp data, tp model)
+
+`to_html(path)` writes the report (`autopar.report`).
 """
 
 from __future__ import annotations
@@ -289,8 +301,7 @@ class Plan:
     def explain(self, key: str | None = None) -> str:
         """For each structure (or the one `key` names), every form it could take with its estimated compute,
         communication and memory per device, the one chosen and what decided it."""
-        from autopar.explain import explain
-        return explain(self, key)
+        return _explain(self, key)
 
     def diff(self, other: "Plan") -> str:
         """Lines that differ between two plans: strategies by key, parameters by fqn, inputs by name."""
@@ -341,3 +352,47 @@ def _params_cell(s: Strategy) -> str:
     for _, v in s.params:
         counts[v] = counts.get(v, 0) + 1
     return f"{len(s.params)} params: " + ", ".join(f"{n}x {v}" for v, n in counts.items())
+
+
+# ----------------------------------------------------------------------------- explain
+
+def _explain(plan: "Plan", key: str | None) -> str:
+    if not plan.decisions:
+        raise ValueError(f"plan {plan.name!r} records no candidates to explain (it was saved by an autopar without "
+                         "explain, or built by hand). Fix: plan again with autopar.plan(...) or python -m autopar plan")
+    if key is None:
+        chosen = list(plan.decisions)
+    else:
+        chosen = [d for d in plan.decisions if key in d.keys]
+        if not chosen:
+            keys = [k for d in plan.decisions for k in d.keys]
+            raise ValueError(f"explain({key!r}): no structure {key!r} in plan {plan.name!r}; keys: {', '.join(keys)}")
+    return "\n\n".join(_explain_one(d, key) for d in chosen)
+
+
+def _explain_one(d: Decision, key: str | None) -> str:
+    head = key if key is not None else d.keys[0]
+    others = [k for k in d.keys if k != head]
+    lines = [f"{head} ({d.kind}" + (f"; also {_keys_list(others)}: identical, solved once" if others else "") + ")",
+             f"  chosen {d.chosen}: {d.decided_by}"]
+    if not d.candidates:
+        return "\n".join(lines)
+    width = max(len("candidate"), *(len(r.label) for r in d.candidates))
+    lines.append("    " + "candidate".ljust(width) + "  " + "  ".join(h.ljust(10) for h in
+                                                                      ("compute", "comm", "time", "memory/device")))
+    for r in d.candidates:
+        mark = "  * " if r.label == d.chosen else "    "
+        priced = not r.excluded or r.compute_s or r.comm_s or r.memory_bytes  # a role assignment over the limit
+        cells = (_fmt_time(r.compute_s), _fmt_time(r.comm_s), _fmt_time(r.compute_s + r.comm_s),
+                 _fmt_bytes(r.memory_bytes)) if priced else ()
+        line = mark + r.label.ljust(width) + "".join("  " + c.ljust(10) for c in cells)
+        lines.append((line + ("  excluded: " + r.excluded if r.excluded else "")).rstrip())
+    return "\n".join(lines)
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s == 0 or s >= 1e-4 else f"{s * 1e6:.3f} us"
+
+
+def _keys_list(keys: list[str]) -> str:
+    return ", ".join(keys) if len(keys) <= 4 else f"{', '.join(keys[:3])}, ... ({len(keys)} in all)"

@@ -1,5 +1,6 @@
 """The HTML report of a plan (`Plan.to_html(path)`, `ParallelModule.report(path)`, `python -m autopar plan --html`).
 
+It reads a Plan and a graph and imports neither `autopar.plan` nor the lowering (Plan.to_html calls it).
 One self-contained file (inline CSS and script, no network assets), searchable (a filter over every row):
 
 - the plan table (`Plan.table_rows`) and the inputs' placements;
@@ -18,7 +19,10 @@ from __future__ import annotations
 import html
 from collections import defaultdict
 
-from autopar.plan import Plan, _fmt_bytes
+from autopar.runtime.collectives import COLLECTIVES
+from autopar.runtime.moe import moe_experts
+from autopar.spec import fmt_placements
+from passes import meta as M
 
 PARTS = (("parameters", "parameters_bytes", "#4e79a7"), ("gradients", "gradients_bytes", "#59a14f"),
          ("optimizer state", "optimizer_bytes", "#edc948"), ("activations", "activations_bytes", "#e15759"),
@@ -27,12 +31,12 @@ _AXIS_COLORS = ("#f28e2b", "#76b7b2", "#ff9da7", "#9c755f")
 _COMPUTE_COLOR, _COPY_COLOR = "#4e79a7", "#bab0ac"
 
 
-def write_report(path: str, plan: Plan, gm=None) -> None:
+def write_report(path: str, plan, gm=None) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render(plan, gm))
 
 
-def render(plan: Plan, gm=None) -> str:
+def render(plan, gm=None) -> str:
     """The report as one HTML string; `gm`: the rewritten local program (a ParallelModule's graph_module)."""
     mesh = ", ".join(f"{n}={s}" for n, s in plan.mesh)
     title = f"autopar plan {plan.name!r} on mesh ({mesh})"
@@ -59,7 +63,7 @@ def _ms(s: float) -> str:
 
 # ----------------------------------------------------------------------------- sections
 
-def _plan_section(plan: Plan) -> str:
+def _plan_section(plan) -> str:
     rows = plan.table_rows()
     out = ["<section id='plan'><h2>Plan</h2><table><thead><tr>"
            + "".join(f"<th>{_e(h)}</th>" for h in rows[0]) + "</tr></thead><tbody>"]
@@ -73,7 +77,7 @@ def _plan_section(plan: Plan) -> str:
     return "\n".join(out) + "</section>"
 
 
-def _memory_section(plan: Plan) -> str:
+def _memory_section(plan) -> str:
     est = plan.estimate
     out = ["<section id='memory'><h2>Memory per device (estimated)</h2>"]
     if est is None or not est.sites:
@@ -113,7 +117,7 @@ def _stack(parts: dict[str, int], scale: float, limit: float | None = None) -> s
     return f"<div class='stack'>{segs}{mark}</div>"
 
 
-def _step_section(plan: Plan) -> str:
+def _step_section(plan) -> str:
     est = plan.estimate
     out = ["<section id='step'><h2>Estimated step</h2>"]
     if est is None or not est.sites:
@@ -167,7 +171,7 @@ def _lane_sum(sites, lane: str, axes):
             yield by_axis.get(lane.removeprefix("communication "), 0.0)
 
 
-def _comms_section(plan: Plan) -> str:
+def _comms_section(plan) -> str:
     out = ["<section id='collectives'><h2>Collectives</h2>"]
     if not plan.comms:
         out.append("<p>This plan lists no collectives: it was not lowered (autopar.plan(..., lower=False), "
@@ -184,7 +188,7 @@ def _comms_section(plan: Plan) -> str:
     return "\n".join(out) + "</tbody></table></section>"
 
 
-def _graph_section(plan: Plan, gm) -> str:
+def _graph_section(plan, gm) -> str:
     out = ["<section id='graph'><h2>Rewritten graph per structure</h2>"]
     if gm is None:
         out.append("<p>No graph here: Plan.to_html shows the plan's collectives (above). "
@@ -208,15 +212,11 @@ def nodes_html(nodes) -> list[str]:
     return [f"<div class='f node{' comm' if c else ''}'>{line}{c}</div>" for line, c in nodes]
 
 
-def _group_nodes(plan: Plan, gm) -> dict[str, list[tuple[str, str]]]:
+def _group_nodes(plan, gm) -> dict[str, list[tuple[str, str]]]:
     """Graph nodes by the structure whose module (or member) path holds them, else their top-level module:
     (escaped line, escaped collective note or '')."""
-    from passes import meta as M
-    from passes.lower import collective_nodes, placements_str
-    from autopar.runtime.moe import moe_experts
-
     scopes = sorted(((k, s.key) for s in plan.strategies for k in (s.key, *s.members)), key=lambda x: -len(x[0]))
-    comm = set(collective_nodes(gm))
+    comm = {n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES}
     groups: dict[str, list[tuple[str, str]]] = {}
     for n in gm.graph.nodes:
         path = _module_path(n)
@@ -233,8 +233,23 @@ def _group_nodes(plan: Plan, gm) -> dict[str, list[tuple[str, str]]]:
                     f"{_fmt_bytes(c.bytes_forward)} forward, {_fmt_bytes(c.bytes_backward)} backward</span>")
         elif n.op == "call_function" and n.target is moe_experts and n.args[6] == "a2a":
             note = " <span class='cb'>all_to_all dispatch and combine inside (see the collectives table)</span>"
-        groups.setdefault(key, []).append((_node_line(n, placements_str(n)), note))
+        groups.setdefault(key, []).append((_node_line(n, _placements(n)), note))
     return groups
+
+
+def _placements(n) -> str:
+    pls = n.meta.get(M.PLACEMENTS)
+    if pls is None:
+        return "-"
+    return ",".join(fmt_placements(p) for p in pls) if isinstance(pls, list) else fmt_placements(pls)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 def _module_path(n) -> str:
@@ -265,7 +280,7 @@ def _arg(a) -> str:
     return repr(a)
 
 
-def _why_section(plan: Plan) -> str:
+def _why_section(plan) -> str:
     out = ["<section id='why'><h2>Why each form</h2>"]
     if not plan.decisions:
         out.append("<p>This plan records no candidates (saved by an older autopar or built by hand).</p>")
