@@ -64,9 +64,9 @@ def auto_decisions(solution, forced: dict[str, Candidate], limit: float) -> tupl
             by = _cheapest_text(rows, chosen)
         elif pr.free is not None and _time_of(rows, pr.free[key]) < t - _EPS:
             free = pr.free[key]
-            by = (f"memory limit binding: {free.label} is faster for this structure, but the fastest plan without "
-                  f"the limit needs {_fmt_bytes(pr.free_memory_bytes)} per device, over the limit of "
-                  f"{_fmt_bytes(limit)}")
+            by = (f"memory limit binding: {free.label} is faster for this structure, but the fastest plan on these "
+                  f"axis roles without the limit needs {_fmt_bytes(pr.free_memory_bytes)} per device, over the limit "
+                  f"of {_fmt_bytes(limit)}")
         else:
             by = _coupling(key, cls, pr, solution, cheaper)
         out.append(Decision(keys=tuple(s.key for s in cls), kind=cls[0].kind.value, chosen=chosen.label,

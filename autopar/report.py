@@ -97,13 +97,16 @@ def _memory_section(plan) -> str:
         + "</p>")
     out.append("<p class='legend'>Activations are those each structure saves for backward, on this rank's share of "
                "the tokens; transients are FSDP's gathered copies of parameters (counted whole, as the cost model "
-               "does). Per structure, scaled to the largest:</p>")
-    biggest = max(sum(getattr(s, a) for _, a, _ in PARTS) for s in est.sites) or 1
+               "does); (other) is what no recognised structure holds (residuals, masks, unrecognised ops). Per "
+               "structure, scaled to the largest structure (a longer bar is cut at the right end and says so):</p>")
+    sizes = {s.key: sum(getattr(s, a) for _, a, _ in PARTS) for s in est.sites}
+    biggest = max((v for k, v in sizes.items() if k != "(other)"), default=0) or max(sizes.values()) or 1
     out.append("<table class='bars'><tbody>")
     for s in est.sites:
         parts = {a: getattr(s, a) for _, a, _ in PARTS}
+        cut = f" <b>(bar cut: {sizes[s.key] / biggest:.1f}x the scale)</b>" if sizes[s.key] > biggest else ""
         out.append(f"<tr class='f'><td>{_e(s.key)}</td><td class='barcell'>{_stack(parts, biggest)}</td>"
-                   f"<td>{_fmt_bytes(sum(parts.values()))}</td><td>activations {_fmt_bytes(s.activations_bytes)}"
+                   f"<td>{_fmt_bytes(sizes[s.key])}{cut}</td><td>activations {_fmt_bytes(s.activations_bytes)}"
                    "</td></tr>")
     return "\n".join(out) + "</tbody></table></section>"
 
@@ -198,7 +201,8 @@ def _graph_section(plan, gm) -> str:
     groups = _group_nodes(plan, gm)
     comms = sum(1 for nodes in groups.values() for _, c in nodes if c)
     out.append(f"<p>{sum(len(v) for v in groups.values())} nodes, {comms} collective nodes (highlighted, with the "
-               "bytes each rank sends forward / backward). Placements per mesh axis after each node.</p>")
+               "bytes each rank sends forward / backward). After each node: its global shape and its placement on each mesh "
+               "axis.</p>")
     for key, nodes in groups.items():
         n_comm = sum(1 for _, c in nodes if c)
         out.append(f"<details class='f'{' open' if n_comm else ''}><summary>{_e(key)} <small>{len(nodes)} nodes"
@@ -229,8 +233,8 @@ def _group_nodes(plan, gm) -> dict[str, list[tuple[str, str]]]:
         note = ""
         if n in comm:
             c = n.meta[M.COMM]
-            note = (f" <span class='cb'>{_e(c.forward)} / {_e(c.backward)} on {_e(c.axis)}: "
-                    f"{_fmt_bytes(c.bytes_forward)} forward, {_fmt_bytes(c.bytes_backward)} backward</span>")
+            note = (f" <span class='cb'>{_e(c.forward)} forward / {_e(c.backward)} backward on {_e(c.axis)}: "
+                    f"{_fmt_bytes(c.bytes_forward)} / {_fmt_bytes(c.bytes_backward)}</span>")
         elif n.op == "call_function" and n.target is moe_experts and n.args[6] == "a2a":
             note = " <span class='cb'>all_to_all dispatch and combine inside (see the collectives table)</span>"
         groups.setdefault(key, []).append((_node_line(n, _placements(n)), note))
@@ -298,8 +302,9 @@ h1{font-size:1.3em} h2{font-size:1.1em;margin-top:1.6em;border-bottom:1px solid 
 table{border-collapse:collapse;margin:.5em 0} th,td{border:1px solid #ddd;padding:2px 6px;text-align:left;
 vertical-align:top;font-size:12px} th{background:#f3f3f3}
 .summary{background:#f7f7f7;padding:.5em} #q{width:30em;padding:4px}
-.stack{position:relative;height:18px;background:#eee;display:flex;min-width:300px}
-.stack .seg{height:100%} .limit{position:absolute;top:-3px;bottom:-3px;border-left:2px solid #000}
+.stack{position:relative;height:18px;background:#eee;display:flex;min-width:300px;overflow:hidden}
+.stack .seg{flex:none}
+.stack .seg{height:100%} .limit{position:absolute;top:0;bottom:0;margin-left:-2px;border-left:2px solid #000}
 .bars .barcell{width:50%} .legend{font-size:12px} .sw{display:inline-block;width:10px;height:10px;margin:0 3px 0 10px}
 .timeline{border:1px solid #ccc;padding:4px} .lane{display:flex;align-items:center;margin:2px 0}
 .lname{width:16em;font-size:12px} .ltrack{position:relative;flex:1;height:16px;background:#f5f5f5}

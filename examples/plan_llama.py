@@ -20,7 +20,8 @@ def llama(batch: int = 8, seq: int = 2048, *, layers: int = 32, hidden: int = 40
 
 
 def llama_7b(batch: int = 8, seq: int = 4096):
-    return llama(batch, seq)
+    """Llama-2 7B's shapes (6.7 B parameters)."""
+    return llama(batch, seq, kv_heads=32)
 
 
 def tiny(batch: int = 8, seq: int = 64):
