@@ -63,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
     model, inputs = load_hf(args.hf, args.batch, args.seq, args.dtype) if args.hf else \
         load_factory(args.model, args.batch, args.seq)
     say(f"build: {time.perf_counter() - t0:.1f} s ({_count(model)} parameters)")
-    plan = autopar.plan(model, mesh, inputs, plan=args.plan, cluster=args.cluster, memory_limit=limit,
-                        overrides=overrides, lower=not args.no_lower,
-                        progress=lambda stage, s: say(f"{stage}: {s:.1f} s"))
+    try:  # the user's mistakes are ValueErrors that say what to fix: print them, not a traceback
+        plan = autopar.plan(model, mesh, inputs, plan=args.plan, cluster=args.cluster, memory_limit=limit,
+                            overrides=overrides, lower=not args.no_lower,
+                            progress=lambda stage, s: say(f"{stage}: {s:.1f} s"))
+        explained = plan.explain(None if args.explain == ALL else args.explain) if args.explain else ""
+    except ValueError as e:
+        raise SystemExit(f"python -m autopar plan: {e}") from None
     print(plan.table())
     if args.out:
         plan.save(args.out)
@@ -73,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         plan.to_html(args.html)
         print(f"wrote {args.html}")
-    if args.explain:
+    if explained:
         print()
-        print(plan.explain(None if args.explain == ALL else args.explain))
+        print(explained)
     return 0
 
 
@@ -120,7 +124,6 @@ def load_factory(spec: str, batch: int | None, seq: int | None):
     mod_name, colon, fn_name = spec.partition(":")
     if not colon or not mod_name or not fn_name:
         raise SystemExit(f"--model {spec!r}: expected pkg.module:factory")
-    sys.path.insert(0, ".")
     try:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:

@@ -90,9 +90,11 @@ def test_cli_plan_errors_say_what_to_fix(tmp_path):
         load_factory("autopar.models:MLP", 8, None)
     with pytest.raises(SystemExit, match=r"MLP\(\) must return \(model, example_inputs\), got MLP"):
         load_factory("autopar.models:MLP", None, None)
-    with pytest.raises(ValueError, match="no structure 'layers.9.attn'.*layers.0.attn"):
+    with pytest.raises(SystemExit, match="no structure 'layers.9.attn'.*layers.0.attn"):
         main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "dp=2", "--explain", "layers.9.attn",
               "--quiet", "--no-lower"])
+    with pytest.raises(SystemExit, match="override 'attention': unknown form 'rows'"):
+        main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "tp=2", "--override", "attention=rows"])
     bad = tmp_path / "c.json"
     bad.write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(SystemExit, match="has no 'model_type'"):
