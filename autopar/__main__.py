@@ -1,4 +1,5 @@
-"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`,
+"""Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`;
+`python -m autopar plan ...` plans a model offline (`autopar.cli_plan`);
 `torchrun ... -m autopar verify --model pkg.module:factory ...` (see `autopar.cli_verify`).
 
 `profile` measures the mesh (see `autopar.profile`) and writes the JSON profile that
@@ -13,6 +14,8 @@ import argparse
 import math
 import os
 import sys
+
+from autopar import cli_plan
 
 
 def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
@@ -97,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from autopar import cli_verify
     cli_verify.add_parser(sub)
+    cli_plan.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "profile":
         return _profile(args)
+    if args.command == "plan":
+        return cli_plan.run(args)
     if hasattr(args, "run"):
         return args.run(args)
     return 2

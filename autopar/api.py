@@ -15,6 +15,7 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from torch import nn
@@ -39,13 +40,28 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None) -> Plan:
+         overrides=None, lower=False, progress=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
-    and the model may live on the meta device. Returns the Plan with its cost estimate."""
-    info, captured, ctx = _prepare(model, mesh, example_inputs)
+    and the model may live on the meta device. Returns the Plan with its cost estimate; `lower=True` also
+    lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
+    `parallelize` would. `progress(stage, seconds)` is called after each stage (capture, recognise, solve,
+    lower)."""
+    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress)
+    t0 = time.perf_counter()
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
-    return tie_placements(chosen, model).with_comms((), captured.notes)
+    if progress:
+        progress("solve", time.perf_counter() - t0)
+    chosen = tie_placements(chosen, model)
+    if not lower:
+        return chosen.with_comms((), captured.notes)
+    t0 = time.perf_counter()
+    with _local_tensor_off():
+        lctx = lower_context(chosen, captured, info, rng_stream="plan")
+        gm = lower_pass(captured.gm, lctx)
+    if progress:
+        progress("lower", time.perf_counter() - t0)
+    return chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
@@ -126,17 +142,24 @@ def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
     return info, captured, ctx, agreement
 
 
-def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1) -> tuple[MeshInfo, Captured, PassContext]:
+def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None
+             ) -> tuple[MeshInfo, Captured, PassContext]:
     """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
     (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`)."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
     args, kwargs = plain_inputs(args, kwargs)
+    t0 = time.perf_counter()
     with _local_tensor_off():  # tracing runs on fake tensors, never on simulated ranks
         args, kwargs = global_example(args, kwargs, copies)
         captured = capture(model, args, kwargs)
+    t1 = time.perf_counter()
+    if progress:
+        progress("capture", t1 - t0)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
+    if progress:
+        progress("recognise", time.perf_counter() - t1)
     return info, captured, ctx
 
 

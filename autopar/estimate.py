@@ -42,6 +42,10 @@ class Cost:
     comm_s: float
     comm_bytes: float
     memory_bytes: float
+    # of memory_bytes: the activations saved for backward, and FSDP's gathered copy of the parameters; the rest is
+    # parameters, gradients and optimizer state (`MeshCosting.state_factor`: 1 : 1 : the optimizer's states)
+    act_bytes: float = 0.0
+    transient_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -128,6 +128,11 @@ class ParallelModule(nn.Module):
     def mesh(self) -> DeviceMesh:
         return self._mesh
 
+    def report(self, path: str) -> None:
+        """`Plan.to_html` with the rewritten graph per structure, every collective highlighted (`autopar.report`)."""
+        from autopar.report import write_report
+        write_report(path, self.plan, self.graph_module)
+
     def forward(self, *args, **kwargs):
         key = self._key(args, kwargs)
         if self._local_axes is not None:

@@ -3,6 +3,18 @@
 A `Plan` is frozen, round-trips through JSON, is keyed by names a person can read (module paths,
 parameter FQNs, input names), prints as a table and diffs against another plan. After lowering,
 `ParallelModule.plan` also lists every collective inserted with the bytes it moves per step.
+
+`explain(key)` prints, from the `Decision`s recorded at planning time (`autopar.decide`), every form a
+structure could take, priced per device, the one chosen and what decided it:
+
+    layers.0.attn (attention; also layers.1.attn: identical, solved once)
+      chosen heads@tp: cheapest: the least estimated time of 4 possible candidates
+        candidate       compute     comm        time        memory/device
+        replicate       0.635 ms    0.015 ms    0.650 ms    696.0 MiB
+      * heads@tp        0.159 ms    0.251 ms    0.410 ms    198.0 MiB
+        ring            excluded: it takes a sequence axis; this plan has none (roles: dp data, tp model)
+
+`to_html(path)` writes the report (`autopar.report`).
 """
 
 from __future__ import annotations
@@ -89,6 +101,23 @@ class CommRow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SiteEstimate:
+    """One structure's share of the estimated step and of device memory ('(other)': what no structure holds)."""
+
+    key: str
+    compute_s: float
+    comm_s: float
+    # seconds of comm_s spent on each mesh axis: comm_s less the same with that axis' links free (what remains is
+    # local copies around the collectives)
+    comm_axes: tuple[tuple[str, float], ...] = ()
+    parameters_bytes: int = 0
+    gradients_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0  # saved for backward
+    transient_bytes: int = 0  # FSDP's gathered copy of the parameters
+
+
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
     """What the cost model predicts for one training step, per device."""
 
@@ -102,6 +131,7 @@ class Estimate:
     cluster: str
     per_site: tuple[tuple[str, float, int], ...] = ()  # (structure key, time s, memory bytes)
     solver: str = ""  # how the plan was found: status, gap, time
+    sites: tuple[SiteEstimate, ...] = ()  # per structure, in plan order: time and memory broken down
 
     def summary(self) -> str:
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
@@ -109,6 +139,31 @@ class Estimate:
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
                 f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step (estimated)"
                 + (f"; {self.solver}" if self.solver else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateRow:
+    """One form a structure could take, priced per device by the cost model (`excluded`: why it could not, then
+    no price)."""
+
+    label: str  # e.g. 'heads@tp', 'tp@tp+fsdp'
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    memory_bytes: int = 0
+    excluded: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """Why structures took their form (`Plan.explain`): every candidate, the one chosen, what decided it.
+    `keys`: the structures it covers (identical layers are solved once); '(axis roles)' for the mesh axes'
+    roles, whose rows are the role assignments tried."""
+
+    keys: tuple[str, ...]
+    kind: str
+    chosen: str
+    decided_by: str
+    candidates: tuple[CandidateRow, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +178,7 @@ class Plan:
     comms: tuple[CommRow, ...] = ()
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
+    decisions: tuple[Decision, ...] = ()  # recorded at planning time, for explain()
 
     def __post_init__(self):
         for fqn, pls in self.params + self.inputs:
@@ -153,7 +209,12 @@ class Plan:
                    directives=tuple(Directive(**x) for x in d.get("directives", ())), graph=d.get("graph", ""),
                    comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
                    estimate=None if not d.get("estimate") else Estimate(
-                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"])}))
+                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"]),
+                          "sites": tuple(SiteEstimate(**{**x, "comm_axes": tuple(tuple(a) for a in x["comm_axes"])})
+                                         for x in d["estimate"].get("sites", ()))}),
+                   decisions=tuple(Decision(**{**x, "keys": tuple(x["keys"]),
+                                               "candidates": tuple(CandidateRow(**r) for r in x["candidates"])})
+                                   for x in d.get("decisions", ())))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -185,6 +246,25 @@ class Plan:
         return dict(out)
 
     def table(self) -> str:
+        rows = self.table_rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
+        for i, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.inputs:
+            lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.comms:
+            lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
+                         "sent per rank per step (forward + backward)")
+        if self.estimate:
+            lines.append(self.estimate.summary())
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table_rows(self) -> list[tuple[str, ...]]:
+        """The table's header and one row per structure (and '(other)' for collectives outside them)."""
         by_module: dict[str, list[CommRow]] = defaultdict(list)
         for c in self.comms:
             by_module[c.module].append(c)
@@ -208,24 +288,20 @@ class Plan:
             rows.append(("(other)", "", "", "", _comm_summary(rest),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest)),
                          f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
-        for i, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        if self.inputs:
-            lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
-        if self.comms:
-            lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
-                         "sent per rank per step (forward + backward)")
-        if self.estimate:
-            lines.append(self.estimate.summary())
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        return rows
 
     def __str__(self) -> str:
         return self.table()
+
+    def to_html(self, path: str) -> None:
+        """Write a self-contained HTML report (`autopar.report`): the table, memory, the step, the collectives."""
+        from autopar.report import write_report
+        write_report(path, self)
+
+    def explain(self, key: str | None = None) -> str:
+        """For each structure (or the one `key` names), every form it could take with its estimated compute,
+        communication and memory per device, the one chosen and what decided it."""
+        return _explain(self, key)
 
     def diff(self, other: "Plan") -> str:
         """Lines that differ between two plans: strategies by key, parameters by fqn, inputs by name."""
@@ -276,3 +352,47 @@ def _params_cell(s: Strategy) -> str:
     for _, v in s.params:
         counts[v] = counts.get(v, 0) + 1
     return f"{len(s.params)} params: " + ", ".join(f"{n}x {v}" for v, n in counts.items())
+
+
+# ----------------------------------------------------------------------------- explain
+
+def _explain(plan: "Plan", key: str | None) -> str:
+    if not plan.decisions:
+        raise ValueError(f"plan {plan.name!r} records no candidates to explain (it was saved by an autopar without "
+                         "explain, or built by hand). Fix: plan again with autopar.plan(...) or python -m autopar plan")
+    if key is None:
+        chosen = list(plan.decisions)
+    else:
+        chosen = [d for d in plan.decisions if key in d.keys]
+        if not chosen:
+            keys = [k for d in plan.decisions for k in d.keys]
+            raise ValueError(f"explain({key!r}): no structure {key!r} in plan {plan.name!r}; keys: {', '.join(keys)}")
+    return "\n\n".join(_explain_one(d, key) for d in chosen)
+
+
+def _explain_one(d: Decision, key: str | None) -> str:
+    head = key if key is not None else d.keys[0]
+    others = [k for k in d.keys if k != head]
+    lines = [f"{head} ({d.kind}" + (f"; also {_keys_list(others)}: identical, solved once" if others else "") + ")",
+             f"  chosen {d.chosen}: {d.decided_by}"]
+    if not d.candidates:
+        return "\n".join(lines)
+    width = max(len("candidate"), *(len(r.label) for r in d.candidates))
+    lines.append("    " + "candidate".ljust(width) + "  " + "  ".join(h.ljust(10) for h in
+                                                                      ("compute", "comm", "time", "memory/device")))
+    for r in d.candidates:
+        mark = "  * " if r.label == d.chosen else "    "
+        priced = not r.excluded or r.compute_s or r.comm_s or r.memory_bytes  # a role assignment over the limit
+        cells = (_fmt_time(r.compute_s), _fmt_time(r.comm_s), _fmt_time(r.compute_s + r.comm_s),
+                 _fmt_bytes(r.memory_bytes)) if priced else ()
+        line = mark + r.label.ljust(width) + "".join("  " + c.ljust(10) for c in cells)
+        lines.append((line + ("  excluded: " + r.excluded if r.excluded else "")).rstrip())
+    return "\n".join(lines)
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s == 0 or s >= 1e-4 else f"{s * 1e6:.3f} us"
+
+
+def _keys_list(keys: list[str]) -> str:
+    return ", ".join(keys) if len(keys) <= 4 else f"{', '.join(keys[:3])}, ... ({len(keys)} in all)"

@@ -29,7 +29,8 @@ from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
-from autopar.plan import Directive, Estimate, Plan, Strategy
+from autopar.decide import auto_decisions, hand_decisions, site_estimates
+from autopar.plan import Decision, Directive, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
 
@@ -311,10 +312,17 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
     estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
                          memory_limit)
+    if solution is not None:
+        decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
+    else:
+        decisions = hand_decisions(ctx, mesh, clus, name, choices, data_axes, seq_axes, optimizer, forced, notes)
+    decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced to "
+                                f"{c.label} (a layer inside a structure: not priced on its own)")
+                       for s, c in forced_linears)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
-                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate)
+                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate, decisions=decisions)
 
 
 def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> list[Strategy]:
@@ -356,14 +364,17 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
 def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
               memory_limit) -> Estimate:
     from autopar import solver as ilp
+    priced = solution.choices if solution is not None else {}
     if solution is None:
-        priced = {}
         for s in ctx.planning_sites():  # lone linears are priced replicated
             c = choices[s.key]
             priced[s.key] = Candidate(form=Replicate.name, fsdp=c.fsdp) if s.kind is Kind.LINEAR else c
         batched = any(Shard(0) in placements_from_str(p) for p in inputs.values())
-        solution = ilp.evaluate(ctx, mesh, clus, priced, tuple(data_axes) if batched else (), optimizer,
-                                tuple(seq_axes), other_fsdp=name == "fsdp")
+        data_axes = tuple(data_axes) if batched else ()
+        solution = ilp.evaluate(ctx, mesh, clus, priced, data_axes, optimizer, tuple(seq_axes),
+                                other_fsdp=name == "fsdp")
+    else:
+        data_axes, seq_axes = solution.data_axes, solution.seq_axes
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
     solver_note = ""
     if name == "auto":
@@ -373,7 +384,9 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
     return Estimate(step_time_s=solution.time_s, compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
                     memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
                     fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
-                    per_site=per_site, solver=solver_note)
+                    per_site=per_site, solver=solver_note,
+                    sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
+                                         other_fsdp=name == "fsdp"))
 
 
 def tie_placements(plan: Plan, model: nn.Module) -> Plan:

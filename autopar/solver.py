@@ -80,6 +80,23 @@ class Solution:
     classes: int
     per_site: dict[str, Cost] = field(default_factory=dict)
     seq_axes: tuple[str, ...] = ()
+    site_whys: dict[str, set[str]] = field(default_factory=dict)  # the form constraints that tie each site
+    priced: "Priced | None" = None  # every candidate of the chosen role assignment, for Plan.explain
+    other: Cost | None = None  # what no structure holds (`other_cost`)
+
+
+@dataclass
+class Priced:
+    """What `Plan.explain` needs from a solve (`autopar.decide`): every candidate of every class on the chosen
+    role assignment with its cost (None where it was left out, with why), the choices the ILP makes without the
+    memory limit (only when some class did not take its cheapest candidate), and every role assignment tried."""
+
+    classes: list[list[Site]]
+    rows: list[list[tuple[Candidate, Cost | None, str]]]
+    pairs: list[tuple[Site, Site]]
+    free: dict[str, Candidate] | None = None
+    free_memory_bytes: float = 0.0
+    roles: list[tuple[tuple[str, ...], tuple[str, ...], "Solution | None", str]] = field(default_factory=list)
 
 
 # ----------------------------------------------------------------------------- pricing
@@ -111,7 +128,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
             else:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp)
+    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
+                act_bytes=st.act_bytes / mc.dp, transient_bytes=st.param_bytes if fsdp else 0.0)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -156,21 +174,7 @@ def form_axes(form: Form, roles: dict[str, Role]) -> list[tuple[str, ...]]:
 def candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None,
                seq_axes=()) -> list[Candidate]:
     """Every form of the site's kind on every admissible tuple of axes, with and without FSDP."""
-    roles = axis_roles(mesh, data_axes, seq_axes)
-    dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
-    size = lambda a: mesh.sizes[mesh.names.index(a)]  # noqa: E731
-    forms = [f for f in forms_for(site.kind) if f.offered or (forced is not None and f.name == forced.form)]
-    if seq_axes and site.kind is Kind.ATTENTION:  # the sequence is split: attention must take it that way
-        forms = [f for f in forms if f.sequence]
-    out = []
-    for form in forms:
-        for axes in form_axes(form, roles):
-            if form.precondition(site, tuple(size(a) for a in axes)) is not None:
-                continue
-            t = size(axes[0]) if axes else 1
-            fsdp_ok = fsdp_form.precondition(site, st, dp, t) is None
-            for fsdp in ((False, True) if fsdp_ok else (False,)):
-                out.append(Candidate(form=form.name, axes=axes, fsdp=fsdp))
+    out = [c for c, why in all_candidates(site, st, mesh, data_axes, forced, seq_axes) if not why]
     if forced is not None:
         keep = [c for c in out if c.form == forced.form and (not forced.axes or c.axes == forced.axes)]
         if not keep:
@@ -178,6 +182,45 @@ def candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Can
                              f"{data_axes} on mesh {mesh.describe()}")
         out = keep
     return out
+
+
+def all_candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced: Candidate | None = None,
+                   seq_axes=()) -> list[tuple[Candidate, str]]:
+    """`candidates` with the ones left out and why ('' for those offered), in the solver's order (for
+    `Plan.explain`): a form the solver does not offer, a sequence split that attention must follow, a form
+    whose axes' roles no axis of this plan has, a precondition, FSDP's precondition."""
+    roles = axis_roles(mesh, data_axes, seq_axes)
+    dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
+    size = lambda a: mesh.sizes[mesh.names.index(a)]  # noqa: E731
+    out = []
+    for form in forms_for(site.kind):
+        if not (form.offered or (forced is not None and form.name == forced.form)):
+            out.append((Candidate(form=form.name), "not offered by the solver (a layer's form for overrides)"))
+            continue
+        if seq_axes and site.kind is Kind.ATTENTION and not form.sequence:
+            out.append((Candidate(form=form.name), f"the sequence is split on {', '.join(seq_axes)}: attention "
+                                                   "must take a sequence form"))
+            continue
+        tuples = form_axes(form, roles)
+        if not tuples:
+            want = " and ".join("/".join(sorted(r.value for r in ok)) for ok in form.roles)
+            out.append((Candidate(form=form.name), f"it takes a {want} axis; this plan has none "
+                                                   f"(roles: {_roles_text(roles)})"))
+        for axes in tuples:
+            why = form.precondition(site, tuple(size(a) for a in axes))
+            if why is not None:
+                out.append((Candidate(form=form.name, axes=axes), why))
+                continue
+            t = size(axes[0]) if axes else 1
+            fsdp_why = fsdp_form.precondition(site, st, dp, t)
+            out.append((Candidate(form=form.name, axes=axes), ""))
+            if dp > 1:  # without a data axis there is nothing to shard over: no row
+                out.append((Candidate(form=form.name, axes=axes, fsdp=True), f"FSDP: {fsdp_why}" if fsdp_why else ""))
+    return out
+
+
+def _roles_text(roles: dict[str, Role]) -> str:
+    return ", ".join(f"{a} {r.value}" for a, r in roles.items()) or "every axis of size 1"
 
 
 def _tied_pairs(sites: list[Site]) -> list[tuple[Site, Site]]:
@@ -214,6 +257,8 @@ class ConstraintView:
         self._model, self._classes, self._cands, self._x, self._stats = model, classes, cands, x, stats
         self._index = {s.key: k for k, cls in enumerate(classes) for s in cls}
         self.whys: dict[str, str] = {}  # site key -> what its forms' constraints require (reported on a conflict)
+        self.current = ""  # the site whose candidate's constraints are being added
+        self.site_whys: dict[str, set[str]] = {}  # site key -> the constraints that tie it to others (explain)
 
     def stats(self, site: Site) -> SiteStats:
         return self._stats[site.key]
@@ -222,7 +267,7 @@ class ConstraintView:
         """var <= sum of the variables of structure `key`'s candidates that satisfy `pred`."""
         k = self._index[key]
         self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k]) if pred(c)))
-        self._note(why)
+        self._note(why, (key,))
 
     def require_every(self, var, kinds, pred: Callable[[Candidate, Form], bool], why: str = "") -> None:
         """For every structure of `kinds`: var <= sum of its candidates' variables that satisfy `pred`."""
@@ -230,11 +275,13 @@ class ConstraintView:
             if cls[0].kind in kinds:
                 self._model.Add(var <= sum(v for v, c in zip(self._x[k], self._cands[k])
                                            if pred(c, form_of(cls[0].kind, c.form))))
-        self._note(why)
+        self._note(why, [cls[0].key for cls in self._classes if cls[0].kind in kinds])
 
-    def _note(self, why: str) -> None:
+    def _note(self, why: str, keys) -> None:
         if why:
             self.whys.setdefault(why, why)
+            for k in (self.current, *keys):
+                self.site_whys.setdefault(k, set()).add(why)
 
 
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
@@ -253,13 +300,15 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     best: Solution | None = None
     least_memory = math.inf
     conflicts: set[str] = set()
+    tried = []  # (data axes, seq axes, solution or None, why not), and the ILP's inputs of each solution
     for data_axes, seq_axes in options:
         mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
                           seq_axes=seq_axes)
         try:
             cands = [candidates(cls[0], stats[cls[0].key], mesh, data_axes, forced.get(cls[0].key), seq_axes)
                      for cls in classes]
-        except ValueError:
+        except ValueError as e:
+            tried.append((data_axes, seq_axes, None, str(e)))
             continue
         if any(not cs for cs in cands):
             continue
@@ -269,12 +318,19 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
         except _Conflict as c:
             conflicts.update(c.whys)
+            tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
             continue
         least_memory = min(least_memory, mem_min)
-        if sol is None:
+        if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
+            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
+            tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
+                                                     f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
+                                                     f"memory {mem_min / 2**30:.2f} GiB"))
             continue
         sol.data_axes = tuple(data_axes)
         sol.seq_axes = tuple(seq_axes)
+        sol.priced = (mc, cands, costs, base)  # replaced by a Priced for the best solution below
+        tried.append((data_axes, seq_axes, sol, ""))
         if best is None or sol.time_s < best.time_s - 1e-12:
             best = sol
     if best is None and math.isinf(least_memory):
@@ -288,9 +344,33 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             f"no plan fits {limit / 2**30:.2f} GiB per device on mesh {mesh.describe()}: the least memory any plan "
             f"needs is {least_memory / 2**30:.2f} GiB per device (parameters, gradients, {optimizer} state and "
             "activations). Fix: raise memory_limit, use more devices, a smaller batch, or an optimizer with less state.")
+    best.priced = _priced(best, classes, pairs, stats, mesh, forced, limit, time_limit_s, tried)
     best.solve_s = time.perf_counter() - t0
     best.classes = len(classes)
     return best
+
+
+def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit, time_limit_s, tried) -> Priced:
+    """Every candidate of the best role assignment priced (those the ILP left out too), and, when some class did
+    not take its cheapest candidate, the ILP's choices without the memory limit (to tell memory from coupling)."""
+    mc, cands, costs, base = best.priced
+    for _, _, sol, _ in tried:
+        if sol is not None and sol is not best:
+            sol.priced = None
+    rows = []
+    for cls, cs, cost in zip(classes, cands, costs):
+        st = stats[cls[0].key]
+        known = dict(zip(cs, cost))
+        rows.append([(c, None if why else known.get(c) or site_cost(cls[0], st, c, mc), why)
+                     for c, why in all_candidates(cls[0], st, mesh, best.data_axes, forced.get(cls[0].key),
+                                                  best.seq_axes)])
+    out = Priced(classes=classes, rows=rows, pairs=pairs,
+                 roles=[(d, q, sol, why) for d, q, sol, why in tried])
+    cheapest = [min(c.time_s for c in cost) for cost in costs]
+    if any(best.per_site[cls[0].key].time_s > t + 1e-12 for cls, t in zip(classes, cheapest)):
+        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
+        out.free, out.free_memory_bytes = free.choices, free.memory_bytes
+    return out
 
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats):
@@ -308,6 +388,7 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
                   sum(v for v, c in zip(x[kb], cands[kb]) if c.fsdp))
     view = ConstraintView(model, classes, cands, x, stats)
     for cls, cs, xs in zip(classes, cands, x):
+        view.current = cls[0].key
         for c, v in zip(cs, xs):
             form_of(cls[0].kind, c.form).add_constraints(view, cls[0], c, v)
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
@@ -339,14 +420,16 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
     gap = 0.0 if obj == 0 else max(0.0, (obj - bound) / obj)
     name = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
-    return _total((), choices, per_site, base, gap, name), mem_min * 1024
+    sol = _total((), choices, per_site, base, gap, name)
+    sol.site_whys = view.site_whys
+    return sol, mem_min * 1024
 
 
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str) -> Solution:
     costs = list(per_site.values()) + [base]
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
                     sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
-                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site))
+                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base)
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],

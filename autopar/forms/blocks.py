@@ -39,7 +39,8 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
         state = dp.state_bytes(mc, local)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
-    return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act)
+    return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
+                act_bytes=act, transient_bytes=local if cand.fsdp else 0.0)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
@@ -104,4 +105,5 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     d_t, d_b = dp.grad_sync(mc, dense_bytes)
     state = local * mc.state_factor() / (mc.dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
     return Cost(compute_s=compute, comm_s=comms.time_s + gs_t + d_t, comm_bytes=comms.bytes + gs_b + d_b,
-                memory_bytes=state + st.act_bytes / mc.dp + routed_bytes)
+                memory_bytes=state + st.act_bytes / mc.dp + routed_bytes, act_bytes=st.act_bytes / mc.dp + routed_bytes,
+                transient_bytes=local if cand.fsdp else 0.0)

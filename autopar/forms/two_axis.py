@@ -73,4 +73,4 @@ class HeadsAndSequence(Form):
         comms = blocks.Comms(mc, seq)
         act = self.add_within_comms(comms, site, st, mc, seq, mc.size(tp))
         return dataclasses.replace(cost, comm_s=cost.comm_s + comms.time_s, comm_bytes=cost.comm_bytes + comms.bytes,
-                                   memory_bytes=cost.memory_bytes + act)
+                                   memory_bytes=cost.memory_bytes + act, act_bytes=cost.act_bytes + act)

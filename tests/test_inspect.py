@@ -1,0 +1,275 @@
+"""Inspecting plans: `python -m autopar plan` (a factory and a Hugging Face config, on the meta device),
+`Plan.explain` (every candidate and what decided the choice: cheapest, an override, the memory limit, a
+coupling, a precondition), and the HTML report (`Plan.to_html`, `pm.report`): well-formed, self-contained,
+every structure and every collective in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.__main__ import main
+from autopar.cli_plan import load_factory, parse_mesh, parse_size
+from examples.plan_llama import llama, tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "autopar", "plan", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=240)
+
+
+def _rows(text: str, key: str) -> list[str]:
+    """The explain block of `key`: its lines."""
+    block = next(b for b in text.split("\n\n") if b.splitlines()[0].startswith(key + " ("))
+    return block.splitlines()
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_cli_plan_from_a_factory(tmp_path, capsys):
+    out, page = tmp_path / "plan.json", tmp_path / "report.html"
+    r = _cli("--model", "examples.plan_llama:tiny", "--mesh", "dp=2,tp=2", "--cluster", "h100", "--plan", "megatron",
+             "--batch", "4", "--seq", "32", "--memory-limit", "80GB", "--out", str(out), "--html", str(page),
+             "--explain", "layers.0.attn")
+    assert r.returncode == 0, r.stderr
+    for stage in ("build", "capture", "recognise", "solve", "lower"):  # one progress line per stage, with seconds
+        assert re.search(rf"^\[autopar plan\] {stage}: [0-9.]+ s", r.stderr, re.M), r.stderr
+    plan = autopar.Plan.load(str(out))
+    assert plan.table() in r.stdout  # the table printed is the plan saved
+    assert plan.mesh == (("dp", 2), ("tp", 2)) and plan.estimate.memory_limit_bytes == 80 * 10**9
+    assert {s.key: s.label for s in plan.strategies}["layers.0.attn"] == "heads@tp"
+    assert plan.comms and plan.comm_counts()["all_reduce.forward"] > 0  # lowered: the collectives are listed
+    assert plan.explain("layers.0.attn") in r.stdout
+    assert "hand plan megatron: picks heads@tp" in r.stdout
+    _check_report(page.read_text(), plan)
+    # the saved plan, given back to the CLI for the same model: checked against it and printed the same
+    capsys.readouterr()
+    assert main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "dp=2,tp=2", "--cluster", "h100",
+                 "--batch", "4", "--seq", "32", "--plan", str(out), "--quiet"]) == 0
+    again = capsys.readouterr()
+    assert again.err == "" and plan.table() in again.out
+
+
+def test_cli_plan_from_a_hugging_face_config(tmp_path):
+    """A Llama config file: built on the meta device (nothing materialised), held as users train it (ids and
+    labels in, `.loss` out), planned by the ILP; parameters keep their checkpoint names."""
+    from transformers import LlamaConfig
+
+    cfg = tmp_path / "config.json"
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64).to_json_file(str(cfg))
+    out = tmp_path / "plan.json"
+    r = _cli("--hf", str(cfg), "--mesh", "dp=2,tp=2", "--cluster", "h100", "--batch", "4", "--seq", "32",
+             "--out", str(out), "--explain")
+    assert r.returncode == 0, r.stderr
+    plan = autopar.Plan.load(str(out))
+    keys = {s.key for s in plan.strategies}
+    assert {"model.layers.0.self_attn", "model.layers.1.mlp", "model.embed_tokens"} <= keys, keys
+    assert "lm_head.weight" in dict(plan.params) and "model.layers.0.self_attn.q_proj.weight" in dict(plan.params)
+    for d in plan.decisions:  # --explain without a key: every structure, each with what decided it
+        assert f"{d.keys[0]} ({d.kind}" in r.stdout and d.decided_by in r.stdout
+    assert plan.name == "auto" and "ILP optimal" in r.stdout
+
+
+def test_cli_plan_errors_say_what_to_fix(tmp_path):
+    with pytest.raises(SystemExit, match="cannot load 'nope' from 'examples.plan_llama'"):
+        main(["plan", "--model", "examples.plan_llama:nope", "--mesh", "dp=2"])
+    with pytest.raises(SystemExit, match="MLP takes no batch argument; drop --batch"):
+        load_factory("autopar.models:MLP", 8, None)
+    with pytest.raises(SystemExit, match=r"MLP\(\) must return \(model, example_inputs\), got MLP"):
+        load_factory("autopar.models:MLP", None, None)
+    with pytest.raises(SystemExit, match="no structure 'layers.9.attn'.*layers.0.attn"):
+        main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "dp=2", "--explain", "layers.9.attn",
+              "--quiet", "--no-lower"])
+    with pytest.raises(SystemExit, match="override 'attention': unknown form 'rows'"):
+        main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "tp=2", "--override", "attention=rows"])
+    bad = tmp_path / "c.json"
+    bad.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(SystemExit, match="has no 'model_type'"):
+        main(["plan", "--hf", str(bad), "--mesh", "dp=2"])
+
+
+def test_cli_arguments():
+    assert parse_mesh("dp=8,tp=8") == {"dp": 8, "tp": 8}
+    assert parse_size("80GB") == 80 * 10**9 and parse_size("76GiB") == 76 * 2**30 and parse_size("1e9") == 10**9
+    for bad in ("8x8", "dp=0", "dp=2,dp=2"):
+        with pytest.raises(SystemExit, match="--mesh"):
+            parse_mesh(bad)
+    with pytest.raises(SystemExit, match="--memory-limit '80 parsecs'"):
+        parse_size("80 parsecs")
+
+
+# ----------------------------------------------------------------------------- explain
+
+def test_explain_names_every_candidate_and_the_cheapest():
+    model, inputs = tiny()
+    plan = autopar.plan(model, {"dp": 2, "tp": 2}, inputs, cluster="h100")
+    assert autopar.Plan.from_json(plan.to_json()) == plan
+    text = plan.explain()
+    for d in plan.decisions:
+        rows = _rows(text, d.keys[0])
+        assert len(rows) == 3 + len(d.candidates)  # every candidate, in the solver's order
+        assert all(line[4:].startswith(c.label + " ") for line, c in zip(rows[3:], d.candidates))
+        assert rows[1] == f"  chosen {d.chosen}: {d.decided_by}"
+        assert sum(line.startswith("  * ") for line in rows) == 1
+    attn = next(d for d in plan.decisions if "layers.0.attn" in d.keys)
+    assert attn.keys == ("layers.0.attn", "layers.1.attn")  # identical layers: solved once, explained once
+    possible = [c for c in attn.candidates if not c.excluded]
+    chosen = next(c for c in possible if c.label == attn.chosen)
+    assert attn.decided_by.startswith("cheapest")
+    assert all(chosen.compute_s + chosen.comm_s <= c.compute_s + c.comm_s for c in possible)
+    assert {c.label for c in possible} >= {"replicate", "heads@tp"}
+    with pytest.raises(ValueError, match="no structure 'nope'"):
+        plan.explain("nope")
+
+
+def test_explain_an_override():
+    model, inputs = tiny()
+    plan = autopar.plan(model, {"tp": 2}, inputs, cluster="h100", overrides={"attention": "replicate"})
+    rows = _rows(plan.explain("layers.0.attn"), "layers.0.attn")
+    assert rows[1] == "  chosen replicate: override: forced to replicate"
+    heads = next(line for line in rows if line[4:].startswith("heads@tp "))
+    assert "excluded" not in heads and " MiB" in heads  # the forms it could have taken are still priced
+
+
+def test_explain_a_precondition():
+    """6 heads do not divide over 4 ranks: heads@tp is listed, excluded, with the precondition's reason."""
+    model, inputs = llama(4, 32, layers=1, hidden=96, heads=6, kv_heads=2, ffn=128, vocab=256, dtype=torch.float32)
+    plan = autopar.plan(model, {"tp": 4}, inputs, cluster="h100", plan="megatron")
+    line = next(x for x in plan.explain("layers.0.attn").splitlines() if x.strip().startswith("heads@tp"))
+    assert "excluded: 6 heads do not divide over 4 ranks. Fix:" in line
+    assert "megatron" in next(d for d in plan.decisions if "layers.0.attn" in d.keys).decided_by
+
+
+def test_explain_memory_limit_binding():
+    """Without a limit every structure is replicated (the fastest); under a limit the embedding and the loss
+    split their vocabulary though replicating is faster: the explanation says the limit decided it."""
+    model, inputs = llama(2, 16, layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=8192, dtype=torch.float32)
+    free = autopar.plan(model, {"dp": 2}, inputs, cluster="h100")
+    assert {s.key: s.form for s in free.strategies}["embed"] == "replicate"
+    limit = int(free.estimate.memory_bytes_per_device * 0.8)
+    plan = autopar.plan(model, {"dp": 2}, inputs, cluster="h100", memory_limit=limit)
+    assert plan.estimate.fits and plan.estimate.memory_bytes_per_device <= limit
+    embed = next(d for d in plan.decisions if d.keys == ("embed",))
+    assert embed.chosen != "replicate" and embed.decided_by.startswith("memory limit binding: replicate is faster")
+    rows = {c.label: c for c in embed.candidates}
+    t = lambda c: c.compute_s + c.comm_s  # noqa: E731
+    assert t(rows["replicate"]) < t(rows[embed.chosen]) and rows["replicate"].memory_bytes > rows[embed.chosen].memory_bytes
+    assert "over the limit of" in plan.explain("embed")
+
+
+def test_explain_a_coupling():
+    """Sequence-parallel norms (forced) need tensor-parallel blocks: attention takes heads though replicating it
+    is cheaper for this small model, and the explanation names the constraint."""
+    model, inputs = tiny()
+    plan = autopar.plan(model, {"tp": 2}, inputs, cluster="h100", overrides={"norm": "sequence"})
+    attn = next(d for d in plan.decisions if "layers.0.attn" in d.keys)
+    assert attn.chosen == "heads@tp"
+    assert attn.decided_by == ("coupling: cheaper replicate ruled out: a sequence-parallel norm needs every "
+                               "attention and MLP tensor parallel on its axis")
+
+
+def test_explain_needs_recorded_candidates():
+    model, inputs = tiny()
+    plan = autopar.plan(model, {"dp": 2}, inputs, cluster="h100")
+    old = json.loads(plan.to_json())
+    del old["decisions"]  # a plan saved before explain existed still loads, and says what to do
+    with pytest.raises(ValueError, match="records no candidates to explain"):
+        autopar.Plan.from_json(json.dumps(old)).explain()
+
+
+# ----------------------------------------------------------------------------- the report
+
+class _Page(HTMLParser):
+    """Collects tags (checking that every element closes in order), text, and link/asset references."""
+
+    VOID = {"meta", "input", "br", "hr", "img", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.text, self.refs, self.comm_nodes, self.errors = [], [], [], 0, []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.refs += [v for k, v in attrs.items() if k in ("src", "href") and v and not v.startswith("#")]
+        if tag == "div" and "comm" in (attrs.get("class") or "").split() and "node" in attrs.get("class", ""):
+            self.comm_nodes += 1
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1:]}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _check_report(page: str, plan, gm=None) -> _Page:
+    p = _Page()
+    p.feed(page)
+    p.close()
+    assert not p.errors and not p.stack, (p.errors, p.stack)
+    assert not p.refs and "http://" not in page and "https://" not in page  # self-contained
+    text = "".join(p.text)
+    for s in plan.strategies:
+        assert s.key in text and s.label in text
+    for site in plan.estimate.sites:
+        assert site.key in text
+    for c in plan.comms:  # every collective row, with its bytes
+        assert re.search(re.escape(c.fn) + r"\s*" + re.escape(c.axis), text), c
+    assert text.count("* ") >= len(plan.decisions)  # the explanation of every decision
+    for section in ("Memory per device", "Estimated step", "Collectives", "Rewritten graph"):
+        assert section in text
+    return p
+
+
+def test_plan_to_html(tmp_path):
+    model, inputs = tiny()
+    plan = autopar.plan(model, {"dp": 2, "tp": 2}, inputs, cluster="h100", plan="megatron", lower=True)
+    assert plan.comms
+    plan.to_html(str(tmp_path / "p.html"))
+    page = (tmp_path / "p.html").read_text()
+    _check_report(page, plan)
+    assert "pm.report(path)" in page  # no graph here: it says where the graph is
+    # the memory bars add up to the estimate, the timeline to the step
+    e = plan.estimate
+    assert sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes + s.transient_bytes
+               for s in e.sites) == pytest.approx(e.memory_bytes_per_device, abs=len(e.sites) * 4)
+    assert sum(s.compute_s + s.comm_s for s in e.sites) == pytest.approx(e.step_time_s)
+    assert all(sum(t for _, t in s.comm_axes) <= s.comm_s + 1e-15 for s in e.sites)
+
+
+def test_pm_report_shows_the_graph_and_every_collective(local_world, tmp_path):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.models import GPT, GPTConfig
+    from passes.lower import collective_nodes
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, num_layers=2, num_heads=4, hidden=32))
+    ids = torch.randint(0, 64, (4, 16))
+    with local_world(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        pm = autopar.parallelize(model, mesh, (ids, ids), plan="megatron")
+        pm.report(str(tmp_path / "pm.html"))
+    page = (tmp_path / "pm.html").read_text()
+    p = _check_report(page, pm.plan, pm.graph_module)
+    nodes = collective_nodes(pm.graph_module)
+    assert p.comm_nodes == len(nodes) == len(pm.plan.comms) > 0  # every collective node highlighted
+    for n in nodes:
+        assert f">{n.name}</code>" in page
