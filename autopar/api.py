@@ -15,20 +15,26 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
+import os
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_across_ranks, agreed_seed, solve_on_rank0
 from autopar.capture import Captured, capture, split_example_inputs
+from autopar.forms import form_of
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
 from autopar.planner import PLANS, build_plan
 from autopar.runtime.ops import new_rng_stream
-from autopar.sites import PassContext
+from autopar.sites import Kind, PassContext
+from autopar.units import parse_bytes
+from cost_model.hardware import check_cluster_spec
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -39,6 +45,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
          overrides=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
     and the model may live on the meta device. Returns the Plan with its cost estimate."""
+    _check_model(model)
+    memory_limit = _check_options(plan, cluster, memory_limit)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
@@ -51,6 +59,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
+    _check_model(model)
+    _refuse_meta(model)
+    memory_limit = _check_options(plan, cluster, memory_limit)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
     chosen = _tie_placements(chosen, model)
@@ -66,6 +77,44 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 # ----------------------------------------------------------------------------- steps
 
 _STREAMS = itertools.count()
+
+
+def _check_model(model) -> None:
+    """Before capture: the model must be a single-device nn.Module, not one autopar (or FSDP/TP) already
+    parallelised."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inner = next((n or "the model" for n, m in model.named_modules() if isinstance(m, ParallelModule)), None)
+    if inner is not None:
+        raise TypeError(f"{inner} is a ParallelModule, the result of autopar.parallelize: autopar parallelises a "
+                        "single-device model once. Fix: pass the original model to parallelize (with another mesh or "
+                        "plan if you want another layout); pm.plan shows what the ParallelModule runs.")
+    held = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if isinstance(t, DTensor)]
+    if held:
+        raise ValueError(f"the model already holds DTensors ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+                         f"; {len(held)} in all): it was parallelised before (fully_shard, parallelize_module or "
+                         "distribute_tensor). autopar takes a single-device model with plain tensors. Fix: pass the "
+                         "model before it was parallelised, or one with plain weights (DTensor.full_tensor()).")
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """parallelize runs the model: until it can materialise a model on the meta device, it says so."""
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        raise NotImplementedError(
+            f"the model is on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "parallelize does not support meta-device models yet. Fix: use autopar.plan(...) to plan it (planning "
+            "works on the meta device), or materialise it first (model.to_empty(device=...), then initialise or "
+            "load its weights).")
+
+
+def _check_options(plan, cluster, memory_limit) -> int | None:
+    """Before capture, the options' types; returns memory_limit in bytes (None: the cluster's device memory)."""
+    if not isinstance(plan, (str, os.PathLike, Plan)):
+        raise TypeError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or the path of a saved plan; "
+                        f"got {type(plan).__name__} {plan!r}")
+    check_cluster_spec(cluster)
+    return parse_bytes(memory_limit, "memory_limit")
 
 
 def _local_tensor_off():
@@ -108,19 +157,49 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         shapes = dict(zip(captured.user_inputs, flat_shapes))
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
                           input_shapes=shapes)
-    if isinstance(plan, str):
+    source = "the given Plan"
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            near = difflib.get_close_matches(str(plan).lower(), PLANS, n=1)
+            raise ValueError(f"plan {str(plan)!r} is neither a plan name ({', '.join(map(repr, PLANS))}) nor an "
+                             "existing file. Fix: give one of the names"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + ", a Plan, or the path of a plan saved with Plan.save (the file must exist).")
+        source = f"plan file {str(plan)!r}"
         plan = Plan.load(plan)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be one of {PLANS}, a Plan or a path to a saved plan; got {plan!r}")
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
+    redo = "Fix: plan again for this model, mesh and inputs (autopar.plan(...)) and save that plan."
     if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
-        raise ValueError(f"the plan was made for mesh {plan.mesh}, but this mesh is "
-                         f"{tuple(zip(info.names, info.sizes))}; re-plan for this mesh")
-    missing = set(captured.param_fqns.values()) - set(dict(plan.params))
-    if missing:
-        raise ValueError(f"the plan has no placement for parameters {sorted(missing)[:5]}; it was made for another model")
+        raise ValueError(f"{source} was made for mesh {plan.mesh}, but this mesh is "
+                         f"{tuple(zip(info.names, info.sizes))}. {redo}")
+    _check_plan_fits_model(plan, source, captured, redo)
     return plan
+
+
+def _check_plan_fits_model(plan: Plan, source: str, captured, redo: str) -> None:
+    """A given plan names this model's parameters, structures of known kinds and forms, and its graph."""
+    mine, theirs = set(captured.param_fqns.values()), set(dict(plan.params))
+    missing = sorted(mine - theirs)
+    extra = sorted(theirs - mine)  # (tied aliases of this model's parameters too, but only shown when some are missing)
+    if missing:
+        raise ValueError(f"{source} has no placement for this model's parameters {_few(missing)}"
+                         + (f" and places parameters it does not have, {_few(extra)}" if extra else "")
+                         + f": it was made for another model. {redo}")
+    for st in plan.strategies:
+        try:
+            form_of(Kind(st.kind), st.form)
+        except ValueError as e:
+            raise ValueError(f"{source}: structure {st.key!r} has kind {st.kind!r} and form {st.form!r}, which autopar "
+                             f"does not know ({e}). {redo}") from None
+    if plan.graph and plan.graph != captured.fingerprint():
+        raise ValueError(f"{source} was made for another graph (fingerprint {plan.graph}; this model on these inputs "
+                         f"captures as {captured.fingerprint()}): a plan fits only the model and input shapes it was "
+                         f"made for. {redo}")
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
 def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
