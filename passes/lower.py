@@ -41,7 +41,7 @@ from autopar.mesh import MeshInfo
 from autopar.plan import AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
-                          is_shard, placement_from_str)
+                          is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
 from passes.local_forms import LOCAL_FORMS
@@ -579,7 +579,7 @@ def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
             continue
         if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
             x, w, b = node.args[:3]
-            wpl = ctx.placements.get(getattr(w, "name", None), ())
+            wpl = _weight_placements(w, ctx)
             if any(is_shard(p) and p.dim == 1 for p in wpl):
                 with gm.graph.inserting_before(node):
                     mm = gm.graph.call_function(aten.linear.default, (x, w))
@@ -600,6 +600,14 @@ def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
                     b = b if beta == 1 else _scaled(gm.graph, b, beta, node)
                     node.target, node.args, node.kwargs = aten.add.Tensor, (prod, b), {}
     return gm
+
+
+def _weight_placements(w, ctx: LowerContext) -> tuple:
+    """A linear weight's placements: a parameter's, or those of a parameter used transposed (`enc.weight.t()`,
+    a tied weight read as another layer's), its dims swapped."""
+    if getattr(w, "target", None) is aten.t.default and w.args[0].name in ctx.placements:
+        return tuple(with_dim(p, 1 - p.dim) if is_shard(p) else p for p in ctx.placements[w.args[0].name])
+    return ctx.placements.get(getattr(w, "name", None), ())
 
 
 def _scaled(g: fx.Graph, x: fx.Node, factor, like: fx.Node) -> fx.Node:
