@@ -169,7 +169,7 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         plan = Plan.load(plan)
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
-    redo = "Fix: plan again for this model, mesh and inputs (autopar.plan(...)) and save that plan."
+    redo = "Fix: re-plan for this model, mesh and inputs (autopar.plan(...)) and save that plan."
     if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
         raise ValueError(f"{source} was made for mesh {plan.mesh}, but this mesh is "
                          f"{tuple(zip(info.names, info.sizes))}. {redo}")

@@ -167,7 +167,7 @@ class Plan:
         try:
             return cls.from_json(text)
         except ValueError as e:
-            raise ValueError(f"plan file {str(path)!r} is not a valid autopar plan: {e}. Fix: plan again "
+            raise ValueError(f"plan file {str(path)!r} is not a valid autopar plan: {e}. Fix: re-plan "
                              "(autopar.plan(model, mesh, inputs, plan=...)) and save that Plan with "
                              ".save(path).") from None
 

@@ -23,7 +23,7 @@ from cost_model import hardware as H
 from equivalence import run_equivalence
 
 MESH = {"tp": 2}
-PLAN_FIX = r"Fix: plan again.*save"
+PLAN_FIX = r"Fix: re-plan.*save"
 
 
 def _mlp():
@@ -118,17 +118,17 @@ def test_plan_of_another_model_names_the_parameters(saved):
     with pytest.raises(ValueError, match=rf"plan file '{saved[0]}' has no placement for this model's parameters "
                                          r"0\.bias, 0\.weight and places parameters it does not have, fc1\.bias, "
                                          r"fc1\.weight, fc2\.bias, fc2\.weight: it was made for another model\. "
-                                         r"Fix: plan again"):
+                                         r"Fix: re-plan"):
         autopar.plan(other, MESH, (torch.randn(8, 16),), plan=str(saved[0]))
 
 
 def test_plan_for_another_graph_or_mesh_names_the_file(saved):
     model, _ = _mlp()
     with pytest.raises(ValueError, match=rf"plan file '{saved[0]}' was made for another graph \(fingerprint \w+; this "
-                                         r"model on these inputs captures as \w+\).*Fix: plan again"):
+                                         r"model on these inputs captures as \w+\).*Fix: re-plan"):
         autopar.plan(model, MESH, (torch.randn(4, 16), torch.randn(4, 16)), plan=str(saved[0]))
     with pytest.raises(ValueError, match=rf"plan file '{saved[0]}' was made for mesh \(\('tp', 2\),\), but this mesh "
-                                         r"is \(\('tp', 4\),\)\. Fix: plan again"):
+                                         r"is \(\('tp', 4\),\)\. Fix: re-plan"):
         autopar.plan(model, {"tp": 4}, _mlp()[1], plan=str(saved[0]))
 
 
@@ -138,7 +138,7 @@ def test_plan_with_an_unknown_form_names_the_structure(tmp_path, saved):
     path = _write(tmp_path, json.dumps(d))
     model, inputs = _mlp()
     with pytest.raises(ValueError, match=rf"plan file '{path}': structure '\{{fc1,fc2\}}' has kind 'mlp' and form "
-                                         r"'diagonal', which autopar does not know.*Fix: plan again"):
+                                         r"'diagonal', which autopar does not know.*Fix: re-plan"):
         autopar.plan(model, MESH, inputs, plan=path)
 
 
