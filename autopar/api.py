@@ -33,6 +33,7 @@ from autopar.plan import Plan
 from autopar.planner import PLANS, build_plan
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import Kind, PassContext
+from autopar.spec import Partial, _StridedShard, is_owned, is_shard, placements_from_str
 from autopar.units import parse_bytes
 from cost_model.hardware import check_cluster_spec
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -192,10 +193,36 @@ def _check_plan_fits_model(plan: Plan, source: str, captured, redo: str) -> None
         except ValueError as e:
             raise ValueError(f"{source}: structure {st.key!r} has kind {st.kind!r} and form {st.form!r}, which autopar "
                              f"does not know ({e}). {redo}") from None
+    _check_placements(plan, source, captured, redo)
     if plan.graph and plan.graph != captured.fingerprint():
         raise ValueError(f"{source} was made for another graph (fingerprint {plan.graph}; this model on these inputs "
                          f"captures as {captured.fingerprint()}): a plan fits only the model and input shapes it was "
                          f"made for. {redo}")
+
+
+def _check_placements(plan: Plan, source: str, captured, redo: str) -> None:
+    """Every parameter and input placement of a given plan is one autopar can lay out: a shard of a dim the tensor
+    has, an owner on the axis, never a partial value."""
+    shapes = {fqn: tuple(captured.placeholder(ph).meta["val"].shape) for ph, fqn in captured.param_fqns.items()}
+    shapes.update({ph: s for ph, s in zip(captured.user_inputs, captured.example_shapes) if s is not None})
+    for what, rows in (("parameter", plan.params), ("input", plan.inputs)):
+        for name, text in rows:
+            if name not in shapes:
+                continue
+            shape = shapes[name]
+            for (axis, size), p in zip(plan.mesh, placements_from_str(text)):
+                why = None
+                if isinstance(p, Partial):
+                    why = "a parameter or input is never a partial sum"
+                elif is_shard(p) and not 0 <= p.dim < len(shape):
+                    why = f"it has no dim {p.dim}"
+                elif isinstance(p, _StridedShard) and (p.split_factor < 1 or shape[p.dim] % (p.split_factor * size)):
+                    why = (f"dim {p.dim} does not split into {p.split_factor} blocks, each split over {size} ranks")
+                elif is_owned(p) and not 0 <= p.owner < size:
+                    why = f"axis {axis!r} has no rank {p.owner}"
+                if why:
+                    raise ValueError(f"{source} places {what} {name!r} of shape {shape} as {text!r} on mesh "
+                                     f"{plan.mesh}: {why}. {redo}")
 
 
 def _few(names: list[str], n: int = 5) -> str:

@@ -5,8 +5,10 @@ now runs and matches the single-device model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 
 import autopar
 from autopar.models import MLP
-from autopar.plan import Plan
+from autopar.plan import Directive, DirectiveKind, Plan
 from autopar.units import fmt_bytes, parse_bytes
 from cost_model import hardware as H
 from equivalence import run_equivalence
@@ -140,6 +142,43 @@ def test_plan_with_an_unknown_form_names_the_structure(tmp_path, saved):
     with pytest.raises(ValueError, match=rf"plan file '{path}': structure '\{{fc1,fc2\}}' has kind 'mlp' and form "
                                          r"'diagonal', which autopar does not know.*Fix: re-plan"):
         autopar.plan(model, MESH, inputs, plan=path)
+
+
+@pytest.mark.parametrize("fqn, placements, why", [
+    ("fc1.weight", "S(2)", r"it has no dim 2"),
+    ("fc1.bias", "S(-1)", r"it has no dim -1"),
+    ("fc1.weight", "P", r"a parameter or input is never a partial sum"),
+    ("fc1.weight", "O(3)", r"axis 'tp' has no rank 3"),
+    ("fc2.bias", "SS(0,3)", r"dim 0 does not split into 3 blocks, each split over 2 ranks"),
+])
+def test_given_plan_placements_are_checked_against_the_shapes(saved, fqn, placements, why):
+    """Hand-edited placements used to fail inside lowering (IndexError, ZeroDivisionError, 'no collective turns R
+    into P')."""
+    model, inputs = _mlp()
+    plan = Plan.load(str(saved[0]))
+    bad = dataclasses.replace(plan, params=tuple((k, placements if k == fqn else v) for k, v in plan.params))
+    shape = tuple(dict(model.named_parameters())[fqn].shape)
+    with pytest.raises(ValueError, match=rf"the given Plan places parameter '{fqn}' of shape {re.escape(str(shape))} "
+                                         rf"as '{re.escape(placements)}' on mesh \(\('tp', 2\),\): {why}\. "
+                                         r"Fix: re-plan"):
+        autopar.plan(model, MESH, inputs, plan=bad)
+
+
+def test_given_plan_directives_are_checked_by_lowering(local_world, saved):
+    model, inputs = _mlp()
+    plan = Plan.load(str(saved[0]))
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        bad = dataclasses.replace(plan, directives=(Directive(kind=DirectiveKind.ATTENTION, node="relu", axis="tp",
+                                                              value="sideways"),))
+        with pytest.raises(ValueError, match=r"plan 'megatron': its attention directive for 'relu' on axis 'tp' has "
+                                             r"the value 'sideways', which lowering cannot use: 'sideways' is not a "
+                                             r"valid AttentionMode\. Fix: re-plan"):
+            autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=bad)
+        bad = dataclasses.replace(plan, directives=(Directive(kind=DirectiveKind.EXPERTS, node="relu", axis="tp"),))
+        with pytest.raises(ValueError, match=r"experts directive for graph node 'relu', which is not a MoE experts "
+                                             r"node.*Fix: re-plan"):
+            autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=bad)
 
 
 # ----------------------------------------------------------------------------- cluster profiles
