@@ -21,21 +21,17 @@ import os
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_across_ranks, agreed_seed, solve_on_rank0
 from autopar.capture import Captured, capture, split_example_inputs
-from autopar.forms import form_of
+from autopar.checks import check_given_plan, check_model, check_options
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
 from autopar.planner import PLANS, build_plan
 from autopar.runtime.ops import new_rng_stream
-from autopar.sites import Kind, PassContext
-from autopar.spec import Partial, _StridedShard, is_owned, is_shard, placements_from_str
-from autopar.units import parse_bytes
-from cost_model.hardware import check_cluster_spec
+from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -46,8 +42,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
          overrides=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
     and the model may live on the meta device. Returns the Plan with its cost estimate."""
-    _check_model(model)
-    memory_limit = _check_options(plan, cluster, memory_limit)
+    check_model(model)
+    memory_limit = check_options(plan, cluster, memory_limit)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
@@ -60,9 +56,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
-    _check_model(model)
+    check_model(model)
     _refuse_meta(model)
-    memory_limit = _check_options(plan, cluster, memory_limit)
+    memory_limit = check_options(plan, cluster, memory_limit)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
     chosen = _tie_placements(chosen, model)
@@ -80,24 +76,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 _STREAMS = itertools.count()
 
 
-def _check_model(model) -> None:
-    """Before capture: the model must be a single-device nn.Module, not one autopar (or FSDP/TP) already
-    parallelised."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inner = next((n or "the model" for n, m in model.named_modules() if isinstance(m, ParallelModule)), None)
-    if inner is not None:
-        raise TypeError(f"{inner} is a ParallelModule, the result of autopar.parallelize: autopar parallelises a "
-                        "single-device model once. Fix: pass the original model to parallelize (with another mesh or "
-                        "plan if you want another layout); pm.plan shows what the ParallelModule runs.")
-    held = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if isinstance(t, DTensor)]
-    if held:
-        raise ValueError(f"the model already holds DTensors ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
-                         f"; {len(held)} in all): it was parallelised before (fully_shard, parallelize_module or "
-                         "distribute_tensor). autopar takes a single-device model with plain tensors. Fix: pass the "
-                         "model before it was parallelised, or one with plain weights (DTensor.full_tensor()).")
-
-
 def _refuse_meta(model: nn.Module) -> None:
     """parallelize runs the model: until it can materialise a model on the meta device, it says so."""
     meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
@@ -107,15 +85,6 @@ def _refuse_meta(model: nn.Module) -> None:
             "parallelize does not support meta-device models yet. Fix: use autopar.plan(...) to plan it (planning "
             "works on the meta device), or materialise it first (model.to_empty(device=...), then initialise or "
             "load its weights).")
-
-
-def _check_options(plan, cluster, memory_limit) -> int | None:
-    """Before capture, the options' types; returns memory_limit in bytes (None: the cluster's device memory)."""
-    if not isinstance(plan, (str, os.PathLike, Plan)):
-        raise TypeError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or the path of a saved plan; "
-                        f"got {type(plan).__name__} {plan!r}")
-    check_cluster_spec(cluster)
-    return parse_bytes(memory_limit, "memory_limit")
 
 
 def _local_tensor_off():
@@ -170,63 +139,8 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         plan = Plan.load(plan)
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
-    redo = "Fix: re-plan for this model, mesh and inputs (autopar.plan(...)) and save that plan."
-    if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
-        raise ValueError(f"{source} was made for mesh {plan.mesh}, but this mesh is "
-                         f"{tuple(zip(info.names, info.sizes))}. {redo}")
-    _check_plan_fits_model(plan, source, captured, redo)
+    check_given_plan(plan, source, info, captured)
     return plan
-
-
-def _check_plan_fits_model(plan: Plan, source: str, captured, redo: str) -> None:
-    """A given plan names this model's parameters, structures of known kinds and forms, and its graph."""
-    mine, theirs = set(captured.param_fqns.values()), set(dict(plan.params))
-    missing = sorted(mine - theirs)
-    extra = sorted(theirs - mine)  # (tied aliases of this model's parameters too, but only shown when some are missing)
-    if missing:
-        raise ValueError(f"{source} has no placement for this model's parameters {_few(missing)}"
-                         + (f" and places parameters it does not have, {_few(extra)}" if extra else "")
-                         + f": it was made for another model. {redo}")
-    for st in plan.strategies:
-        try:
-            form_of(Kind(st.kind), st.form)
-        except ValueError as e:
-            raise ValueError(f"{source}: structure {st.key!r} has kind {st.kind!r} and form {st.form!r}, which autopar "
-                             f"does not know ({e}). {redo}") from None
-    _check_placements(plan, source, captured, redo)
-    if plan.graph and plan.graph != captured.fingerprint():
-        raise ValueError(f"{source} was made for another graph (fingerprint {plan.graph}; this model on these inputs "
-                         f"captures as {captured.fingerprint()}): a plan fits only the model and input shapes it was "
-                         f"made for. {redo}")
-
-
-def _check_placements(plan: Plan, source: str, captured, redo: str) -> None:
-    """Every parameter and input placement of a given plan is one autopar can lay out: a shard of a dim the tensor
-    has, an owner on the axis, never a partial value."""
-    shapes = {fqn: tuple(captured.placeholder(ph).meta["val"].shape) for ph, fqn in captured.param_fqns.items()}
-    shapes.update({ph: s for ph, s in zip(captured.user_inputs, captured.example_shapes) if s is not None})
-    for what, rows in (("parameter", plan.params), ("input", plan.inputs)):
-        for name, text in rows:
-            if name not in shapes:
-                continue
-            shape = shapes[name]
-            for (axis, size), p in zip(plan.mesh, placements_from_str(text)):
-                why = None
-                if isinstance(p, Partial):
-                    why = "a parameter or input is never a partial sum"
-                elif is_shard(p) and not 0 <= p.dim < len(shape):
-                    why = f"it has no dim {p.dim}"
-                elif isinstance(p, _StridedShard) and (p.split_factor < 1 or shape[p.dim] % (p.split_factor * size)):
-                    why = (f"dim {p.dim} does not split into {p.split_factor} blocks, each split over {size} ranks")
-                elif is_owned(p) and not 0 <= p.owner < size:
-                    why = f"axis {axis!r} has no rank {p.owner}"
-                if why:
-                    raise ValueError(f"{source} places {what} {name!r} of shape {shape} as {text!r} on mesh "
-                                     f"{plan.mesh}: {why}. {redo}")
-
-
-def _few(names: list[str], n: int = 5) -> str:
-    return ", ".join(names[:n]) + (f", ... ({len(names)} in all)" if len(names) > n else "")
 
 
 def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
