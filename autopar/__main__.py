@@ -16,6 +16,7 @@ import os
 import sys
 
 from autopar import cli_plan
+from autopar.units import fmt_bytes as _fmt_bytes
 
 
 def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
@@ -29,13 +30,6 @@ def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
         raise SystemExit(f"--mesh {text!r} has {math.prod(shape)} devices but the world has {world} ranks; "
                          f"give sizes whose product is {world}")
     return shape
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n:g} B"
 
 
 def _profile(args: argparse.Namespace) -> int:

@@ -14,7 +14,10 @@ capture -> recognise -> plan -> lower -> run (DESIGN.md §2):
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
+import os
 import time
 
 import torch
@@ -26,6 +29,7 @@ from autopar.agree import agree_on, agreed_seed, check_input_values, fingerprint
 from autopar.capture import Captured, capture, split_example_inputs
 from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data_groups, global_example,
                             local_arrivals)
+from autopar.checks import check_given_plan, check_model, check_options
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
@@ -46,6 +50,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
     `parallelize` would. `progress(stage, seconds)` is called after each stage (capture, recognise, solve,
     lower)."""
+    check_model(model)
+    memory_limit = check_options(plan, cluster, memory_limit)
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress)
     t0 = time.perf_counter()
     with _local_tensor_off():
@@ -83,6 +89,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
+    check_model(model)
+    _refuse_meta(model)
+    memory_limit = check_options(plan, cluster, memory_limit)
     arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs)
     # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
     copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
@@ -118,6 +127,17 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 # ----------------------------------------------------------------------------- steps
 
 _STREAMS = itertools.count()
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """parallelize runs the model: until it can materialise a model on the meta device, it says so."""
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        raise NotImplementedError(
+            f"the model is on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "parallelize does not support meta-device models yet. Fix: use autopar.plan(...) to plan it (planning "
+            "works on the meta device), or materialise it first (model.to_empty(device=...), then initialise or "
+            "load its weights).")
 
 
 def _local_tensor_off():
@@ -171,16 +191,17 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         shapes = dict(zip(captured.user_inputs, flat_shapes))
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
                           input_shapes=shapes)
-    if isinstance(plan, str):
+    source = "the given Plan"
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            near = difflib.get_close_matches(str(plan).lower(), PLANS, n=1)
+            raise ValueError(f"plan {str(plan)!r} is neither a plan name ({', '.join(map(repr, PLANS))}) nor an "
+                             "existing file. Fix: give one of the names"
+                             + (f" (did you mean {near[0]!r}?)" if near else "")
+                             + ", a Plan, or the path of a plan saved with Plan.save (the file must exist).")
+        source = f"plan file {str(plan)!r}"
         plan = Plan.load(plan)
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be one of {PLANS}, a Plan or a path to a saved plan; got {plan!r}")
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
-    if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
-        raise ValueError(f"the plan was made for mesh {plan.mesh}, but this mesh is "
-                         f"{tuple(zip(info.names, info.sizes))}; re-plan for this mesh")
-    missing = set(captured.param_fqns.values()) - set(dict(plan.params))
-    if missing:
-        raise ValueError(f"the plan has no placement for parameters {sorted(missing)[:5]}; it was made for another model")
+    check_given_plan(plan, source, info, captured)
     return plan

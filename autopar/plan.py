@@ -19,12 +19,14 @@ structure could take, priced per device, the one chosen and what decided it:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
 from autopar.spec import placements_from_str
+from autopar.units import fmt_bytes as _fmt_bytes
 
 
 class DirectiveKind(str, enum.Enum):
@@ -182,7 +184,10 @@ class Plan:
 
     def __post_init__(self):
         for fqn, pls in self.params + self.inputs:
-            got = placements_from_str(pls)
+            try:
+                got = placements_from_str(pls)
+            except ValueError as e:
+                raise ValueError(f"plan entry {fqn!r}: {e}") from None
             if len(got) != len(self.mesh):
                 raise ValueError(f"plan entry {fqn!r} has placements {pls!r} for {len(got)} axes, "
                                  f"but the plan's mesh {self.mesh} has {len(self.mesh)}")
@@ -199,22 +204,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        d = json.loads(text)
-        return cls(name=d["name"], mesh=tuple(tuple(m) for m in d["mesh"]),
-                   strategies=tuple(Strategy(**{**s, "params": tuple(tuple(p) for p in s["params"]),
-                                                 "axes": tuple(s.get("axes", ())),
-                                                 "members": tuple(s.get("members", ()))})
-                                    for s in d["strategies"]),
-                   params=tuple(tuple(p) for p in d["params"]), inputs=tuple(tuple(p) for p in d["inputs"]),
-                   directives=tuple(Directive(**x) for x in d.get("directives", ())), graph=d.get("graph", ""),
-                   comms=tuple(CommRow(**c) for c in d["comms"]), notes=tuple(d["notes"]),
-                   estimate=None if not d.get("estimate") else Estimate(
-                       **{**d["estimate"], "per_site": tuple(tuple(r) for r in d["estimate"]["per_site"]),
-                          "sites": tuple(SiteEstimate(**{**x, "comm_axes": tuple(tuple(a) for a in x["comm_axes"])})
-                                         for x in d["estimate"].get("sites", ()))}),
-                   decisions=tuple(Decision(**{**x, "keys": tuple(x["keys"]),
-                                               "candidates": tuple(CandidateRow(**r) for r in x["candidates"])})
-                                   for x in d.get("decisions", ())))
+        """The Plan `to_json` wrote; a ValueError naming the field (and the parameter or structure) that is not."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno} (a truncated or "
+                             "hand-edited file?)") from None
+        return _from_dict(cls, d, "")
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -223,7 +219,13 @@ class Plan:
     @classmethod
     def load(cls, path: str) -> "Plan":
         with open(path) as f:
-            return cls.from_json(f.read())
+            text = f.read()
+        try:
+            return cls.from_json(text)
+        except ValueError as e:
+            raise ValueError(f"plan file {str(path)!r} is not a valid autopar plan: {e}. Fix: re-plan "
+                             "(autopar.plan(model, mesh, inputs, plan=...)) and save that Plan with "
+                             ".save(path).") from None
 
     def with_estimate(self, estimate: "Estimate") -> "Plan":
         return replace(self, estimate=estimate)
@@ -336,14 +338,6 @@ def _comm_summary(comms: list[CommRow]) -> str:
     return ", ".join(f"{n}x {k}" for k, n in sorted(counts.items()))
 
 
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _params_cell(s: Strategy) -> str:
     """`name=placement, ...`; many parameters (ModuleList experts) are counted per placement instead."""
     if len(s.params) <= 8:
@@ -396,3 +390,124 @@ def _fmt_time(s: float) -> str:
 
 def _keys_list(keys: list[str]) -> str:
     return ", ".join(keys) if len(keys) <= 4 else f"{', '.join(keys[:3])}, ... ({len(keys)} in all)"
+
+
+# ----------------------------------------------------------------------------- reading JSON
+
+_SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+
+
+def _from_dict(cls, d, where: str):
+    """cls(**d) for a dict read from JSON: every field without a default present, no unknown field, scalars of
+    their annotated type, the rest read by `_READERS` (lists become tuples); errors name the field's path."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    what = f"field {where!r}" if where else "the plan"
+    if not isinstance(d, dict):
+        raise ValueError(f"{what} must be a JSON object with the fields {', '.join(fields)}, got {_show(d)}")
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        raise ValueError(f"{what} has the unknown field {unknown[0]!r} (fields: {', '.join(fields)}; saved by "
+                         "another version of autopar?)")
+    kw = {}
+    for name, f in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name not in d:
+            defaulted = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            if (cls, name) in _REQUIRED or not defaulted:
+                raise ValueError(f"field {path!r} is missing")
+            continue
+        v, types = d[name], _SCALARS.get(f.type)
+        if (cls, name) in _READERS:
+            kw[name] = _READERS[cls, name](v, path)
+        elif types is not None:
+            if not isinstance(v, types) or isinstance(v, bool) and bool not in types:
+                raise ValueError(f"field {path!r} must be a {f.type}, got {_show(v)}")
+            kw[name] = v
+        else:
+            kw[name] = _tuples(v)
+    try:
+        return cls(**kw)
+    except ValueError as e:
+        raise ValueError(f"field {where!r}: {e}" if where else str(e)) from None
+
+
+def _show(v) -> str:
+    text = json.dumps(v) if not isinstance(v, str) else repr(v)
+    return f"{type(v).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def _list(v, path: str) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"field {path!r} must be a list, got {_show(v)}")
+    return v
+
+
+def _items(cls):
+    """A list of cls objects; each named by its index and its key, node or module."""
+    def read(v, path):
+        out = []
+        for i, x in enumerate(_list(v, path)):
+            name = next((x[k] for k in ("key", "node", "module") if isinstance(x, dict) and isinstance(x.get(k), str)),
+                        None)
+            out.append(_from_dict(cls, x, f"{path}[{i}]" + (f" ({name})" if name else "")))
+        return tuple(out)
+    return read
+
+
+def _strs(v, path: str) -> tuple[str, ...]:
+    for i, x in enumerate(_list(v, path)):
+        if not isinstance(x, str):
+            raise ValueError(f"field {path}[{i}] must be a str, got {_show(x)}")
+    return tuple(v)
+
+
+def _rows(*types, what: str):
+    """A list of fixed-length rows, e.g. [fqn, placements] pairs; a bad row is named by its first item."""
+    def read(v, path):
+        for i, x in enumerate(_list(v, path)):
+            ok = isinstance(x, list) and len(x) == len(types) and all(
+                isinstance(a, t) and not (isinstance(a, bool) and t is not bool) for a, t in zip(x, types))
+            if not ok:
+                raise ValueError(f"{path}[{i}] must be {what}, got {_show(x)}")
+        return tuple(tuple(x) for x in v)
+    return read
+
+
+def _directive_kind(v, path: str) -> DirectiveKind:
+    try:
+        return DirectiveKind(v)
+    except ValueError:
+        raise ValueError(f"field {path!r} is {_show(v)}, not a directive kind "
+                         f"({', '.join(k.value for k in DirectiveKind)})") from None
+
+
+def _estimate(v, path: str):
+    return None if v is None else _from_dict(Estimate, v, path)
+
+
+_REQUIRED = {(Plan, "params"), (Plan, "inputs")}  # defaulted in Python, but a saved plan without them lost them
+_PAIRS = _rows(str, str, what="a [name, placements] pair such as [\"h.0.fc.weight\", \"S(0)R\"]")
+_READERS = {
+    (Plan, "mesh"): _rows(str, int, what="an [axis name, size] pair such as [\"tp\", 2]"),
+    (Plan, "strategies"): _items(Strategy),
+    (Plan, "params"): _PAIRS,
+    (Plan, "inputs"): _PAIRS,
+    (Plan, "directives"): _items(Directive),
+    (Plan, "comms"): _items(CommRow),
+    (Plan, "notes"): _strs,
+    (Plan, "estimate"): _estimate,
+    (Strategy, "axes"): _strs,
+    (Strategy, "params"): _PAIRS,
+    (Strategy, "members"): _strs,
+    (Directive, "kind"): _directive_kind,
+    (Estimate, "per_site"): _rows(str, (int, float), int, what="a [structure, time s, memory bytes] row"),
+    (Estimate, "sites"): _items(SiteEstimate),
+    (SiteEstimate, "comm_axes"): _rows(str, (int, float), what="an [axis name, seconds] pair such as [\"tp\", 0.001]"),
+    (Plan, "decisions"): _items(Decision),
+    (Decision, "keys"): _strs,
+    (Decision, "candidates"): _items(CandidateRow),
+}

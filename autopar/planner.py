@@ -74,6 +74,9 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
     kinds = [k.value for k in Kind]
     out = []
     for key, value in (overrides or {}).items():
+        if not isinstance(key, str):
+            raise TypeError(f"override keys are a kind ({', '.join(kinds)}) or a module-path glob such as "
+                            f"'h.*.attn', got {type(key).__name__} {key!r}")
         cand = _parse_value(value, mesh, mesh.names[-1])
         kind = Kind(key) if key in kinds else None
         if kind is not None and cand.form not in form_names(kind):

@@ -53,11 +53,16 @@ from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.sites import Kind, PassContext, Site
+from autopar.units import fmt_bytes
 from cost_model.hardware import Cluster
 
 
 class InfeasibleError(ValueError):
-    """No plan fits the memory limit."""
+    """No plan fits the memory limit: `limit_bytes`, and `least_bytes`, the least memory any plan needs."""
+
+    def __init__(self, message: str, *, limit_bytes: float = math.nan, least_bytes: float = math.nan):
+        super().__init__(message)
+        self.limit_bytes, self.least_bytes = limit_bytes, least_bytes
 
 
 class _Conflict(Exception):
@@ -341,9 +346,11 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             + ". Fix: change the overrides so that they agree (or drop one).")
     if best is None:
         raise InfeasibleError(
-            f"no plan fits {limit / 2**30:.2f} GiB per device on mesh {mesh.describe()}: the least memory any plan "
-            f"needs is {least_memory / 2**30:.2f} GiB per device (parameters, gradients, {optimizer} state and "
-            "activations). Fix: raise memory_limit, use more devices, a smaller batch, or an optimizer with less state.")
+            f"no plan fits {fmt_bytes(limit)} per device on mesh {mesh.describe()}: the least memory any plan "
+            f"needs is {fmt_bytes(least_memory)} per device (parameters, gradients, {optimizer} state and "
+            "activations). Fix: raise memory_limit, use more devices, a smaller batch, or an optimizer with less "
+            "state.",
+            limit_bytes=limit, least_bytes=least_memory)
     best.priced = _priced(best, classes, pairs, stats, mesh, forced, limit, time_limit_s, tried)
     best.solve_s = time.perf_counter() - t0
     best.classes = len(classes)

@@ -95,13 +95,18 @@ def placement_from_str(text: str) -> Placement:
 
 
 def placements_from_str(text: str) -> tuple[Placement, ...]:
+    """'S(0)R' -> (Shard(0), Replicate()): one placement per mesh axis, as `fmt_placements` prints them."""
     out, i = [], 0
-    while i < len(text):
-        if text[i] in "RP" and not text.startswith("SS", i):
-            out.append(placement_from_str(text[i]))
-            i += 1
-        else:
-            j = text.index(")", i) + 1
-            out.append(placement_from_str(text[i:j]))
-            i = j
+    try:
+        while i < len(text):
+            if text[i] in "RP" and not text.startswith("SS", i):
+                out.append(placement_from_str(text[i]))
+                i += 1
+            else:
+                j = text.index(")", i) + 1
+                out.append(placement_from_str(text[i:j]))
+                i = j
+    except (ValueError, TypeError):
+        raise ValueError(f"cannot parse placements {text!r}: expected one placement per mesh axis, each R, P, S(d), "
+                         "SS(d,k) or O(owner), e.g. 'S(0)R'") from None
     return tuple(out)

@@ -107,7 +107,7 @@ def _one(name: str) -> dict:
     except InfeasibleError as e:
         out["infeasible_s"] = time.perf_counter() - t0
         out["infeasible"] = str(e)
-        least = float(re.search(r"least memory any plan needs is ([0-9.]+) GiB", str(e)).group(1)) * 2**30
+        least = e.least_bytes
         limit = 1.25 * least
         while True:
             t0 = time.perf_counter()

@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
-    "TABLE_KINDS", "Link", "Cluster", "PRESETS", "load_cluster", "axis_link", "default_profile_path", "device_name",
+    "TABLE_KINDS", "Link", "Cluster", "PRESETS", "load_cluster", "check_cluster_spec", "axis_link",
+    "default_profile_path", "device_name",
 ]
 
 _FORMAT = "autopar.cluster/1"
@@ -215,16 +216,26 @@ class Cluster:
 
     @classmethod
     def from_json(cls, text: str) -> "Cluster":
-        data = json.loads(text)
-        fmt = data.pop("format", None)
+        """The Cluster `to_json` wrote; a ValueError saying what is wrong with anything else."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}; a truncated file?)") \
+                from None
+        fmt = data.pop("format", None) if isinstance(data, dict) else None
         if fmt != _FORMAT:
             raise ValueError(f"not an autopar cluster profile: format is {fmt!r}, expected {_FORMAT!r}")
-        data["intra_node"] = Link(**data["intra_node"])
-        data["inter_node"] = Link(**data["inter_node"])
-        if data.get("mesh_shape") is not None:
-            data["mesh_shape"] = tuple(data["mesh_shape"])
-        data["axis_links"] = tuple(None if x is None else Link(**x) for x in data.get("axis_links", ()))
-        return cls(**data)
+        try:
+            data["intra_node"] = Link(**data["intra_node"])
+            data["inter_node"] = Link(**data["inter_node"])
+            if data.get("mesh_shape") is not None:
+                data["mesh_shape"] = tuple(data["mesh_shape"])
+            data["axis_links"] = tuple(None if x is None else Link(**x) for x in data.get("axis_links", ()))
+            return cls(**data)
+        except KeyError as e:
+            raise ValueError(f"field {e.args[0]!r} is missing") from None
+        except TypeError as e:
+            raise ValueError(f"its fields do not make a Cluster: {e}") from None
 
 
 def dtype_name(dtype) -> str:
@@ -367,15 +378,32 @@ def _preset_for_this_machine() -> Cluster:
     return PRESETS["a100"]
 
 
+def check_cluster_spec(spec) -> None:
+    """A TypeError unless `spec` is something `load_cluster` takes."""
+    if spec is not None and not isinstance(spec, (str, os.PathLike, Cluster)):
+        raise TypeError(f"cluster must be a preset name ({', '.join(map(repr, sorted(PRESETS)))}), a path to a JSON "
+                        f"profile written by `python -m autopar profile`, a Cluster, or None (this machine's cached "
+                        f"profile or preset); got {type(spec).__name__} {spec!r}")
+
+
 def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
                  mesh_shape: tuple[int, ...] | None = None) -> Cluster:
     """A `Cluster` from a preset name, a Cluster, a JSON profile path, or None (see module docstring)."""
     if isinstance(spec, Cluster):
         return spec
+    check_cluster_spec(spec)
     if spec is None:
         cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
         if cached is not None:
-            return Cluster.from_json(cached.read_text())
+            try:
+                return Cluster.from_json(cached.read_text())
+            except (OSError, ValueError) as e:
+                preset = _preset_for_this_machine()
+                warnings.warn(f"the cached cluster profile {str(cached)!r} is not a valid autopar profile ({e}); "
+                              f"planning with the {preset.name!r} preset instead. Fix: measure again with `torchrun "
+                              "--nproc-per-node N -m autopar profile` (it rewrites the file), or delete the file.",
+                              stacklevel=2)
+                return preset
         return _preset_for_this_machine()
     if isinstance(spec, str) and spec.lower() in PRESETS:
         return PRESETS[spec.lower()]
@@ -386,8 +414,10 @@ def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
                              f"`torchrun --nproc-per-node N -m autopar profile --out {path}`")
         try:
             return Cluster.from_json(path.read_text())
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"cluster profile {str(path)!r} is not a valid autopar profile: {e}") from e
+        except (ValueError, OSError) as e:
+            raise ValueError(f"cluster profile {str(path)!r} is not a valid autopar profile: {e}. Fix: write it again "
+                             f"with `torchrun --nproc-per-node N -m autopar profile --out {path}`, or pass a preset "
+                             f"name ({', '.join(map(repr, sorted(PRESETS)))})") from None
     raise ValueError(f"unknown cluster {spec!r}: expected one of the presets {sorted(PRESETS)}, a path to a JSON "
                      "profile written by `python -m autopar profile`, a Cluster, or None (auto-detect)")
 

@@ -42,7 +42,7 @@ from autopar.mesh import MeshInfo
 from autopar.plan import AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
-                          is_shard, placement_from_str)
+                          is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
 from passes.local_forms import LOCAL_FORMS
@@ -97,7 +97,8 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
     for ph, fqn in captured.param_fqns.items():  # an owned expert is, in the graph, S(0) of the stacked experts
         placements[ph] = tuple(Shard(0) if is_owned(p) else p for p in fqn_pls[fqn])
     placements.update(plan.input_placements())
-    nodes = {n.name for n in captured.gm.graph.nodes}
+    by_name = {n.name: n for n in captured.gm.graph.nodes}
+    nodes = set(by_name)
     by_fqn = {fqn: ph for ph, fqn in captured.param_fqns.items()}
     ctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=rng_stream,
                        arrivals=dict(arrivals or {}))
@@ -118,17 +119,21 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
                              "this model's graph does not have: the plan was made for another model or input "
                              "shapes. Fix: re-plan for this model and inputs.")
         if d.kind is DirectiveKind.HINT:
-            ctx.hints.setdefault(d.node, {})[ax] = placement_from_str(d.value)
+            ctx.hints.setdefault(d.node, {})[ax] = _directive_value(plan, d, placement_from_str)
         elif d.kind is DirectiveKind.ROW_OUTPUT:
-            ctx.hints.setdefault("row:" + d.node, {})[ax] = placement_from_str(d.value)
+            ctx.hints.setdefault("row:" + d.node, {})[ax] = _directive_value(plan, d, placement_from_str)
         elif d.kind is DirectiveKind.ATTENTION:
-            ctx.attention_modes.setdefault(d.node, {})[ax] = AttentionMode(d.value)
+            ctx.attention_modes.setdefault(d.node, {})[ax] = _directive_value(plan, d, AttentionMode)
         elif d.kind is DirectiveKind.CAUSAL_MASK:
             ctx.causal_masks.add(d.node)
         elif d.kind is DirectiveKind.EXPERTS:
+            if str(by_name[d.node].target) != "autopar.moe_experts.default":
+                raise ValueError(f"plan {plan.name!r} has an experts directive for graph node {d.node!r}, which is not "
+                                 "a MoE experts node: the plan was made for another model or input shapes. Fix: "
+                                 "re-plan for this model and inputs.")
             ctx.moe_axes[d.node] = ax
         elif d.kind is DirectiveKind.PARTS:
-            blocks = [(b.split(":")[0], *map(int, b.split(":")[1:])) for b in d.value.split(",")]
+            blocks = _directive_value(plan, d, _parts)
             if any(name not in nodes for name, *_ in blocks):
                 raise ValueError(f"plan {plan.name!r} takes the fused projection {d.node!r} apart at nodes "
                                  f"{[name for name, *_ in blocks]}, which this model's graph does not all have: the "
@@ -136,6 +141,24 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
     return ctx
+
+
+def _directive_value(plan: Plan, d, parse):
+    """parse(d.value), or a ValueError naming the directive (a hand-edited or corrupted plan)."""
+    try:
+        return parse(d.value)
+    except (ValueError, TypeError, IndexError) as e:
+        raise ValueError(f"plan {plan.name!r}: its {d.kind.value} directive for {d.node!r} on axis {d.axis!r} has "
+                         f"the value {d.value!r}, which lowering cannot use: {e}. Fix: re-plan for this model and "
+                         "inputs (autopar.plan(...)).") from None
+
+
+def _parts(value: str) -> list[tuple]:
+    """`taker:first:end:heads,...` -> [(taker, first, end, heads)] (`DirectiveKind.PARTS`)."""
+    blocks = [b.split(":") for b in value.split(",")]
+    if any(len(b) != 4 for b in blocks):
+        raise ValueError("expected blocks 'taker:first:end:heads' separated by commas")
+    return [(name, int(first), int(end), int(heads)) for name, first, end, heads in blocks]
 
 
 def module_path(node: fx.Node) -> str:
@@ -584,7 +607,7 @@ def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
             continue
         if node.target is aten.linear.default and len(node.args) > 2 and node.args[2] is not None:
             x, w, b = node.args[:3]
-            wpl = ctx.placements.get(getattr(w, "name", None), ())
+            wpl = _weight_placements(w, ctx)
             if any(is_shard(p) and p.dim == 1 for p in wpl):
                 with gm.graph.inserting_before(node):
                     mm = gm.graph.call_function(aten.linear.default, (x, w))
@@ -605,6 +628,14 @@ def decompose_row_bias_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
                     b = b if beta == 1 else _scaled(gm.graph, b, beta, node)
                     node.target, node.args, node.kwargs = aten.add.Tensor, (prod, b), {}
     return gm
+
+
+def _weight_placements(w, ctx: LowerContext) -> tuple:
+    """A linear weight's placements: a parameter's, or those of a parameter used transposed (`enc.weight.t()`,
+    a tied weight read as another layer's), its dims swapped."""
+    if getattr(w, "target", None) is aten.t.default and w.args[0].name in ctx.placements:
+        return tuple(with_dim(p, 1 - p.dim) if is_shard(p) else p for p in ctx.placements[w.args[0].name])
+    return ctx.placements.get(getattr(w, "name", None), ())
 
 
 def _scaled(g: fx.Graph, x: fx.Node, factor, like: fx.Node) -> fx.Node:
