@@ -26,7 +26,7 @@ from autopar.capture import Captured, capture, split_example_inputs
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.planner import PLANS, build_plan
+from autopar.planner import PLANS, build_plan, check_memory_limit
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -47,13 +47,23 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
                 memory_limit=None) -> ParallelModule:
-    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
+
+    `overrides` ({key: form}): where several keys name one structure, the most specific wins whatever the dict's
+    order (an exact module path beats a glob, which beats a kind: `{"h.0.attn": "heads", "attention":
+    "replicate"}` gives h.0.attn heads); equally specific keys that disagree raise. Requests that cannot be
+    honoured raise rather than run otherwise: a plan whose estimate exceeds an explicit `memory_limit`
+    (`InfeasibleError`), a batch that does not divide over the plan's data axes, tied parameters that a given
+    Plan places differently.
+    """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
     info, captured, ctx = _prepare(model, mesh, example_inputs)
-    chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
-    chosen = _tie_placements(chosen, model)
+    chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,
+                                                  strict_batch=True))
+    chosen = _tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
+    check_memory_limit(chosen, memory_limit)
     agree_across_ranks(chosen, mesh)
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, agreed_seed(mesh))
@@ -97,8 +107,10 @@ def _plain_inputs(args, kwargs):
     return pytree.tree_map(plain, (args, kwargs))
 
 
-def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
-    """A named plan built for these sites, or a given / saved Plan checked against this model and mesh."""
+def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None,
+                  strict_batch=False) -> Plan:
+    """A named plan built for these sites, or a given / saved Plan checked against this model and mesh.
+    `strict_batch`: a batch that does not divide over the data axes raises (a plan to run) rather than noted."""
     if isinstance(plan, str) and plan in PLANS:
         batch = {}
         flat_shapes = captured.example_shapes
@@ -107,7 +119,7 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
             batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
         shapes = dict(zip(captured.user_inputs, flat_shapes))
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
-                          input_shapes=shapes)
+                          input_shapes=shapes, strict_batch=strict_batch)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):
@@ -123,15 +135,22 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
     return plan
 
 
-def _tie_placements(plan: Plan, model: nn.Module) -> Plan:
-    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
+def _tie_placements(plan: Plan, model: nn.Module, from_user: bool = False) -> Plan:
+    """Tied parameters (one tensor, several names) share one placement: the one the graph uses (a built plan
+    places the name the graph reads; the others follow). A Plan the user gave must place them alike already."""
     groups: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(fqn)
     pls = dict(plan.params)
     replicated = "R" * len(plan.mesh)
     for names in groups.values():
-        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
+        given = {n: pls[n] for n in names if n in pls}
+        if from_user and len(set(given.values())) > 1:
+            raise ValueError(
+                f"tied parameters {names} (one tensor under several names) were given different placements "
+                f"{given} by the plan; one tensor has one placement. Fix: give every name the same placement in "
+                "the Plan (e.g. the one the graph uses, as autopar.plan(...) returns it), or re-plan.")
+        chosen = {p for p in given.values() if p != replicated}
         if len(chosen) > 1:
             raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
                              "give the structures that share them compatible forms")

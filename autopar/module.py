@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.captured import Captured
-from autopar.checkpoint import replicated_to_strided, strided_to_replicated
+from autopar.checkpoint import strided_to_replicated, to_placements
 from autopar.plan import Plan
+from autopar.replaced import mark_replaced
 from autopar.runtime.ops import advance_rng_stream
 from autopar.dtensors import owned_tensor, shard_tensor
 from autopar.spec import is_owned
@@ -55,9 +56,11 @@ class ParallelModule(nn.Module):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
             self._register(fqn, b, buffer=True, persistent=persistent)
         # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
-        # contiguous chunk per rank, which checkpoint planners require; loading slices them back.
+        # contiguous chunk per rank, which checkpoint planners require; loading slices them back, and slices
+        # plain full tensors (the single-device model's state dict) into place.
         self._register_state_dict_hook(strided_to_replicated)
-        self._register_load_state_dict_pre_hook(replicated_to_strided, with_module=True)
+        self._register_load_state_dict_pre_hook(to_placements, with_module=True)
+        mark_replaced(model, self)
         self._rng_stream = rng_stream
         self._feeds = []
         for ph, kind, name in captured.input_kinds:

@@ -11,7 +11,12 @@ Named plans:
 - `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes.
 
 A form whose precondition fails is not chosen by a named plan (the structure stays replicated and the
-plan notes why); forcing it through `overrides` raises a ValueError that says what to change.
+plan notes why); forcing it through `overrides` raises a ValueError that says what to change. Where
+several override keys name one structure, the most specific wins whatever the dict's order (an exact
+module path beats a glob, which beats a kind; among globs, more literal characters win); equally
+specific keys that disagree raise. A batch that does not divide over the plan's data axes raises in a
+plan to run (`strict_batch`, as `parallelize` asks; `autopar.plan` notes it and keeps the input
+replicated); `check_memory_limit` refuses a plan over a user's `memory_limit`.
 Everything is read off the registry of forms (`autopar.forms`); no form is named here. The plan
 carries what lowering needs (`assemble`): parameter and input placements and the forms' directives.
 """
@@ -63,12 +68,23 @@ def _match(ctx: PassContext, key: str) -> list[Site]:
     return [s for s in ctx.sites if fnmatch.fnmatchcase(s.key, key)]
 
 
+def specificity(key: str) -> tuple[int, int]:
+    """How specific an override key is: a kind < a glob < an exact module path; among globs (and paths), the one
+    with more literal characters (fewer wildcards) is more specific. `h.0.attn` beats `h.*.attn` beats `attention`."""
+    if key in {k.value for k in Kind}:
+        return (0, 0)
+    wild = sum(key.count(c) for c in "*?[")
+    return (1 if wild else 2, len(key) - wild)
+
+
 def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) -> list[tuple[Site, Candidate]]:
-    """[(site, candidate)] for every site an override names, validated (forms exist for the kind)."""
+    """[(site, candidate)] for every site an override names, validated (forms exist for the kind). Where several
+    keys name one site, the most specific key wins (`specificity`), whatever the dict's order; two keys of equal
+    specificity that give one site different forms raise."""
     if overrides is not None and not isinstance(overrides, dict):
         raise TypeError(f"overrides must be a dict {{key: form}}, got {type(overrides).__name__}")
     kinds = [k.value for k in Kind]
-    out = []
+    winner: dict[tuple, tuple[str, Site, Candidate]] = {}  # (kind, site key) -> (override key, site, candidate)
     for key, value in (overrides or {}).items():
         cand = _parse_value(value, mesh, mesh.names[-1])
         kind = Kind(key) if key in kinds else None
@@ -86,8 +102,16 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
             if cand.form not in form_names(s.kind):
                 raise ValueError(f"override {key!r}: {s.kind} {s.key} has no form {cand.form!r}; valid: "
                                  f"{', '.join(form_names(s.kind))}")
-            out.append((s, cand))
-    return out
+            prev = winner.get((s.kind, s.key))
+            if prev is None or specificity(key) > specificity(prev[0]):
+                winner[(s.kind, s.key)] = (key, s, cand)
+            elif specificity(key) == specificity(prev[0]) and cand != prev[2]:
+                raise ValueError(
+                    f"overrides {prev[0]!r}: {overrides[prev[0]]!r} and {key!r}: {value!r} both name {s.kind} {s.key} "
+                    "and are equally specific, so neither wins. Fix: drop one, or name the structure by its exact "
+                    f"module path ({s.key!r}: ...), which beats a glob, which beats a kind.")
+    order = {(s.kind, s.key): i for i, s in enumerate(ctx.sites)}
+    return [(s, c) for _, s, c in sorted(winner.values(), key=lambda w: order[(w[1].kind, w[1].key)])]
 
 
 def check_forced(site: Site, cand: Candidate, mesh: MeshInfo) -> None:
@@ -232,7 +256,8 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
-               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None) -> Plan:
+               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
+               strict_batch: bool = False) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
@@ -302,7 +327,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         notes += form.notes(site, cand.axes)
     directives = list(dict.fromkeys(directives))
     strategies = _strategies(ctx, chosen, forced_linears, pls)
-    inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
+    inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes,
+                               strict_batch)
     estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
                          memory_limit)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
@@ -327,8 +353,11 @@ def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> l
     return out
 
 
-def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_batch, input_shapes, notes):
-    """The batch dim of every batched input over the data axes; token-indexed inputs over the sequence axes."""
+def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_batch, input_shapes, notes,
+                      strict_batch: bool):
+    """The batch dim of every batched input over the data axes; token-indexed inputs over the sequence axes. A batch
+    that does not divide over the data axes raises when `strict_batch` (a plan to run), else the input stays
+    replicated and the plan notes it (a plan to read)."""
     dp_size = math.prod(mesh.axis(n).size for n in data_axes)
     seq_len = next((site.seq_len for site, form, _ in chosen if form.sequence), None)
     inputs = {}
@@ -337,8 +366,15 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
         if batch and batch % dp_size == 0 and dp_size > 1:
             for n in data_axes:
                 p[mesh.names.index(n)] = Shard(0)
-        elif dp_size > 1 and batch:
+        elif dp_size > 1 and batch and not strict_batch:
             notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
+        elif dp_size > 1 and batch:
+            raise ValueError(
+                f"input {ph} has batch {batch}, which does not divide over the {dp_size} data-parallel ranks of mesh "
+                f"axes {tuple(data_axes)} (mesh {mesh.describe()}): this plan splits the batch over them. Fix: a "
+                f"batch size divisible by {dp_size} (e.g. {-(-batch // dp_size) * dp_size}), or a plan without data "
+                "parallelism on those axes (a mesh whose other axes are model-parallel, or plan='auto', which only "
+                "splits the batch over axes it divides).")
         dims = input_shapes.get(ph) or ()
         if seq_axes and len(dims) >= 2 and dims[1] == seq_len:
             for n in seq_axes:  # sequence forms: every token-indexed input is split on the sequence
@@ -370,4 +406,19 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                     per_site=per_site, solver=solver_note)
 
 
-__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced"]
+def check_memory_limit(plan: Plan, memory_limit: float | None) -> None:
+    """Raise `InfeasibleError` when the user gave a `memory_limit` and the plan's estimate exceeds it (the ILP
+    only returns plans that fit; a hand plan or a given Plan is checked here)."""
+    from autopar.solver import InfeasibleError
+    est = plan.estimate
+    if memory_limit is None or est is None or est.memory_bytes_per_device <= memory_limit:
+        return
+    raise InfeasibleError(
+        f"plan {plan.name!r} needs an estimated {est.memory_bytes_per_device / 2**30:.2f} GiB per device "
+        f"(parameters, gradients, optimizer state and activations; cost model {est.cluster}), over the "
+        f"memory_limit of {memory_limit / 2**30:.2f} GiB on mesh {dict(plan.mesh)}. Fix: plan='auto' (plans within "
+        "the limit, or says the least memory any plan needs), a plan that shards more (e.g. 'fsdp'), more "
+        "devices, a smaller batch, or a larger memory_limit.")
+
+
+__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "check_memory_limit", "specificity"]
