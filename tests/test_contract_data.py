@@ -150,19 +150,21 @@ def test_function_whose_backward_is_its_derivative_is_traced_with_forms_kept(loc
 
 # ----------------------------------------------------------------------------- out-of-range ids and labels (item 5)
 
-def _megatron_gpt(local_world, world=2):
+def _parallel_gpt(local_world, plan="megatron", world=2):
     model = _gpt()
     tokens, labels = _batch()
     with local_world(world):
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, (tokens, labels), plan="megatron")
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp" if plan == "megatron" else "dp",))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (tokens, labels), plan=plan)
     forms = {s.kind: s.form for s in pm.plan.strategies}
-    assert forms["embedding"] == "vocab" and forms["loss"] == "vocab", forms
+    if plan == "megatron":
+        assert forms["embedding"] == "vocab" and forms["loss"] == "vocab", forms
     return model, pm, tokens, labels
 
 
-def test_out_of_range_token_id_raises_index_error_like_one_device(local_world, fp64):
-    model, pm, tokens, labels = _megatron_gpt(local_world)
+@pytest.mark.parametrize("plan", ["megatron", "fsdp"])
+def test_out_of_range_token_id_raises_index_error_like_one_device(local_world, fp64, plan):
+    model, pm, tokens, labels = _parallel_gpt(local_world, plan)
     for bad in (CFG.vocab_size, -1):
         t = tokens.clone()
         t[1, 3] = bad
@@ -172,8 +174,9 @@ def test_out_of_range_token_id_raises_index_error_like_one_device(local_world, f
             pm(t, labels)
 
 
-def test_out_of_range_label_raises_index_error_like_one_device(local_world, fp64):
-    model, pm, tokens, labels = _megatron_gpt(local_world)
+@pytest.mark.parametrize("plan", ["megatron", "fsdp"])
+def test_out_of_range_label_raises_index_error_like_one_device(local_world, fp64, plan):
+    model, pm, tokens, labels = _parallel_gpt(local_world, plan)
     for bad in (CFG.vocab_size + 3, -1):
         lab = labels.clone()
         lab[2, 5] = bad
@@ -184,7 +187,7 @@ def test_out_of_range_label_raises_index_error_like_one_device(local_world, fp64
 
 
 def test_ignore_index_labels_stay_ignored_under_vocab_parallel_loss(local_world, fp64):
-    model, pm, tokens, labels = _megatron_gpt(local_world)
+    model, pm, tokens, labels = _parallel_gpt(local_world)
     lab = labels.clone()
     lab[:, -1] = -100
     want = model(tokens, lab)
@@ -339,21 +342,22 @@ def full_state_dict_on_processes():
     torch.set_default_dtype(torch.float64)
     try:
         errs = {}
-        cases = (("gpt-megatron", _gpt2, _other_gpt2, _batch(), ("tp",), "megatron", None),
-                 ("moe-ep", lambda: make_modulelist_top2(), lambda: (torch.manual_seed(5), make_modulelist_top2())[1],
-                  token_inputs(), ("ep",), "dp", {"moe": "expert@ep"}))
+        gpt = lambda: GPT(GPTConfig(vocab_size=64, seq_len=8, num_layers=2, num_heads=4, hidden=32))  # noqa: E731
+        cases = (("gpt-megatron", gpt, gpt, _batch(), ("tp",), "megatron", None),
+                 ("moe-ep", make_modulelist_top2, make_modulelist_top2, token_inputs(), ("ep",), "dp",
+                  {"moe": "expert@ep"}))
         for label, make, make_other, inputs, names, plan, overrides in cases:
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=names)
             torch.manual_seed(0)
-            other = make_other()
-            want = dict(other.named_parameters(remove_duplicate=False))
-            for how in ("load_state_dict", "set_model_state_dict"):
-                torch.manual_seed(0)
-                pm = autopar.parallelize(make(), mesh, inputs, plan=plan, overrides=overrides)
+            pm = autopar.parallelize(make(), mesh, inputs, plan=plan, overrides=overrides)
+            for seed, how in ((5, "load_state_dict"), (6, "set_model_state_dict")):
+                torch.manual_seed(seed)
+                other = make_other()
                 if how == "load_state_dict":
                     pm.load_state_dict(other.state_dict())
                 else:
                     set_model_state_dict(pm, other.state_dict(), options=StateDictOptions(full_state_dict=True))
+                want = dict(other.named_parameters(remove_duplicate=False))
                 err = 0.0
                 for n, p in pm.named_parameters(remove_duplicate=False):
                     if p.device_mesh.get_coordinate() is None:
