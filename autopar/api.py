@@ -26,7 +26,7 @@ from autopar.capture import Captured, capture, split_example_inputs
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.planner import PLANS, build_plan, check_memory_limit
+from autopar.planner import PLANS, build_plan, check_batch, check_memory_limit
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -42,7 +42,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
-    return _tie_placements(chosen, model).with_comms((), captured.notes)
+    return _tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS)) \
+        .with_comms((), captured.notes)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
@@ -60,9 +61,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
     info, captured, ctx = _prepare(model, mesh, example_inputs)
-    chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,
-                                                  strict_batch=True))
+    chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
     chosen = _tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
+    check_batch(chosen)  # on every rank, after rank 0's plan is shared: every rank raises alike
     check_memory_limit(chosen, memory_limit)
     agree_across_ranks(chosen, mesh)
     stream = f"pm{next(_STREAMS)}"
@@ -107,10 +108,8 @@ def _plain_inputs(args, kwargs):
     return pytree.tree_map(plain, (args, kwargs))
 
 
-def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None,
-                  strict_batch=False) -> Plan:
-    """A named plan built for these sites, or a given / saved Plan checked against this model and mesh.
-    `strict_batch`: a batch that does not divide over the data axes raises (a plan to run) rather than noted."""
+def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
+    """A named plan built for these sites, or a given / saved Plan checked against this model and mesh."""
     if isinstance(plan, str) and plan in PLANS:
         batch = {}
         flat_shapes = captured.example_shapes
@@ -119,7 +118,7 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
             batch[ph] = s[0] if s and first and len(s) >= 1 and s[0] == first[0] else 0
         shapes = dict(zip(captured.user_inputs, flat_shapes))
         return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
-                          input_shapes=shapes, strict_batch=strict_batch)
+                          input_shapes=shapes)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if not isinstance(plan, Plan):

@@ -14,9 +14,9 @@ A form whose precondition fails is not chosen by a named plan (the structure sta
 plan notes why); forcing it through `overrides` raises a ValueError that says what to change. Where
 several override keys name one structure, the most specific wins whatever the dict's order (an exact
 module path beats a glob, which beats a kind; among globs, more literal characters win); equally
-specific keys that disagree raise. A batch that does not divide over the plan's data axes raises in a
-plan to run (`strict_batch`, as `parallelize` asks; `autopar.plan` notes it and keeps the input
-replicated); `check_memory_limit` refuses a plan over a user's `memory_limit`.
+specific keys that disagree raise. A batch that does not divide over the plan's data axes keeps the
+input replicated and the plan notes it; `check_batch` refuses to run such a plan (`parallelize` calls
+it on every rank), and `check_memory_limit` a plan over a user's `memory_limit`.
 Everything is read off the registry of forms (`autopar.forms`); no form is named here. The plan
 carries what lowering needs (`assemble`): parameter and input placements and the forms' directives.
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import itertools
 import math
+import re
 
 from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import fsdp as fsdp_form
@@ -256,8 +257,7 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
-               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
-               strict_batch: bool = False) -> Plan:
+               optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
@@ -327,8 +327,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         notes += form.notes(site, cand.axes)
     directives = list(dict.fromkeys(directives))
     strategies = _strategies(ctx, chosen, forced_linears, pls)
-    inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes,
-                               strict_batch)
+    inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
     estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
                          memory_limit)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
@@ -353,11 +352,15 @@ def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> l
     return out
 
 
-def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_batch, input_shapes, notes,
-                      strict_batch: bool):
+_BATCH_NOTE = "input {ph} replicated: batch {batch} does not divide over {dp} data-parallel ranks (axes {axes})"
+_BATCH_NOTE_RE = re.compile(r"^input (\S+) replicated: batch (\d+) does not divide over (\d+) data-parallel ranks "
+                            r"\(axes (.*)\)$")
+
+
+def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_batch, input_shapes, notes):
     """The batch dim of every batched input over the data axes; token-indexed inputs over the sequence axes. A batch
-    that does not divide over the data axes raises when `strict_batch` (a plan to run), else the input stays
-    replicated and the plan notes it (a plan to read)."""
+    that does not divide over the data axes leaves the input replicated and the plan notes it (`_BATCH_NOTE`);
+    `check_batch` refuses to run such a plan."""
     dp_size = math.prod(mesh.axis(n).size for n in data_axes)
     seq_len = next((site.seq_len for site, form, _ in chosen if form.sequence), None)
     inputs = {}
@@ -366,15 +369,8 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
         if batch and batch % dp_size == 0 and dp_size > 1:
             for n in data_axes:
                 p[mesh.names.index(n)] = Shard(0)
-        elif dp_size > 1 and batch and not strict_batch:
-            notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
         elif dp_size > 1 and batch:
-            raise ValueError(
-                f"input {ph} has batch {batch}, which does not divide over the {dp_size} data-parallel ranks of mesh "
-                f"axes {tuple(data_axes)} (mesh {mesh.describe()}): this plan splits the batch over them. Fix: a "
-                f"batch size divisible by {dp_size} (e.g. {-(-batch // dp_size) * dp_size}), or a plan without data "
-                "parallelism on those axes (a mesh whose other axes are model-parallel, or plan='auto', which only "
-                "splits the batch over axes it divides).")
+            notes.append(_BATCH_NOTE.format(ph=ph, batch=batch, dp=dp_size, axes=tuple(data_axes)))
         dims = input_shapes.get(ph) or ()
         if seq_axes and len(dims) >= 2 and dims[1] == seq_len:
             for n in seq_axes:  # sequence forms: every token-indexed input is split on the sequence
@@ -406,6 +402,21 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                     per_site=per_site, solver=solver_note)
 
 
+def check_batch(plan: Plan) -> None:
+    """Raise when the plan kept an input replicated because its batch does not divide over the data axes: the
+    plan would run, but not data parallel as asked."""
+    for note in plan.notes:
+        m = _BATCH_NOTE_RE.match(note)
+        if m:
+            ph, batch, dp, axes = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+            raise ValueError(
+                f"input {ph} has batch {batch}, which does not divide over the {dp} data-parallel ranks of mesh axes "
+                f"{axes} (mesh {dict(plan.mesh)}): plan {plan.name!r} splits the batch over them. Fix: a batch size "
+                f"divisible by {dp} (e.g. {-(-batch // dp) * dp}), or a plan without data parallelism on those axes "
+                "(a mesh whose other axes are model-parallel, or plan='auto', which only splits the batch over axes "
+                "it divides).")
+
+
 def check_memory_limit(plan: Plan, memory_limit: float | None) -> None:
     """Raise `InfeasibleError` when the user gave a `memory_limit` and the plan's estimate exceeds it (the ILP
     only returns plans that fit; a hand plan or a given Plan is checked here)."""
@@ -421,4 +432,5 @@ def check_memory_limit(plan: Plan, memory_limit: float | None) -> None:
         "devices, a smaller batch, or a larger memory_limit.")
 
 
-__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "check_memory_limit", "specificity"]
+__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "check_batch", "check_memory_limit",
+           "specificity"]

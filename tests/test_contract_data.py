@@ -260,7 +260,12 @@ def test_batch_that_does_not_divide_the_data_axes_raises(local_world, plan):
             autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan)
     # planning alone keeps the input replicated and says so
     planned = autopar.plan(model, dict(zip(names, shape)), inputs, plan=plan)
-    assert "input tokens replicated: batch 3 does not divide over 2 data-parallel ranks" in planned.notes
+    assert "input tokens replicated: batch 3 does not divide over 2 data-parallel ranks (axes ('dp',))" \
+        in planned.notes, planned.notes
+    with local_world(len(names) * 2 if plan == "megatron" else 2):  # and running that plan raises alike
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        with pytest.raises(ValueError, match=r"input tokens has batch 3, which does not divide"):
+            autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=planned)
     assert dict(planned.inputs)["tokens"] == "R" * len(shape)
 
 
