@@ -33,7 +33,7 @@ from autopar.checks import check_given_plan, check_model, check_options
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.planner import PLANS, build_plan, tie_placements
+from autopar.planner import PLANS, build_plan, check_batch, check_memory_limit, tie_placements
 from autopar.relower import plain_inputs
 from autopar.runtime.ops import new_rng_stream
 from autopar.sites import PassContext
@@ -58,7 +58,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
     if progress:
         progress("solve", time.perf_counter() - t0)
-    chosen = tie_placements(chosen, model)
+    chosen = tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
     if not lower:
         return chosen.with_comms((), captured.notes)
     t0 = time.perf_counter()
@@ -85,6 +85,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
       (`plan.inputs`: `Shard(0)`); ranks that differ only on the other (tensor, sequence, expert) axes pass the same
       data (checked). Batched inputs (dim 0 the size of the first input's) are the local shard; other inputs are
       the same on every rank (checked). The plan is made for the global batch, local batch x data-parallel degree.
+
+    `overrides` ({key: form}): where several keys name one structure, the most specific wins whatever the dict's
+    order (an exact module path beats a glob, which beats a kind: `{"h.0.attn": "heads", "attention":
+    "replicate"}` gives h.0.attn heads); equally specific keys that disagree raise. Requests that cannot be
+    honoured raise rather than run otherwise: a plan whose estimate exceeds an explicit `memory_limit`
+    (`InfeasibleError`), a batch that does not divide over the plan's data axes, tied parameters that a given
+    Plan places differently.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -114,7 +121,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                     "overrides, or a saved Plan; or pass inputs='global'.")
         check_input_values(agreement, data_groups(mesh, axes, info.names))
         arrivals, call_shapes = local_arrivals(chosen, captured, info, axes)
-    chosen = tie_placements(chosen, model)
+    chosen = tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
+    check_batch(chosen)  # on every rank, after rank 0's plan is shared: every rank raises alike
+    check_memory_limit(chosen, memory_limit)
     stream = f"pm{next(_STREAMS)}"
     new_rng_stream(stream, agreed_seed(mesh))
     lctx = lower_context(chosen, captured, info, rng_stream=stream, arrivals=arrivals)

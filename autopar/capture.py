@@ -7,7 +7,8 @@ is allocated for activations), keeps high-level ops (`aten.linear`, `aten.embedd
 lifted constants become placeholders, mapped back to their fully-qualified names.
 
 Hugging Face models are captured with their KV cache turned off (`config.use_cache = False`), wherever
-they sit in the module tree.
+they sit in the module tree. A custom `torch.autograd.Function` whose backward is not the derivative of its
+forward is captured as one opaque node that runs it (`autopar.functions`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.captured import Captured
+from autopar.functions import custom_functions
 
 
 class CaptureError(ValueError):
@@ -151,6 +153,20 @@ def _refuse_train_batch_norm(gm, model_name: str) -> None:
                 "batch statistics (LayerNorm, GroupNorm, RMSNorm).")
 
 
+def _function_notes(gm, functions: list[tuple[str, str]]) -> list[str]:
+    """One note per custom autograd.Function call kept as an opaque node: where it is and why."""
+    from autopar.runtime import opaque
+    why = dict(functions)
+    notes = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.autopar.opaque.default and node.args[0] in why:
+            stack = list((node.meta.get("nn_module_stack") or {}).values())
+            where = f" in {stack[-1][0]}" if stack and stack[-1][0] else ""
+            notes.append(f"custom autograd.Function {opaque.describe(node.args[0]).path}{where} captured as one "
+                         f"opaque node, replicated on every rank, so that its own backward runs: {why[node.args[0]]}")
+    return notes
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16) -> Captured:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -161,8 +177,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         moe = recognise_moe_modules(model, args, kwargs, moe_notes)
     keys: dict[str, str] = {}  # module path -> opaque key
     while True:
+        functions: list[tuple[str, str]] = []  # (opaque key, why) of custom autograd.Functions kept whole
         try:
-            with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe):
+            with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe), \
+                    custom_functions(functions):
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
@@ -232,5 +250,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))
     notes = [f"{path} captured as one opaque node, replicated on every rank: it is not traceable "
              f"({opaque.describe(k).reason})" for path, k in keys.items()] + moe_notes
+    notes += _function_notes(gm, functions)
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
                     ep.call_spec.out_spec, num_out, shapes, notes)

@@ -60,16 +60,18 @@ def _owner_mesh(mesh: DeviceMesh, ax: int, owner: int) -> DeviceMesh:
     return _OWNER_MESHES[key]
 
 
-def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bool = True) -> DTensor:
     """A parameter that lives whole on the ranks owning it (`Owned` on one axis): a DTensor on their
-    sub-mesh (replicated there), empty on every other rank, which therefore holds 1/ep of the experts."""
+    sub-mesh (replicated there), empty on every other rank, which therefore holds 1/ep of the experts.
+    `broadcast`: rank 0's copy (as at construction), else this rank's own (loading a full state dict)."""
     from torch.distributed._local_tensor import local_tensor_mode
     if local_tensor_mode() is not None:
         from autopar.runtime.moe import OWNED_NEEDS_PROCESSES
         raise NotImplementedError(OWNED_NEEDS_PROCESSES)
     (ax,) = [i for i, p in enumerate(placements) if is_owned(p)]
     owner = placements[ax].owner
-    local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local()  # rank 0's everywhere
+    # rank 0's everywhere (a copy: the broadcast writes into its input), or this rank's own when loading
+    local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local() if broadcast else full
     sub = _owner_mesh(mesh, ax, owner)
     rest = [p for i, p in enumerate(placements) if i != ax] or [Replicate()]
     if any(not isinstance(p, Replicate) for p in rest):

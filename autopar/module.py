@@ -28,10 +28,11 @@ from torch.utils import _pytree as pytree
 from autopar.agree import agree_on_call
 from autopar.capture import split_example_inputs
 from autopar.captured import Captured
-from autopar.checkpoint import replicated_to_strided, strided_to_replicated
+from autopar.checkpoint import strided_to_replicated, to_placements
 from autopar.mesh import mesh_info
 from autopar.plan import Plan
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
+from autopar.replaced import mark_replaced
 from autopar.runtime.ops import advance_rng_stream
 from autopar.dtensors import owned_tensor, shard_tensor
 from autopar.spec import is_owned
@@ -76,9 +77,11 @@ class ParallelModule(nn.Module):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
             self._register(fqn, b, buffer=True, persistent=persistent)
         # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
-        # contiguous chunk per rank, which checkpoint planners require; loading slices them back.
+        # contiguous chunk per rank, which checkpoint planners require; loading slices them back, and slices
+        # plain full tensors (the single-device model's state dict) into place.
         self._register_state_dict_hook(strided_to_replicated)
-        self._register_load_state_dict_pre_hook(replicated_to_strided, with_module=True)
+        self._register_load_state_dict_pre_hook(to_placements, with_module=True)
+        mark_replaced(model, self)
         self._rng_stream = rng_stream
         # inputs="local": the data axes over which each rank passes its own shard of the batch
         self._local_axes = local[0] if local is not None else None

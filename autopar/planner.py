@@ -11,7 +11,12 @@ Named plans:
 - `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes.
 
 A form whose precondition fails is not chosen by a named plan (the structure stays replicated and the
-plan notes why); forcing it through `overrides` raises a ValueError that says what to change.
+plan notes why); forcing it through `overrides` raises a ValueError that says what to change. Where
+several override keys name one structure, the most specific wins whatever the dict's order (an exact
+module path beats a glob, which beats a kind; among globs, more literal characters win); equally
+specific keys that disagree raise. A batch that does not divide over the plan's data axes keeps the
+input replicated and the plan notes it; `check_batch` refuses to run such a plan (`parallelize` calls
+it on every rank), and `check_memory_limit` a plan over a user's `memory_limit`.
 Everything is read off the registry of forms (`autopar.forms`); no form is named here. The plan
 carries what lowering needs (`assemble`): parameter and input placements and the forms' directives.
 """
@@ -22,6 +27,7 @@ import dataclasses
 import fnmatch
 import itertools
 import math
+import re
 
 from torch import nn
 
@@ -33,6 +39,7 @@ from autopar.decide import auto_decisions, hand_decisions, site_estimates
 from autopar.plan import Decision, Directive, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
+from autopar.units import fmt_bytes
 
 PLANS = ("auto", "megatron", "dp", "fsdp")
 REPLICATE = Candidate(form=Replicate.name)
@@ -67,12 +74,23 @@ def _match(ctx: PassContext, key: str) -> list[Site]:
     return [s for s in ctx.sites if fnmatch.fnmatchcase(s.key, key)]
 
 
+def specificity(key: str) -> tuple[int, int]:
+    """How specific an override key is: a kind < a glob < an exact module path; among globs (and paths), the one
+    with more literal characters (fewer wildcards) is more specific. `h.0.attn` beats `h.*.attn` beats `attention`."""
+    if key in {k.value for k in Kind}:
+        return (0, 0)
+    wild = sum(key.count(c) for c in "*?[")
+    return (1 if wild else 2, len(key) - wild)
+
+
 def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) -> list[tuple[Site, Candidate]]:
-    """[(site, candidate)] for every site an override names, validated (forms exist for the kind)."""
+    """[(site, candidate)] for every site an override names, validated (forms exist for the kind). Where several
+    keys name one site, the most specific key wins (`specificity`), whatever the dict's order; two keys of equal
+    specificity that give one site different forms raise."""
     if overrides is not None and not isinstance(overrides, dict):
         raise TypeError(f"overrides must be a dict {{key: form}}, got {type(overrides).__name__}")
     kinds = [k.value for k in Kind]
-    out = []
+    winner: dict[tuple, tuple[str, Site, Candidate]] = {}  # (kind, site key) -> (override key, site, candidate)
     for key, value in (overrides or {}).items():
         if not isinstance(key, str):
             raise TypeError(f"override keys are a kind ({', '.join(kinds)}) or a module-path glob such as "
@@ -93,8 +111,16 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
             if cand.form not in form_names(s.kind):
                 raise ValueError(f"override {key!r}: {s.kind} {s.key} has no form {cand.form!r}; valid: "
                                  f"{', '.join(form_names(s.kind))}")
-            out.append((s, cand))
-    return out
+            prev = winner.get((s.kind, s.key))
+            if prev is None or specificity(key) > specificity(prev[0]):
+                winner[(s.kind, s.key)] = (key, s, cand)
+            elif specificity(key) == specificity(prev[0]) and cand != prev[2]:
+                raise ValueError(
+                    f"overrides {prev[0]!r}: {overrides[prev[0]]!r} and {key!r}: {value!r} both name {s.kind} {s.key} "
+                    "and are equally specific, so neither wins. Fix: drop one, or name the structure by its exact "
+                    f"module path ({s.key!r}: ...), which beats a glob, which beats a kind.")
+    order = {(s.kind, s.key): i for i, s in enumerate(ctx.sites)}
+    return [(s, c) for _, s, c in sorted(winner.values(), key=lambda w: order[(w[1].kind, w[1].key)])]
 
 
 def check_forced(site: Site, cand: Candidate, mesh: MeshInfo) -> None:
@@ -344,8 +370,15 @@ def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> l
     return out
 
 
+_BATCH_NOTE = "input {ph} replicated: batch {batch} does not divide over {dp} data-parallel ranks (axes {axes})"
+_BATCH_NOTE_RE = re.compile(r"^input (\S+) replicated: batch (\d+) does not divide over (\d+) data-parallel ranks "
+                            r"\(axes (.*)\)$")
+
+
 def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_batch, input_shapes, notes):
-    """The batch dim of every batched input over the data axes; token-indexed inputs over the sequence axes."""
+    """The batch dim of every batched input over the data axes; token-indexed inputs over the sequence axes. A batch
+    that does not divide over the data axes leaves the input replicated and the plan notes it (`_BATCH_NOTE`);
+    `check_batch` refuses to run such a plan."""
     dp_size = math.prod(mesh.axis(n).size for n in data_axes)
     seq_len = next((site.seq_len for site, form, _ in chosen if form.sequence), None)
     inputs = {}
@@ -355,7 +388,7 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
             for n in data_axes:
                 p[mesh.names.index(n)] = Shard(0)
         elif dp_size > 1 and batch:
-            notes.append(f"input {ph} replicated: batch {batch} does not divide over {dp_size} data-parallel ranks")
+            notes.append(_BATCH_NOTE.format(ph=ph, batch=batch, dp=dp_size, axes=tuple(data_axes)))
         dims = input_shapes.get(ph) or ()
         if seq_axes and len(dims) >= 2 and dims[1] == seq_len:
             for n in seq_axes:  # sequence forms: every token-indexed input is split on the sequence
@@ -392,15 +425,22 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                                          other_fsdp=name == "fsdp"))
 
 
-def tie_placements(plan: Plan, model: nn.Module) -> Plan:
-    """Tied parameters (one tensor, several names) share one placement: the one the graph uses."""
+def tie_placements(plan: Plan, model: nn.Module, from_user: bool = False) -> Plan:
+    """Tied parameters (one tensor, several names) share one placement: the one the graph uses (a built plan
+    places the name the graph reads; the others follow). A Plan the user gave must place them alike already."""
     groups: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(fqn)
     pls = dict(plan.params)
     replicated = "R" * len(plan.mesh)
     for names in groups.values():
-        chosen = {pls[n] for n in names if n in pls and pls[n] != replicated}
+        given = {n: pls[n] for n in names if n in pls}
+        if from_user and len(set(given.values())) > 1:
+            raise ValueError(
+                f"tied parameters {names} (one tensor under several names) were given different placements "
+                f"{given} by the plan; one tensor has one placement. Fix: give every name the same placement in "
+                "the Plan (e.g. the one the graph uses, as autopar.plan(...) returns it), or re-plan.")
+        chosen = {p for p in given.values() if p != replicated}
         if len(chosen) > 1:
             raise ValueError(f"tied parameters {names} were given different placements {sorted(chosen)}; "
                              "give the structures that share them compatible forms")
@@ -410,4 +450,35 @@ def tie_placements(plan: Plan, model: nn.Module) -> Plan:
     return dataclasses.replace(plan, params=tuple(pls.items()))
 
 
-__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "tie_placements"]
+def check_batch(plan: Plan) -> None:
+    """Raise when the plan kept an input replicated because its batch does not divide over the data axes: the
+    plan would run, but not data parallel as asked."""
+    for note in plan.notes:
+        m = _BATCH_NOTE_RE.match(note)
+        if m:
+            ph, batch, dp, axes = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+            raise ValueError(
+                f"input {ph} has batch {batch}, which does not divide over the {dp} data-parallel ranks of mesh axes "
+                f"{axes} (mesh {dict(plan.mesh)}): plan {plan.name!r} splits the batch over them. Fix: a batch size "
+                f"divisible by {dp} (e.g. {-(-batch // dp) * dp}), or a plan without data parallelism on those axes "
+                "(a mesh whose other axes are model-parallel, or plan='auto', which only splits the batch over axes "
+                "it divides).")
+
+
+def check_memory_limit(plan: Plan, memory_limit: float | None) -> None:
+    """Raise `InfeasibleError` when the user gave a `memory_limit` and the plan's estimate exceeds it (the ILP
+    only returns plans that fit; a hand plan or a given Plan is checked here)."""
+    from autopar.solver import InfeasibleError
+    est = plan.estimate
+    if memory_limit is None or est is None or est.memory_bytes_per_device <= memory_limit:
+        return
+    raise InfeasibleError(
+        f"plan {plan.name!r} needs an estimated {fmt_bytes(est.memory_bytes_per_device)} per device "
+        f"(parameters, gradients, optimizer state and activations; cost model {est.cluster}), over the "
+        f"memory_limit of {fmt_bytes(memory_limit)} on mesh {dict(plan.mesh)}. Fix: plan='auto' (plans within "
+        "the limit, or says the least memory any plan needs), a plan that shards more (e.g. 'fsdp'), more "
+        "devices, a smaller batch, or a larger memory_limit.")
+
+
+__all__ = ["PLANS", "build_plan", "parse_overrides", "check_forced", "check_batch", "check_memory_limit",
+           "specificity", "tie_placements"]

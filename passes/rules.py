@@ -436,6 +436,6 @@ register(*FACTORIES)(replicate_rule)
 # note them again where their replication is noted elsewhere.
 REPLICATED_ON_PURPOSE: dict[object, str] = {
     torch.ops.autopar.opaque.default: (
-        "a submodule torch.export cannot trace (data-dependent control flow), run whole on every rank; capture "
-        "notes it ('captured as one opaque node')"),
+        "a submodule torch.export cannot trace (data-dependent control flow), or a custom autograd.Function kept "
+        "with its own backward, run whole on every rank; capture notes it ('captured as one opaque node')"),
 }

@@ -175,7 +175,7 @@ CASES = {
     "ring_on_padded_hf_llama": (2, "ValueError", r"form 'ring' on mesh axis 'cp' \(size 2\) is not possible: its mask "
                                                  r"depends on input attention_mask"),
     "expert_on_unrecognised_moe": (2, "ValueError", r"override 'moe' matches no recognised structure"),
-    "memory_limit_too_small": (2, "InfeasibleError", r"(?s)no plan fits 0\.00 GiB.*Fix: raise memory_limit"),
+    "memory_limit_too_small": (2, "InfeasibleError", r"(?s)no plan fits 1\.00 KiB.*Fix: raise memory_limit"),
     "capture_fails_on_rank1": (2, "CaptureError", r"could not capture RankOneUntraceable"),
     "global_batches_differ": (2, "RankMismatchError",
                               r"(?s)inputs='global'.*example input values: ranks \[0\] have 'input \[0\]\[0\]: "

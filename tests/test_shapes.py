@@ -64,7 +64,8 @@ def test_a_batch_that_does_not_divide_runs_replicated_inputs_with_a_note(local_w
         pm = autopar.parallelize(copy.deepcopy(ref), mesh, x, plan="megatron")
         err, _ = _step(pm, ref, odd)
         assert err < FP64
-        assert "input tokens replicated: batch 3 does not divide over 2 data-parallel ranks" in pm.plan.notes
+        assert "input tokens replicated: batch 3 does not divide over 2 data-parallel ranks (axes ('dp',))" in \
+            pm.plan.notes
         assert dict(pm.plan.inputs)["tokens"] == "RR"
 
 

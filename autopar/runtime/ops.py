@@ -7,6 +7,10 @@
 - `vocab_parallel_cross_entropy`: logits sharded on the vocabulary; 3 all-reduces of b*s fp32
   values forward (max, target logit, sum of exps), none backward (Megatron's
   `_VocabParallelCrossEntropy`). Returns per-token losses, replicated over the vocab axis.
+- Both check their ids against the whole vocabulary first and raise `IndexError` as one device
+  does (ids are global vocabulary ids on every rank, so the check needs no collective; it costs
+  one min/max reduction and, on an accelerator, one host sync): an out-of-range id would otherwise
+  match no rank's rows and quietly look up (or score) zeros.
 - `loss_reduce`: sum / mean of per-token losses where the batch is sharded: the mean divides by the
   *global* count of valid tokens (all-reduced, no gradient), so the result is Partial over the
   batch axes and the all-reduce that follows gives exactly the single-device mean.
@@ -24,8 +28,22 @@ from autopar.mesh import AxisRef, resolve_axis
 from autopar.runtime.collectives import _raw_all_reduce
 
 
+def _check_ids(ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> None:
+    """Raise `IndexError` with one device's words if an id (other than `ignore_index`) is outside [0, vocab)."""
+    valid = ids if ignore_index is None else ids[ids != ignore_index]
+    if valid.numel() == 0:
+        return
+    lo, hi = torch.aminmax(valid)
+    if bool((lo < 0) | (hi >= vocab)):  # one host sync
+        if ignore_index is None:
+            raise IndexError("index out of range in self")  # F.embedding's words
+        bad = valid[(valid < 0) | (valid >= vocab)][0]
+        raise IndexError(f"Target {int(bad)} is out of bounds.")  # F.cross_entropy's words
+
+
 @maybe_run_for_local_tensor
-def _vocab_local_ids(ids: torch.Tensor, rank: int, rows: int):
+def _vocab_local_ids(ids: torch.Tensor, rank: int, rows: int, vocab: int):
+    _check_ids(ids, vocab)
     start = rank * rows
     outside = (ids < start) | (ids >= start + rows)
     return (ids - start).masked_fill(outside, 0), outside
@@ -37,7 +55,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: Axis
     `padding_idx` (a global id, negative for none): its row's value is looked up but gets no gradient, as
     `F.embedding(..., padding_idx=...)` does on one device."""
     axis = resolve_axis(axis)
-    local_ids, outside = _vocab_local_ids(ids, axis.local_rank(), weight.shape[0])
+    local_ids, outside = _vocab_local_ids(ids, axis.local_rank(), weight.shape[0], weight.shape[0] * axis.size)
     out = F.embedding(local_ids, weight)
     if padding_idx is not None and padding_idx >= 0:
         out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
@@ -45,7 +63,8 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: Axis
 
 
 @maybe_run_for_local_tensor
-def _vocab_local_targets(target: torch.Tensor, rank: int, cols: int, ignore_index: int):
+def _vocab_local_targets(target: torch.Tensor, rank: int, cols: int, ignore_index: int, vocab: int):
+    _check_ids(target, vocab, ignore_index)
     start = rank * cols
     outside = (target < start) | (target >= start + cols) | (target == ignore_index)
     return (target - start).masked_fill(outside, 0), outside
@@ -60,7 +79,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_max = logits.amax(dim=-1)
         global_max = _raw_all_reduce(local_max, axis, op="max")
         shifted = logits - global_max.unsqueeze(-1)
-        local_t, outside = _vocab_local_targets(target, axis.local_rank(), logits.shape[-1], ignore_index)
+        local_t, outside = _vocab_local_targets(target, axis.local_rank(), logits.shape[-1], ignore_index,
+                                               logits.shape[-1] * axis.size)
         target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         target_logit = _raw_all_reduce(target_logit, axis)
         exp = shifted.exp()
