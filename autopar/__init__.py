@@ -6,7 +6,8 @@ from autopar.capture import CaptureError
 from autopar.plan import CommRow, Estimate, Plan, Strategy
 from autopar.profile import profile
 from autopar.solver import InfeasibleError
+from autopar.weights import load
 
 
-__all__ = ["parallelize", "plan", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
+__all__ = ["parallelize", "plan", "load", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
            "CaptureError", "InfeasibleError"]

@@ -17,17 +17,20 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_across_ranks, agreed_seed, solve_on_rank0
 from autopar.capture import Captured, capture, split_example_inputs
+from autopar.dtensors import mesh_device
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
 from autopar.planner import PLANS, build_plan
 from autopar.runtime.ops import new_rng_stream
+from autopar.weights import is_meta_model
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
@@ -51,6 +54,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
+    _refuse_meta_moe(model)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     chosen = solve_on_rank0(lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit))
     chosen = _tie_placements(chosen, model)
@@ -59,6 +63,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     new_rng_stream(stream, agreed_seed(mesh))
     lctx = lower_context(chosen, captured, info, rng_stream=stream)
     gm = lower_pass(captured.gm, lctx)
+    if is_meta_model(model):
+        _meta_to_device(gm, mesh_device(mesh))
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
     return ParallelModule(model, mesh, captured, chosen, gm, stream)
 
@@ -83,6 +89,34 @@ def _prepare(model, mesh, example_inputs, overrides=None) -> tuple[MeshInfo, Cap
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
     return info, captured, ctx
+
+
+def _meta_to_device(gm, device) -> None:
+    """A meta-device model traces factory calls and moves (`arange(..., device=meta)`, `x.to(meta)`) on meta: the
+    program runs them on the mesh's device."""
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = pytree.tree_map(retarget, node.args)
+            node.kwargs = pytree.tree_map(retarget, node.kwargs)
+    gm.recompile()
+
+
+def _refuse_meta_moe(model: nn.Module) -> None:
+    """A meta-device model is parallelised without running it; an MoE block's canonical form is checked by running
+    it on real weights, so a meta MoE model cannot be parallelised yet (it can be planned)."""
+    if not is_meta_model(model):
+        return
+    from passes.moe import find_moe_modules
+    found = find_moe_modules(model)
+    if found:
+        raise NotImplementedError(
+            f"{type(model).__name__} is on the meta device and has MoE blocks ({found[0].path}, ...): autopar verifies "
+            "its rewrite of an MoE block on real weights, which a meta model does not have, so parallelising a meta "
+            "MoE model is not supported yet. Fix: build the model on the CPU (or its device) and parallelise that; "
+            "autopar.plan(...) plans the meta model.")
 
 
 def _plain_inputs(args, kwargs):

@@ -19,7 +19,8 @@ from autopar.captured import Captured
 from autopar.checkpoint import replicated_to_strided, strided_to_replicated
 from autopar.plan import Plan
 from autopar.runtime.ops import advance_rng_stream
-from autopar.dtensors import owned_tensor, shard_tensor
+from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
+from autopar.weights import compute_buffers, init_weights, is_meta_model
 from autopar.spec import is_owned
 
 
@@ -41,23 +42,37 @@ class ParallelModule(nn.Module):
         pls = plan.param_placements()
         # parameters: one DTensor per distinct tensor, registered under every original name
         made: dict[int, nn.Parameter] = {}
+        # a meta-device model: each rank allocates only its shards, filled by `autopar.load` or `init_weights`
+        self._unfilled: set[str] = set()
+        object.__setattr__(self, "_source", model if is_meta_model(model) else None)
+        computed = compute_buffers(model, mesh_device(mesh)) if self._source is not None else {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in made:
                 placements = pls.get(fqn) or self._placement_of_alias(model, p, pls)
                 data = p.detach()
                 if isinstance(data, DTensor):
                     raise ValueError(f"parameter {fqn} is already a DTensor; pass the unparallelised model")
-                value = owned_tensor(data, mesh, placements) if any(map(is_owned, placements)) else \
-                    shard_tensor(data, mesh, placements)
+                if data.is_meta:
+                    value = empty_like_placed(data, mesh, placements)
+                    self._unfilled.add(fqn)
+                else:
+                    value = owned_tensor(data, mesh, placements) if any(map(is_owned, placements)) else \
+                        shard_tensor(data, mesh, placements)
                 made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
             self._register(fqn, made[id(p)])
         for fqn, b in model.named_buffers(remove_duplicate=False):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
+            if b.is_meta and persistent:  # filled from the checkpoint like a parameter
+                b = torch.empty_like(b, device=mesh_device(mesh))
+                self._unfilled.add(fqn)
+            elif b.is_meta:
+                b = computed[fqn]
             self._register(fqn, b, buffer=True, persistent=persistent)
         # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
         # contiguous chunk per rank, which checkpoint planners require; loading slices them back.
         self._register_state_dict_hook(strided_to_replicated)
         self._register_load_state_dict_pre_hook(replicated_to_strided, with_module=True)
+        self._register_load_state_dict_pre_hook(_mark_loaded, with_module=True)
         self._rng_stream = rng_stream
         self._feeds = []
         for ph, kind, name in captured.input_kinds:
@@ -89,6 +104,13 @@ class ParallelModule(nn.Module):
             mod = getattr(mod, part)
         return getattr(mod, leaf)
 
+    def init_weights(self, seed: int = 0) -> "ParallelModule":
+        """Initialise a meta-built model's shards with the model's own initialisation (Hugging Face
+        `_init_weights`, else each submodule's `reset_parameters` / `init_weights`), on the shards: equal in
+        distribution to initialising on one device, not bit for bit (see `autopar.weights`)."""
+        init_weights(self, seed)
+        return self
+
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         return self._gm
@@ -98,6 +120,11 @@ class ParallelModule(nn.Module):
         return self._mesh
 
     def forward(self, *args, **kwargs):
+        if self._unfilled:
+            raise RuntimeError(
+                f"ParallelModule was built from a meta-device model and {len(self._unfilled)} of its parameters and "
+                f"buffers (e.g. {sorted(self._unfilled)[:3]}) hold uninitialised memory. Fix: fill them first with "
+                "autopar.load(pm, checkpoint_dir) or pm.init_weights().")
         flat, spec = pytree.tree_flatten((args, kwargs))
         cap = self._captured
         if spec != cap.in_spec or len(flat) != len(cap.example_shapes):
@@ -136,3 +163,8 @@ def _non_persistent(model: nn.Module, fqn: str) -> set[str]:
     return set(getattr(mod, "_non_persistent_buffers_set", ()))
 
 
+
+
+def _mark_loaded(module, state_dict, prefix, *_):
+    """`load_state_dict` pre-hook: what a state dict supplies is no longer uninitialised."""
+    module._unfilled -= {k[len(prefix):] for k in state_dict if k.startswith(prefix)}
