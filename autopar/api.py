@@ -50,7 +50,9 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
                 memory_limit=None) -> ParallelModule:
-    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1."""
+    """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1. A model on the meta
+    device is captured and planned on shapes and each rank allocates only its shards: fill them with
+    `autopar.load(pm, path)` or `pm.init_weights()` (`autopar.weights`)."""
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")

@@ -5,6 +5,10 @@ parameters keep their fully-qualified names (tied weights stay tied) and are DTe
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. The rewritten local program runs on the
 local shards.
+
+A model on the meta device gets only this rank's shards, allocated uninitialised (`empty_like_placed`), and its
+non-persistent buffers computed (`autopar.weights.compute_buffers`); until `autopar.load` or `init_weights`
+fills every parameter and persistent buffer, `forward` raises.
 """
 
 from __future__ import annotations

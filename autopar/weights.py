@@ -19,7 +19,9 @@ uninitialised, and refuses to run until one of these fills them:
   initialised alone (its module's other parameters stand in as meta tensors) from a generator seeded by
   (seed, parameter name, which shard this rank holds): ranks holding the same shard draw the same values,
   different shards draw independently, and fan-in/out come from the DTensor's global shape. The result is
-  equal in distribution to initialising on one device, not bit for bit.
+  equal in distribution to initialising on one device, not bit for bit. A parameter left (partly) unset is an
+  error; a write through an index of a sharded parameter lands in DTensor's redistributed copy, so the one
+  such write initialisations make, an embedding's zero padding row, is applied to the shard holding the row.
 
 Buffers: persistent ones are loaded like parameters (or set by the initialisation); non-persistent ones (RoPE's
 `inv_freq`) are computed on each rank when the ParallelModule is built (`compute_buffers`): by the owning
@@ -297,7 +299,8 @@ def init_weights(pm, seed: int = 0) -> None:
             local = value.to_local() if isinstance(value, DTensor) else value
             if local.is_floating_point():
                 local.fill_(float("nan"))  # to see what the initialisation did not write
-            with torch.random.fork_rng(devices=[]):
+            device = local.device
+            with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
                 torch.manual_seed(_shard_seed(seed, name, value))
                 fn(standin)
             _fix_padding_row(standin, n, value)
