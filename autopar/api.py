@@ -66,7 +66,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     lctx = lower_context(chosen, captured, info, rng_stream=stream)
     gm = lower_pass(captured.gm, lctx)
     if is_meta_model(model):
-        _meta_to_device(gm, mesh_device(mesh))
+        _meta_to_device(gm, mesh_device(mesh), captured)
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
     return ParallelModule(model, mesh, captured, chosen, gm, stream)
 
@@ -93,9 +93,14 @@ def _prepare(model, mesh, example_inputs, overrides=None) -> tuple[MeshInfo, Cap
     return info, captured, ctx
 
 
-def _meta_to_device(gm, device) -> None:
+def _meta_to_device(gm, device, captured: Captured) -> None:
     """A meta-device model traces factory calls and moves (`arange(..., device=meta)`, `x.to(meta)`) on meta: the
     program runs them on the mesh's device."""
+    lost = [name for name, c in captured.constants.items() if c.is_meta]
+    if lost:
+        raise NotImplementedError(
+            f"the meta-device model's forward makes tensor constants on the meta device ({', '.join(lost)}), whose "
+            "values no rank can know. Fix: build the model off the meta device, or make those tensors buffers.")
     def retarget(a):
         return device if isinstance(a, torch.device) and a.type == "meta" else a
 

@@ -323,3 +323,22 @@ def test_peak_memory_per_rank_while_loading_tp4(tmp_path):
               f"parallelize (imports, capture, plan) grew it by {parallelize_grown / 2**20:.1f} MiB")
         assert grown < 0.5 * full_bytes, (rank, grown, full_bytes)
         assert 0 < loss < 20, loss
+
+
+def test_meta_moe_and_simulated_ranks_are_refused(local_world):
+    """What is not supported yet raises, saying so: a meta MoE model (its rewrite is verified on real weights)
+    and a meta model on simulated ranks (each would need its own shard shape)."""
+    import pytest
+
+    import autopar
+    from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+    with torch.device("meta"):
+        moe = Llama(LlamaConfig(moe_experts=4))
+        gpt = GPT(GPTConfig())
+    inputs = _gpt_inputs()
+    with local_world(4):
+        mesh = _mesh((4,))
+        with pytest.raises(NotImplementedError, match="MoE blocks .* not supported yet.*Fix:"):
+            autopar.parallelize(moe, mesh, inputs, plan="megatron")
+        with pytest.raises(NotImplementedError, match="LocalTensorMode.*Fix:"):
+            autopar.parallelize(gpt, mesh, inputs, plan="megatron")
