@@ -8,7 +8,8 @@ from autopar.plan import CommRow, Estimate, Plan, Strategy
 from autopar.profile import profile
 from autopar.solver import InfeasibleError
 from autopar.verify import VerifyReport, verify
+from autopar.weights import load
 
 
-__all__ = ["parallelize", "plan", "profile", "ParallelModule", "Plan", "Strategy", "CommRow", "Estimate",
-           "CaptureError", "InfeasibleError", "RankMismatchError", "verify", "VerifyReport"]
+__all__ = ["parallelize", "plan", "load", "verify", "profile", "ParallelModule", "Plan", "Strategy", "CommRow",
+           "Estimate", "VerifyReport", "CaptureError", "InfeasibleError", "RankMismatchError"]

@@ -30,12 +30,14 @@ from autopar.capture import Captured, capture, split_example_inputs
 from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data_groups, global_example,
                             local_arrivals)
 from autopar.checks import check_given_plan, check_model, check_options
+from autopar.dtensors import mesh_device
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
 from autopar.planner import PLANS, build_plan, check_batch, check_memory_limit, tie_placements
-from autopar.relower import plain_inputs
+from autopar.relower import meta_to_device, plain_inputs
 from autopar.runtime.ops import new_rng_stream
+from autopar.weights import is_meta_model
 from autopar.sites import PassContext
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
@@ -92,12 +94,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     honoured raise rather than run otherwise: a plan whose estimate exceeds an explicit `memory_limit`
     (`InfeasibleError`), a batch that does not divide over the plan's data axes, tied parameters that a given
     Plan places differently.
+
+    A model on the meta device is captured and planned on shapes and each rank allocates only its shards: fill
+    them with `autopar.load(pm, path)` or `pm.init_weights()` (`autopar.weights`).
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
     check_model(model)
-    _refuse_meta(model)
+    _refuse_meta_moe(model)
     memory_limit = check_options(plan, cluster, memory_limit)
     arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs)
     # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
@@ -128,6 +133,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     new_rng_stream(stream, agreed_seed(mesh))
     lctx = lower_context(chosen, captured, info, rng_stream=stream, arrivals=arrivals)
     gm = lower_pass(captured.gm, lctx)
+    if is_meta_model(model):
+        meta_to_device(gm, mesh_device(mesh), captured)
     chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
     return ParallelModule(model, mesh, captured, chosen, gm, stream, example_inputs=example_inputs,
                           local=(axes, call_shapes) if inputs == "local" else None)
@@ -138,15 +145,6 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 _STREAMS = itertools.count()
 
 
-def _refuse_meta(model: nn.Module) -> None:
-    """parallelize runs the model: until it can materialise a model on the meta device, it says so."""
-    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-    if meta:
-        raise NotImplementedError(
-            f"the model is on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
-            "parallelize does not support meta-device models yet. Fix: use autopar.plan(...) to plan it (planning "
-            "works on the meta device), or materialise it first (model.to_empty(device=...), then initialise or "
-            "load its weights).")
 
 
 def _local_tensor_off():
@@ -190,6 +188,21 @@ def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, pr
     if progress:
         progress("recognise", time.perf_counter() - t1)
     return info, captured, ctx
+
+
+def _refuse_meta_moe(model: nn.Module) -> None:
+    """A meta-device model is parallelised without running it; an MoE block's canonical form is checked by running
+    it on real weights, so a meta MoE model cannot be parallelised yet (it can be planned)."""
+    if not is_meta_model(model):
+        return
+    from passes.moe import find_moe_modules
+    found = find_moe_modules(model)
+    if found:
+        raise NotImplementedError(
+            f"{type(model).__name__} is on the meta device and has MoE blocks ({found[0].path}, ...): autopar verifies "
+            "its rewrite of an MoE block on real weights, which a meta model does not have, so parallelising a meta "
+            "MoE model is not supported yet. Fix: build the model on the CPU (or its device) and parallelise that; "
+            "autopar.plan(...) plans the meta model.")
 
 
 def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:

@@ -172,6 +172,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from autopar.runtime import opaque
     from passes.moe import canonical_forwards, recognise_moe_modules
+    if any(p.is_meta for p in model.parameters()):  # a meta-device model is traced on meta inputs (shapes only)
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     moe_notes: list[str] = []
     with _no_kv_cache(model):
         moe = recognise_moe_modules(model, args, kwargs, moe_notes)

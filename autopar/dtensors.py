@@ -78,4 +78,53 @@ def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bo
         raise NotImplementedError(f"an owned expert weight must be replicated on the other mesh axes, got {placements}")
     if mesh.get_local_rank(ax) != owner:
         local = local.new_empty(0)
-    return DTensor.from_local(local, sub, rest, run_check=False, shape=full.shape, stride=full.stride())
+    return DTensor.from_local(local.clone(), sub, rest, run_check=False, shape=full.shape, stride=full.stride())
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on `mesh` (`cpu`, or the current accelerator)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def local_indices(shape, mesh: DeviceMesh, placements) -> list[torch.Tensor]:
+    """Per dim of a tensor of global `shape`, the ascending global indices this rank's shard holds: the slicing of
+    `shard_tensor` applied to index ranges (`_StridedShard` gives one block per part; an `Owned` parameter is
+    whole on its owners and empty elsewhere)."""
+    from autopar.runtime.collectives import _take_chunk
+    from autopar.spec import is_shard
+
+    index = [torch.arange(n) for n in shape]
+    for ax, p in enumerate(placements):
+        if is_owned(p):
+            if mesh.get_local_rank(ax) != p.owner:
+                return [torch.arange(0)] + index[1:]
+        elif is_shard(p):
+            k = getattr(p, "split_factor", 1)
+            index[p.dim] = _take_chunk(index[p.dim], 0, mesh.size(ax), mesh.get_local_rank(ax), k)
+    return index
+
+
+def empty_like_placed(meta: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """A DTensor shaped like `meta` (a meta-device parameter) with `placements`, of which only this rank's shard
+    is allocated, uninitialised, on the mesh's device: nothing of the full tensor is ever materialised."""
+    from torch.distributed._local_tensor import local_tensor_mode
+    if local_tensor_mode() is not None:
+        raise NotImplementedError(
+            "parallelising a meta-device model under LocalTensorMode (simulated ranks) is not supported: each "
+            "simulated rank would need its own shard shape. Fix: run on real processes (torchrun / gloo), or build "
+            "the model on the CPU for a simulation.")
+    shape = [len(i) for i in local_indices(meta.shape, mesh, placements)]
+    if any(map(is_owned, placements)):
+        (ax,) = [i for i, p in enumerate(placements) if is_owned(p)]
+        if mesh.get_local_rank(ax) != placements[ax].owner:
+            shape = [0]  # as `owned_tensor`: nothing on the ranks that do not own it
+        rest = [p for i, p in enumerate(placements) if i != ax] or [Replicate()]
+        if any(not isinstance(p, Replicate) for p in rest):
+            raise NotImplementedError(f"an owned expert weight must be replicated on the other mesh axes, got {placements}")
+        local = torch.empty(shape, dtype=meta.dtype, device=mesh_device(mesh))
+        return DTensor.from_local(local, _owner_mesh(mesh, ax, placements[ax].owner), rest, run_check=False,
+                                  shape=meta.shape, stride=meta.stride())
+    local = torch.empty(shape, dtype=meta.dtype, device=mesh_device(mesh))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=meta.shape, stride=meta.stride())

@@ -13,6 +13,10 @@ sequence length or batch size, `pm.eval()`, `pm.to(torch.bfloat16)`, a changed `
 re-captures the model it was made from and lowers the same plan's forms for it, once; the programs are cached
 per guard key, at most `ParallelModule.max_programs` (8) of them, least recently used dropped. Every program
 reads the same parameters.
+
+A model on the meta device gets only this rank's shards, allocated uninitialised (`empty_like_placed`), and its
+non-persistent buffers computed (`autopar.weights.compute_buffers`); until `autopar.load` or `init_weights`
+fills every parameter and persistent buffer, `forward` raises.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from autopar.plan import Plan
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
 from autopar.runtime.ops import advance_rng_stream
-from autopar.dtensors import owned_tensor, shard_tensor
+from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
+from autopar.weights import compute_buffers, init_weights, is_meta_model
 from autopar.spec import is_owned
 
 
@@ -63,24 +68,38 @@ class ParallelModule(nn.Module):
         pls = plan.param_placements()
         # parameters: one DTensor per distinct tensor, registered under every original name
         made: dict[int, nn.Parameter] = {}
+        # a meta-device model: each rank allocates only its shards, filled by `autopar.load` or `init_weights`
+        self._unfilled: set[str] = set()
+        object.__setattr__(self, "_source", model if is_meta_model(model) else None)
+        computed = compute_buffers(model, mesh_device(mesh)) if self._source is not None else {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
             if id(p) not in made:
                 placements = pls.get(fqn) or self._placement_of_alias(model, p, pls)
                 data = p.detach()
                 if isinstance(data, DTensor):
                     raise ValueError(f"parameter {fqn} is already a DTensor; pass the unparallelised model")
-                value = owned_tensor(data, mesh, placements) if any(map(is_owned, placements)) else \
-                    shard_tensor(data, mesh, placements)
+                if data.is_meta:
+                    value = empty_like_placed(data, mesh, placements)
+                    self._unfilled.add(fqn)
+                else:
+                    value = owned_tensor(data, mesh, placements) if any(map(is_owned, placements)) else \
+                        shard_tensor(data, mesh, placements)
                 made[id(p)] = nn.Parameter(value, requires_grad=p.requires_grad)
             self._register(fqn, made[id(p)])
         for fqn, b in model.named_buffers(remove_duplicate=False):
             persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
+            if b.is_meta and persistent:  # filled from the checkpoint like a parameter
+                b = torch.empty_like(b, device=mesh_device(mesh))
+                self._unfilled.add(fqn)
+            elif b.is_meta:
+                b = computed[fqn]
             self._register(fqn, b, buffer=True, persistent=persistent)
         # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
         # contiguous chunk per rank, which checkpoint planners require; loading slices them back, and slices
         # plain full tensors (the single-device model's state dict) into place.
         self._register_state_dict_hook(strided_to_replicated)
         self._register_load_state_dict_pre_hook(to_placements, with_module=True)
+        self._register_load_state_dict_pre_hook(_mark_loaded, with_module=True)
         mark_replaced(model, self)
         self._rng_stream = rng_stream
         # inputs="local": the data axes over which each rank passes its own shard of the batch
@@ -119,6 +138,13 @@ class ParallelModule(nn.Module):
             mod = getattr(mod, part)
         return getattr(mod, leaf)
 
+    def init_weights(self, seed: int = 0) -> "ParallelModule":
+        """Initialise a meta-built model's shards with the model's own initialisation (Hugging Face
+        `_init_weights`, else each submodule's `reset_parameters` / `init_weights`), on the shards: equal in
+        distribution to initialising on one device, not bit for bit (see `autopar.weights`)."""
+        init_weights(self, seed)
+        return self
+
     @property
     def graph_module(self) -> torch.fx.GraphModule:
         return self._current.gm
@@ -137,6 +163,11 @@ class ParallelModule(nn.Module):
         write_report(path, self.plan, self.graph_module)
 
     def forward(self, *args, **kwargs):
+        if self._unfilled:
+            raise RuntimeError(
+                f"ParallelModule was built from a meta-device model and {len(self._unfilled)} of its parameters and "
+                f"buffers (e.g. {sorted(self._unfilled)[:3]}) hold uninitialised memory. Fix: fill them first with "
+                "autopar.load(pm, checkpoint_dir) or pm.init_weights().")
         key = self._key(args, kwargs)
         if self._local_axes is not None:
             agree_on_call(key, self._mesh)
@@ -145,7 +176,8 @@ class ParallelModule(nn.Module):
             prog = self._keep(relower(
                 self._model, mesh_info(self._mesh), self._plan, args, kwargs,
                 key=key, training=self.training, tensors=self._tensors(), stored=self._stored,
-                rng_stream=self._rng_stream, local_axes=self._local_axes))
+                rng_stream=self._rng_stream, local_axes=self._local_axes,
+                meta_device=mesh_device(self._mesh) if self._source is not None else None))
         self._programs.move_to_end(key)
         self._current = prog
         flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in prog.kw_order}))
@@ -195,3 +227,8 @@ def _non_persistent(model: nn.Module, fqn: str) -> set[str]:
     return set(getattr(mod, "_non_persistent_buffers_set", ()))
 
 
+
+
+def _mark_loaded(module, state_dict, prefix, *_):
+    """`load_state_dict` pre-hook: what a state dict supplies is no longer uninitialised."""
+    module._unfilled -= {k[len(prefix):] for k in state_dict if k.startswith(prefix)}

@@ -106,11 +106,12 @@ def describe_key(key: tuple) -> str:
 
 def relower(model: nn.Module, info: MeshInfo, plan: Plan, args: tuple, kwargs: dict, *, key: tuple,
             training: bool, tensors: dict[str, torch.Tensor], stored: dict[str, str], rng_stream: str,
-            local_axes: tuple[str, ...] | None = None) -> Program:
+            local_axes: tuple[str, ...] | None = None, meta_device: torch.device | None = None) -> Program:
     """Capture `model` again for one call (its mode set to `training`, its parameters and buffers taking the
     dtypes of `tensors`, fqn -> the ParallelModule's tensor), and lower `plan`'s forms for the new graph.
     `local_axes` (inputs="local"): the call passes this rank's shard of the batch over these data axes; the
-    program is captured for the global batch and takes the shard as given."""
+    program is captured for the global batch and takes the shard as given. `meta_device`: the model lives on the
+    meta device; the program's factory calls run on this device instead."""
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     args, kwargs = plain_inputs(args, kwargs)
     with maybe_disable_local_tensor_mode(), _as_called(model, training, tensors):
@@ -123,6 +124,8 @@ def relower(model: nn.Module, info: MeshInfo, plan: Plan, args: tuple, kwargs: d
     arrivals = local_arrivals(new, captured, info, local_axes)[0] if local_axes is not None else {}
     lctx = lower_context(new, captured, info, rng_stream=rng_stream, arrivals=arrivals)
     gm = lower_pass(captured.gm, lctx)
+    if meta_device is not None:
+        meta_to_device(gm, meta_device, captured)
     new = new.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
     prog = make_program(key, captured, new, gm, stored)
     notes = tuple(f"parameter {fqn} is stored {stored[fqn]} but this program reads it "
@@ -223,3 +226,21 @@ def _as_called(model: nn.Module, training: bool, tensors: dict[str, torch.Tensor
             table[leaf] = old
         for m, was in modes:
             m.training = was
+
+
+def meta_to_device(gm, device, captured: Captured) -> None:
+    """A meta-device model traces factory calls and moves (`arange(..., device=meta)`, `x.to(meta)`) on meta: the
+    program runs them on the mesh's device."""
+    lost = [name for name, c in captured.constants.items() if c.is_meta]
+    if lost:
+        raise NotImplementedError(
+            f"the meta-device model's forward makes tensor constants on the meta device ({', '.join(lost)}), whose "
+            "values no rank can know. Fix: build the model off the meta device, or make those tensors buffers.")
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = pytree.tree_map(retarget, node.args)
+            node.kwargs = pytree.tree_map(retarget, node.kwargs)
+    gm.recompile()

@@ -253,7 +253,7 @@ class GlooPool:
             errors.update({r: f"did not shut down within {timeout:g} s" for r in hung})
             for proc in self._procs:
                 try:
-                    proc.wait(timeout=10)
+                    proc.wait(timeout=60)  # interpreter shutdown takes seconds on a loaded machine
                 except subprocess.TimeoutExpired:
                     errors.setdefault(self._procs.index(proc), "did not exit after destroy_process_group()")
             if errors:

@@ -304,16 +304,17 @@ def test_model_holding_dtensors_is_refused_before_capture(local_world):
             autopar.parallelize(model, mesh, inputs)
 
 
-def test_meta_model_says_parallelize_does_not_support_it_yet_and_plan_does(local_world):
+def test_meta_model_under_simulated_ranks_says_to_use_processes_and_plan_does(local_world):
+    """Meta-device models are parallelised on real processes (tests/test_meta.py); simulated ranks cannot hold
+    per-rank shard shapes of an unmaterialised model, and say so."""
     with torch.device("meta"):
         model = MLP()
     inputs = _mlp()[1]
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        with pytest.raises(NotImplementedError, match=r"the model is on the meta device \(fc1\.weight, fc1\.bias, "
-                                                      r"fc2\.weight, \.\.\.\): parallelize does not support "
-                                                      r"meta-device models yet\. Fix: use autopar\.plan\(\.\.\.\) to "
-                                                      r"plan it.*materialise it first"):
+        with pytest.raises(NotImplementedError, match=r"parallelising a meta-device model under LocalTensorMode "
+                                                      r"\(simulated ranks\) is not supported.*Fix: run on real "
+                                                      r"processes"):
             autopar.parallelize(model, mesh, inputs)
     meta_inputs = tuple(torch.empty(8, 16, device="meta") for _ in range(2))
     assert autopar.plan(model, MESH, meta_inputs, plan="megatron").strategies

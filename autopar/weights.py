@@ -1,0 +1,336 @@
+"""Weights of a model built on the meta device: computed buffers, `load` from a checkpoint, `init_weights`.
+
+`autopar.parallelize(model_on_meta, mesh, example_inputs)` captures and plans without materialising anything;
+`ParallelModule` then allocates only each rank's shard of every parameter (`dtensors.empty_like_placed`),
+uninitialised, and refuses to run until one of these fills them:
+
+- `load(pm, path)`: a Hugging Face checkpoint directory (`model.safetensors`, or shards listed in
+  `model.safetensors.index.json`): each rank reads only its slice of each tensor (`safe_open(...).get_slice`,
+  one read per contiguous run of rows: a fused-QKV `_StridedShard` is one run per part; an expert under expert
+  parallelism only on its owners), so a rank's memory while loading stays near its shards. Checkpoint keys
+  are the model's parameter names without the user's wrapper prefix (`model.layers.0...` for
+  `m.model.layers.0...`): the prefix is found as the one that matches the most names, or given as `prefix=`.
+  Tied weights are read once. A name the model needs and the checkpoint lacks, or (with `strict`) one the
+  checkpoint has and the model does not, is an error listing them. Tensors are cast to the parameter's dtype.
+  Or a `torch.distributed.checkpoint` directory (from `dcp.save(pm.state_dict(), ...)`, under any plan or mesh):
+  DCP reads each rank's shards into `pm.state_dict()`.
+- `init_weights(pm)`: the model's own initialisation on the shards: Hugging Face `_init_weights` of the nearest
+  `PreTrainedModel` for each submodule, else its `reset_parameters()` / `init_weights()`. Each parameter is
+  initialised alone (its module's other parameters stand in as meta tensors) from a generator seeded by
+  (seed, parameter name, which shard this rank holds): ranks holding the same shard draw the same values,
+  different shards draw independently, and fan-in/out come from the DTensor's global shape. The result is
+  equal in distribution to initialising on one device, not bit for bit. A parameter left (partly) unset is an
+  error; a write through an index of a sharded parameter lands in DTensor's redistributed copy, so the one
+  such write initialisations make, an embedding's zero padding row, is applied to the shard holding the row.
+
+Buffers: persistent ones are loaded like parameters (or set by the initialisation); non-persistent ones (RoPE's
+`inv_freq`) are computed on each rank when the ParallelModule is built (`compute_buffers`): by the owning
+Hugging Face model's `_init_weights` (which computes rotary tables from the config), else an error naming the
+buffer and how to build it off the meta device.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.dtensors import local_indices
+
+__all__ = ["load", "init_weights", "compute_buffers", "is_meta_model"]
+
+
+def is_meta_model(model: nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
+
+
+# ----------------------------------------------------------------------------- buffers
+
+
+def _hf_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """For each submodule, the nearest enclosing Hugging Face `PreTrainedModel` (as HF's `smart_apply`)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return {}
+    owners: dict[int, nn.Module] = {}
+
+    def walk(mod, owner):
+        if isinstance(mod, PreTrainedModel):
+            owner = mod
+        if owner is not None:
+            owners[id(mod)] = owner
+        for child in mod.children():
+            walk(child, owner)
+
+    walk(model, None)
+    return owners
+
+
+def _standin(mod: nn.Module, params: dict, buffers: dict) -> nn.Module:
+    """A shallow copy of `mod` whose own parameters and buffers are replaced (the user's module is untouched)."""
+    clone = copy.copy(mod)
+    clone._parameters = {**mod._parameters, **params}
+    clone._buffers = {**mod._buffers, **buffers}
+    return clone
+
+
+def compute_buffers(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every non-persistent buffer left on the meta device, computed on `device` by its module's initialisation."""
+    owners = _hf_owners(model)
+    out: dict[str, torch.Tensor] = {}
+    for path, mod in model.named_modules():
+        todo = {n: b for n, b in mod._buffers.items()
+                if b is not None and b.is_meta and n in mod._non_persistent_buffers_set}
+        if not todo:
+            continue
+        fresh = {n: torch.full_like(b, float("nan"), device=device) if b.is_floating_point()
+                 else torch.empty_like(b, device=device) for n, b in todo.items()}
+        owner = owners.get(id(mod))
+        if owner is not None:
+            with torch.no_grad():
+                owner._init_weights(_standin(mod, {}, fresh))
+        computed = {n: t for n, t in fresh.items() if t.is_floating_point() and not t.isnan().any()}
+        missing = sorted(set(todo) - set(computed))
+        if missing:
+            name = f"{path}.{missing[0]}" if path else missing[0]
+            raise NotImplementedError(
+                f"buffer {name} ({type(mod).__name__}) is non-persistent and on the meta device: it is not in "
+                "checkpoints, and autopar computes such buffers only through a Hugging Face model's _init_weights. "
+                f"Fix: build {type(mod).__name__} on the CPU (its buffers are small), e.g. construct the model under "
+                f"torch.device('meta') and then replace model.{path or '<module>'} by one built off the meta device.")
+        for n, t in computed.items():
+            out[f"{path}.{n}" if path else n] = t
+    return out
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load(pm, path, *, prefix: str | None = None, strict: bool = True):
+    """Fill a ParallelModule's parameters and persistent buffers from checkpoint directory `path`: Hugging Face
+    safetensors (each rank reads only its slices) or torch.distributed.checkpoint. Returns `pm`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"autopar.load needs a checkpoint directory, got {str(path)!r}, which is not one")
+    if (path / ".metadata").exists():
+        _load_dcp(pm, path)
+    elif list(path.glob("*.safetensors")):
+        _load_safetensors(pm, path, prefix, strict)
+    else:
+        raise ValueError(f"{path} holds neither safetensors files (*.safetensors) nor a torch.distributed.checkpoint "
+                         "(.metadata). Fix: pass the directory written by save_pretrained(...) or dcp.save(...).")
+    return pm
+
+
+def _load_dcp(pm, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    state = pm.state_dict()
+    dcp.load(state, checkpoint_id=str(path))
+    pm.load_state_dict(state)
+
+
+def _safetensors_index(path: Path) -> dict[str, Path]:
+    """Checkpoint key -> file holding it."""
+    from safetensors import safe_open
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: path / f for k, f in weight_map.items()}
+    keys: dict[str, Path] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            keys.update({k: f for k in sf.keys()})
+    return keys
+
+
+def _targets(pm) -> dict[str, list[str]]:
+    """What must be filled: one entry per distinct tensor (tied weights once), all its names."""
+    groups: dict[int, list[str]] = {}
+    for name, p in pm.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    non_persistent = {f"{m}.{n}" if m else n for m, mod in pm.named_modules() for n in mod._non_persistent_buffers_set}
+    for name, b in pm.named_buffers(remove_duplicate=False):
+        if name not in non_persistent:
+            groups.setdefault(id(b), []).append(name)
+    return {names[0]: names for names in groups.values()}
+
+
+def _find_prefix(names: list[str], keys) -> str:
+    """The leading part of the model's names that checkpoint keys leave out: the one matching the most names."""
+    keys = set(keys)
+    counts: dict[str, int] = {}
+    for n in names:
+        parts = n.split(".")
+        for i in range(len(parts)):
+            if ".".join(parts[i:]) in keys:
+                pre = ".".join(parts[:i]) + ("." if i else "")
+                counts[pre] = counts.get(pre, 0) + 1
+    if not counts:
+        raise ValueError(f"no checkpoint key matches a name of the model (model: {names[:3]}..., checkpoint: "
+                         f"{sorted(keys)[:3]}...). Fix: load the checkpoint of this model, or pass prefix=.")
+    return max(counts, key=lambda p: (counts[p], -len(p)))
+
+
+def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Contiguous runs of ascending global indices as (start, stop, local offset)."""
+    if len(index) == 0:
+        return []
+    breaks = (torch.nonzero(index[1:] - index[:-1] != 1).flatten() + 1).tolist()
+    bounds = [0] + breaks + [len(index)]
+    return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _read_into(local: torch.Tensor, sl, index: list[torch.Tensor]) -> None:
+    """Copy this rank's slice (global `index` per dim) of a safetensors tensor into `local`, one read per block."""
+    import itertools
+    per_dim = [_runs(i) for i in index]
+    for blocks in itertools.product(*per_dim):
+        src = sl[tuple(slice(a, b) for a, b, _ in blocks)] if blocks else sl[:]
+        dst = local[tuple(slice(o, o + b - a) for a, b, o in blocks)] if blocks else local
+        dst.copy_(src.reshape(dst.shape))
+
+
+def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> None:
+    from safetensors import safe_open
+    where = _safetensors_index(path)
+    targets = _targets(pm)
+    all_names = [n for names in targets.values() for n in names]
+    if prefix is None:
+        prefix = _find_prefix(all_names, where)
+    key_of: dict[str, str] = {}  # target -> checkpoint key
+    missing = []
+    for first, names in targets.items():
+        found = [n[len(prefix):] for n in names if n.startswith(prefix) and n[len(prefix):] in where]
+        if found:
+            key_of[first] = found[0]
+        else:
+            missing.append(first)
+    used = {k for first, names in targets.items() for n in names
+            if n.startswith(prefix) and (k := n[len(prefix):]) in where}
+    unexpected = sorted(set(where) - used)
+    if missing or (strict and unexpected):
+        raise ValueError(
+            f"checkpoint {path} does not fit {type(pm).__name__} (prefix {prefix!r} stripped from the model's names): "
+            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} ({len(missing)}), unexpected "
+            f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)}). Fix: load the checkpoint "
+            "saved from this model (save_pretrained of the same class and config), pass prefix= if the model's "
+            "names carry another wrapper prefix, or strict=False to ignore extra checkpoint keys.")
+    by_file: dict[Path, list[str]] = {}
+    for first, key in key_of.items():
+        by_file.setdefault(where[key], []).append(first)
+    with torch.no_grad():
+        for file, firsts in sorted(by_file.items()):
+            with safe_open(str(file), framework="pt", device="cpu") as sf:  # one file mapped at a time
+                for first in firsts:
+                    _fill(pm._lookup(first), sf.get_slice(key_of[first]), key_of[first])
+    pm._unfilled -= set(targets)
+
+
+def _fill(target, sl, key: str) -> None:
+    shape = tuple(sl.get_shape())
+    if tuple(target.shape) != shape:
+        raise ValueError(f"checkpoint tensor {key} has shape {shape}, the model's has {tuple(target.shape)}; "
+                         "Fix: load the checkpoint of a model with the same config")
+    if isinstance(target, DTensor):
+        local = target.to_local()
+        if local.numel() == 0:
+            return  # an expert this rank does not own
+        # an owned expert is a replicated DTensor on its owners' sub-mesh: read whole there
+        _read_into(local, sl, local_indices(shape, target.device_mesh, target.placements))
+    else:
+        _read_into(target, sl, [torch.arange(n) for n in shape])
+
+
+# ----------------------------------------------------------------------------- init
+
+
+_INIT_METHODS = ("reset_parameters", "init_weights", "_init_weights")
+
+
+def _shard_seed(seed: int, name: str, t) -> int:
+    """Equal for the ranks that hold the same shard of `name`, different for different shards."""
+    if isinstance(t, DTensor):
+        coords = [t.device_mesh.get_local_rank(ax) if not p.is_replicate() else -1
+                  for ax, p in enumerate(t.placements)]
+    else:
+        coords = []
+    digest = hashlib.sha256(f"{seed}|{name}|{coords}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_weights(pm, seed: int = 0) -> None:
+    """Run the source model's initialisation on `pm`'s shards (see the module docstring)."""
+    model = pm._source
+    if model is None:
+        raise ValueError("init_weights initialises a ParallelModule built from a meta-device model; this one was "
+                         "built from real parameters, which it already holds. Fix: build the model under "
+                         "torch.device('meta') to initialise it on the shards.")
+    owners = _hf_owners(model)
+    done: set[int] = set()
+    for path, mod in model.named_modules():
+        own = [(n, t) for n, t in [*mod._parameters.items(), *mod._buffers.items()]
+               if t is not None and (n in mod._parameters or n not in mod._non_persistent_buffers_set)]
+        if not own:
+            continue
+        owner = owners.get(id(mod))
+        fn = (lambda m, o=owner: o._init_weights(m)) if owner is not None else _own_init(mod)
+        for n, t in own:
+            name = f"{path}.{n}" if path else n
+            value = pm._lookup(name)
+            if id(value) in done:
+                continue  # a tied weight: initialised once, by the first module that holds it
+            if fn is None:
+                raise NotImplementedError(
+                    f"{name}: {type(mod).__name__} has no initialisation autopar can run ({' / '.join(_INIT_METHODS)}, "
+                    "or a Hugging Face _init_weights). Fix: load a checkpoint with autopar.load, or give "
+                    f"{type(mod).__name__} a reset_parameters() method.")
+            others_p = {k: torch.empty_like(v, device="meta") for k, v in mod._parameters.items() if v is not None}
+            others_b = {k: torch.empty_like(v, device="meta") for k, v in mod._buffers.items() if v is not None}
+            (others_p if n in mod._parameters else others_b)[n] = value
+            standin = _standin(mod, others_p, others_b)
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if local.is_floating_point():
+                local.fill_(float("nan"))  # to see what the initialisation did not write
+            device = local.device
+            with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+                torch.manual_seed(_shard_seed(seed, name, value))
+                fn(standin)
+            _fix_padding_row(standin, n, value)
+            if local.is_floating_point() and local.isnan().any():
+                how = "Hugging Face _init_weights" if owner is not None else "its own method"
+                raise NotImplementedError(
+                    f"{name}: the initialisation of {type(mod).__name__} ({how}) did not set it (entirely). Fix: "
+                    "load a checkpoint with autopar.load, or make the module's initialisation cover this parameter.")
+            done.add(id(value))
+        pm._unfilled -= {f"{path}.{n}" if path else n for n, _ in own}
+    pm._unfilled -= {names[0] for names in _targets(pm).values() if id(pm._lookup(names[0])) in done}
+    if pm._unfilled:
+        raise AssertionError(f"init_weights left {sorted(pm._unfilled)[:5]} uninitialised")
+
+
+def _own_init(mod: nn.Module):
+    for name in _INIT_METHODS:
+        method = getattr(type(mod), name, None)
+        if callable(method):
+            return lambda m, name=name: getattr(m, name)()
+    return None
+
+
+def _fix_padding_row(mod: nn.Module, name: str, value) -> None:
+    """An embedding's padding row is zero after its initialisation; on a row-sharded DTensor `weight[pad].zero_()`
+    writes into a gathered copy, so it is zeroed here on the shard that holds it."""
+    pad = getattr(mod, "padding_idx", None)
+    if name != "weight" or pad is None or not isinstance(mod, nn.Embedding) or not isinstance(value, DTensor):
+        return
+    index = local_indices(value.shape, value.device_mesh, value.placements)[0]
+    hit = (index == pad % value.shape[0]).nonzero().flatten()
+    if len(hit):
+        value.to_local()[int(hit[0])].zero_()
