@@ -253,5 +253,6 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     notes = [f"{path} captured as one opaque node, replicated on every rank: it is not traceable "
              f"({opaque.describe(k).reason})" for path, k in keys.items()] + moe_notes
     notes += _function_notes(gm, functions)
+    from autopar.index_checks import index_checks
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
-                    ep.call_spec.out_spec, num_out, shapes, notes)
+                    ep.call_spec.out_spec, num_out, shapes, notes, index_checks=index_checks(gm, users))

@@ -22,6 +22,8 @@ class Captured:
     num_user_outputs: int
     example_shapes: list[tuple | None]  # per flattened user input: shape of tensors, None otherwise
     notes: list[str] = field(default_factory=list)  # what capture had to do (opaque submodules)
+    # the ids and class targets computed from the user inputs, checked before the program runs (`autopar.index_checks`)
+    index_checks: object = None
 
     def placeholder(self, name: str) -> fx.Node:
         (node,) = self.gm.graph.find_nodes(op="placeholder", target=name)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_on_call
+from autopar.inputs import data_degree, global_example
 from autopar.capture import split_example_inputs
 from autopar.captured import Captured
 from autopar.checkpoint import strided_to_replicated, to_placements
@@ -169,8 +170,6 @@ class ParallelModule(nn.Module):
                 f"buffers (e.g. {sorted(self._unfilled)[:3]}) hold uninitialised memory. Fix: fill them first with "
                 "autopar.load(pm, checkpoint_dir) or pm.init_weights().")
         key = self._key(args, kwargs)
-        if self._local_axes is not None:
-            agree_on_call(key, self._mesh)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._keep(relower(
@@ -183,6 +182,7 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in prog.kw_order}))
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
+        self._check_inputs(key, cap, flat)
         it = iter(flat)
         feeds = []
         for ph, kind, ref in cap.input_kinds:
@@ -200,6 +200,23 @@ class ParallelModule(nn.Module):
         advance_rng_stream(self._rng_stream)
         outs = prog.gm(*feeds)
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
+
+    def _check_inputs(self, key: tuple, cap: Captured, flat: list) -> None:
+        """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`);
+        under inputs="local" the ranks also agree on the call's shapes, in the same all-reduce."""
+        error = None
+        if cap.index_checks is not None:
+            values = dict(zip(cap.user_inputs, flat))
+            if self._local_axes is not None:  # this rank's shard, repeated to the global batch the program expects
+                names = list(values)
+                (repeated,), _ = global_example((tuple(values.values()),), {}, data_degree(
+                    self._local_axes, mesh_info(self._mesh)))
+                values = dict(zip(names, repeated))
+            error = cap.index_checks(values)
+        if self._local_axes is not None:
+            agree_on_call(key, self._mesh, error)
+        elif error is not None:
+            raise IndexError(error)
 
     def _key(self, args, kwargs) -> tuple:
         return guard_key(args, kwargs, training=self.training, tensors=(*self.parameters(), *self.buffers()),

@@ -371,7 +371,7 @@ def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> l
 
 
 _BATCH_NOTE = "input {ph} replicated: batch {batch} does not divide over {dp} data-parallel ranks (axes {axes})"
-_BATCH_NOTE_RE = re.compile(r"^input (\S+) replicated: batch (\d+) does not divide over (\d+) data-parallel ranks "
+BATCH_NOTE_RE = re.compile(r"^input (\S+) replicated: batch (\d+) does not divide over (\d+) data-parallel ranks "
                             r"\(axes (.*)\)$")
 
 
@@ -454,7 +454,7 @@ def check_batch(plan: Plan) -> None:
     """Raise when the plan kept an input replicated because its batch does not divide over the data axes: the
     plan would run, but not data parallel as asked."""
     for note in plan.notes:
-        m = _BATCH_NOTE_RE.match(note)
+        m = BATCH_NOTE_RE.match(note)
         if m:
             ph, batch, dp, axes = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
             raise ValueError(

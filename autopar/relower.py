@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -32,7 +33,7 @@ from autopar.forms.replicate import Replicate
 from autopar.inputs import batch_dims, data_degree, global_example, local_arrivals
 from autopar.mesh import MeshInfo
 from autopar.plan import DirectiveKind, Plan
-from autopar.planner import build_plan, tie_placements
+from autopar.planner import BATCH_NOTE_RE, build_plan, tie_placements
 from autopar.sites import Kind, PassContext
 from autopar.spec import Shard, fmt_placements, is_owned, placements_from_str
 from passes.lower import comm_rows, lower_context, lower_pass
@@ -121,6 +122,11 @@ def relower(model: nn.Module, info: MeshInfo, plan: Plan, args: tuple, kwargs: d
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
     new = tie_placements(replan(ctx, info, plan), model)
+    for note in new.notes:
+        if BATCH_NOTE_RE.match(note):  # runs correctly, but without data parallelism for these inputs: say so
+            warnings.warn(f"autopar: {note}; this call's program computes the whole batch on every rank of those "
+                          "axes. Fix: a batch size divisible by them (e.g. drop_last=True on the DataLoader)",
+                          stacklevel=3)
     arrivals = local_arrivals(new, captured, info, local_axes)[0] if local_axes is not None else {}
     lctx = lower_context(new, captured, info, rng_stream=rng_stream, arrivals=arrivals)
     gm = lower_pass(captured.gm, lctx)

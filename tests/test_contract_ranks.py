@@ -151,6 +151,27 @@ def tp_ranks_pass_different_data():
     return lambda: autopar.parallelize(model, _mesh((2, 2), ("dp", "tp")), inputs, plan="megatron", inputs="local")
 
 
+def bad_id_in_rank1s_rows():
+    """inputs="global", dp: the bad id is in the rows rank 1 computes; every rank checks the whole batch."""
+    model, (ids, labels) = _gpt()
+    import autopar
+    pm = autopar.parallelize(model, _mesh(), (ids, labels), plan="dp")
+    bad = ids.clone()
+    bad[3, 0] = 128
+    return lambda: pm(bad, labels)
+
+
+def bad_label_in_rank1s_local_batch():
+    """inputs="local", dp: only rank 1's own batch holds the bad label; the verdict rides on the per-call check."""
+    model, (ids, labels) = _gpt(seed=dist.get_rank())
+    import autopar
+    pm = autopar.parallelize(model, _mesh(), (ids, labels), plan="dp", inputs="local")
+    bad = labels.clone()
+    if dist.get_rank() == 1:
+        bad[1, 2] = 200
+    return lambda: pm(ids, bad)
+
+
 def run_case(name):
     """Build the case's model and inputs, then time its parallelize call."""
     _warm_up()
@@ -181,6 +202,8 @@ CASES = {
                               r"(?s)inputs='global'.*example input values: ranks \[0\] have 'input \[0\]\[0\]: "
                               r"\(4, 16\) torch.int64 sha \w+', ranks \[1\] have .*Fix: if each rank loads its own "
                               r"batch \(e.g. with a DistributedSampler, as for DDP\), pass inputs='local'"),
+    "bad_id_in_rank1s_rows": (2, "IndexError", r"^index out of range in self$"),
+    "bad_label_in_rank1s_local_batch": (2, "IndexError", r"rank 1's batch has a token id or label out of range"),
     "tp_ranks_pass_different_data": (4, "RankMismatchError",
                                      r"(?s)inputs='local'.*differ only on the tensor/sequence/expert axes.*ranks \[0\] "
                                      r"have .*ranks \[1\] have .*ranks \[2\] have .*ranks \[3\] have"),
