@@ -52,11 +52,16 @@ class IndexChecks:
         graph.output(tuple(env[o] for o in outputs))
         self.program = fx.GraphModule(gm, graph)
         self.checks = checks
+        self._placed = False
 
     def __call__(self, values: dict[str, torch.Tensor]) -> str | None:
         """One device's error message for these inputs (placeholder name -> value), or None when they are valid."""
+        args = [values[ph] for ph in self.inputs]
+        if args and not self._placed:  # a meta-device model traced its factories (positions) on meta: run them here
+            retarget_meta(self.program, args[0].device)
+            self._placed = True
         with torch.no_grad():
-            ids = self.program(*(values[ph] for ph in self.inputs))
+            ids = self.program(*args)
         for t, check in zip(ids, self.checks):
             valid = t if check.ignore_index is None else t[t != check.ignore_index]
             if valid.numel() == 0:
@@ -94,6 +99,18 @@ def index_checks(gm: fx.GraphModule, user_inputs: list[str]) -> IndexChecks | No
             outputs.append(ids)
             checks.append(check)
     return IndexChecks(gm, user_inputs, outputs, checks) if outputs else None
+
+
+def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
+    """Factory calls and moves traced on the meta device (`arange(..., device=meta)`) run on `device`."""
+    def retarget(a):
+        return device if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            node.args = torch.utils._pytree.tree_map(retarget, node.args)
+            node.kwargs = torch.utils._pytree.tree_map(retarget, node.kwargs)
+    gm.recompile()
 
 
 def _is_int(node) -> bool:

@@ -30,6 +30,7 @@ from autopar.capture import capture
 from autopar.captured import Captured
 from autopar.forms import form_of
 from autopar.forms.replicate import Replicate
+from autopar.index_checks import retarget_meta
 from autopar.inputs import batch_dims, data_degree, global_example, local_arrivals
 from autopar.mesh import MeshInfo
 from autopar.plan import DirectiveKind, Plan
@@ -242,11 +243,4 @@ def meta_to_device(gm, device, captured: Captured) -> None:
         raise NotImplementedError(
             f"the meta-device model's forward makes tensor constants on the meta device ({', '.join(lost)}), whose "
             "values no rank can know. Fix: build the model off the meta device, or make those tensors buffers.")
-    def retarget(a):
-        return device if isinstance(a, torch.device) and a.type == "meta" else a
-
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = pytree.tree_map(retarget, node.args)
-            node.kwargs = pytree.tree_map(retarget, node.kwargs)
-    gm.recompile()
+    retarget_meta(gm, device)
