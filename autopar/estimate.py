@@ -62,9 +62,12 @@ class SiteStats:
     io_bytes: float = 0.0  # the block's input activation, global
     param_bytes: float = 0.0
     param_numel: int = 0
-    param_dim0: list[int] = field(default_factory=list)
+    param_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # placeholder -> shape (FSDP's dims)
     param_sizes: list[float] = field(default_factory=list)  # bytes of each parameter (FSDP gathers each)
     synced_param_sizes: list[float] = field(default_factory=list)  # those whose own gradient is reduced
+    # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
+    param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
+    fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
     # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
@@ -93,19 +96,34 @@ class SiteStats:
             w = self.work.setdefault((c.kind, c.dtype, c.flops if c.kind == "matmul" else 0), [0.0, 0.0, 0])
             w[0], w[1], w[2] = w[0] + c.flops, w[1] + c.bytes, w[2] + 1
 
-    def add_param(self, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
+    def add_param(self, name: str, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
         """A parameter of the site; `counted=False` for one another site already counts (a tied weight):
         it constrains the site's FSDP sharding but its bytes are synchronised and stored once. An unused
         placeholder (`used=False`: the other name of a tied weight) is stored but never communicated."""
-        self.param_dim0.append(int(v.shape[0]) if v.dim() else 1)
+        self.param_shapes[name] = tuple(int(d) for d in v.shape)
         if not counted:
             return
         self.param_bytes += _bytes(v)
         self.param_numel += v.numel()
+        self.param_facts[name] = (_bytes(v), used, synced)
         if used:
             self.param_sizes.append(_bytes(v))
         if synced:
             self.synced_param_sizes.append(_bytes(v))
+
+    def fsdp_parts(self) -> tuple["SiteStats", "SiteStats"]:
+        """The parameters FSDP shards and those it leaves whole (`fsdp_whole`: data parallel), each as stats holding
+        only their parameter fields."""
+        parts = (SiteStats(), SiteStats())
+        for name, (nbytes, used, synced) in self.param_facts.items():
+            part = parts[name in self.fsdp_whole]
+            part.param_bytes += nbytes
+            part.param_facts[name] = (nbytes, used, synced)
+            if used:
+                part.param_sizes.append(nbytes)
+            if synced:
+                part.synced_param_sizes.append(nbytes)
+        return parts
 
     @property
     def synced_param_bytes(self) -> float:
@@ -261,7 +279,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
         x = _block_input(site)
         st.io_bytes = _bytes(x.meta.get("val")) if x is not None else 0.0
         for p in sorted(site.all_params()):
-            st.add_param(ph[p].meta["val"], p in synced, counted=p not in owned, used=bool(ph[p].users))
+            st.add_param(p, ph[p].meta["val"], p in synced, counted=p not in owned, used=bool(ph[p].users))
             owned.add(p)
         if site.kind is Kind.EMBEDDING:
             st.summed_into = summed.get(site.key)
@@ -290,7 +308,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             other.add_node(n)
     for name, fqn in ctx.captured.param_fqns.items():
         if name not in owned:
-            other.add_param(ph[name].meta["val"], name in synced, used=bool(ph[name].users))
+            other.add_param(name, ph[name].meta["val"], name in synced, used=bool(ph[name].users))
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]

@@ -196,16 +196,17 @@ class _Placements:
             self.pls[ph] = [R] * len(self.mesh.sizes)
 
     def shard_fsdp(self, phs, axes: list[str], notes: list[str]) -> list[Directive]:
-        """FSDP: shard each parameter over the data axes on a dim tensor parallelism leaves whole."""
-        size = math.prod(self.mesh.axis(a).size for a in axes)
+        """FSDP: shard each parameter over the data axes on its `fsdp.shard_dim` (the solver prices the same)."""
+        sizes = [self.mesh.axis(a).size for a in axes]
+        size = math.prod(sizes)
         out = []
         for ph in [p for p in self.ctx.captured.param_fqns if p in phs]:
             fqn = self.ctx.captured.param_fqns[ph]
             shape = tuple(self.ctx.captured.placeholder(ph).meta["val"].shape)
-            taken = {p.dim for p in self.pls[ph] if getattr(p, "dim", None) is not None}
-            dim = fsdp_form.shard_dim(shape, taken, size)
+            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
             if dim is None:
-                notes.append(f"parameter {fqn} {shape} is not FSDP-sharded: no dim divides over {size} ranks")
+                notes.append(f"parameter {fqn} {shape} is not FSDP-sharded: no dim (0 or 1) that tensor parallelism "
+                             f"leaves whole divides over {size} ranks")
                 continue
             for a in axes:
                 self.pls[ph][self.mesh.names.index(a)] = Shard(dim)

@@ -6,7 +6,8 @@ Sets
       a transformer are one class with multiplicity n_k and are solved once.   `_classes`
   C_k candidates of class k: every registered form of its kind (`autopar.forms`) on every tuple of
       mesh axes whose roles the form accepts and where its precondition holds, each with or
-      without FSDP sharding of its parameters over the data axes.               `candidates`
+      without FSDP sharding of its parameters over the data axes (each on the dim
+      `fsdp.shard_dim` gives, as the plan places it; one with none stays whole). `candidates`
   D   the roles of the axes: each axis of size > 1 is a data axis (the batch is split over it), a
       model axis (forms split structures over it) or the sequence axis (at most one; then every
       attention takes a sequence form on it). Every assignment the batch admits is tried (at most
@@ -107,8 +108,21 @@ class Priced:
 # ----------------------------------------------------------------------------- pricing
 
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
-    """What `cand` costs for `site`: the form's own cost model."""
-    return form_of(site.kind, cand.form).cost(site, st, cand, mc)
+    """What `cand` costs for `site`: the form's own cost model (with FSDP, on the parameters it shards)."""
+    form = form_of(site.kind, cand.form)
+    if cand.fsdp:
+        model = model_placements(site, form, cand.axes, mc.names, [mc.size(a) for a in cand.axes])
+        st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), model))
+    return form.cost(site, st, cand, mc)
+
+
+def model_placements(site: Site, form: Form, axes: tuple[str, ...], names, sizes) -> dict:
+    """What `form` on mesh `axes` (of `sizes`) places on the structure's parameters (FSDP takes other dims)."""
+    return form.placements(site, tuple(names.index(a) for a in axes), tuple(sizes)) if axes else {}
+
+
+def _data_sizes(mc: MeshCosting) -> tuple[int, ...]:
+    return tuple(mc.size(a) for a in mc.data_axes)
 
 
 def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
@@ -116,9 +130,10 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     the reductions of gradients at batch boundaries. `fsdp`: its parameters are FSDP-sharded too (then no
     bucket is left to pay for: every site is FSDP in the plans that set it)."""
     compute = compute_s(st, mc.dp, mc.cluster)
+    transient = 0.0
     if fsdp:
-        comm_s, comm_b = fsdp_form.sync(mc, st.param_sizes, st.synced_param_sizes, 2 * compute / 3)
-        state = fsdp_form.state_bytes(mc, st.param_bytes)
+        st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
+        comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
     else:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
@@ -134,7 +149,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
-                act_bytes=st.act_bytes / mc.dp, transient_bytes=st.param_bytes if fsdp else 0.0)
+                act_bytes=st.act_bytes / mc.dp, transient_bytes=transient)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -195,8 +210,9 @@ def all_candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced:
     `Plan.explain`): a form the solver does not offer, a sequence split that attention must follow, a form
     whose axes' roles no axis of this plan has, a precondition, FSDP's precondition."""
     roles = axis_roles(mesh, data_axes, seq_axes)
-    dp = math.prod(mesh.sizes[mesh.names.index(a)] for a in data_axes)
     size = lambda a: mesh.sizes[mesh.names.index(a)]  # noqa: E731
+    data_sizes = tuple(size(a) for a in data_axes)
+    dp = math.prod(data_sizes)
     out = []
     for form in forms_for(site.kind):
         if not (form.offered or (forced is not None and form.name == forced.form)):
@@ -212,12 +228,14 @@ def all_candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced:
             out.append((Candidate(form=form.name), f"it takes a {want} axis; this plan has none "
                                                    f"(roles: {_roles_text(roles)})"))
         for axes in tuples:
-            why = form.precondition(site, tuple(size(a) for a in axes))
+            sizes = tuple(size(a) for a in axes)
+            why = form.precondition(site, sizes)
             if why is not None:
                 out.append((Candidate(form=form.name, axes=axes), why))
                 continue
-            t = size(axes[0]) if axes else 1
-            fsdp_why = fsdp_form.precondition(site, st, dp, t)
+            # FSDP shards each parameter on a dim this form leaves whole, as the plan will (`fsdp.shard_dim`)
+            model = model_placements(site, form, axes, mesh.names, sizes)
+            fsdp_why = fsdp_form.precondition(site, st, data_sizes, model)
             out.append((Candidate(form=form.name, axes=axes), ""))
             if dp > 1:  # without a data axis there is nothing to shard over: no row
                 out.append((Candidate(form=form.name, axes=axes, fsdp=True), f"FSDP: {fsdp_why}" if fsdp_why else ""))

@@ -29,18 +29,15 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     data-parallel bucket, their state) and the loss' scalar reductions. `param_split`: the ranks its
     parameters are divided over by the form itself."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
-    local = st.param_bytes / param_split
     if cand.fsdp:
-        t, b = fsdp.sync(mc, [x / param_split for x in st.param_sizes],
-                         [x / param_split for x in st.synced_param_sizes], backward_s)
-        state = fsdp.state_bytes(mc, local)
+        t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
     else:
         t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
-        state = dp.state_bytes(mc, local)
+        state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
-                act_bytes=act, transient_bytes=local if cand.fsdp else 0.0)
+                act_bytes=act, transient_bytes=gathered)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

@@ -1,7 +1,9 @@
 """FSDP (ZeRO-3) of parameters: sharded over the data axes, all-gathered before use.
 
 Placement: each parameter is sharded over every data axis on one dim that tensor parallelism
-leaves whole (dim 0 if it divides, else dim 1: `shard_dim`). Lowering: a `GATHER` directive per
+leaves whole (dim 0 if it divides, else dim 1: `shard_dim`, the one rule the named `fsdp` plan, the
+solver's FSDP candidates and their cost follow); a parameter with no such dim stays whole and data
+parallel (`whole`; the plan notes it). Lowering: a `GATHER` directive per
 parameter and axis all-gathers it at the start of the step (innermost axis first, where the tensor
 is still divided by the outer axes), and the gradient of the gathered value is reduce-scattered
 backward (`all_gather_rs`, the fused gather + partial-gradient pair).
@@ -17,33 +19,49 @@ ZeRO-3 does to save that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gat
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 from autopar.estimate import MeshCosting, SiteStats
 from autopar.forms import dp
 from autopar.plan import Directive, DirectiveKind
 from autopar.sites import Kind, Site
+from autopar.spec import Placement, is_shard
 from cost_model.analytical import collective_time_s, send_bytes
 
 NAME = "fsdp"
 
 
-def precondition(site: Site, st: SiteStats, dp_size: int, model_split: int) -> str | None:
-    """Why this structure's parameters cannot be FSDP-sharded over `dp_size` data ranks, with its form's axis of
-    `model_split` ranks (None: they can)."""
+def precondition(site: Site, st: SiteStats, data_sizes: tuple[int, ...],
+                 model_placements: dict[str, dict[int, Placement]]) -> str | None:
+    """Why this structure's parameters cannot be FSDP-sharded over data axes of `data_sizes`, given what its form
+    places on the model axes (`Form.placements`: placeholder -> {mesh axis: placement}); None: at least one
+    can, on its `shard_dim` (the others stay whole: `whole`)."""
     if site.kind is Kind.MOE:
         return "MoE expert weights are split by expert (or feature), not FSDP-sharded"
-    if dp_size <= 1:
+    size = math.prod(data_sizes)
+    if size <= 1:
         return "there is no data-parallel axis"
-    if not st.param_dim0:
+    if not st.param_shapes:
         return "it has no parameters"
-    bad = [d for d in st.param_dim0 if d % (dp_size * model_split)]
-    if bad:
-        return f"parameter dim 0 of size {bad[0]} does not divide over {dp_size * model_split} ranks"
+    if not set(st.param_shapes) - whole(st, data_sizes, model_placements):
+        shapes = ", ".join(str(tuple(s)) for s in st.param_shapes.values())
+        return (f"no parameter ({shapes}) has a dim (0 or 1) that tensor parallelism leaves whole and that divides "
+                f"over {size} ranks")
     return None
 
 
-def shard_dim(shape: tuple[int, ...], taken: set[int], size: int) -> int | None:
-    """The dim FSDP shards a parameter on over `size` ranks: 0, else 1, not one tensor parallelism shards."""
+def whole(st: SiteStats, data_sizes, model_placements: dict[str, dict[int, Placement]]) -> frozenset[str]:
+    """The parameters (placeholders) of a structure that FSDP leaves whole: no `shard_dim`."""
+    return frozenset(ph for ph, shape in st.param_shapes.items()
+                     if shard_dim(shape, model_placements.get(ph, {}).values(), data_sizes) is None)
+
+
+def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: Iterable[int]) -> int | None:
+    """The dim FSDP shards a parameter of `shape` on, over every data axis (sizes `data_sizes`), given its
+    placements `model` on the model axes: dim 0, else dim 1, the first that tensor parallelism leaves whole and
+    that divides over the data ranks; None: no dim does (the parameter stays whole on the data axes)."""
+    size = math.prod(data_sizes)
+    taken = {p.dim for p in model if is_shard(p)}
     return next((d for d in range(min(2, len(shape))) if d not in taken and shape[d] % size == 0), None)
 
 
@@ -71,6 +89,17 @@ def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_
             b += send_bytes(kind, nbytes, p)
     t_seq, b_seq = dp.grad_sync(mc, sum(reduced), mc.seq_axes)
     return t + t_seq, b + b_seq
+
+
+def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float) -> tuple[float, float, float, float]:
+    """(time, bytes sent, state bytes, gathered bytes) of a structure's parameters, divided `split` ways by its form,
+    under FSDP: those it shards (`sync`, `state_bytes`), and those it leaves whole (`st.fsdp_whole`) data parallel."""
+    sharded, kept = st.fsdp_parts()
+    t, b = sync(mc, [x / split for x in sharded.param_sizes], [x / split for x in sharded.synced_param_sizes],
+                backward_s)
+    kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
+    local = sharded.param_bytes / split
+    return t + kept_t, b + kept_b, state_bytes(mc, local) + dp.state_bytes(mc, kept.param_bytes / split), local
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
