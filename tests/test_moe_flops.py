@@ -22,6 +22,10 @@ which `FlopCounterMode` has no formula (it counts 0), so per-rank / single-devic
 this model (the issue's "1.69x": the experts' FLOPs are missing from the denominator, not run twice). The zoo
 builds Mixtral with eager experts (F.linear per expert); `GROUPED_MM_FLOPS` gives the counter a formula for the
 default implementation, and the same ratios hold under it (`test_default_experts_implementation_...`).
+
+A block autopar cannot capture at all (an MoE routing on a data-dependent Python branch) runs as one replicated
+opaque node: its forward now runs once per step (the opaque custom op ran it under no_grad and again in backward;
+FlopCounterMode cannot see inside a custom op, so only the module's call count shows it).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+import autopar
 from dist_harness import gloo_pool
 
 WORLD = 2
@@ -145,3 +152,52 @@ def test_default_experts_implementation_per_rank_flops_are_one_over_world():
     r = results[0]
     experts = r["row_flops"] * sum(map(sum, r["routed"]))
     assert r["blind"] == r["single"] - experts  # aten._grouped_mm counts 0 FLOPs without a formula
+
+
+# ----------------------------------------------------------------------------- an opaque block runs its forward once
+
+class _Untraceable(nn.Module):
+    """Routing on a data-dependent Python branch (an MoE autopar cannot capture takes this road): torch.export
+    cannot trace it, so it becomes one opaque node, replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.sum() > 0:
+            h = torch.relu(h)
+        return self.down(h)
+
+
+class _WithUntraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blk, self.head = nn.Linear(16, 16), _Untraceable(), nn.Linear(16, 1)
+
+    def forward(self, x, y):
+        return ((self.head(self.blk(self.inp(x))) - y) ** 2).mean()
+
+
+def test_opaque_block_forward_runs_once_per_step(local_world, fp64):
+    """The opaque node's custom op runs its module under no_grad and recomputes it in backward; the lowered node
+    calls the module under autograd instead: one forward per step (it ran twice), same numerics."""
+    from equivalence import run_equivalence
+
+    torch.manual_seed(0)
+    ref = _WithUntraceable()
+    inputs = (torch.randn(8, 16), torch.randn(8, 1))
+    with local_world(2):
+        res = run_equivalence(ref, inputs, (2,), ("dp",), plan="dp", steps=1)
+        assert any(n.startswith("blk captured as one opaque node") for n in res.plan.notes), res.plan.notes
+        assert res.max_err() < 1e-12, res
+        model = copy.deepcopy(ref)
+        pm = autopar.parallelize(model, init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)), inputs, plan="dp")
+        calls = []
+        handle = model.blk.register_forward_hook(lambda *a: calls.append(1))  # the module the opaque node runs
+        try:
+            pm(*inputs).backward()
+        finally:
+            handle.remove()
+    assert len(calls) == 1, f"the opaque block's forward ran {len(calls)} times in one step"
