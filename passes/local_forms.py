@@ -13,6 +13,7 @@ placement per mesh axis) and knows its output placements (`outs`). An op registe
 | dropout (train)                 | `parallel_dropout`: one mask per shard, the same on replicas              |
 | cross_entropy_loss              | vocab-parallel (logits sharded on classes) or batch-sharded (global count)|
 | moe_experts                     | `moe_experts` in mode local / partial / a2a                               |
+| opaque                          | `run_opaque`: the module's own forward under autograd (no recompute)      |
 | mse_loss, mean over shards      | local sum divided by the global count                                     |
 | scaled_dot_product_attention    | ring attention; GQA KV heads picked per rank; K/V before repeat_kv         |
 """
@@ -139,6 +140,12 @@ def _local_moe(lw, node: fx.Node, reqs, outs) -> None:
     node.target = moe_experts
     node.args = (x, idx, w, list(params), key, axis, mode, token_axes, shape(node)[0])
     node.kwargs = {}
+
+
+@local_form(torch.ops.autopar.opaque.default)
+def _local_opaque(lw, node: fx.Node, reqs, outs) -> None:
+    from autopar.runtime.opaque import run_opaque
+    node.target = run_opaque
 
 
 @local_form(aten.mse_loss.default)

@@ -263,8 +263,6 @@ def _compare(mod: nn.Module, fn, args: tuple, params: list[nn.Parameter]) -> str
     def run(f):
         xs = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
               for a in args]
-        for p in params:
-            p.grad = None
         outs = _flat(f(*xs))
         return xs, outs
 
@@ -289,7 +287,18 @@ def _compare(mod: nn.Module, fn, args: tuple, params: list[nn.Parameter]) -> str
         pairs = [(o, c) for o, c in zip(outs, cot) if o.requires_grad]
         if not pairs:
             return []
-        return torch.autograd.grad([o for o, _ in pairs], xs + params, [c for _, c in pairs], allow_unused=True)
+        # backward(inputs=...), not autograd.grad: under a FlopCounterMode (its module hooks) autograd.grad on leaves
+        # raises, and a user counting a step that re-captures the model must not crash; the parameters' own
+        # gradients are put back afterwards
+        wrt, saved = xs + params, [p.grad for p in params]
+        try:
+            for t in wrt:
+                t.grad = None
+            torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs], inputs=wrt)
+            return [t.grad for t in wrt]
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
 
     g_ref, g_can = grads(ref, wrt_ref), grads(got, wrt_can)
     names = [f"input {i}" for i in range(len(wrt_ref))] + [f"parameter {i}" for i in range(len(params))]

@@ -4,10 +4,12 @@
 over `nonzero()`). Rather than fail the whole model, capture replaces such a submodule's forward,
 for the duration of the trace, with a call of the custom op `autopar::opaque(key, inputs, params)`:
 its parameters stay graph inputs (so they keep their names and become DTensors), its output
-shapes come from one eager run on the example inputs, and at run time the op calls the module's
-own forward with the local parameters. Backward recomputes the forward under autograd and
-differentiates it (inputs and parameters). The lowering has no sharding rule for the op, so the
-node is replicated: inputs gathered, computed redundantly on every rank, output replicated.
+shapes come from one eager run on the example inputs. The lowering has no sharding rule for the op, so
+the node is replicated: inputs gathered, computed redundantly on every rank, output replicated; its
+local form (`passes.local_forms`) makes the node call `run_opaque`, the module's own forward with the
+local parameters under autograd, so backward is the module's own backward on what its forward saved:
+the forward runs once per step (the custom op's autograd, for a graph run unlowered, runs it under
+no_grad and recomputes it in backward: twice the forward's FLOPs, and a second draw of any dropout).
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def _run(key: str, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> li
     out = functional_call(entry.module, dict(zip(entry.param_names, params)), tuple(inputs))
     flat, _ = pytree.tree_flatten(out)
     return [t for t in flat if isinstance(t, torch.Tensor)]
+
+
+def run_opaque(key: str, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The lowered opaque node: the module's forward under autograd (see the module docstring)."""
+    return _run(key, list(inputs), list(params))
 
 
 @torch.library.custom_op("autopar::opaque", mutates_args=())
