@@ -11,25 +11,11 @@ whole world: 1-D by default, or the shape given by --mesh.
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 
 from autopar import cli_plan
+from autopar.cli_verify import mesh_shape, world
 from autopar.units import fmt_bytes as _fmt_bytes
-
-
-def _parse_mesh(text: str | None, world: int) -> tuple[int, ...]:
-    if text is None:
-        return (world,)
-    try:
-        shape = tuple(int(x) for x in text.lower().replace(",", "x").split("x"))
-    except ValueError:
-        raise SystemExit(f"--mesh {text!r}: expected sizes such as 2x4") from None
-    if math.prod(shape) != world:
-        raise SystemExit(f"--mesh {text!r} has {math.prod(shape)} devices but the world has {world} ranks; "
-                         f"give sizes whose product is {world}")
-    return shape
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -39,22 +25,9 @@ def _profile(args: argparse.Namespace) -> int:
 
     from autopar.profile import profile
 
-    created = False
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            # a single process without torchrun: a 1-rank world
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29517")
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        created = True
-    try:
+    with world():
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, _parse_mesh(args.mesh, dist.get_world_size()))
+        mesh = init_device_mesh(device, mesh_shape(args.mesh, dist.get_world_size()))
         dtypes = tuple(d.strip() for d in args.dtypes.split(",") if d.strip())
         cluster = profile(mesh, args.out, dtypes=dtypes, progress=not args.quiet)
         if dist.get_rank() == 0:
@@ -78,9 +51,6 @@ def _profile(args: argparse.Namespace) -> int:
                           f"{link.bytes_per_s / 1e9:.3f} GB/s per rank")
                     for kind, rows in (link.table or {}).items():
                         print(f"    {kind} in situ: " + ", ".join(f"{_fmt_bytes(n)} {t * 1e3:.2f} ms" for n, t in rows))
-    finally:
-        if created:
-            dist.destroy_process_group()
     return 0
 
 

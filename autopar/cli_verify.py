@@ -62,7 +62,8 @@ def _overrides(items: list[str]) -> dict[str, str] | None:
     return out or None
 
 
-def _mesh_shape(text: str | None, world: int) -> tuple[int, ...]:
+def mesh_shape(text: str | None, world: int) -> tuple[int, ...]:
+    """`--mesh 2x4` (or `2,4`): the mesh's sizes, whose product is the world size; None: one axis."""
     if text is None:
         return (world,)
     try:
@@ -85,7 +86,7 @@ def _mesh_names(text: str | None, ndim: int) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def _world():
+def world():
     """The process group torchrun set up, initialised here when it is not yet (and destroyed afterwards)."""
     import torch
     import torch.distributed as dist
@@ -128,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
     factory = _load(args.model, "--model")
     loss_fn = _load(args.loss_fn, "--loss-fn") if args.loss_fn else None
-    with _world():
-        shape = _mesh_shape(args.mesh, dist.get_world_size())
+    with world():
+        shape = mesh_shape(args.mesh, dist.get_world_size())
         names = _mesh_names(args.mesh_names, len(shape))
         built = factory()
         if not (isinstance(built, tuple) and len(built) == 2):
