@@ -19,9 +19,10 @@ import argparse
 import importlib
 import inspect
 import json
-import re
 import sys
 import time
+
+from autopar.units import parse_bytes
 
 ALL = "*"  # --explain without a key: every structure
 
@@ -98,16 +99,15 @@ def parse_mesh(text: str) -> dict[str, int]:
     return out
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """'80GB' -> 80e9 bytes, '76GiB' -> 76 * 2**30, '1e9' -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise SystemExit(f"--memory-limit {text!r}: expected a size such as 80GB, 76GiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+def parse_size(text: str) -> int | None:
+    """`--memory-limit`: '80GB' -> 80e9 bytes, '76GiB' -> 76 * 2**30, '1e9' -> bytes, 'auto' -> None
+    (`autopar.units.parse_bytes`); a bad size exits with its message."""
+    try:
+        return parse_bytes(text, "--memory-limit")
+    except (TypeError, ValueError) as e:
+        raise SystemExit(str(e)) from None
 
 
 def _parse_override(text: str) -> tuple[str, str]:

@@ -107,7 +107,7 @@ def test_cli_arguments():
     for bad in ("8x8", "dp=0", "dp=2,dp=2"):
         with pytest.raises(SystemExit, match="--mesh"):
             parse_mesh(bad)
-    with pytest.raises(SystemExit, match="--memory-limit '80 parsecs'"):
+    with pytest.raises(SystemExit, match="--memory-limit='80 parsecs' is not a size"):
         parse_size("80 parsecs")
 
 
