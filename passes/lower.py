@@ -10,7 +10,8 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
   collective node per mesh axis is inserted (`autopar.runtime.collectives`, each a fixed
   forward/backward pair); where the rule consumes an `R` input into a sharded or partial output,
   the input is wrapped in `grad_all_reduce` (its gradient is partial). An all-gather followed by
-  `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter).
+  `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter); linears consuming such a gathered
+  activation become one `regather_linears` node, which saves the shard and all-gathers it again in backward.
 - Shape literals are rewritten to local shapes (`view(b, s, heads, d)` -> `view(b, s, heads/t, d)`)
   and ops whose sharded form differs are replaced by their parallel form
   (`autopar.runtime.ops`: vocab-parallel embedding and cross-entropy, global-count means, GQA).
@@ -312,17 +313,7 @@ class _Lowerer:
                 self._output(node)
 
     def _needs_grad(self) -> set[fx.Node]:
-        """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
-        out: set[fx.Node] = set()
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                v = node.meta.get("val")
-                if node.name not in self.ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
-                        and node.name in self.ctx.placements:
-                    out.add(node)
-            elif any(a in out for a in node.all_input_nodes):
-                out.add(node)
-        return out
+        return _depends_on_parameters(self.graph, self.ctx)
 
     def _placeholder(self, node: fx.Node) -> None:
         want = self.ctx.placements.get(node.name, self.all_r)
@@ -550,6 +541,85 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
     return gm
 
 
+def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """An activation's `all_gather_rs` whose every user is a linear taking it as input (the sequence-sharded
+    input of a column-parallel layer under Megatron SP) -> those linears become one `regather_linears` node: it
+    keeps the shard for backward and all-gathers it again there for the weight gradients, where each linear
+    would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such gather: one more all-gather
+    backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
+    g_ = gm.graph
+    needs = _depends_on_parameters(g_, ctx)
+    for gather in list(g_.nodes):
+        if gather.op != "call_function" or gather.target is not C.all_gather_rs:
+            continue
+        shard, dim, axis, split_factor = gather.args
+        users = list(gather.users)
+        if shard.op == "placeholder" or not users or not all(_takes_as_input(u, gather) for u in users) \
+                or not any(u.args[1] in needs for u in users):
+            continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
+        order = {n: i for i, n in enumerate(g_.nodes)}
+        first = min(users, key=order.__getitem__)
+        weights = tuple(u.args[1] for u in users)
+        biases = tuple(u.args[2] if len(u.args) > 2 else None for u in users)
+        if not _hoist_before(first, [a for a in weights + biases if a is not None], set(users), order):
+            continue
+        info = gather.meta[M.COMM]
+        with g_.inserting_before(first):
+            fused = g_.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases))
+        fused.meta["val"] = tuple(u.meta["val"] for u in users)
+        fused.meta[M.PLACEMENTS] = [u.meta[M.PLACEMENTS] for u in users]
+        fused.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+        fused.meta[M.COMM] = CommInfo("regather_linears", "-", "all_gather", info.axis, info.axis_size, 0,
+                                      info.bytes_forward, info.module)
+        cursor = fused
+        for i, u in enumerate(users):
+            with g_.inserting_after(cursor):
+                item = g_.call_function(operator.getitem, (fused, i))
+            item.meta.update(u.meta)
+            cursor = item
+            u.replace_all_uses_with(item)
+            g_.erase_node(u)
+    return gm
+
+
+def _takes_as_input(u: fx.Node, x: fx.Node) -> bool:
+    """u is `linear(x, w[, b])` with a 2-D weight, x only its input."""
+    return (u.op == "call_function" and u.target is aten.linear.default and not u.kwargs and u.args[0] is x
+            and x not in u.args[1:] and isinstance(u.args[1], fx.Node) and len(shape(u.args[1])) == 2
+            and len(shape(x)) >= 2)
+
+
+def _hoist_before(pos: fx.Node, needed: list[fx.Node], forbidden: set[fx.Node], order: dict) -> bool:
+    """Move the nodes among `needed` (and what they need) that come after `pos` to just before it, keeping their
+    order; False (nothing moved) if one of them is or needs a node of `forbidden`, or is impure."""
+    late, stack = set(), [n for n in needed if order[n] > order[pos]]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        if n in forbidden or n.op != "call_function" or n.is_impure():
+            return False
+        late.add(n)
+        stack.extend(a for a in n.all_input_nodes if order[a] > order[pos])
+    for n in sorted(late, key=order.__getitem__):
+        pos.prepend(n)
+    return True
+
+
+def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:
+    """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta.get("val")
+            if node.name not in ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
+                    and node.name in ctx.placements:
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) becomes one bucketed
     all-reduce of all those gradients (per axis and dtype), as DDP buckets them: one collective per
@@ -767,6 +837,7 @@ LOWER = [
     insert_hints_pass,
     propagate_pass,
     fuse_gather_grad_reduce_pass,
+    regather_linear_inputs_pass,
     bucket_gradients_pass,
     dead_code_pass,
 ]

@@ -9,6 +9,7 @@
 | `split`            | local chunk (no comm.)      | all-gather                       | R -> S(d)        |
 | `reduce_scatter`   | reduce-scatter along dim    | all-gather                       | P -> S(d)        |
 | `all_to_all`       | all-to-all (split a, cat b) | all-to-all (split b, cat a)      | S(a) -> S(b)     |
+| `regather_linears` | linears on the gathered x   | all-gather x again (weight grads)| keeps S(d) x only |
 
 Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
 Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
@@ -106,12 +107,20 @@ def _from_blocks(x: torch.Tensor, dim: int, n: int, k: int, zigzag: bool = False
     return torch.cat(out, dim)
 
 
-def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+def _issue_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, backward: bool = False) -> torch.Tensor:
+    """Start an all-gather; `_finish_all_gather` waits for it (work in between overlaps it)."""
     n = axis.size
     _record("all_gather", axis, x, x.numel() * n, backward)
-    y = _wait(_c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name))
-    y = y.movedim(0, dim)  # (.., n*local, ..) in rank-major order
-    return _from_blocks(y, dim, n, split_factor, axis.zigzag).contiguous()
+    return _c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name)
+
+
+def _finish_all_gather(pending: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    y = _wait(pending).movedim(0, dim)  # (.., n*local, ..) in rank-major order
+    return _from_blocks(y, dim, axis.size, split_factor, axis.zigzag).contiguous()
+
+
+def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    return _finish_all_gather(_issue_all_gather(x, dim, axis, backward), dim, axis, split_factor)
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
@@ -224,6 +233,37 @@ class _AllToAll(torch.autograd.Function):
         return _raw_all_to_all(g, cat_dim, split_dim, axis, backward=True), None, None, None
 
 
+class _RegatherLinears(torch.autograd.Function):
+    """`linear(full, w_i, b_i)` for each i, where `full = all_gather(shard)`: saves `shard`, not `full`, and
+    re-gathers it in backward for the weight gradients (Megatron sequence parallelism), the all-gather
+    overlapped with the input gradient. The gradient of `full` flows back to the all-gather that made it."""
+
+    @staticmethod
+    def forward(ctx, full, shard, dim, axis, split_factor, *weights_and_biases):
+        ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.args = (dim, axis, split_factor)
+        ctx.save_for_backward(shard, *ws)
+        return tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, axis, split_factor = ctx.args
+        shard, *ws = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[5::2], ctx.needs_input_grad[6::2]
+        pending = _issue_all_gather(shard, dim, axis, backward=True) if any(need_w) else None
+        gx = None
+        if need_x:
+            for g, w in zip(grads, ws):
+                gx = g.matmul(w) if gx is None else gx + g.matmul(w)
+        x = _finish_all_gather(pending, dim, axis, split_factor) if pending is not None else None
+        out = []
+        for g, nw, nb in zip(grads, need_w, need_b):
+            g2 = g.reshape(-1, g.shape[-1])
+            out.append(g2.t().mm(x.reshape(-1, x.shape[-1])) if nw else None)
+            out.append(g2.sum(0) if nb else None)
+        return (gx, None, None, None, None, *out)
+
+
 # ----------------------------------------------------------------------------- graph-callable API
 
 def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
@@ -259,6 +299,14 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int =
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> torch.Tensor:
     """S(cat_dim) -> S(split_dim); backward is the inverse all-to-all."""
     return _AllToAll.apply(x, split_dim, cat_dim, resolve_axis(axis))
+
+
+def regather_linears(full: torch.Tensor, shard: torch.Tensor, dim: int, axis: AxisRef, split_factor: int,
+                     weights: tuple, biases: tuple) -> tuple:
+    """`linear(full, w, b)` for every (w, b), `full` the all-gather of `shard` along dim: keeps `shard` for
+    backward and all-gathers it again there for the weight gradients."""
+    interleaved = [t for wb in zip(weights, biases) for t in wb]
+    return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, *interleaved)
 
 
 class _GradSyncBucket(torch.autograd.Function):
@@ -297,4 +345,5 @@ COLLECTIVES: dict[object, tuple[str, str]] = {
     reduce_scatter: ("reduce_scatter", "all_gather"),
     all_to_all: ("all_to_all", "all_to_all"),
     grad_sync_bucket: ("-", "all_reduce"),
+    regather_linears: ("-", "all_gather"),
 }
