@@ -542,8 +542,9 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
 
 
 def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
-    """An activation's `all_gather_rs` whose every user is a linear taking it as input (the sequence-sharded
-    input of a column-parallel layer under Megatron SP) -> those linears become one `regather_linears` node: it
+    """An activation's `all_gather_rs` whose every user is a linear (`linear`, `addmm`, `mm`) taking it as input
+    (the sequence-sharded input of a column-parallel layer under Megatron SP) -> those become one
+    `regather_linears` node: it
     keeps the shard for backward and all-gathers it again there for the weight gradients, where each linear
     would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such gather: one more all-gather
     backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
@@ -555,17 +556,20 @@ def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gra
         shard, dim, axis, split_factor = gather.args
         users = list(gather.users)
         if shard.op == "placeholder" or not users or not all(_takes_as_input(u, gather) for u in users) \
-                or not any(u.args[1] in needs for u in users):
+                or not any(a in needs for u in users for a in u.args if a is not gather):
             continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
         order = {n: i for i, n in enumerate(g_.nodes)}
         first = min(users, key=order.__getitem__)
-        weights = tuple(u.args[1] for u in users)
-        biases = tuple(u.args[2] if len(u.args) > 2 else None for u in users)
+        in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
+        weights = tuple(u.args[2] if t else u.args[1] for u, t in zip(users, in_out))
+        biases = tuple((u.args[0] if u.target is aten.addmm.default else None) if t else
+                       (u.args[2] if len(u.args) > 2 else None) for u, t in zip(users, in_out))
         if not _hoist_before(first, [a for a in weights + biases if a is not None], set(users), order):
             continue
         info = gather.meta[M.COMM]
         with g_.inserting_before(first):
-            fused = g_.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases))
+            fused = g_.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases,
+                                                          in_out))
         fused.meta["val"] = tuple(u.meta["val"] for u in users)
         fused.meta[M.PLACEMENTS] = [u.meta[M.PLACEMENTS] for u in users]
         fused.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
@@ -583,10 +587,20 @@ def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gra
 
 
 def _takes_as_input(u: fx.Node, x: fx.Node) -> bool:
-    """u is `linear(x, w[, b])` with a 2-D weight, x only its input."""
-    return (u.op == "call_function" and u.target is aten.linear.default and not u.kwargs and u.args[0] is x
-            and x not in u.args[1:] and isinstance(u.args[1], fx.Node) and len(shape(u.args[1])) == 2
-            and len(shape(x)) >= 2)
+    """u is `linear(x, w[, b])`, `addmm(b, x, w)` (beta = alpha = 1) or `mm(x, w)` with a 2-D weight, x only its
+    input."""
+    if u.op != "call_function" or u.kwargs:
+        return False
+    if u.target is aten.linear.default:
+        pos, w, ndim = 0, u.args[1], len(shape(x)) >= 2
+    elif u.target is aten.addmm.default and len(u.args) == 3:
+        pos, w, ndim = 1, u.args[2], len(shape(x)) == 2
+    elif u.target is aten.mm.default:
+        pos, w, ndim = 0, u.args[1], len(shape(x)) == 2
+    else:
+        return False
+    return (ndim and u.args[pos] is x and sum(a is x for a in u.args) == 1 and isinstance(w, fx.Node)
+            and len(shape(w)) == 2)
 
 
 def _hoist_before(pos: fx.Node, needed: list[fx.Node], forbidden: set[fx.Node], order: dict) -> bool:

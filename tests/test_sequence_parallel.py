@@ -310,3 +310,19 @@ def test_megatron_sp_on_gloo(case):
         assert fwd.count(stream) == gathered and bwd == [stream] * 2 * gathered, (rank, c)
         assert len(fwd) == gathered + (case == "hf_llama-tp2"), (rank, c)
         assert c == results[0].comm_counts
+
+
+def test_megatron_sp_regathers_conv1d_inputs(local_world):
+    """HF GPT-2's Conv1D layers are `addmm(b, x.view(-1, h), w)` with w (in, out): their gathered inputs are kept
+    sharded and re-gathered backward too; loss, every gradient and parameter after two steps as one device."""
+    import zoo
+    from passes.lower import collective_nodes
+
+    model, inputs, tol = zoo.FAMILIES["gpt2"]()
+    with local_world(2):
+        res = run_equivalence(model, inputs, (2,), ("tp",), plan="megatron", overrides={"norm": "sequence"}, steps=2)
+    assert set(res.grad_err) == set(res.param_err) == {n for n, _ in model.named_parameters()}
+    assert res.max_err() < tol, res.max_err()
+    again = [n for n in collective_nodes(res.graph_module) if n.target.__name__ == "regather_linears"]
+    assert len(again) == 2 * LAYERS + 1 and sum(any(n.args[7]) for n in again) == 2 * LAYERS  # the LM head: linear
+    assert res.comm_counts["all_gather.backward"] == 2 * (2 * LAYERS + 1), res.comm_counts

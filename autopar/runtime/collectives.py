@@ -233,35 +233,48 @@ class _AllToAll(torch.autograd.Function):
         return _raw_all_to_all(g, cat_dim, split_dim, axis, backward=True), None, None, None
 
 
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, in_out: bool) -> torch.Tensor:
+    """linear(x, w, b) (w is (out, in)), or addmm(b, x, w) / mm(x, w) when `in_out` (w is (in, out), x 2-D)."""
+    if not in_out:
+        return torch.nn.functional.linear(x, w, b)
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
 class _RegatherLinears(torch.autograd.Function):
-    """`linear(full, w_i, b_i)` for each i, where `full = all_gather(shard)`: saves `shard`, not `full`, and
-    re-gathers it in backward for the weight gradients (Megatron sequence parallelism), the all-gather
-    overlapped with the input gradient. The gradient of `full` flows back to the all-gather that made it."""
+    """`linear(full, w_i, b_i)` (or `addmm`/`mm` where `in_out[i]`) for each i, where `full = all_gather(shard)`:
+    saves `shard`, not `full`, and re-gathers it in backward for the weight gradients (Megatron sequence
+    parallelism), the all-gather overlapped with the input gradient. The gradient of `full` flows back to the
+    all-gather that made it."""
 
     @staticmethod
-    def forward(ctx, full, shard, dim, axis, split_factor, *weights_and_biases):
+    def forward(ctx, full, shard, dim, axis, split_factor, in_out, *weights_and_biases):
         ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
-        ctx.args = (dim, axis, split_factor)
+        ctx.args = (dim, axis, split_factor, in_out)
         ctx.save_for_backward(shard, *ws)
-        return tuple(torch.nn.functional.linear(full, w, b) for w, b in zip(ws, bs))
+        return tuple(_project(full, w, b, t) for w, b, t in zip(ws, bs, in_out))
 
     @staticmethod
     def backward(ctx, *grads):
-        dim, axis, split_factor = ctx.args
+        dim, axis, split_factor, in_out = ctx.args
         shard, *ws = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[5::2], ctx.needs_input_grad[6::2]
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6::2], ctx.needs_input_grad[7::2]
         pending = _issue_all_gather(shard, dim, axis, backward=True) if any(need_w) else None
         gx = None
         if need_x:
-            for g, w in zip(grads, ws):
-                gx = g.matmul(w) if gx is None else gx + g.matmul(w)
+            for g, w, t in zip(grads, ws, in_out):
+                gw = g.matmul(w.t() if t else w)
+                gx = gw if gx is None else gx + gw
         x = _finish_all_gather(pending, dim, axis, split_factor) if pending is not None else None
         out = []
-        for g, nw, nb in zip(grads, need_w, need_b):
+        for g, nw, nb, t in zip(grads, need_w, need_b, in_out):
             g2 = g.reshape(-1, g.shape[-1])
-            out.append(g2.t().mm(x.reshape(-1, x.shape[-1])) if nw else None)
+            if nw:
+                x2 = x.reshape(-1, x.shape[-1])
+                out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
+            else:
+                out.append(None)
             out.append(g2.sum(0) if nb else None)
-        return (gx, None, None, None, None, *out)
+        return (gx, None, None, None, None, None, *out)
 
 
 # ----------------------------------------------------------------------------- graph-callable API
@@ -302,11 +315,13 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> 
 
 
 def regather_linears(full: torch.Tensor, shard: torch.Tensor, dim: int, axis: AxisRef, split_factor: int,
-                     weights: tuple, biases: tuple) -> tuple:
-    """`linear(full, w, b)` for every (w, b), `full` the all-gather of `shard` along dim: keeps `shard` for
-    backward and all-gathers it again there for the weight gradients."""
+                     weights: tuple, biases: tuple, in_out: tuple | None = None) -> tuple:
+    """`linear(full, w, b)` for every (w, b) (`addmm(b, full, w)` / `mm(full, w)` where `in_out`: w is (in, out)),
+    `full` the all-gather of `shard` along dim: keeps `shard` for backward and all-gathers it again there for the
+    weight gradients."""
+    in_out = tuple(in_out) if in_out is not None else (False,) * len(weights)
     interleaved = [t for wb in zip(weights, biases) for t in wb]
-    return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, *interleaved)
+    return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, in_out, *interleaved)
 
 
 class _GradSyncBucket(torch.autograd.Function):
