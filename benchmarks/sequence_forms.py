@@ -1,7 +1,9 @@
 """Sequence and context forms, measured: bytes each rank sends per step, counted where autopar's
 collectives are issued (every all-gather / reduce-scatter / all-to-all / ring step), against the
 volume formulas of DESIGN.md §3 (each form's module in autopar.forms); and activation memory saved for backward
-per rank, tensor parallel vs tensor + sequence parallel, against Korthikanti et al. (2205.05198).
+per rank, tensor parallel vs tensor + sequence parallel, against Korthikanti et al. (2205.05198): what
+saved_tensors_hooks see (unique storages of rank 0), the whole model with and without the parameters, and per
+layer (the difference between L and L/2 layers) against Korthikanti's terms for this layer.
 
 Runs in one process on simulated ranks (LocalTensorMode), 4 ranks, fp32, a 4-layer GPT without
 dropout (SDPA attention, so no s^2 score term). Only the per-layer collectives of the form are

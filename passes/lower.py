@@ -544,13 +544,12 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
 def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """An activation's `all_gather_rs` whose every user is a linear (`linear`, `addmm`, `mm`) taking it as input
     (the sequence-sharded input of a column-parallel layer under Megatron SP) -> those become one
-    `regather_linears` node: it
-    keeps the shard for backward and all-gathers it again there for the weight gradients, where each linear
-    would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such gather: one more all-gather
-    backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
-    g_ = gm.graph
-    needs = _depends_on_parameters(g_, ctx)
-    for gather in list(g_.nodes):
+    `regather_linears` node: it keeps the shard for backward and all-gathers it again there for the weight
+    gradients, where each linear would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such
+    gather: one more all-gather backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
+    graph = gm.graph
+    needs = _depends_on_parameters(graph, ctx)
+    for gather in list(graph.nodes):
         if gather.op != "call_function" or gather.target is not C.all_gather_rs:
             continue
         shard, dim, axis, split_factor = gather.args
@@ -558,17 +557,17 @@ def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gra
         if shard.op == "placeholder" or not users or not all(_takes_as_input(u, gather) for u in users) \
                 or not any(a in needs for u in users for a in u.args if a is not gather):
             continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
-        order = {n: i for i, n in enumerate(g_.nodes)}
+        order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(users, key=order.__getitem__)
         in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
         weights = tuple(u.args[2] if t else u.args[1] for u, t in zip(users, in_out))
         biases = tuple((u.args[0] if u.target is aten.addmm.default else None) if t else
                        (u.args[2] if len(u.args) > 2 else None) for u, t in zip(users, in_out))
-        if not _hoist_before(first, [a for a in weights + biases if a is not None], set(users), order):
-            continue
+        if any(a is not None and order[a] > order[first] for a in weights + biases):
+            continue  # a weight made after the first linear (`fused_parts_pass`' row blocks): kept as it is
         info = gather.meta[M.COMM]
-        with g_.inserting_before(first):
-            fused = g_.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases,
+        with graph.inserting_before(first):
+            fused = graph.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases,
                                                           in_out))
         fused.meta["val"] = tuple(u.meta["val"] for u in users)
         fused.meta[M.PLACEMENTS] = [u.meta[M.PLACEMENTS] for u in users]
@@ -577,12 +576,12 @@ def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gra
                                       info.bytes_forward, info.module)
         cursor = fused
         for i, u in enumerate(users):
-            with g_.inserting_after(cursor):
-                item = g_.call_function(operator.getitem, (fused, i))
+            with graph.inserting_after(cursor):
+                item = graph.call_function(operator.getitem, (fused, i))
             item.meta.update(u.meta)
             cursor = item
             u.replace_all_uses_with(item)
-            g_.erase_node(u)
+            graph.erase_node(u)
     return gm
 
 
@@ -601,23 +600,6 @@ def _takes_as_input(u: fx.Node, x: fx.Node) -> bool:
         return False
     return (ndim and u.args[pos] is x and sum(a is x for a in u.args) == 1 and isinstance(w, fx.Node)
             and len(shape(w)) == 2)
-
-
-def _hoist_before(pos: fx.Node, needed: list[fx.Node], forbidden: set[fx.Node], order: dict) -> bool:
-    """Move the nodes among `needed` (and what they need) that come after `pos` to just before it, keeping their
-    order; False (nothing moved) if one of them is or needs a node of `forbidden`, or is impure."""
-    late, stack = set(), [n for n in needed if order[n] > order[pos]]
-    while stack:
-        n = stack.pop()
-        if n in late:
-            continue
-        if n in forbidden or n.op != "call_function" or n.is_impure():
-            return False
-        late.add(n)
-        stack.extend(a for a in n.all_input_nodes if order[a] > order[pos])
-    for n in sorted(late, key=order.__getitem__):
-        pos.prepend(n)
-    return True
 
 
 def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:

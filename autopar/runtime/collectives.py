@@ -9,7 +9,11 @@
 | `split`            | local chunk (no comm.)      | all-gather                       | R -> S(d)        |
 | `reduce_scatter`   | reduce-scatter along dim    | all-gather                       | P -> S(d)        |
 | `all_to_all`       | all-to-all (split a, cat b) | all-to-all (split b, cat a)      | S(a) -> S(b)     |
-| `regather_linears` | linears on the gathered x   | all-gather x again (weight grads)| keeps S(d) x only |
+| `regather_linears` | linears on gathered x       | all-gather x's shard again       | (saves the shard) |
+
+`regather_linears` follows an `all_gather_rs` of x (Megatron SP): its linears keep x's shard, not the
+gathered x, for their weight gradients, and all-gather it again in backward (overlapped with the input
+gradient, which flows back to the first all-gather's reduce-scatter).
 
 Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
 Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
