@@ -28,11 +28,12 @@ forward, when all of them are alive; transient buffers are not modelled. Rules:
   erf, abs, ...) save their input; cross-entropy saves fp32-sized log-probabilities (its input's
   size); dropout with p > 0 in training saves a 1-byte mask per element; masked_fill/where
   save the mask; `SAVES_NOTHING` ops (add, sub, neg, sum, mean, cat, casts, copies, views, the
-  collectives autopar's lowering inserts, ...) save nothing; any other op conservatively saves
+  collectives autopar's lowering inserts, ...) save nothing; `regather_linears` (linears on an
+  all-gathered input) saves the input's shard (and the weights); any other op conservatively saves
   all its tensor inputs.
 - a saved view is charged to its storage root (the node whose output it aliases), once: q, k
   and v split out of one fused QKV projection cost the projection's output, once. `ALIASES`
-  (autopar's `grad_all_reduce`, identity forward) are views too.
+  (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too.
   Placeholders (parameters, buffers, user inputs) are not activations and are not charged.
 - with `mesh_shape`, a saved tensor on a node with `meta["autopar_placements"]` (a tuple of
   placements per mesh axis) costs its bytes / prod(sizes of the axes where it is sharded).
@@ -171,7 +172,7 @@ SAVES_NOTHING = {"add", "sub", "rsub", "neg", "sum", "mean", "cat", "stack", "to
                  # autopar.runtime.collectives inserted by the lowering (their outputs are new tensors)
                  "all_reduce", "all_gather", "all_gather_rs", "reduce_scatter", "all_to_all"}
 # functions whose forward returns an alias of their first input (identity forward)
-ALIASES = {"grad_all_reduce"}
+ALIASES = {"grad_all_reduce", "placement_hint"}
 _NORMS = {"layer_norm": 2, "native_layer_norm": 2, "rms_norm": 1, "_fused_rms_norm": 1,
           "group_norm": 2, "native_group_norm": 2}  # fp32 statistics per normalised row
 
@@ -237,6 +238,10 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
             if any(o in needs for o in others):
                 out.append((a, None))
         return out
+    if name == "regather_linears":  # linears on an all-gather of `shard`: they keep the shard (re-gathered backward)
+        full, shard, weights = node.args[0], node.args[1], node.args[5]
+        return ([(shard, None)] if any(w in needs for w in weights) else []) + \
+            ([(w, None) for w in weights] if full in needs else [])
     if node.target in _SDPA:
         a = _bound_args(node)
         q = a["query"].meta["val"]
@@ -271,7 +276,7 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
         return [(m, None) for m in masks]
     if name in ("embedding", "index_select", "gather", "index", "scatter", "scatter_add"):
         return [(a, None) for a in args if not a.meta["val"].is_floating_point()]
-    if name in SAVES_NOTHING or node.target is operator.getitem or _is_view(node):
+    if name in SAVES_NOTHING or name in ALIASES or node.target is operator.getitem or _is_view(node):
         return []
     return [(a, None) for a in args]  # unknown op: conservatively, every tensor input
 

@@ -10,7 +10,8 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
   collective node per mesh axis is inserted (`autopar.runtime.collectives`, each a fixed
   forward/backward pair); where the rule consumes an `R` input into a sharded or partial output,
   the input is wrapped in `grad_all_reduce` (its gradient is partial). An all-gather followed by
-  `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter).
+  `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter); linears consuming such a gathered
+  activation become one `regather_linears` node, which saves the shard and all-gathers it again in backward.
 - Shape literals are rewritten to local shapes (`view(b, s, heads, d)` -> `view(b, s, heads/t, d)`)
   and ops whose sharded form differs are replaced by their parallel form
   (`autopar.runtime.ops`: vocab-parallel embedding and cross-entropy, global-count means, GQA).
@@ -312,17 +313,7 @@ class _Lowerer:
                 self._output(node)
 
     def _needs_grad(self) -> set[fx.Node]:
-        """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
-        out: set[fx.Node] = set()
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                v = node.meta.get("val")
-                if node.name not in self.ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
-                        and node.name in self.ctx.placements:
-                    out.add(node)
-            elif any(a in out for a in node.all_input_nodes):
-                out.add(node)
-        return out
+        return _depends_on_parameters(self.graph, self.ctx)
 
     def _placeholder(self, node: fx.Node) -> None:
         want = self.ctx.placements.get(node.name, self.all_r)
@@ -550,6 +541,81 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
     return gm
 
 
+def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """An activation's `all_gather_rs` whose every user is a linear (`linear`, `addmm`, `mm`) taking it as input
+    (the sequence-sharded input of a column-parallel layer under Megatron SP) -> those become one
+    `regather_linears` node: it keeps the shard for backward and all-gathers it again there for the weight
+    gradients, where each linear would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such
+    gather: one more all-gather backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
+    graph = gm.graph
+    needs = _depends_on_parameters(graph, ctx)
+    for gather in list(graph.nodes):
+        if gather.op != "call_function" or gather.target is not C.all_gather_rs:
+            continue
+        shard, dim, axis, split_factor = gather.args
+        users = list(gather.users)
+        if shard.op == "placeholder" or not users or not all(_takes_as_input(u, gather) for u in users) \
+                or not any(a in needs for u in users for a in u.args if a is not gather):
+            continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(users, key=order.__getitem__)
+        in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
+        weights = tuple(u.args[2] if t else u.args[1] for u, t in zip(users, in_out))
+        biases = tuple((u.args[0] if u.target is aten.addmm.default else None) if t else
+                       (u.args[2] if len(u.args) > 2 else None) for u, t in zip(users, in_out))
+        if any(a is not None and order[a] > order[first] for a in weights + biases):
+            continue  # a weight made after the first linear (`fused_parts_pass`' row blocks): kept as it is
+        info = gather.meta[M.COMM]
+        with graph.inserting_before(first):
+            fused = graph.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases,
+                                                          in_out))
+        fused.meta["val"] = tuple(u.meta["val"] for u in users)
+        fused.meta[M.PLACEMENTS] = [u.meta[M.PLACEMENTS] for u in users]
+        fused.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+        fused.meta[M.COMM] = CommInfo("regather_linears", "-", "all_gather", info.axis, info.axis_size, 0,
+                                      info.bytes_forward, info.module)
+        cursor = fused
+        for i, u in enumerate(users):
+            with graph.inserting_after(cursor):
+                item = graph.call_function(operator.getitem, (fused, i))
+            item.meta.update(u.meta)
+            cursor = item
+            u.replace_all_uses_with(item)
+            graph.erase_node(u)
+    return gm
+
+
+def _takes_as_input(u: fx.Node, x: fx.Node) -> bool:
+    """u is `linear(x, w[, b])`, `addmm(b, x, w)` (beta = alpha = 1) or `mm(x, w)` with a 2-D weight, x only its
+    input."""
+    if u.op != "call_function" or u.kwargs:
+        return False
+    if u.target is aten.linear.default:
+        pos, w, ndim = 0, u.args[1], len(shape(x)) >= 2
+    elif u.target is aten.addmm.default and len(u.args) == 3:
+        pos, w, ndim = 1, u.args[2], len(shape(x)) == 2
+    elif u.target is aten.mm.default:
+        pos, w, ndim = 0, u.args[1], len(shape(x)) == 2
+    else:
+        return False
+    return (ndim and u.args[pos] is x and sum(a is x for a in u.args) == 1 and isinstance(w, fx.Node)
+            and len(shape(w)) == 2)
+
+
+def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:
+    """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
+    out: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            v = node.meta.get("val")
+            if node.name not in ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
+                    and node.name in ctx.placements:
+                out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) becomes one bucketed
     all-reduce of all those gradients (per axis and dtype), as DDP buckets them: one collective per
@@ -767,6 +833,7 @@ LOWER = [
     insert_hints_pass,
     propagate_pass,
     fuse_gather_grad_reduce_pass,
+    regather_linear_inputs_pass,
     bucket_gradients_pass,
     dead_code_pass,
 ]

@@ -314,7 +314,7 @@ def test_form_volumes_match_collectives():
     ar = A.send_bytes("all_reduce", b * s * h, t)
     assert 2 * blocks.tensor_parallel_volume_bytes(b * s * h, t) == pytest.approx(4 * ar)  # attention + MLP
     assert sequence_norm.layer_volume_bytes(b, s, h, t, 1) == pytest.approx(
-        4 * A.send_bytes("all_gather", b * s * h, t) + 4 * A.send_bytes("reduce_scatter", b * s * h, t))
+        6 * A.send_bytes("all_gather", b * s * h, t) + 4 * A.send_bytes("reduce_scatter", b * s * h, t))
     assert vocab_loss.volume_bytes(b * s, t) == pytest.approx(3 * A.send_bytes("all_reduce", 4 * b * s, t))
     assert vocab_embedding.volume_bytes(b * s * h, t) == pytest.approx(ar)
     local = b * (s // t)  # tokens per rank before the seq -> heads all-to-all
@@ -417,6 +417,30 @@ def test_tensor_parallel_activations_match_korthikanti(_fake_pg):
 
     per_layer = act(2) - act(1)
     assert per_layer == s * b * h * (10 - 2 + 24 // t) + 4 * a * s * b // t + 16 * s * b
+
+
+def test_sequence_parallel_activations_match_korthikanti(_fake_pg):
+    """Megatron SP (t=2) lowered: every activation a layer saves is 1/t, the column-parallel linears' inputs
+    included (they keep the shard and re-gather it backward: `regather_linears`). Korthikanti's sbh·34/t less the
+    2 dropout-mask terms, the flash log-sum-exp 4asb/t, and the layer norms' statistics 16sb/t."""
+    import autopar
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fake_pg(2)
+    mesh = init_device_mesh("cpu", (2,))
+    s, b, h, a, t = 64, 2, 64, 4, 2
+
+    def act(num_layers):
+        model = GPT(GPTConfig(vocab_size=256, seq_len=s, num_layers=num_layers, num_heads=a, hidden=h))
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        pm = autopar.parallelize(model.to(torch.bfloat16), mesh, (tokens, tokens), plan="megatron",
+                                 overrides={"norm": "sequence"})
+        assert [n.target.__name__ for n in pm.graph_module.graph.nodes if "regather" in str(n.target)] == \
+            ["regather_linears"] * (2 * num_layers + 1)
+        return M.activation_bytes(pm.graph_module, (t,))
+
+    per_layer = act(2) - act(1)
+    assert per_layer == (s * b * h * (34 - 2) + 4 * a * s * b + 16 * s * b) // t
 
 
 def test_saved_activations_charge_views_once():

@@ -91,9 +91,12 @@ def test_megatron_sp_collectives_per_layer(local_world):
     blocks = 2 * layers
     norms = 2 * layers + 1
     c = res.comm_counts
-    # inputs of blocks and of the LM head are gathered; block outputs and the embedding are scattered
+    # inputs of blocks and of the LM head are gathered; block outputs and the embedding are scattered; backward,
+    # the reverse, and each gathered input is gathered again for its linears' weight gradients (Megatron: the
+    # linears keep the shard, not the gathered copy)
     assert c["all_gather.forward"] == blocks + 1 and c["reduce_scatter.forward"] == blocks + 1, c
-    assert c["reduce_scatter.backward"] == blocks + 1 and c["all_gather.backward"] == blocks + 1, c
+    assert c["reduce_scatter.backward"] == blocks + 1 and c["all_gather.backward"] == 2 * (blocks + 1), c
+    assert res.plan.comm_counts() == {k: n for k, n in c.items() if k != "all_reduce.forward"}  # (loss: inside its op)
     assert c["all_reduce.forward"] == 3, c  # max, target logit, sum-exp of the vocab-parallel loss
     # gradients of parameters inside the sequence-parallel region (norms' w, b and row-parallel biases),
     # summed over the axis in one bucket
@@ -105,6 +108,50 @@ def test_megatron_sp_collectives_per_layer(local_world):
     elems = B * S * cfg.hidden
     ag = [r for r in res.plan.comms if r.fn == "all_gather_rs" and r.module.endswith("attn.qkv")]
     assert ag and all(r.bytes_forward == (t - 1) * elems // t * 8 for r in ag)
+    again = [r for r in res.plan.comms if r.fn == "regather_linears"]
+    assert sorted(r.module for r in again) == sorted([f"h.{i}.{m}" for i in range(layers) for m in ("attn.qkv", "fc")]
+                                                     + ["lm_head"])
+    assert all((r.forward, r.backward, r.bytes_forward, r.bytes_backward) ==
+               ("-", "all_gather", 0, (t - 1) * elems // t * 8) for r in again)
+    recorded = sum(b for kind, _, pass_, _, b in res.comms if (kind, pass_) == ("all_gather", "backward"))
+    assert recorded == sum(r.bytes_backward for r in res.plan.comms if r.backward == "all_gather") \
+        == 2 * (blocks + 1) * (t - 1) * elems // t * 8
+
+
+def test_megatron_sp_keeps_column_inputs_sharded_for_backward(local_world):
+    """What autograd saves at run time (saved_tensors_hooks, rank 0, parameters excluded): under SP no whole
+    (b, s, h) stream is kept (the column-parallel linears keep its shard and re-gather it backward), under TP
+    alone the norms' inputs and outputs are; the bytes are those the memory model reads off the lowered graph."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cost_model.memory import activation_bytes
+
+    def local(t):
+        lt = getattr(t, "_local_tensors", None)
+        return lt[0] if lt is not None else t
+
+    t, h = 2, GPTConfig().hidden
+    kept = {}
+    for name, overrides in (("tp", None), ("sp", {"norm": "sequence"})):
+        torch.manual_seed(0)
+        model, x = GPT(GPTConfig()), _tokens()
+        saved = {}
+
+        def pack(v):
+            v = local(v)
+            saved[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+            return v
+
+        with local_world(t):
+            mesh = init_device_mesh("cpu", (t,), mesh_dim_names=("tp",))
+            pm = autopar.parallelize(model, mesh, x, plan="megatron", overrides=overrides)
+            params = {local(p.to_local()).untyped_storage().data_ptr() for p in pm.parameters()}
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda v: v):
+                pm(*x)
+        acts = [n for ptr, n in saved.items() if ptr not in params]
+        kept[name] = sum(1 for n in acts if n == B * S * h * 4)  # fp32 (b, s, h) storages (a view reads as its base)
+        assert sum(acts) == pytest.approx(activation_bytes(pm.graph_module, (t,)), rel=0.02)
+    assert kept == {"tp": 4 * LAYERS + 2, "sp": 0}, kept
 
 
 @pytest.mark.parametrize("name", ["gpt", "gpt-3heads", "hf-llama"])
@@ -236,3 +283,46 @@ def test_sequence_forms_non_causal(local_world, form, p):
     res = _run(local_world, "llama-sdpa-bidirectional", (p,), ("cp",), "dp", {"attention": form})
     assert all(f == form for f in _attention_forms(res.plan))
     _ran_sequence_collectives(res, form)
+
+
+@pytest.mark.parametrize("case", ["gpt-tp4", "hf_llama-tp2"])
+def test_megatron_sp_on_gloo(case):
+    """Megatron SP on real gloo processes, fp64: loss, every gradient, every parameter after two steps equal to
+    each rank's single-device run; every gathered column-parallel input gathered again backward."""
+    from dist_harness import gloo_pool
+    from equivalence import gloo_equivalence
+    from test_equivalence_gloo import HF_TOL, TOL, _param_names, hf_inputs, make_gpt, make_hf_llama, token_inputs
+
+    world, make, inputs_fn, tol = {"gpt-tp4": (4, make_gpt, token_inputs, TOL),
+                                   "hf_llama-tp2": (2, make_hf_llama, hf_inputs, HF_TOL)}[case]
+    results = gloo_pool(world).run(gloo_equivalence, make, inputs_fn, (world,), ("tp",), "megatron",
+                                   {"norm": "sequence"}, 2)
+    assert len(results) == world
+    for rank, res in enumerate(results):
+        assert set(res.grad_err) == set(res.param_err) == _param_names(make), rank
+        assert res.max_err() <= tol * max(1.0, abs(res.ref_loss)), (rank, res.max_err(), res.grad_err)
+        c = res.comm_counts
+        # per layer 2 gathered block inputs, and the LM head's: each gathered forward and again backward (and the
+        # block outputs' scatters gathered backward); HF's returned logits are gathered too (vocab, forward only)
+        gathered, stream = 2 * LAYERS + 1, B * S * 32
+        fwd = [n for kind, _, pass_, n, _ in res.comms if (kind, pass_) == ("all_gather", "forward")]
+        bwd = [n for kind, _, pass_, n, _ in res.comms if (kind, pass_) == ("all_gather", "backward")]
+        assert fwd.count(stream) == gathered and bwd == [stream] * 2 * gathered, (rank, c)
+        assert len(fwd) == gathered + (case == "hf_llama-tp2"), (rank, c)
+        assert c == results[0].comm_counts
+
+
+def test_megatron_sp_regathers_conv1d_inputs(local_world):
+    """HF GPT-2's Conv1D layers are `addmm(b, x.view(-1, h), w)` with w (in, out): their gathered inputs are kept
+    sharded and re-gathered backward too; loss, every gradient and parameter after two steps as one device."""
+    import zoo
+    from passes.lower import collective_nodes
+
+    model, inputs, tol = zoo.FAMILIES["gpt2"]()
+    with local_world(2):
+        res = run_equivalence(model, inputs, (2,), ("tp",), plan="megatron", overrides={"norm": "sequence"}, steps=2)
+    assert set(res.grad_err) == set(res.param_err) == {n for n, _ in model.named_parameters()}
+    assert res.max_err() < tol, res.max_err()
+    again = [n for n in collective_nodes(res.graph_module) if n.target.__name__ == "regather_linears"]
+    assert len(again) == 2 * LAYERS + 1 and sum(any(n.args[7]) for n in again) == 2 * LAYERS  # the LM head: linear
+    assert res.comm_counts["all_gather.backward"] == 2 * (2 * LAYERS + 1), res.comm_counts

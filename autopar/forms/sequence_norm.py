@@ -7,9 +7,12 @@ sequence-sharded stream all-gathers it (forward) and reduce-scatters its input g
 the row-parallel outputs of the tensor-parallel blocks on that axis are reduce-scattered onto the
 sequence (forward, before their bias; all-gather backward: `ROW_OUTPUT` directives); norm weights
 see partial gradients, summed over the axis by `grad_all_reduce`, and so do the row-parallel biases
-(added after the reduce-scatter); all of them in one bucket per axis (`bucket_gradients_pass`). Volume
-per layer: 4 all-gathers + 4 reduce-scatters of b·s·h, `8(t-1)/t · bsh` (`layer_volume_bytes`), as
-tensor parallelism alone.
+(added after the reduce-scatter); all of them in one bucket per axis (`bucket_gradients_pass`). The
+column-parallel linears keep their gathered input's shard for backward, not the gathered copy, and
+all-gather it again there for their weight gradients (`regather_linear_inputs_pass`), as Megatron
+does: every activation saved in the layer is then 1/t (Korthikanti's 34sbh/t). Volume per layer: 6
+all-gathers (2 of them the backward re-gathers) + 4 reduce-scatters of b·s·h, `10(t-1)/t · bsh`
+(`layer_volume_bytes`): tensor parallelism's volume and one all-gather per norm more.
 Preconditions: sequence % t == 0; every attention and MLP tensor parallel on the axis (an ILP
 constraint; a hand plan whose blocks are not keeps them replicated around sequence-sharded norms).
 """
@@ -26,8 +29,9 @@ from cost_model.analytical import send_bytes
 
 
 def layer_volume_bytes(b: int, s: int, h: int, t: int, itemsize: int) -> float:
-    """Bytes each rank sends per transformer layer, forward + backward: 4 all-gathers + 4 reduce-scatters."""
-    return 4 * (send_bytes("all_gather", b * s * h, t) + send_bytes("reduce_scatter", b * s * h, t)) * itemsize
+    """Bytes each rank sends per transformer layer, forward + backward: 4 all-gathers + 4 reduce-scatters, and the
+    2 backward re-gathers of the column-parallel inputs."""
+    return (6 * send_bytes("all_gather", b * s * h, t) + 4 * send_bytes("reduce_scatter", b * s * h, t)) * itemsize
 
 
 @register
@@ -72,5 +76,11 @@ class SequenceNorm(Form):
         sync_s, sync_bytes = dp.grad_sync(mc, st.param_bytes + st.sequence_bias_bytes, axes=(cand.axis,))
         comms.time_s += sync_s + st.sequence_bucket_share * mc.bucket_rate(cand.axis)[0]
         comms.bytes += sync_bytes
-        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp * t, mc.cluster), comms=comms,
-                             act=st.act_bytes / mc.dp / t)
+        # The norm's output (the size of the stream it normalises) feeds column-parallel linears, which save its
+        # shard, not the gathered copy the block's own cost counts (`blocks.tensor_parallel`: the block input
+        # whole), and all-gather it again backward.
+        stream = site.input.meta["val"]
+        out_bytes = stream.numel() * stream.element_size() / mc.dp
+        comms.add("all_gather", out_bytes)
+        act = st.act_bytes / mc.dp / t - (t - 1) / t * out_bytes
+        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp * t, mc.cluster), comms=comms, act=act)

@@ -9,6 +9,11 @@
 | `split`            | local chunk (no comm.)      | all-gather                       | R -> S(d)        |
 | `reduce_scatter`   | reduce-scatter along dim    | all-gather                       | P -> S(d)        |
 | `all_to_all`       | all-to-all (split a, cat b) | all-to-all (split b, cat a)      | S(a) -> S(b)     |
+| `regather_linears` | linears on gathered x       | all-gather x's shard again       | (saves the shard) |
+
+`regather_linears` follows an `all_gather_rs` of x (Megatron SP): its linears keep x's shard, not the
+gathered x, for their weight gradients, and all-gather it again in backward (overlapped with the input
+gradient, which flows back to the first all-gather's reduce-scatter).
 
 Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
 Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
@@ -106,12 +111,20 @@ def _from_blocks(x: torch.Tensor, dim: int, n: int, k: int, zigzag: bool = False
     return torch.cat(out, dim)
 
 
-def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+def _issue_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, backward: bool = False) -> torch.Tensor:
+    """Start an all-gather; `_finish_all_gather` waits for it (work in between overlaps it)."""
     n = axis.size
     _record("all_gather", axis, x, x.numel() * n, backward)
-    y = _wait(_c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name))
-    y = y.movedim(0, dim)  # (.., n*local, ..) in rank-major order
-    return _from_blocks(y, dim, n, split_factor, axis.zigzag).contiguous()
+    return _c10d.all_gather_into_tensor(x.movedim(dim, 0).contiguous(), n, axis.group_name)
+
+
+def _finish_all_gather(pending: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
+    y = _wait(pending).movedim(0, dim)  # (.., n*local, ..) in rank-major order
+    return _from_blocks(y, dim, axis.size, split_factor, axis.zigzag).contiguous()
+
+
+def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    return _finish_all_gather(_issue_all_gather(x, dim, axis, backward), dim, axis, split_factor)
 
 
 def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
@@ -224,6 +237,50 @@ class _AllToAll(torch.autograd.Function):
         return _raw_all_to_all(g, cat_dim, split_dim, axis, backward=True), None, None, None
 
 
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, in_out: bool) -> torch.Tensor:
+    """linear(x, w, b) (w is (out, in)), or addmm(b, x, w) / mm(x, w) when `in_out` (w is (in, out), x 2-D)."""
+    if not in_out:
+        return torch.nn.functional.linear(x, w, b)
+    return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
+
+
+class _RegatherLinears(torch.autograd.Function):
+    """`linear(full, w_i, b_i)` (or `addmm`/`mm` where `in_out[i]`) for each i, where `full = all_gather(shard)`:
+    saves `shard`, not `full`, and re-gathers it in backward for the weight gradients (Megatron sequence
+    parallelism), the all-gather overlapped with the input gradient. The gradient of `full` flows back to the
+    all-gather that made it."""
+
+    @staticmethod
+    def forward(ctx, full, shard, dim, axis, split_factor, in_out, *weights_and_biases):
+        ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.args = (dim, axis, split_factor, in_out)
+        ctx.save_for_backward(shard, *ws)
+        return tuple(_project(full, w, b, t) for w, b, t in zip(ws, bs, in_out))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        dim, axis, split_factor, in_out = ctx.args
+        shard, *ws = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6::2], ctx.needs_input_grad[7::2]
+        pending = _issue_all_gather(shard, dim, axis, backward=True) if any(need_w) else None
+        gx = None
+        if need_x:
+            for g, w, t in zip(grads, ws, in_out):
+                gw = g.matmul(w.t() if t else w)
+                gx = gw if gx is None else gx + gw
+        x = _finish_all_gather(pending, dim, axis, split_factor) if pending is not None else None
+        out = []
+        for g, nw, nb, t in zip(grads, need_w, need_b, in_out):
+            g2 = g.reshape(-1, g.shape[-1])
+            if nw:
+                x2 = x.reshape(-1, x.shape[-1])
+                out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
+            else:
+                out.append(None)
+            out.append(g2.sum(0) if nb else None)
+        return (gx, None, None, None, None, None, *out)
+
+
 # ----------------------------------------------------------------------------- graph-callable API
 
 def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
@@ -259,6 +316,16 @@ def reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int =
 def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> torch.Tensor:
     """S(cat_dim) -> S(split_dim); backward is the inverse all-to-all."""
     return _AllToAll.apply(x, split_dim, cat_dim, resolve_axis(axis))
+
+
+def regather_linears(full: torch.Tensor, shard: torch.Tensor, dim: int, axis: AxisRef, split_factor: int,
+                     weights: tuple, biases: tuple, in_out: tuple | None = None) -> tuple:
+    """`linear(full, w, b)` for every (w, b) (`addmm(b, full, w)` / `mm(full, w)` where `in_out`: w is (in, out)),
+    `full` the all-gather of `shard` along dim: keeps `shard` for backward and all-gathers it again there for the
+    weight gradients."""
+    in_out = tuple(in_out) if in_out is not None else (False,) * len(weights)
+    interleaved = [t for wb in zip(weights, biases) for t in wb]
+    return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, in_out, *interleaved)
 
 
 class _GradSyncBucket(torch.autograd.Function):
@@ -297,4 +364,5 @@ COLLECTIVES: dict[object, tuple[str, str]] = {
     reduce_scatter: ("reduce_scatter", "all_gather"),
     all_to_all: ("all_to_all", "all_to_all"),
     grad_sync_bucket: ("-", "all_reduce"),
+    regather_linears: ("-", "all_gather"),
 }
