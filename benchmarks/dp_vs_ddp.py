@@ -1,6 +1,6 @@
 """autopar's "dp" plan against torch's DistributedDataParallel, on 2 gloo ranks.
 
-The same Llama-style model (4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice: by
+The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice: by
 `autopar.parallelize(..., plan="dp", inputs="local")` and by `DistributedDataParallel`, each rank passing its
 shard of the global batch. Training steps alternate between the two in one run; the ratio autopar/DDP of
 the median step times is printed (goal <= 1.0), after a check that both give the same loss. `--global` adds
@@ -8,7 +8,7 @@ autopar with `inputs="global"` (every rank passes the whole batch, autopar slice
 autopar with every gradient in one bucket (the lowering before DDP-sized buckets: one all-reduce after the whole
 backward); `--profile` prints a torch.profiler table of a few steps of autopar and DDP on rank 0.
 
-    python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile]
+    python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--only llama|gpt]
 """
 
 from __future__ import annotations
@@ -23,19 +23,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autopar
 from autopar.runtime import collectives
-from autopar.models import Llama, LlamaConfig
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from common import interleaved, launch, report, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
 
 
-def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None:
-    rank = dist.get_rank()
+def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None) -> None:
     cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
-    model = Llama(cfg)
+    if only in (None, "llama"):
+        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile)
+    cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
+    torch.manual_seed(0)
+    if only in (None, "gpt"):
+        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile)
+
+
+def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None:
+    rank = dist.get_rank()
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
     batch = (tokens, torch.roll(tokens, -1, dims=1))
     local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
@@ -50,7 +58,7 @@ def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None
         b = b.item() / WORLD_SIZE
         a = a.item()
     if rank == 0:
-        print(f"llama (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
+        print(f"{name} (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
               f"single-device {ref:.6f}  autopar {a:.6f}  DDP {b:.6f}")
     assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
     steps, losses = {}, {}
@@ -84,11 +92,11 @@ def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None
     if rank == 0:
         n = 3 + len(times.wall_s["autopar"])
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
-        report("dp_vs_ddp[llama]", times, "autopar", "DDP")
+        report(f"dp_vs_ddp[{name}]", times, "autopar", "DDP")
         if one_bucket:
-            report("dp_vs_ddp[llama, one bucket]", times, "autopar_one_bucket", "DDP")
+            report(f"dp_vs_ddp[{name}, one bucket]", times, "autopar_one_bucket", "DDP")
         if with_global:
-            report("dp_vs_ddp[llama, inputs=global]", times, "autopar_global", "DDP")
+            report(f"dp_vs_ddp[{name}, inputs=global]", times, "autopar_global", "DDP")
     assert abs(losses["autopar"].item() - losses["DDP"].item()) <= 1e-3 * max(1.0, abs(losses["DDP"].item())), losses
 
 
@@ -107,7 +115,7 @@ def _profile(step_a, step_b) -> None:
 
 def main() -> None:
     launch(run, WORLD_SIZE, "--quick" in sys.argv, "--global" in sys.argv, "--one-bucket" in sys.argv,
-           "--profile" in sys.argv)
+           "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None)
 
 
 if __name__ == "__main__":
