@@ -10,7 +10,10 @@ gradients accumulate over two backward passes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -101,14 +104,28 @@ def test_bucket_size_sets_the_number_of_buckets(local_world, monkeypatch):
         assert layers == sorted(layers, reverse=True), layers
 
 
+@contextlib.contextmanager
+def _bucket_bytes(size):
+    """In a gloo worker: the pool's processes outlive the test, so the size is restored after it."""
+    old, C.GRAD_BUCKET_BYTES = C.GRAD_BUCKET_BYTES, size
+    try:
+        yield
+    finally:
+        C.GRAD_BUCKET_BYTES = old
+
+
 def gloo_worker(bucket_bytes, steps):
-    C.GRAD_BUCKET_BYTES = bucket_bytes  # this worker process only
-    return gloo_equivalence(make_stack, stack_inputs, (2,), ("dp",), "dp", None, steps)
+    with _bucket_bytes(bucket_bytes):
+        return gloo_equivalence(make_stack, stack_inputs, (2,), ("dp",), "dp", None, steps)
 
 
 def accumulate_worker(bucket_bytes):
+    with _bucket_bytes(bucket_bytes):
+        return _accumulate()
+
+
+def _accumulate():
     """Two backward passes without zeroing: the second adds to gradients whose all-reduce may still be in flight."""
-    C.GRAD_BUCKET_BYTES = bucket_bytes
     torch.manual_seed(0)
     ref = Stack().double()
     model = Stack().double()
@@ -120,9 +137,11 @@ def accumulate_worker(bucket_bytes):
         ref(*inputs).backward()
         pm(*inputs).backward()
     buckets = sum(n.target is C.grad_sync_bucket for n in pm.graph_module.graph.nodes)
+    # the reductions ran asynchronously: the gradients are views of the collectives' results
+    asynchronous = all(isinstance(p.grad.to_local(), funcol.AsyncCollectiveTensor) for p in pm.parameters())
     ref_grads = dict(ref.named_parameters())
     errs = {n: (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item() for n, p in pm.named_parameters()}
-    return buckets, errs
+    return buckets, asynchronous, errs
 
 
 def test_gradients_exact_on_gloo_with_several_buckets():
@@ -132,6 +151,6 @@ def test_gradients_exact_on_gloo_with_several_buckets():
         assert res.comm_counts.get("all_reduce.backward") == LAYERS, res.comm_counts
         assert len(res.grad_err) == len(res.param_err) == 2 * LAYERS
         assert res.max_err() <= 1e-12, (res.grad_err, res.param_err)
-    for buckets, errs in gloo_pool(2).run(accumulate_worker, LAYER_BYTES):
-        assert buckets == LAYERS
+    for buckets, asynchronous, errs in gloo_pool(2).run(accumulate_worker, LAYER_BYTES):
+        assert buckets == LAYERS and asynchronous
         assert len(errs) == 2 * LAYERS and max(errs.values()) <= 1e-12, errs
