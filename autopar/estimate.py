@@ -30,6 +30,7 @@ from torch import fx
 from cost_model.analytical import collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
     send_bytes
 from cost_model.hardware import Cluster, axis_link
+from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes.patterns import TRANSPARENT
 
@@ -330,13 +331,14 @@ def _reaches_output(node: fx.Node, outputs: set[fx.Node]) -> bool:
 
 def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats, names, sizes, data_axes,
                  cluster: Cluster, *, optimizer: str = "adam", seq_axes=()) -> "MeshCosting":
-    """A MeshCosting whose gradient bucket holds every parameter's gradient (one bucket per dtype)."""
+    """A MeshCosting whose gradient buckets hold every parameter's gradient: at least one bucket per dtype, and
+    as many as `GRAD_BUCKET_BYTES` buckets their bytes fill (`bucket_gradients_pass`)."""
     ph = {n.name: n for n in ctx.captured.gm.graph.nodes if n.op == "placeholder"}
     dtypes = {ph[p].meta["val"].dtype for p in ctx.captured.param_fqns}
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
                        optimizer=optimizer, seq_axes=tuple(seq_axes), bucket_bytes=total,
-                       num_buckets=max(1, len(dtypes)))
+                       num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -348,7 +350,7 @@ class MeshCosting:
     optimizer: str = "adam"
     seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
     bucket_bytes: float = 0.0  # gradient bytes of all parameters: the bucket whose per-byte rate sites pay
-    num_buckets: int = 1  # parameter dtypes: one bucket per axis and dtype
+    num_buckets: int = 1  # gradient buckets per axis: one per dtype, one per `GRAD_BUCKET_BYTES`
 
     @property
     def dp(self) -> int:

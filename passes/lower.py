@@ -617,45 +617,76 @@ def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:
 
 
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
-    """Every `grad_all_reduce` of a parameter on one axis (data parallelism) becomes one bucketed
-    all-reduce of all those gradients (per axis and dtype), as DDP buckets them: one collective per
-    step instead of one per parameter.
+    """Every `grad_all_reduce` of a parameter on one axis (data parallelism) joins a bucketed all-reduce of
+    several gradients (per axis and dtype), as DDP buckets them: parameters in reverse order of first use, each
+    bucket holding at most `C.GRAD_BUCKET_BYTES` of gradient (a larger parameter alone). Each bucket goes right
+    before the first use of any of its parameters, so autograd runs its backward (an asynchronous all-reduce) as soon
+    as their gradients are ready, while the backward of earlier layers still runs. An axis and dtype with a single
+    reduction keeps its `grad_all_reduce`.
 
     A parameter reduced over several data axes is a chain `grad_all_reduce(grad_all_reduce(w, a0), a1)`
     (its gradient flows through a1's reduction first, then a0's). Bucketing runs in rounds: the first
     catches reductions of parameters, each later one the reductions of the previous round's bucketed
-    values, so every axis of the chain gets one bucket (a later round's bucket is inserted after the
-    earlier ones: in backward it runs first, as the chain's outer reduction did)."""
+    values, so every axis of the chain gets its buckets (a later round's bucket holds the items of one earlier
+    bucket and comes after them: in backward it runs first, as the chain's outer reduction did)."""
     bucketed = {n for n in gm.graph.nodes if n.op == "placeholder"}  # values a bucketable reduction reduces
-    # buckets and their items go right after the placeholders, each after the previous one (the first node after the
-    # placeholders may itself be a reduction this pass erases)
-    cursor = next((n for n in reversed(gm.graph.nodes) if n.op == "placeholder"), None)
-    while cursor is not None:
+    while True:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         groups: dict[tuple, list[fx.Node]] = {}
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target is C.grad_all_reduce and n.args[0] in bucketed:
-                groups.setdefault((n.args[1], n.args[0].meta["val"].dtype), []).append(n)
+                # a later round's bucket holds items of one earlier bucket only: all defined before its first use
+                source = n.args[0].args[0] if n.args[0].op == "call_function" else None
+                groups.setdefault((n.args[1], n.args[0].meta["val"].dtype, source), []).append(n)
         groups = {k: nodes for k, nodes in groups.items() if len(nodes) >= 2}
         if not groups:
             return gm
         bucketed = set()
-        for (axis, _), nodes in groups.items():
-            with gm.graph.inserting_after(cursor):
-                bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
-            cursor = bucket
-            infos = [n.meta[M.COMM] for n in nodes]
-            bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
-                                           0, sum(i.bytes_backward for i in infos), "(gradient bucket)")
-            bucket.meta["val"] = tuple(n.meta["val"] for n in nodes)
-            for i, n in enumerate(nodes):
-                with gm.graph.inserting_after(cursor):
-                    item = gm.graph.call_function(operator.getitem, (bucket, i))
-                cursor = item
-                item.meta.update({k: v for k, v in n.meta.items() if k != M.COMM})
-                n.replace_all_uses_with(item)
-                gm.graph.erase_node(n)
-                bucketed.add(item)
-    return gm
+        for (axis, _, _), nodes in groups.items():
+            for bucket_nodes in _grad_buckets(nodes, order):
+                bucketed.update(_bucket(gm, axis, bucket_nodes, order))
+
+
+def _first_use(n: fx.Node, order: dict[fx.Node, int]) -> int:
+    """Position of the reduction's input's first use (the reduction itself when it is the only user)."""
+    return min(order[u] for u in n.args[0].users)
+
+
+def _grad_buckets(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
+    """The reductions of one axis and dtype split into buckets of at most `C.GRAD_BUCKET_BYTES`, last used first."""
+    buckets: list[list[fx.Node]] = []
+    size = 0
+    for n in sorted(nodes, key=lambda n: -_first_use(n, order)):
+        val = n.args[0].meta["val"]
+        nbytes = val.numel() * val.element_size()
+        if not buckets or size + nbytes > C.GRAD_BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(n)
+        size += nbytes
+    return buckets
+
+
+def _bucket(gm: fx.GraphModule, axis, nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """Replace the reductions `nodes` by one `grad_sync_bucket` placed before their inputs' first use; its items."""
+    first = min((u for n in nodes for u in n.args[0].users), key=order.__getitem__)
+    with gm.graph.inserting_before(first):
+        bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
+        infos = [n.meta[M.COMM] for n in nodes]
+        bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
+                                       0, sum(i.bytes_backward for i in infos), "(gradient bucket)")
+        bucket.meta["val"] = tuple(n.meta["val"] for n in nodes)
+        items = []
+        for i, n in enumerate(nodes):
+            item = gm.graph.call_function(operator.getitem, (bucket, i))
+            item.meta.update({k: v for k, v in n.meta.items() if k != M.COMM})
+            items.append(item)
+    for n, item in zip(nodes, items):
+        n.replace_all_uses_with(item)
+        gm.graph.erase_node(n)
+    order.clear()
+    order.update((n, i) for i, n in enumerate(gm.graph.nodes))
+    return items
 
 
 def erase_asserts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:

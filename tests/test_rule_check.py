@@ -171,7 +171,8 @@ def test_lowering_buckets_grads_of_the_first_op(local_world, fp64):
     """`bucket_gradients_pass` used to insert its buckets before the graph's first non-placeholder node; when that
     node was itself one of the bucketed `grad_all_reduce`s (the first op of the graph consumes two replicated
     parameters into a sharded output) it was erased mid-way and the graph came out of order ("used before it has
-    been defined"). The buckets now follow the placeholders."""
+    been defined"). Each bucket now goes before its parameters' first use, parameters in reverse order of first use
+    (b's reduction was traced after w's)."""
     from autopar.runtime import collectives as C
 
     x, w, b = torch.randn(4, 6), torch.randn(8, 6), torch.randn(8)
@@ -179,9 +180,10 @@ def test_lowering_buckets_grads_of_the_first_op(local_world, fp64):
     g.output(node)
     gm = _lower(local_world, g, {"x": (Shard(0),), "w": (R,), "b": (R,)})
     (bucket,) = [n for n in gm.graph.nodes if n.target is C.grad_sync_bucket]
-    assert [a.name for a in bucket.args[0]] == ["w", "b"]
+    assert [a.name for a in bucket.args[0]] == ["b", "w"]
     linear = next(n for n in gm.graph.nodes if n.target is aten.linear.default)
-    assert [a.args for a in linear.args[1:]] == [(bucket, 0), (bucket, 1)]
+    assert [a.args for a in linear.args[1:]] == [(bucket, 1), (bucket, 0)]
+    gm.graph.lint()
 
 
 def test_in_place_write_into_a_redistributed_view_is_refused(local_world, fp64):

@@ -1,12 +1,13 @@
 """Data parallelism of parameters: replicated over the data axes, gradients all-reduced in buckets.
 
 Lowering (`passes.lower`): a parameter consumed by batch-sharded work gets `grad_all_reduce` on each
-data axis, and `bucket_gradients_pass` turns those of one axis and dtype into one all-reduce of a
-flat buffer (a DDP bucket): one collective per axis and dtype per step.
+data axis, and `bucket_gradients_pass` turns those of one axis and dtype into all-reduces of flat
+buffers (DDP buckets of at most `GRAD_BUCKET_BYTES`, the last-used parameters first), each issued
+asynchronously during the backward as soon as its gradients are ready.
 
 Cost: each structure pays its gradient bytes at the bucket's per-byte rate on every data (and
-sequence) axis, `grad_sync`; the bucket's fixed cost is paid once (`bucket_fixed_s`, charged to
-"other"). The rate is the chord of the all-reduce time between an empty bucket and one holding all
+sequence) axis, `grad_sync`; the buckets' fixed cost is paid once per bucket (`bucket_fixed_s`,
+charged to "other"); their overlap with the backward is not priced. The rate is the chord of the all-reduce time between an empty bucket and one holding all
 parameters' gradients, so the sum over structures is one collective of the whole bucket (exact
 for alpha-beta links), plus the copy of the gradients into the flat buffer. Volume per step:
 `2(p-1)/p · Ψ` (`volume_bytes`).

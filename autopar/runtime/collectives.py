@@ -30,7 +30,8 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch.distributed._local_tensor import maybe_run_for_local_tensor
+import torch.distributed._functional_collectives as funcol
+from torch.distributed._local_tensor import local_tensor_mode, maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
 from cost_model.analytical import send_bytes
@@ -328,8 +329,19 @@ def regather_linears(full: torch.Tensor, shard: torch.Tensor, dim: int, axis: Ax
     return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, in_out, *interleaved)
 
 
+# DDP's default bucket size (`bucket_cap_mb=25`): `bucket_gradients_pass` fills buckets of at most this many bytes of
+# gradient (a larger parameter gets a bucket of its own), parameters in reverse order of first use, so the buckets
+# of the last layers are reduced while the earlier layers' backward still runs.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
 class _GradSyncBucket(torch.autograd.Function):
-    """Identity on several tensors; backward all-reduces all their gradients in one flat buffer."""
+    """Identity on several tensors; backward all-reduces all their gradients in one flat buffer.
+
+    On a real process group the all-reduce is issued asynchronously (as DDP does) and the backward returns views of
+    its result as `AsyncCollectiveTensor`s: any read of them waits for the collective first, and a callback at the end
+    of the backward waits for it too, so the reduction overlaps the rest of the backward and no gradient is ever read
+    before it is reduced. Under `LocalTensorMode` (simulated ranks) it is reduced synchronously."""
 
     @staticmethod
     def forward(ctx, axis, *xs):
@@ -341,16 +353,23 @@ class _GradSyncBucket(torch.autograd.Function):
     def backward(ctx, *grads):
         grads = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads, ctx.shapes)]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        flat = _raw_all_reduce(flat, ctx.axis, backward=True)
+        if local_tensor_mode() is None and type(flat) is torch.Tensor:
+            _record("all_reduce", ctx.axis, flat, flat.numel(), True)
+            flat = funcol.all_reduce(flat, "sum", ctx.axis.group_name)
+            if isinstance(flat, funcol.AsyncCollectiveTensor):
+                torch.autograd.Variable._execution_engine.queue_callback(flat.wait)
+        else:
+            flat = _raw_all_reduce(flat, ctx.axis, backward=True)
         out, i = [], 0
         for g in grads:
-            out.append(flat[i:i + g.numel()].view_as(g))
+            out.append(flat[i:i + g.numel()].view(g.shape))
             i += g.numel()
         return (None, *out)
 
 
 def grad_sync_bucket(xs: tuple, axis: AxisRef) -> tuple:
-    """Data-parallel gradient reduction of many parameters as one all-reduce (a DDP bucket)."""
+    """Data-parallel gradient reduction of many parameters as one all-reduce (a DDP bucket), issued as soon as
+    their gradients are ready and waited for by the end of the backward."""
     return _GradSyncBucket.apply(resolve_axis(axis), *xs)
 
 

@@ -1,0 +1,122 @@
+"""autopar's "dp" plan against torch's DistributedDataParallel, on 2 gloo ranks.
+
+The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice: by
+`autopar.parallelize(..., plan="dp", inputs="local")` and by `DistributedDataParallel`, each rank passing its
+shard of the global batch. Training steps alternate between the two in one run; the ratio autopar/DDP of
+the median step times is printed (goal <= 1.0), after a check that both give the same loss. `--global` adds
+autopar with `inputs="global"` (every rank passes the whole batch, autopar slices it); `--one-bucket` adds
+autopar with every gradient in one bucket (the lowering before DDP-sized buckets: one all-reduce after the whole
+backward); `--profile` prints a torch.profiler table of a few steps of autopar and DDP on rank 0.
+
+    python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--only llama|gpt]
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+
+import autopar
+from autopar.runtime import collectives
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from common import interleaved, launch, report, train_step
+
+WORLD_SIZE = 2
+BATCH = 8  # sequences per step, global
+
+
+def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None) -> None:
+    cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
+                      ffn_hidden=1536)
+    torch.manual_seed(0)  # same model and data on every rank
+    if only in (None, "llama"):
+        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile)
+    cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
+    torch.manual_seed(0)
+    if only in (None, "gpt"):
+        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile)
+
+
+def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None:
+    rank = dist.get_rank()
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
+    batch = (tokens, torch.roll(tokens, -1, dims=1))
+    local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    with torch.no_grad():
+        ref = model(*batch).item()
+        a = pm(*local)
+        b = ddp(*local)
+        dist.all_reduce(b)  # DDP's loss is the local shard's: average over ranks for the global loss
+        b = b.item() / WORLD_SIZE
+        a = a.item()
+    if rank == 0:
+        print(f"{name} (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
+              f"single-device {ref:.6f}  autopar {a:.6f}  DDP {b:.6f}")
+    assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
+    steps, losses = {}, {}
+    opt_a = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    steps["autopar"] = lambda: losses.__setitem__("autopar", train_step(pm, opt_a, local))
+    opt_b = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+
+    def ddp_step():
+        loss = train_step(ddp, opt_b, local)
+        dist.all_reduce(loss)
+        losses["DDP"] = loss / WORLD_SIZE
+
+    steps["DDP"] = ddp_step
+    if with_global:
+        pg = autopar.parallelize(copy.deepcopy(model), mesh, batch, plan="dp")
+        opt_g = torch.optim.AdamW(pg.parameters(), lr=1e-4)
+        steps["autopar_global"] = lambda: losses.__setitem__("autopar_global", train_step(pg, opt_g, batch))
+    if one_bucket:
+        size, collectives.GRAD_BUCKET_BYTES = collectives.GRAD_BUCKET_BYTES, 2**62
+        try:
+            p1 = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+            with torch.no_grad():
+                p1(*local)  # lowered for these inputs now, with one bucket
+        finally:
+            collectives.GRAD_BUCKET_BYTES = size
+        opt_1 = torch.optim.AdamW(p1.parameters(), lr=1e-4)
+        steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
+    if profile:
+        _profile(lambda: train_step(pm, opt_a, local), lambda: train_step(ddp, opt_b, local))
+    times = interleaved(steps, warmup=3, iters=6 if quick else 100, budget_s=20.0 if quick else 60.0)
+    if rank == 0:
+        n = 3 + len(times.wall_s["autopar"])
+        print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
+        report(f"dp_vs_ddp[{name}]", times, "autopar", "DDP")
+        if one_bucket:
+            report(f"dp_vs_ddp[{name}, one bucket]", times, "autopar_one_bucket", "DDP")
+        if with_global:
+            report(f"dp_vs_ddp[{name}, inputs=global]", times, "autopar_global", "DDP")
+    assert abs(losses["autopar"].item() - losses["DDP"].item()) <= 1e-3 * max(1.0, abs(losses["DDP"].item())), losses
+
+
+def _profile(step_a, step_b) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    for name, step in (("autopar", step_a), ("DDP", step_b)):
+        for _ in range(2):
+            step()
+        with prof(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(3):
+                step()
+        if dist.get_rank() == 0:
+            print(f"--- profile {name} (3 steps, rank 0)")
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    launch(run, WORLD_SIZE, "--quick" in sys.argv, "--global" in sys.argv, "--one-bucket" in sys.argv,
+           "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Data-parallel gradient buckets (`bucket_gradients_pass`, `collectives.grad_sync_bucket`), as DDP makes them.
+
+Parameters in reverse order of first use fill buckets of at most `GRAD_BUCKET_BYTES`; each bucket sits before its
+parameters' first use, so in backward its all-reduce is issued as soon as their gradients exist (the last layer's
+first, while earlier layers' backward still runs) and waited for by the end of the backward. Asserted: the number
+of buckets for a given size, their contents and order (graph and the collectives actually run), and on real gloo
+processes (where the all-reduce is asynchronous) gradients and parameters equal to one device's, also when
+gradients accumulate over two backward passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import autopar
+from autopar.runtime import collectives as C
+from autopar.runtime.collectives import record_comms
+from dist_harness import gloo_pool
+from equivalence import gloo_equivalence
+
+LAYERS, DIM = 4, 16
+LAYER_BYTES = (DIM * DIM + DIM) * 8  # one fp64 Linear: weight and bias
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return ((x - y) ** 2).mean()
+
+
+def make_stack():
+    return Stack()
+
+
+def stack_inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, DIM, generator=g, dtype=torch.float64), torch.randn(8, DIM, generator=g, dtype=torch.float64)
+
+
+def _lower(local_world, monkeypatch, bucket_bytes):
+    monkeypatch.setattr(C, "GRAD_BUCKET_BYTES", bucket_bytes)
+    torch.manual_seed(0)
+    model = Stack().double()
+    inputs = stack_inputs()
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, inputs, plan="dp")
+        loss = pm(*inputs)
+        with record_comms() as bwd:
+            loss.backward()
+    gm = pm.graph_module
+    gm.graph.lint()
+    buckets = [n for n in gm.graph.nodes if n.target is C.grad_sync_bucket]
+    return pm, gm, buckets, list(bwd)
+
+
+def _layer_of(node) -> int:
+    """The layer index of a bucketed placeholder (its name is the parameter's path, e.g. p_layers_2_weight)."""
+    return int(node.name.split("layers_")[1].split("_")[0])
+
+
+def test_one_bucket_per_layer_last_layer_first(local_world, monkeypatch):
+    pm, gm, buckets, bwd = _lower(local_world, monkeypatch, LAYER_BYTES)
+    assert len(buckets) == LAYERS
+    # each bucket: one layer's weight and bias, the last layer's bucket first in the order they are filled
+    assert [sorted({_layer_of(a) for a in b.args[0]}) for b in buckets] == [[i] for i in range(LAYERS)]
+    assert all(len(b.args[0]) == 2 for b in buckets)
+    # each bucket sits right before its layer's first use: in backward it runs as soon as that layer's gradients exist
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for b in buckets:
+        first_use = min(order[u] for a in b.args[0] for u in a.users)
+        assert order[b] == first_use, (b, b.args[0])
+        users = [u for item in b.users for u in item.users]
+        assert users and all(order[u] > order[b] for u in users)
+    # the collectives run: one all-reduce per layer, the last layer's first (issued during the backward)
+    assert [(r.kind, r.axis, r.numel) for r in bwd] == [("all_reduce", "dp", DIM * DIM + DIM)] * LAYERS
+    assert [r.fn for r in pm.plan.comms].count("grad_sync_bucket") == LAYERS
+    assert pm.plan.comm_counts()["all_reduce.backward"] == LAYERS
+
+
+def test_bucket_size_sets_the_number_of_buckets(local_world, monkeypatch):
+    for size, expected in [(2**62, 1), (2 * LAYER_BYTES, 2), (3 * LAYER_BYTES, 2), (LAYER_BYTES - 1, 2 * LAYERS)]:
+        _, _, buckets, bwd = _lower(local_world, monkeypatch, size)
+        assert len(buckets) == len(bwd) == expected, (size, len(buckets), len(bwd))
+        # every parameter in exactly one bucket; no bucket over the size unless it holds a single parameter
+        params = [a for b in buckets for a in b.args[0]]
+        assert len(params) == len(set(params)) == 2 * LAYERS
+        for b in buckets:
+            nbytes = sum(a.meta["val"].numel() * 8 for a in b.args[0])
+            assert nbytes <= size or len(b.args[0]) == 1, (size, nbytes)
+        # filled in reverse order of first use: layers never interleave, the last ones first (buckets in backward
+        # order: the reverse of the graph's)
+        layers = [_layer_of(a) for b in reversed(buckets) for a in b.args[0]]
+        assert layers == sorted(layers, reverse=True), layers
+
+
+@contextlib.contextmanager
+def _bucket_bytes(size):
+    """In a gloo worker: the pool's processes outlive the test, so the size is restored after it."""
+    old, C.GRAD_BUCKET_BYTES = C.GRAD_BUCKET_BYTES, size
+    try:
+        yield
+    finally:
+        C.GRAD_BUCKET_BYTES = old
+
+
+def gloo_worker(bucket_bytes, steps):
+    with _bucket_bytes(bucket_bytes):
+        return gloo_equivalence(make_stack, stack_inputs, (2,), ("dp",), "dp", None, steps)
+
+
+def accumulate_worker(bucket_bytes):
+    with _bucket_bytes(bucket_bytes):
+        return _accumulate()
+
+
+def _accumulate():
+    """Two backward passes without zeroing: the second adds to gradients whose all-reduce may still be in flight."""
+    torch.manual_seed(0)
+    ref = Stack().double()
+    model = Stack().double()
+    model.load_state_dict(ref.state_dict())
+    inputs = stack_inputs()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(model, mesh, inputs, plan="dp")
+    for _ in range(2):
+        ref(*inputs).backward()
+        pm(*inputs).backward()
+    buckets = sum(n.target is C.grad_sync_bucket for n in pm.graph_module.graph.nodes)
+    # the reductions ran asynchronously: the gradients are views of the collectives' results
+    asynchronous = all(isinstance(p.grad.to_local(), funcol.AsyncCollectiveTensor) for p in pm.parameters())
+    ref_grads = dict(ref.named_parameters())
+    errs = {n: (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item() for n, p in pm.named_parameters()}
+    return buckets, asynchronous, errs
+
+
+def test_gradients_exact_on_gloo_with_several_buckets():
+    results = gloo_pool(2).run(gloo_worker, LAYER_BYTES, 2)
+    for res in results:
+        assert res.graph_counts.get("grad_sync_bucket") == LAYERS, res.graph_counts
+        assert res.comm_counts.get("all_reduce.backward") == LAYERS, res.comm_counts
+        assert len(res.grad_err) == len(res.param_err) == 2 * LAYERS
+        assert res.max_err() <= 1e-12, (res.grad_err, res.param_err)
+    for buckets, asynchronous, errs in gloo_pool(2).run(accumulate_worker, LAYER_BYTES):
+        assert buckets == LAYERS and asynchronous
+        assert len(errs) == 2 * LAYERS and max(errs.values()) <= 1e-12, errs
