@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_on_call
@@ -38,6 +39,7 @@ from autopar.mesh import mesh_info
 from autopar.plan import Plan
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
+from autopar.runtime.collectives import after_backward
 from autopar.runtime.ops import advance_rng_stream
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
 from autopar.weights import compute_buffers, init_weights, is_meta_model
@@ -198,8 +200,21 @@ class ParallelModule(nn.Module):
             else:
                 feeds.append(next(it))
         advance_rng_stream(self._rng_stream)
+        if torch.is_grad_enabled():
+            after_backward(self._plain_grads)
         outs = prog.gm(*feeds)
         return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
+
+    def _plain_grads(self) -> None:
+        """After a backward whose data-parallel buckets were reduced asynchronously: each gradient's local tensor,
+        reduced by now, as a plain tensor (not an AsyncCollectiveTensor)."""
+        for p in self.parameters():
+            g = p.grad
+            local = g._local_tensor if isinstance(g, DTensor) else g
+            if isinstance(local, AsyncCollectiveTensor):
+                local = local.wait()
+                p.grad = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
+                                            stride=g.stride()) if isinstance(g, DTensor) else local
 
     def _check_inputs(self, key: tuple, cap: Captured, flat: list) -> None:
         """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`);

@@ -11,9 +11,9 @@ gradients accumulate over two backward passes.
 from __future__ import annotations
 
 import contextlib
+import pickle
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,12 +133,19 @@ def _accumulate():
     inputs = stack_inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(model, mesh, inputs, plan="dp")
-    for _ in range(2):
-        ref(*inputs).backward()
-        pm(*inputs).backward()
+    ran, original = [], C._after_backward
+    C._after_backward = lambda: (ran.append(1), original())  # the end-of-backward step of the asynchronous path
+    try:
+        for _ in range(2):
+            ref(*inputs).backward()
+            pm(*inputs).backward()
+    finally:
+        C._after_backward = original
     buckets = sum(n.target is C.grad_sync_bucket for n in pm.graph_module.graph.nodes)
-    # the reductions ran asynchronously: the gradients are views of the collectives' results
-    asynchronous = all(isinstance(p.grad.to_local(), funcol.AsyncCollectiveTensor) for p in pm.parameters())
+    # the reductions ran asynchronously, and once reduced the gradients are plain tensors again (picklable)
+    plain = all(type(p.grad.to_local()) is torch.Tensor for p in pm.parameters())
+    pickle.dumps({n: p.grad.full_tensor() for n, p in pm.named_parameters()})
+    asynchronous = len(ran) >= 2 and plain
     ref_grads = dict(ref.named_parameters())
     errs = {n: (p.grad.full_tensor() - ref_grads[n].grad).abs().max().item() for n, p in pm.named_parameters()}
     return buckets, asynchronous, errs

@@ -26,6 +26,8 @@ the bytes each rank sends under ring algorithms, for tests and benchmarks.
 
 from __future__ import annotations
 
+import weakref
+
 import contextlib
 from dataclasses import dataclass
 
@@ -358,6 +360,7 @@ class _GradSyncBucket(torch.autograd.Function):
             flat = funcol.all_reduce(flat, "sum", ctx.axis.group_name)
             if isinstance(flat, funcol.AsyncCollectiveTensor):
                 torch.autograd.Variable._execution_engine.queue_callback(flat.wait)
+                torch.autograd.Variable._execution_engine.queue_callback(_after_backward)
         else:
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
         out, i = [], 0
@@ -365,6 +368,28 @@ class _GradSyncBucket(torch.autograd.Function):
             out.append(flat[i:i + g.numel()].view(g.shape))
             i += g.numel()
         return (None, *out)
+
+
+# Called once at the end of a backward that reduced gradients asynchronously (registered by `ParallelModule.forward`):
+# they turn the parameters' gradients back into plain tensors once reduced, so users (torch.save, pickling, numpy)
+# never meet an AsyncCollectiveTensor.
+_AFTER_BACKWARD: list = []
+
+
+def after_backward(fn) -> None:
+    """Run `fn()` once at the end of the next backward that reduces gradients asynchronously (a weak reference to a
+    bound method: a dropped module is skipped)."""
+    ref = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+    if all(r() != fn for r in _AFTER_BACKWARD):
+        _AFTER_BACKWARD.append(ref)
+
+
+def _after_backward() -> None:
+    pending, _AFTER_BACKWARD[:] = list(_AFTER_BACKWARD), []
+    for ref in pending:
+        fn = ref()
+        if fn is not None:
+            fn()
 
 
 def grad_sync_bucket(xs: tuple, axis: AxisRef) -> tuple:
