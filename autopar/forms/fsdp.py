@@ -18,12 +18,14 @@ ZeRO-3 does to save that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gat
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from typing import Iterable
 
 from autopar.estimate import MeshCosting, SiteStats
 from autopar.forms import dp
-from autopar.plan import Directive, DirectiveKind
+from autopar.plan import GATHER_KEEP, Directive, DirectiveKind, Plan
 from autopar.sites import Kind, Site
 from autopar.spec import Placement, is_shard
 from cost_model.analytical import collective_time_s, send_bytes
@@ -65,8 +67,24 @@ def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: It
     return next((d for d in range(min(2, len(shape))) if d not in taken and shape[d] % size == 0), None)
 
 
-def gather_directives(fqn: str, axes: list[str]) -> list[Directive]:
-    return [Directive(kind=DirectiveKind.GATHER, node=fqn, axis=a) for a in axes]
+def gather_directives(fqn: str, axes: list[str], keep: bool = False) -> list[Directive]:
+    """The parameter `fqn` all-gathered on `axes`: released after forward and gathered again in backward, or kept
+    gathered from forward to backward (`keep`)."""
+    return [Directive(kind=DirectiveKind.GATHER, node=fqn, axis=a, value=GATHER_KEEP if keep else "") for a in axes]
+
+
+def keep_gathered(plan: Plan, key: str = "*") -> Plan:
+    """`plan` with the FSDP parameters whose fqn matches the glob `key` (`"layers.3.*"`, `"*"`) kept gathered from
+    forward to backward (ZeRO-2-like: no re-gather in backward, the gathered weights held); a layer's group keeps
+    them when every one of its parameters does (lowering: `passes.lower.group_fsdp_gathers_pass`)."""
+    hit = [d for d in plan.directives if d.kind is DirectiveKind.GATHER and fnmatch.fnmatchcase(d.node, key)]
+    if not hit:
+        gathered = sorted({d.node for d in plan.directives if d.kind is DirectiveKind.GATHER})
+        raise ValueError(f"keep_gathered: no FSDP-gathered parameter of plan {plan.name!r} matches {key!r} (gathered: "
+                         f"{gathered[:6]}{'...' if len(gathered) > 6 else ''}). Fix: a glob over parameter names, "
+                         "e.g. 'layers.3.*', on a plan that FSDP-shards them (plan='fsdp').")
+    directives = tuple(dataclasses.replace(d, value=GATHER_KEEP) if d in hit else d for d in plan.directives)
+    return dataclasses.replace(plan, directives=directives)
 
 
 def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_s: float = 0.0) -> tuple[float, float]:
