@@ -69,6 +69,8 @@ class SiteStats:
     # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
+    # placeholder -> (bytes of its FSDP gather group, gathered again in backward): `autopar.forms.fsdp.groups`
+    fsdp_groups: dict[str, tuple[float, bool]] = field(default_factory=dict)
     # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
@@ -124,6 +126,7 @@ class SiteStats:
                 part.param_sizes.append(nbytes)
             if synced:
                 part.synced_param_sizes.append(nbytes)
+        parts[0].fsdp_groups = self.fsdp_groups
         return parts
 
     @property
@@ -313,6 +316,11 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
+    from autopar.forms import fsdp as fsdp_form  # the forms import this module
+    groups = fsdp_form.groups(gm, {p for st in (*stats.values(), other) for p, (_, used, sync) in st.param_facts.items()
+                                   if used and sync})
+    for st in (*stats.values(), other):
+        st.fsdp_groups = {p: groups[p] for p in st.param_facts if p in groups}
     return stats, other, owned
 
 

@@ -164,21 +164,6 @@ def test_two_data_axes(local_world, fp64):
     assert sorted(rs) == sorted(x for n in groups.values() for x in (("dp", n), ("dp2", n // 2))), rs
 
 
-def test_tensor_parallel_with_fsdp(local_world, fp64):
-    """fsdp on dp x tp: tensor parallel on tp, FSDP over dp on the dim tensor parallelism leaves whole (dim 1 of the
-    column-parallel weights), gathered per layer all the same."""
-    torch.manual_seed(0)
-    model, inputs = make_llama(), llama_inputs()
-    with local_world(4):
-        res = run_equivalence(model, inputs, (2, 2), ("dp", "tp"), plan="fsdp")
-    _check(res, model)
-    nodes = [n for n in res.graph_module.graph.nodes if n.target is F.fsdp_gather]
-    assert [n.args[4] for n in nodes] == list(_groups(model)), nodes
-    assert all(len(n.args[2]) == 1 and n.args[2][0].startswith("dp@") for n in nodes), [n.args[2:4] for n in nodes]
-    assert any(1 in n.args[3] for n in nodes)  # some weights FSDP-sharded on dim 1 (tensor parallel on dim 0)
-    assert res.comm_counts["all_gather.forward"] == len(nodes)
-
-
 def test_param_and_reduce_dtypes(local_world):
     """`param_dtype` casts the shards before the gather; `reduce_dtype` the gradients before the reduce-scatter,
     cast back to the shards' dtype after."""

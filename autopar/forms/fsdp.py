@@ -4,16 +4,22 @@ Placement: each parameter is sharded over every data axis on one dim that tensor
 leaves whole (dim 0 if it divides, else dim 1: `shard_dim`, the one rule the named `fsdp` plan, the
 solver's FSDP candidates and their cost follow); a parameter with no such dim stays whole and data
 parallel (`whole`; the plan notes it). Lowering: a `GATHER` directive per
-parameter and axis all-gathers it at the start of the step (innermost axis first, where the tensor
-is still divided by the outer axes), and the gradient of the gathered value is reduce-scattered
-backward (`all_gather_rs`, the fused gather + partial-gradient pair).
+parameter and axis; `passes.lower.group_fsdp_gathers_pass` gathers them per layer (`autopar.layers`; the
+parameters outside the layers per stretch between layers): one all-gather per data axis of a flat buffer of the
+group's shards, right before its first use, the next group's issued before this group's compute (prefetch);
+by default (ZeRO-3) the gathered weights are released after forward and gathered again in backward (the previous
+group's prefetched), and each group's gradients are reduce-scattered as one flat buffer as soon as they are
+complete (`autopar.runtime.fsdp`). `keep_gathered` marks groups kept gathered from forward to backward
+(ZeRO-2-like: no re-gather, the gathered weights held).
 
-Cost (`sync`): per parameter, an all-gather forward on every data axis, back to back at the start;
-each gradient that has its own reduction is reduce-scattered on the outermost axis and all-reduced
-whole on the others, as backward produces it. On sequence axes gradients join the data-parallel
-bucket. State: parameters, gradients and optimizer state divided by the data-parallel degree, plus
-the gathered parameters, which live from forward to backward (not re-gathered in backward, as
-ZeRO-3 does to save that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter).
+Cost (`sync`): per group an all-gather forward per data axis, again in backward when resharded
+(`regather_time_s`; a group only embedding lookups read is not saved, so not gathered again), and a
+reduce-scatter per data axis backward (`reduce_time_s`); each parameter pays its share of its group's collective
+(`groups`). On sequence axes gradients join the data-parallel bucket. State: parameters, gradients and optimizer
+state divided by the data-parallel degree, plus the gathered parameters (`params_cost`'s gathered bytes: today
+all of a structure's, as if held; `held_gathered_bytes` says what a group holds from forward to backward: all of
+it kept, none resharded). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ`
+resharded.
 """
 
 from __future__ import annotations
@@ -87,34 +93,111 @@ def keep_gathered(plan: Plan, key: str = "*") -> Plan:
     return dataclasses.replace(plan, directives=directives)
 
 
-def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_s: float = 0.0) -> tuple[float, float]:
-    """(time, bytes sent) of FSDP on the data axes, as lowering issues it (module docstring)."""
+def groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
+    """The FSDP gather groups of the parameters (placeholders) `params` whose gradients FSDP reduces, as lowering
+    makes them (`passes.lower.group_fsdp_gathers_pass`): those only one layer (`autopar.layers`) uses, per layer;
+    the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
+    in backward: some parameter of it is read by an op other than an embedding lookup, so autograd saves it)."""
+    from autopar.layers import find_layers
+    layers = find_layers(gm, params)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    starts = [min(order[by_name[x]] for x in layer.nodes) for layer in layers]
+    owner = {p: layer.path for layer in layers for p in layer.params}
+    members: dict[str, list] = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph.name not in params or not ph.users:
+            continue
+        key = owner.get(ph.name)
+        if key is None:
+            first = min(order[u] for u in ph.users)
+            key = f"({sum(s <= first for s in starts)})"
+        members.setdefault(key, []).append(ph)
+    out = {}
+    for phs in members.values():
+        nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in phs)
+        again = any("embedding" not in str(u.target) for p in phs for u in p.users)
+        out.update({p.name: (float(nbytes), again) for p in phs})
+    return out
+
+
+def sync(mc: MeshCosting, gathered: list[tuple[float, float, bool]], reduced: list[tuple[float, float]],
+         backward_s: float = 0.0) -> tuple[float, float]:
+    """(time, bytes sent) of FSDP on the data axes, as lowering issues it (module docstring). `gathered`: per
+    parameter (its bytes, its group's bytes, whether the group is gathered again in backward); `reduced`: per
+    parameter whose gradient FSDP reduces (its bytes, its group's bytes). A group's collective is priced once: each
+    parameter pays its share of the group's time (`gather_time_s`, `regather_time_s`, `reduce_time_s`)."""
     t = b = 0.0
-    axes = sorted(mc.data_axes, key=mc.names.index)
-    for nbytes in gathered:
-        for i, a in enumerate(axes):
-            p = mc.size(a)
-            n = nbytes / math.prod(mc.size(o) for o in axes[:i])  # the gathered tensor on this axis
-            t += collective_time_s("all_gather", int(n), p, mc.link(a), interval_s=0.0)
-            b += send_bytes("all_gather", n, p)
-    for nbytes in reduced:
-        for i, a in enumerate(axes):
-            p = mc.size(a)
-            kind = "reduce_scatter" if i == 0 else "all_reduce"
-            # backward reduces the innermost axis first (after the compute), the others back to back
-            interval = backward_s / len(reduced) if i == len(axes) - 1 else 0.0
-            t += collective_time_s(kind, int(nbytes), p, mc.link(a), interval_s=interval)
-            b += send_bytes(kind, nbytes, p)
-    t_seq, b_seq = dp.grad_sync(mc, sum(reduced), mc.seq_axes)
+    for nbytes, group, again in gathered:
+        gt, gb = gather_time_s(mc, nbytes, group)
+        t, b = t + gt, b + gb
+        if again:
+            rt, rb = regather_time_s(mc, nbytes, group)
+            t, b = t + rt, b + rb
+    site = sum(n for n, _ in reduced)
+    for nbytes, group in reduced:
+        # a group's reduce-scatter follows the group's backward: this structure's, scaled by bytes to the group
+        rt, rb = reduce_time_s(mc, nbytes, group, backward_s * group / site)
+        t, b = t + rt, b + rb
+    t_seq, b_seq = dp.grad_sync(mc, sum(n for n, _ in reduced), mc.seq_axes)
     return t + t_seq, b + b_seq
+
+
+def _axes(mc: MeshCosting) -> list[str]:
+    return sorted(mc.data_axes, key=mc.names.index)  # outermost first
+
+
+def gather_time_s(mc: MeshCosting, nbytes: float, group: float) -> tuple[float, float]:
+    """(time, bytes sent) of a parameter of `nbytes` in its group's all-gather forward (one per data axis,
+    innermost first, on the group's flat buffer of `group` bytes): its share of the group's time."""
+    t = b = 0.0
+    axes = _axes(mc)
+    for i, a in enumerate(axes):
+        p = mc.size(a)
+        outer = math.prod(mc.size(o) for o in axes[:i])  # the gathered buffer on this axis
+        t += collective_time_s("all_gather", int(group / outer), p, mc.link(a), interval_s=0.0) * nbytes / group
+        b += send_bytes("all_gather", nbytes / outer, p)
+    return t, b
+
+
+def regather_time_s(mc: MeshCosting, nbytes: float, group: float) -> tuple[float, float]:
+    """(time, bytes sent) of gathering a resharded group again in backward (ZeRO-3): the forward gather again. A group
+    kept gathered (`keep_gathered`) saves this and holds `held_gathered_bytes` instead."""
+    return gather_time_s(mc, nbytes, group)
+
+
+def held_gathered_bytes(local_param_bytes: float, keep: bool) -> float:
+    """Bytes of a group's gathered parameters held from forward to backward: all of them when kept gathered, none
+    when resharded (then only while the group computes, and its prefetched successor: a transient)."""
+    return local_param_bytes if keep else 0.0
+
+
+def reduce_time_s(mc: MeshCosting, nbytes: float, group: float, interval_s: float = 0.0) -> tuple[float, float]:
+    """(time, bytes sent) of a parameter's gradient in its group's reduce-scatter (one per data axis, outermost
+    first, the flat buffer divided by the axes before): its share of the group's time."""
+    t = b = 0.0
+    axes = _axes(mc)
+    for i, a in enumerate(axes):
+        p = mc.size(a)
+        outer = math.prod(mc.size(o) for o in axes[:i])
+        interval = interval_s if i == len(axes) - 1 else 0.0
+        t += collective_time_s("reduce_scatter", int(group / outer), p, mc.link(a), interval_s=interval) * nbytes / group
+        b += send_bytes("reduce_scatter", nbytes / outer, p)
+    return t, b
 
 
 def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float) -> tuple[float, float, float, float]:
     """(time, bytes sent, state bytes, gathered bytes) of a structure's parameters, divided `split` ways by its form,
     under FSDP: those it shards (`sync`, `state_bytes`), and those it leaves whole (`st.fsdp_whole`) data parallel."""
     sharded, kept = st.fsdp_parts()
-    t, b = sync(mc, [x / split for x in sharded.param_sizes], [x / split for x in sharded.synced_param_sizes],
-                backward_s)
+    gathered, reduced = [], []
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
+        if used:
+            gathered.append((nbytes / split, group / split, again))
+        if synced:
+            reduced.append((nbytes / split, group / split))
+    t, b = sync(mc, gathered, reduced, backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
     return t + kept_t, b + kept_b, state_bytes(mc, local) + dp.state_bytes(mc, kept.param_bytes / split), local

@@ -119,7 +119,7 @@ def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _
     for axis in reversed(spec.axes):  # outermost first
         C._record("reduce_scatter", axis, flat, flat.numel(), True)
         if real:
-            flat = funcol.reduce_scatter_tensor(flat, "sum", 0, axis.group_name)
+            flat = funcol.reduce_scatter_single(flat, "sum", 0, axis.group_name)
         else:
             flat = C._wait(C._c10d.reduce_scatter_tensor(flat, "sum", axis.size, axis.group_name))
     if isinstance(flat, funcol.AsyncCollectiveTensor):
