@@ -98,7 +98,8 @@ def _spread(times, a: str, b: str) -> None:
     """The spread of the ratio: quartiles of the ratios of steps run back to back."""
     r = sorted(x / y for x, y in zip(times.wall_s[a], times.wall_s[b]))
     q = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
-    print(f"  {a}/{b} paired-step ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} (min {r[0]:.3f}, max {r[-1]:.3f})")
+    print(f"  {a}/{b} paired-step ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
+          f"(min {r[0]:.3f}, max {r[-1]:.3f})")
 
 
 def _profile(step_a, step_b) -> None:

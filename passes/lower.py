@@ -659,8 +659,8 @@ def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes
         gathered += send_bytes("all_gather", n * itemsize, a.size)
         reduced += send_bytes("reduce_scatter", n * itemsize, a.size)
     backward = "reduce_scatter" if keep else "all_gather+reduce_scatter"
-    return CommInfo("fsdp_gather", "all_gather", backward, ",".join(a.name for a in refs), math.prod(a.size for a in refs),
-                    round(gathered), round(reduced + (0 if keep else gathered)), label)
+    return CommInfo("fsdp_gather", "all_gather", backward, ",".join(a.name for a in refs),
+                    math.prod(a.size for a in refs), round(gathered), round(reduced + (0 if keep else gathered)), label)
 
 
 def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:

@@ -15,11 +15,11 @@ complete (`autopar.runtime.fsdp`). `keep_gathered` marks groups kept gathered fr
 Cost (`sync`): per group an all-gather forward per data axis, again in backward when resharded
 (`regather_time_s`; a group only embedding lookups read is not saved, so not gathered again), and a
 reduce-scatter per data axis backward (`reduce_time_s`); each parameter pays its share of its group's collective
-(`groups`). On sequence axes gradients join the data-parallel bucket. State: parameters, gradients and optimizer
-state divided by the data-parallel degree, plus the gathered parameters (`params_cost`'s gathered bytes: today
-all of a structure's, as if held; `held_gathered_bytes` says what a group holds from forward to backward: all of
-it kept, none resharded). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ`
-resharded.
+(`autopar.estimate.fsdp_groups`). On sequence axes gradients join the data-parallel bucket. State: parameters,
+gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters (`params_cost`'s
+gathered bytes: today all of a structure's, as if held; `held_gathered_bytes` says what a group holds from forward
+to backward: all of it kept, none resharded). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one
+reduce-scatter), `3(p-1)/p · Ψ` resharded.
 """
 
 from __future__ import annotations
@@ -93,34 +93,6 @@ def keep_gathered(plan: Plan, key: str = "*") -> Plan:
     return dataclasses.replace(plan, directives=directives)
 
 
-def groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
-    """The FSDP gather groups of the parameters (placeholders) `params` whose gradients FSDP reduces, as lowering
-    makes them (`passes.lower.group_fsdp_gathers_pass`): those only one layer (`autopar.layers`) uses, per layer;
-    the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
-    in backward: some parameter of it is read by an op other than an embedding lookup, so autograd saves it)."""
-    from autopar.layers import find_layers
-    layers = find_layers(gm, params)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    by_name = {n.name: n for n in gm.graph.nodes}
-    starts = [min(order[by_name[x]] for x in layer.nodes) for layer in layers]
-    owner = {p: layer.path for layer in layers for p in layer.params}
-    members: dict[str, list] = {}
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        if ph.name not in params or not ph.users:
-            continue
-        key = owner.get(ph.name)
-        if key is None:
-            first = min(order[u] for u in ph.users)
-            key = f"({sum(s <= first for s in starts)})"
-        members.setdefault(key, []).append(ph)
-    out = {}
-    for phs in members.values():
-        nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in phs)
-        again = any("embedding" not in str(u.target) for p in phs for u in p.users)
-        out.update({p.name: (float(nbytes), again) for p in phs})
-    return out
-
-
 def sync(mc: MeshCosting, gathered: list[tuple[float, float, bool]], reduced: list[tuple[float, float]],
          backward_s: float = 0.0) -> tuple[float, float]:
     """(time, bytes sent) of FSDP on the data axes, as lowering issues it (module docstring). `gathered`: per
@@ -181,7 +153,8 @@ def reduce_time_s(mc: MeshCosting, nbytes: float, group: float, interval_s: floa
         p = mc.size(a)
         outer = math.prod(mc.size(o) for o in axes[:i])
         interval = interval_s if i == len(axes) - 1 else 0.0
-        t += collective_time_s("reduce_scatter", int(group / outer), p, mc.link(a), interval_s=interval) * nbytes / group
+        whole = collective_time_s("reduce_scatter", int(group / outer), p, mc.link(a), interval_s=interval)
+        t += whole * nbytes / group
         b += send_bytes("reduce_scatter", nbytes / outer, p)
     return t, b
 
