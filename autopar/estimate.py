@@ -328,7 +328,8 @@ def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
     """The FSDP gather groups of the parameters (placeholders) `params` whose gradients FSDP reduces, as lowering
     makes them (`passes.lower.group_fsdp_gathers_pass`): those only one layer (`autopar.layers`) uses, per layer;
     the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
-    in backward: some parameter of it is read by an op other than an embedding lookup, so autograd saves it)."""
+    in backward: a layer's group, some parameter of which an op other than an embedding lookup reads, so autograd
+    saves it; groups outside the layers stay gathered, as FSDP2's root)."""
     layers = find_layers(gm, params)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -346,7 +347,7 @@ def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
     out = {}
     for phs in members.values():
         nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in phs)
-        again = any("embedding" not in str(u.target) for p in phs for u in p.users)
+        again = phs[0].name in owner and any("embedding" not in str(u.target) for p in phs for u in p.users)
         out.update({p.name: (float(nbytes), again) for p in phs})
     return out
 

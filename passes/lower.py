@@ -555,9 +555,9 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     by the layers they are used between (embeddings before the first, final norm and head after the last). Per
     group, in order of first use: one `fsdp_gather` right before the group's first use (one all-gather per data
     axis of a flat buffer of its shards, one reduce-scatter of its gradients backward), and the next group's
-    `fsdp_prefetch` right after it, so that gather overlaps this group's compute. A group keeps its gathered
+    `fsdp_prefetch` right after it, so that gather overlaps this group's compute. A layer's group keeps its gathered
     parameters for backward when every parameter's directive says so (`ctx.keep_gathered`), else re-gathers them
-    there. A parameter whose chain is not that plain shape (split blocks, a gradient not reduced on every gathered
+    there; groups outside the layers keep them (as FSDP2 does not reshard its root after forward). A parameter whose chain is not that plain shape (split blocks, a gradient not reduced on every gathered
     axis) keeps its own gathers."""
     from autopar.layers import find_layers
     graph = gm.graph
@@ -616,7 +616,9 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     previous = None
     for (label, axes, _), members in ordered:
         first = min((f for *_, f in members), key=order.__getitem__)
-        keep = all(ph.name in ctx.keep_gathered for ph, *_ in members)
+        # outside the layers (embeddings, final norm, head: FSDP2's root) kept, as FSDP2 keeps its root: the head's
+        # weights are used last in forward and first in backward
+        keep = label.startswith("(") or all(ph.name in ctx.keep_gathered for ph, *_ in members)
         fulls = [nodes[-1] for _, nodes, _, _ in members]
         shards = tuple(ph for ph, *_ in members)
         with graph.inserting_before(first):

@@ -2,7 +2,7 @@
 
 A *group* is the FSDP-sharded parameters of one layer (`autopar.layers`), or those outside the layers used
 between two of them (embeddings before the first, final norm and head after the last), as FSDP2 groups a
-`fully_shard` unit. The lowering (`passes.lower.group_fsdp_gathers_pass`) emits per group, in graph order:
+`fully_shard` unit. Groups outside the layers are kept gathered (FSDP2's root is not resharded after forward). The lowering (`passes.lower.group_fsdp_gathers_pass`) emits per group, in graph order:
 
     pending = fsdp_prefetch(shards, axes, param_dtype)        # the group's all-gather issued, not waited
     fulls = fsdp_gather(shards, pending, axes, dims, label, keep, param_dtype, reduce_dtype)
