@@ -9,10 +9,11 @@ for everything outside every site ("other": norms, residuals, masks, which are d
 `MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
 collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or
 alpha-beta), the optimizer's state, and compute (`compute_s`): forward + backward = 3x the forward
-work of the site's nodes, divided by the ranks the work is split over. With a profiled cluster
-(per-op-kind rates) each kind of op is priced at its rate, a matmul at the rate of its split size,
-and every op pays the dispatch overhead, which no split divides (`kernel_time_s`); with a preset,
-the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
+work of the site's nodes, divided by the ranks the work is split over. With per-op-kind rates (a
+profiled cluster, or a GPU preset's achieved rates) each kind of op is priced at its rate, a matmul at
+the rate of its split size, an attention at the rate of its key length, and every op pays the dispatch
+overhead, which no split divides (`kernel_time_s`; a kind without a rate: its roofline); with only
+peaks (the cpu preset), the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
 
 What a form adds (its collectives, how it splits work, parameters and activations) is in the form's
 own module; how parameters are synchronised over the data axes in `autopar.forms.dp` and
