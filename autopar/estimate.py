@@ -9,14 +9,16 @@ for everything outside every site ("other": norms, residuals, masks, which are d
 `MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
 collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or
 alpha-beta), the optimizer's state, and compute (`compute_s`): forward + backward = 3x the forward
-work of the site's nodes, divided by the ranks the work is split over. With a profiled cluster
-(per-op-kind rates) each kind of op is priced at its rate, a matmul at the rate of its split size,
-and every op pays the dispatch overhead, which no split divides (`kernel_time_s`); with a preset,
-the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
+work of the site's nodes, divided by the ranks the work is split over. With per-op-kind rates (a
+profiled cluster, or a GPU preset's achieved rates) each kind of op is priced at its rate, a matmul at
+the rate of its split size, an attention at the rate of its key length, and every op pays the dispatch
+overhead, which no split divides (`kernel_time_s`; a kind without a rate: its roofline); with only
+peaks (the cpu preset), the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
 
 What a form adds (its collectives, how it splits work, parameters and activations) is in the form's
 own module; how parameters are synchronised over the data axes in `autopar.forms.dp` and
-`autopar.forms.fsdp`. Estimates ignore compute/communication overlap (the step time is their sum).
+`autopar.forms.fsdp`. A `Cost` says which part of its communication is the parameters' synchronisation
+(`gather_s`, `reduce_s`: overlappable); `autopar.timeline` simulates the step with that overlap.
 """
 
 from __future__ import annotations
@@ -47,10 +49,21 @@ class Cost:
     # parameters, gradients and optimizer state (`MeshCosting.state_factor`: 1 : 1 : the optimizer's states)
     act_bytes: float = 0.0
     transient_bytes: float = 0.0
+    # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
+    # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
+    # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
 
     @property
     def time_s(self) -> float:
+        """Compute + communication, nothing overlapped (`autopar.timeline` simulates the overlap)."""
         return self.compute_s + self.comm_s
+
+    @property
+    def critical_s(self) -> float:
+        """Communication on the critical path: what no compute hides."""
+        return max(0.0, self.comm_s - self.gather_s - self.reduce_s)
 
 
 @dataclass
@@ -69,7 +82,7 @@ class SiteStats:
     # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
-    # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
+    # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
     # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
@@ -94,7 +107,8 @@ class SiteStats:
             self.compute_dtype = c.dtype
         self.act_bytes += _bytes(n.meta.get("val"))
         if c.kind != "view":
-            w = self.work.setdefault((c.kind, c.dtype, c.flops if c.kind == "matmul" else 0), [0.0, 0.0, 0])
+            size = c.flops if c.kind == "matmul" else c.seq_len if c.kind == "sdpa" else 0
+            w = self.work.setdefault((c.kind, c.dtype, size), [0.0, 0.0, 0])
             w[0], w[1], w[2] = w[0] + c.flops, w[1] + c.bytes, w[2] + 1
 
     def add_param(self, name: str, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
@@ -401,8 +415,9 @@ def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
     is not divided), else the roofline of all its FLOPs and activation bytes."""
     if has_kernel_rates(cluster):
         return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster), cluster,
-                                 num_ops=3 * ops, flops_per_call=per_call / divisor if per_call else None)
-                   for (kind, dtype, per_call), (flops, nbytes, ops) in st.work.items())
+                                 num_ops=3 * ops, flops_per_call=size / divisor if size and kind == "matmul" else None,
+                                 seq_len=size if size and kind == "sdpa" else None)
+                   for (kind, dtype, size), (flops, nbytes, ops) in st.work.items())
     return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, compute_dtype(st.compute_dtype, cluster),
                           cluster)
 

@@ -134,10 +134,13 @@ class Estimate:
     per_site: tuple[tuple[str, float, int], ...] = ()  # (structure key, time s, memory bytes)
     solver: str = ""  # how the plan was found: status, gap, time
     sites: tuple[SiteEstimate, ...] = ()  # per structure, in plan order: time and memory broken down
+    # of comm_time_s, what the step's timeline leaves uncovered by compute (`autopar.timeline`): step = compute + this
+    exposed_comm_s: float | None = None
 
     def summary(self) -> str:
+        exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
-                f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms), "
+                f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms{exposed}), "
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
                 f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step (estimated)"
                 + (f"; {self.solver}" if self.solver else ""))

@@ -141,12 +141,14 @@ def _step_section(plan) -> str:
                 segs[lane].append(f"<div class='seg' style='left:{100 * t / total:.4f}%;width:{100 * d / total:.4f}%;"
                                   f"background:{color[lane]}' title='{_e(s.key)}: {lane} {_ms(d)}'></div>")
             t += d
+    exposed = est.comm_time_s if est.exposed_comm_s is None else est.exposed_comm_s
     out.append(f"<p>{_ms(est.step_time_s)} per step: compute {_ms(est.compute_time_s)}, communication "
-               f"{_ms(est.comm_time_s)}. Each structure in plan order (forward and backward together): its compute, "
-               "then its communication on each mesh axis, then the local copies around its collectives. The cost "
-               "model prices no overlap of compute and communication, so the step is their sum, laid out "
-               "sequentially here. A structure's time on an axis is its communication time less the same with that "
-               "axis' links free. Hover a bar for the structure.</p>")
+               f"{_ms(est.comm_time_s)}, of which {_ms(exposed)} exposed (the step's timeline overlaps parameter "
+               "synchronisation with compute: `autopar.timeline`). Each structure in plan order (forward and "
+               "backward together): its compute, then its communication on each mesh axis, then the local copies "
+               "around its collectives, laid out sequentially here (their sum is compute + all communication). A "
+               "structure's time on an axis is its communication time less the same with that axis' links free. "
+               "Hover a bar for the structure.</p>")
     out.append("<div class='timeline'>")
     for lane in lanes:
         busy = sum(d for d in _lane_sum(est.sites, lane, axes))

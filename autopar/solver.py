@@ -23,8 +23,11 @@ Constraints
       axis only if the earlier one is (their sum is all-reduced once)
   sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
-  each form's `cost`, `site_cost`; the rest `other_cost`), in integer nanoseconds for CP-SAT.
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time, in integer nanoseconds for
+  CP-SAT. time[k,c] = `timeline.overlapped_s`: compute + critical communication (tensor-parallel collectives,
+  exposed) + the part of the parameters' synchronisation (FSDP gathers, gradient reductions) the structure's
+  own forward / backward does not cover (each form's `cost`, `site_cost`; the rest `other_cost`). The plan's
+  estimate simulates the chosen plan's whole step (`autopar.timeline`).
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
@@ -54,6 +57,7 @@ from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.sites import Kind, PassContext, Site
+from autopar.timeline import overlapped_s
 from autopar.units import fmt_bytes
 from cost_model.hardware import Cluster
 
@@ -89,6 +93,7 @@ class Solution:
     site_whys: dict[str, set[str]] = field(default_factory=dict)  # the form constraints that tie each site
     priced: "Priced | None" = None  # every candidate of the chosen role assignment, for Plan.explain
     other: Cost | None = None  # what no structure holds (`other_cost`)
+    objective_s: float = 0.0  # what the ILP minimises: the sum of `timeline.overlapped_s` (time_s: nothing overlapped)
 
 
 @dataclass
@@ -134,10 +139,13 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     if fsdp:
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
+        gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
     else:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
+        gather = 0.0
+    sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
         for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
@@ -149,7 +157,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
-                act_bytes=st.act_bytes / mc.dp, transient_bytes=transient)
+                act_bytes=st.act_bytes / mc.dp, transient_bytes=transient, gather_s=gather, reduce_s=sync_s - gather)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -354,7 +362,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         sol.seq_axes = tuple(seq_axes)
         sol.priced = (mc, cands, costs, base)  # replaced by a Priced for the best solution below
         tried.append((data_axes, seq_axes, sol, ""))
-        if best is None or sol.time_s < best.time_s - 1e-12:
+        if best is None or sol.objective_s < best.objective_s - 1e-12:
             best = sol
     if best is None and math.isinf(least_memory):
         forced_labels = ", ".join(f"{k}: {c.label}" for k, c in forced.items()) or "none"
@@ -391,8 +399,8 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
                                                   best.seq_axes)])
     out = Priced(classes=classes, rows=rows, pairs=pairs,
                  roles=[(d, q, sol, why) for d, q, sol, why in tried])
-    cheapest = [min(c.time_s for c in cost) for cost in costs]
-    if any(best.per_site[cls[0].key].time_s > t + 1e-12 for cls, t in zip(classes, cheapest)):
+    cheapest = [min(overlapped_s(c) for c in cost) for cost in costs]
+    if any(overlapped_s(best.per_site[cls[0].key]) > t + 1e-12 for cls, t in zip(classes, cheapest)):
         free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
     return out
@@ -425,7 +433,9 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
     model.Add(mem + kib(base.memory_bytes) <= int(limit // 1024)).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
-    model.Minimize(sum(len(cls) * ns(c.time_s) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs)))
+    # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`)
+    model.Minimize(sum(len(cls) * ns(overlapped_s(c)) * v for cls, cs, xs in zip(classes, costs, x)
+                       for c, v in zip(cs, xs)))
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -454,7 +464,8 @@ def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float
     costs = list(per_site.values()) + [base]
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
                     sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
-                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base)
+                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base,
+                    objective_s=sum(overlapped_s(c) for c in costs))
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
