@@ -181,8 +181,13 @@ class Plan:
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
     decisions: tuple[Decision, ...] = ()  # recorded at planning time, for explain()
+    # mixed precision it was made for (`autopar.precision.Precision.spec()`); "" : the model's dtypes
+    precision: str = ""
 
     def __post_init__(self):
+        if self.precision:
+            from autopar.precision import Precision
+            Precision.parse(self.precision)
         for fqn, pls in self.params + self.inputs:
             try:
                 got = placements_from_str(pls)
