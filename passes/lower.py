@@ -714,8 +714,12 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
     alone (not from the batch: FSDP's all-gathers, data-parallel buckets and gradient all-reduces, a positional
     embedding's reduction at the batch boundary) gets `mp=(param_dtype, reduce_dtype)`: forward it casts its input to
     param_dtype (an FSDP shard before its gather: the gather moves param_dtype bytes), backward it reduces the gradient
-    in reduce_dtype and returns it in its input's dtype: the master dtype for a parameter, param_dtype (rounded) for
-    a value computed from the cast copies. Their backward bytes are re-priced at reduce_dtype."""
+    in reduce_dtype and returns it in its input's dtype. That is the master dtype for a parameter; a collective whose
+    users are collectives again (gathered on one axis, its gradient reduced on another) keeps the master dtype
+    (`mp=(.., .., True)`: a gather moves param_dtype bytes, exact) so that the last one casts, and a value computed
+    by lookups and views from parameters is computed from the masters (`_in_master_dtype`); a reduction of any other
+    value computed from the cast copies returns param_dtype (its sum rounded once). Backward bytes are re-priced at
+    reduce_dtype."""
     if ctx.precision is None:
         return gm
     param_dtype, reduce_dtype = ctx.precision.collective_dtypes
@@ -744,7 +748,10 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
             continue
         if n.target is not C.grad_sync_bucket:
             _in_master_dtype(n, casts, mp)
-        n.kwargs = {**n.kwargs, "mp": mp}
+        # a collective followed by collectives only (gathered on one axis, reduced on another): the last one casts
+        chained = n.target is not C.grad_sync_bucket and all(
+            u.target in _PARAMETER_SIDE and u not in batch for u in n.users)
+        n.kwargs = {**n.kwargs, "mp": (*mp, True) if chained else n.kwargs.get("mp", mp)}
         info = n.meta.get(M.COMM)
         held = (n.args[0][0] if n.target is C.grad_sync_bucket else n.args[0]).meta["val"].element_size()
         if info is not None and reduce_dtype is not None:
@@ -773,7 +780,7 @@ def _in_master_dtype(n: fx.Node, casts: set[fx.Node], mp: tuple) -> None:
         x = stack.pop()
         if x in region or x in casts or not _is_tensor_node(x) or not x.meta["val"].dtype.is_floating_point:
             continue  # integer indices (arange) stay as they are
-        if x.target in (C.all_gather, C.all_gather_rs) and x.args[0].op == "placeholder":
+        if x.target in (C.all_gather, C.all_gather_rs):  # of parameters (all above `n` is parameters only)
             gathers.add(x)
             continue
         if x.op != "call_function" or x.target not in _CAST_COMMUTES:

@@ -124,6 +124,21 @@ def test_equivalence(local_world, plan):
             * 1.5 + p_bound, n
 
 
+def test_fsdp_on_two_axes(local_world):
+    """fsdp over a (2, 2) mesh: each parameter gathered on one axis and then the other, its gradient all-reduced on the
+    second and reduce-scattered on the first. The first gather hands the second its result in fp32 (bf16 bytes on
+    the wire) so that no reduced gradient is rounded to bf16 on the way: the run equals the policy's one-device
+    reference on the batch in four shards, as on one axis."""
+    pm, loss, grads, after, recs, dtypes = run_policy(local_world, "fsdp", mesh_shape=(2, 2), names=("dp", "tp"))
+    ref_loss, ref_grads, ref_after = policy_step(make_gpt(), gpt_inputs(), 4)
+    assert all(d == (torch.float32,) * 3 for d in dtypes.values()), dtypes
+    errs = {"loss": abs(_value(loss) - ref_loss)} | {f"grad {n}": _max_abs(g, ref_grads[n]) for n, g in grads.items()} \
+        | {f"param {n}": _max_abs(p, ref_after[n]) for n, p in after.items()}
+    assert max(errs.values()) <= 1e-6, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
+    assert {r.dtype for r in recs if r.kind == "all_gather"} == {"bfloat16"}
+    assert {r.dtype for r in recs if r.pass_ == "backward"} == {"float32"}
+
+
 def _by(recs, kind, pass_):
     return [r for r in recs if r.kind == kind and r.pass_ == pass_]
 

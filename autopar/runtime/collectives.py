@@ -174,8 +174,9 @@ def _raw_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef
 # parameter and `mp = (param_dtype, reduce_dtype)`: forward it casts to param_dtype first (an FSDP gather moves
 # param_dtype bytes); backward it casts the gradient to reduce_dtype, reduces, and returns it in the input's dtype.
 # The casts sit inside the collective because autograd hands each input the gradient in that input's dtype: a
-# reduction after a separate cast would be rounded to param_dtype on the way back. An all-gather given
-# `mp = (param_dtype, reduce_dtype, True)` gathers param_dtype bytes and returns them in its input's dtype (exact).
+# reduction after a separate cast would be rounded to param_dtype on the way back. Given `mp = (param_dtype,
+# reduce_dtype, True)` a collective keeps its input's dtype (an all-gather gathers param_dtype bytes and returns them
+# in it, exactly): in a chain of collectives on one parameter (several axes) only the last one casts.
 
 def _to_param(x: torch.Tensor, mp) -> torch.Tensor:
     return x.to(mp[0]) if mp is not None and mp[0] is not None and mp[0] != x.dtype else x
@@ -187,6 +188,10 @@ def _to_reduce(g: torch.Tensor, mp) -> torch.Tensor:
 
 def _to_input(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return g.to(dtype) if g.dtype != dtype else g
+
+
+def _keeps_dtype(mp) -> bool:
+    return mp is not None and len(mp) > 2 and mp[2]
 
 
 # ----------------------------------------------------------------------------- autograd pairs
@@ -205,7 +210,7 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, mp=None):
         ctx.axis, ctx.mp, ctx.dtype = axis, mp, x.dtype
-        y = _to_param(x, mp)
+        y = x if _keeps_dtype(mp) else _to_param(x, mp)
         return y if y is not x else x.view_as(x)
 
     @staticmethod
@@ -219,7 +224,7 @@ class _AllGather(torch.autograd.Function):
         ctx.args = (dim, axis, split_factor, reduce_grad)
         ctx.mp, ctx.dtype = mp, x.dtype
         y = _raw_all_gather(_to_param(x, mp), dim, axis, split_factor)
-        return _to_input(y, x.dtype) if mp is not None and len(mp) > 2 and mp[2] else y
+        return _to_input(y, x.dtype) if _keeps_dtype(mp) else y
 
     @staticmethod
     def backward(ctx, g):
