@@ -262,6 +262,8 @@ class Plan:
                 lines.append("  ".join("-" * w for w in widths))
         if self.inputs:
             lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.precision:
+            lines.append(f"mixed precision: {self.precision}")
         if self.comms:
             lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
                          "sent per rank per step (forward + backward)")

@@ -19,9 +19,14 @@ the parameters' dtype), so the plan's graph fingerprint names what runs and a pl
 cannot lower it. What the graph cannot say (`reduce_dtype`, `output_dtype`, `cast_forward_inputs`) the Plan carries
 as `Plan.precision` (`Precision.spec()`), checked against the `mp_policy` a plan is used with. The lowering
 (`passes.lower.mixed_precision_pass`) makes the parameter-side collectives cast (forward: to `param_dtype`;
-backward: gradient to `reduce_dtype`, reduced, back to the master dtype) and casts the other parameter uses.
+backward: gradient to `reduce_dtype`, reduced, back to the master dtype) and casts the other parameter uses. Left
+as it is: the reduction of a value computed from the parameters' param_dtype copies by arithmetic (not lookups or
+views; none in the models tested) runs in `reduce_dtype` but its result is rounded to `param_dtype` once, as a
+param_dtype value's gradient.
 
-Pricing: `autopar.estimate.state_bytes_per_element` (parameter, gradient and optimizer state per element).
+Pricing (`autopar.estimate`): compute at param_dtype's rate and activations in param_dtype (the graph's ops are),
+gathers at param_dtype bytes and gradient reductions at reduce_dtype bytes (`MeshCosting.grad_bytes_factor`), and
+parameter + gradient + optimizer state from the masters' dtype (`state_bytes_per_element`: Adam, fp32 masters, 16 B).
 """
 
 from __future__ import annotations

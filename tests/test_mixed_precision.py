@@ -157,6 +157,28 @@ def test_dp_collectives(local_world):
     assert {r.kind for r in recs} == {"all_reduce"}
 
 
+def test_reduce_dtype_bf16(local_world):
+    """reduce_dtype=bf16 (FSDP2's default when only param_dtype is given): the bucket is all-reduced in bf16 and the
+    gradients come back fp32, each the bf16 sum of the ranks' bf16 gradients."""
+    model, inputs = make_gpt(), gpt_inputs()
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, inputs, plan="dp", mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16))
+        with record_comms() as recs:
+            pm(*inputs).backward()
+        assert [r.dtype for r in _by(recs, "all_reduce", "backward")] == ["bfloat16"] * 2
+        assert all(p.grad.dtype == torch.float32 for p in pm.parameters())
+        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+    compute = copy.deepcopy(make_gpt()).to(torch.bfloat16)
+    halves = []
+    for shard in zip(*(x.chunk(2) for x in inputs)):
+        compute.zero_grad()
+        (compute(*shard) / 2).backward()
+        halves.append({n: p.grad.clone() for n, p in compute.named_parameters()})
+    assert max(_max_abs(g, (halves[0][n] + halves[1][n]).float()) for n, g in grads.items()) == 0
+
+
 def test_fsdp_collectives(local_world):
     """fsdp: each parameter's shard is cast before its all-gather (bf16 bytes), its gradient reduce-scattered in
     fp32; run and plan agree on the bytes."""
@@ -214,6 +236,7 @@ def test_plan_keeps_its_policy(local_world):
     model, inputs = make_gpt(), gpt_inputs()
     made = autopar.plan(model, {"dp": 2}, inputs, plan="dp", mp_policy=BF16)
     assert autopar.Plan.from_json(made.to_json()).precision == made.precision
+    assert f"mixed precision: {made.precision}" in made.table()
     fp32 = autopar.plan(model, {"dp": 2}, inputs, plan="dp")
     assert fp32.precision == "" and fp32.graph != made.graph  # the graph captured under bf16 is another program
     with local_world(2):
