@@ -2,15 +2,17 @@
 
 Semantics (FSDP2's, for every plan: dp, fsdp, megatron, auto):
 
-| what                         | dtype                                                              |
-|------------------------------|--------------------------------------------------------------------|
-| parameters (optimizer's)     | as the model holds them (the masters; fp32), sharded as planned   |
-| compute copies               | `param_dtype`: each local parameter cast once per step; an FSDP shard is cast before its all-gather, so the gather moves `param_dtype` bytes |
-| activations, TP collectives  | as the model computes with `param_dtype` parameters               |
-| gradient reductions          | `reduce_dtype` (None: `param_dtype`): dp buckets, FSDP reduce-scatters, TP gradient all-reduces of parameters |
-| gradients the optimizer sees | the master dtype                                                   |
-| forward inputs               | floating ones cast to `param_dtype` (`cast_forward_inputs=True`)   |
-| outputs                      | cast to `output_dtype` when given                                 |
+| what                         | dtype                                                                           |
+|------------------------------|---------------------------------------------------------------------------------|
+| parameters (optimizer's)     | as the model holds them (the masters, e.g. fp32), sharded as planned            |
+| compute copies               | `param_dtype`, each local parameter cast once per step (an FSDP shard before    |
+|                              | its all-gather: the gather moves `param_dtype` bytes)                           |
+| activations, TP collectives  | as the model computes with `param_dtype` parameters                             |
+| gradient reductions          | `reduce_dtype` (None: `param_dtype`): dp buckets, FSDP reduce-scatters,         |
+|                              | gradient all-reduces of parameters                                              |
+| gradients the optimizer sees | the master dtype                                                                |
+| forward inputs               | floating ones cast to `param_dtype` (`cast_forward_inputs=True`)                |
+| outputs                      | cast to `output_dtype` when given                                               |
 
 The program is captured from the model as the user holds it, its parameters (and, with `cast_forward_inputs`,
 its floating inputs) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`): the graph is the program that runs,

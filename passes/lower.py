@@ -18,6 +18,9 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
 - Every graph output is replicated (`R` on every axis): `pm(*inputs)` returns on every rank what
   the model returns.
 - `meta["val"]` keeps the *global* fake value; local shapes follow from it and the placements.
+- Under a plan's mixed precision (`Plan.precision`, `autopar.precision`) the graph was captured with the parameters
+  at param_dtype while they arrive in the master dtype: `mixed_precision_pass` casts them (inside their first
+  collective, with reductions in reduce_dtype, or by one `_to_copy`).
 
 The lowering is the ordered list of passes `LOWER`, run by `passes.pipeline.run_passes` (which lints
 the graph after each and names the pass on failure). What it lowers to is read off the plan alone
@@ -47,7 +50,6 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
 from cost_model.analytical import send_bytes
 from passes import meta as M
 from passes.local_forms import LOCAL_FORMS
-from passes.patterns import TRANSPARENT
 from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
 aten = torch.ops.aten

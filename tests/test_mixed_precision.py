@@ -26,7 +26,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.models import GPT, GPTConfig
@@ -74,9 +73,19 @@ def _value(t) -> float:
     return max(float(v) for v in lt.values()) if lt is not None else float(t)
 
 
+_RUNS: dict = {}
+
+
 def run_policy(local_world, plan: str, mesh_shape=(2,), names=("dp",)):
     """Parallelise the GPT under `BF16`, one step with SGD: (pm, loss, {name: grad}, {name: param after}, records,
-    {name: (param dtype, local dtype, grad dtype)})."""
+    {name: (param dtype, local dtype, grad dtype)}). Run once per plan and mesh, shared by the tests that read it."""
+    key = (plan, tuple(mesh_shape), tuple(names))
+    if key not in _RUNS:
+        _RUNS[key] = _run_policy(local_world, plan, mesh_shape, names)
+    return _RUNS[key]
+
+
+def _run_policy(local_world, plan, mesh_shape, names):
     model, inputs = make_gpt(), gpt_inputs()
     with local_world(int(torch.tensor(mesh_shape).prod())):
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -108,7 +117,8 @@ def test_equivalence(local_world, plan):
     assert all(d == (torch.float32,) * 3 for d in dtypes.values()), dtypes
     assert pm.plan.precision == "param_dtype=bfloat16 reduce_dtype=float32 output_dtype=None cast_forward_inputs=True"
     if plan != "megatron":
-        errs = {"loss": abs(_value(loss) - ref_loss)} | {f"grad {n}": _max_abs(g, ref_grads[n]) for n, g in grads.items()} \
+        errs = {"loss": abs(_value(loss) - ref_loss)} \
+            | {f"grad {n}": _max_abs(g, ref_grads[n]) for n, g in grads.items()} \
             | {f"param {n}": _max_abs(p, ref_after[n]) for n, p in after.items()}
         # the same bf16 ops on the same rows, the same fp32 sums: equal up to fp32 rounding of the loss' mean
         assert max(errs.values()) <= 1e-6, sorted(errs.items(), key=lambda kv: -kv[1])[:5]

@@ -389,7 +389,8 @@ class _GradSyncBucket(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp) for g, (s, d) in zip(grads, ctx.shapes)]
+        grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
+                 for g, (s, d) in zip(grads, ctx.shapes)]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if local_tensor_mode() is None and type(flat) is torch.Tensor:
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
