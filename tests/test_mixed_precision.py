@@ -337,6 +337,35 @@ def fsdp2_worker():
     return errs
 
 
+def dp_worker():
+    """On each gloo rank (the data-parallel buckets are all-reduced asynchronously there): the dp plan under BF16 and
+    under bf16 reductions against the policy's one-device reference on the batch in two halves."""
+    import torch.distributed as dist
+    model, inputs = make_gpt(), gpt_inputs()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    errs = {}
+    for name, policy in (("fp32", BF16), ("bf16", MixedPrecisionPolicy(param_dtype=torch.bfloat16))):
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan="dp", mp_policy=policy)
+        with record_comms() as recs:
+            pm(*inputs).backward()
+        errs[f"{name} reduced in"] = {r.dtype for r in recs if r.pass_ == "backward"}
+        errs[f"{name} grad dtypes"] = {p.grad.dtype for p in pm.parameters()}
+        grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
+        if name == "fp32":
+            _, ref, _ = policy_step(model, inputs, 2)
+            errs["fp32 max error"] = max(float((g - ref[n]).abs().max()) for n, g in grads.items())
+    return errs
+
+
+def test_dp_on_gloo():
+    """On real processes the dp buckets are all-reduced asynchronously: under BF16 in fp32 and equal to the policy's
+    reference; under bf16 reductions in bf16, the gradients cast back to fp32 when the reduction is waited for."""
+    for errs in gloo_pool(2).run(dp_worker):
+        assert errs["fp32 reduced in"] == {"float32"} and errs["bf16 reduced in"] == {"bfloat16"}, errs
+        assert errs["fp32 grad dtypes"] == errs["bf16 grad dtypes"] == {torch.float32}, errs
+        assert errs["fp32 max error"] <= 1e-6, errs
+
+
 def test_against_fsdp2_on_gloo():
     """autopar's fsdp plan under BF16 = FSDP2 under BF16 (bf16 gathers and compute, fp32 reduce-scatter, fp32
     sharded gradients): FSDP2 scales each rank's gradient by 1/world before its fp32 reduction (a power of two:
