@@ -208,14 +208,15 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, mp=None):
-        ctx.axis, ctx.mp, ctx.dtype = axis, mp, x.dtype
-        y = x if _keeps_dtype(mp) else _to_param(x, mp)
+    def forward(ctx, x, axis, *mp):  # mp: () or (param_dtype, reduce_dtype[, keep]) ("mixed precision" above)
+        ctx.axis, ctx.mp, ctx.dtype = axis, (mp[0] if mp else None), x.dtype
+        y = x if _keeps_dtype(ctx.mp) else _to_param(x, ctx.mp)
         return y if y is not x else x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _to_input(_raw_all_reduce(_to_reduce(g, ctx.mp), ctx.axis, backward=True), ctx.dtype), None, None
+        gx = _to_input(_raw_all_reduce(_to_reduce(g, ctx.mp), ctx.axis, backward=True), ctx.dtype)
+        return (gx, None) + ((None,) if ctx.mp is not None else ())
 
 
 class _AllGather(torch.autograd.Function):
@@ -327,7 +328,7 @@ def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
 def grad_all_reduce(x: torch.Tensor, axis: AxisRef, mp=None) -> torch.Tensor:
     """R consumed by sharded work: identity; backward sums the partial gradients over the axis. `mp`: (param_dtype,
     reduce_dtype) of a mixed-precision parameter (see "mixed precision" above)."""
-    return _GradAllReduce.apply(x, resolve_axis(axis), mp)
+    return _GradAllReduce.apply(x, resolve_axis(axis), *(() if mp is None else (mp,)))
 
 
 def all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, mp=None) -> torch.Tensor:
