@@ -352,7 +352,37 @@ def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
                        optimizer=optimizer, seq_axes=tuple(seq_axes), bucket_bytes=total,
-                       num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)))
+                       num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)),
+                       **precision_costing(ctx.captured, dtypes, optimizer))
+
+
+def state_bytes_per_element(master_dtype: torch.dtype, param_dtype: torch.dtype | None,
+                            reduce_dtype: torch.dtype | None, optimizer: str) -> float:
+    """Bytes per parameter element held across the step under a mixed-precision policy (`autopar.precision`): the
+    master parameter, its gradient as the optimizer sees it (master dtype: a reduce_dtype gradient is cast back
+    after its reduction) and the optimizer's states (PyTorch keeps them in the parameter's dtype: Adam's two
+    moments). param_dtype compute copies and reduce_dtype buffers live within a step (activations, FSDP's gathered
+    copy, the collectives), not here. Adam, fp32 masters, bf16 / fp32: 4 + 4 + 2 x 4 = 16."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    del param_dtype, reduce_dtype  # transients (see above)
+    return torch.empty((), dtype=master_dtype).element_size() * (2 + OPTIMIZER_STATES[optimizer])
+
+
+def precision_costing(captured, dtypes: set, optimizer: str) -> dict:
+    """MeshCosting's mixed-precision fields for a capture made under a policy (its parameters at param_dtype, the
+    bytes every `SiteStats` counts): the state per byte of those parameters, and the bytes a gradient reduction
+    moves per byte of them (reduce_dtype / param_dtype). Empty without a policy."""
+    precision = getattr(captured, "precision", None)
+    if precision is None:
+        return {}
+    graph = max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+    held = torch.empty((), dtype=graph).element_size()
+    param_dtype, reduce_dtype = precision.collective_dtypes
+    master = captured.master_dtype or graph
+    state = state_bytes_per_element(master, param_dtype, reduce_dtype, optimizer)
+    return {"state_bytes_per_param_byte": state / held,
+            "grad_bytes_factor": torch.empty((), dtype=reduce_dtype or graph).element_size() / held}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -365,6 +395,10 @@ class MeshCosting:
     seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
     bucket_bytes: float = 0.0  # gradient bytes of all parameters: the bucket whose per-byte rate sites pay
     num_buckets: int = 1  # gradient buckets per axis: one per dtype, one per `GRAD_BUCKET_BYTES`
+    # mixed precision (`precision_costing`): state per byte of the graph's (param_dtype) parameters, and the bytes a
+    # gradient reduction moves per such byte (reduce_dtype); None / 1.0: the model's dtypes
+    state_bytes_per_param_byte: float | None = None
+    grad_bytes_factor: float = 1.0
 
     @property
     def dp(self) -> int:
@@ -405,7 +439,10 @@ class MeshCosting:
         return t, b
 
     def state_factor(self) -> float:
-        """Parameter + gradient + optimizer states, in multiples of the parameter bytes (fp32 states)."""
+        """Parameter + gradient + optimizer states, in multiples of the parameter bytes (fp32 states); under mixed
+        precision, of the param_dtype bytes the graph holds (`state_bytes_per_element`)."""
+        if self.state_bytes_per_param_byte is not None:
+            return self.state_bytes_per_param_byte
         return 2 + OPTIMIZER_STATES[self.optimizer] * 1.0
 
 

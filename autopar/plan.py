@@ -184,8 +184,13 @@ class Plan:
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
     decisions: tuple[Decision, ...] = ()  # recorded at planning time, for explain()
+    # mixed precision it was made for (`autopar.precision.Precision.spec()`); "" : the model's dtypes
+    precision: str = ""
 
     def __post_init__(self):
+        if self.precision:
+            from autopar.precision import Precision
+            Precision.parse(self.precision)
         for fqn, pls in self.params + self.inputs:
             try:
                 got = placements_from_str(pls)
@@ -260,6 +265,8 @@ class Plan:
                 lines.append("  ".join("-" * w for w in widths))
         if self.inputs:
             lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.precision:
+            lines.append(f"mixed precision: {self.precision}")
         if self.comms:
             lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
                          "sent per rank per step (forward + backward)")

@@ -82,6 +82,7 @@ def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_
             t += collective_time_s("all_gather", int(n), p, mc.link(a), interval_s=0.0)
             b += send_bytes("all_gather", n, p)
     for nbytes in reduced:
+        nbytes *= mc.grad_bytes_factor  # mixed precision: reduced in reduce_dtype
         for i, a in enumerate(axes):
             p = mc.size(a)
             kind = "reduce_scatter" if i == 0 else "all_reduce"
