@@ -350,8 +350,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     directives = list(dict.fromkeys(directives))
     strategies = _strategies(ctx, chosen, forced_linears, pls)
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
-    estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-                         memory_limit, layers, levels)
+    estimate, priced = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
+                                 memory_limit, layers, levels)
     if solution is not None:
         decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
     else:
@@ -359,7 +359,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced to "
                                 f"{c.label} (a layer inside a structure: not priced on its own)")
                        for s, c in forced_linears)
-    decisions += _checkpoint_decisions(layers, levels, ck_forced, solution)
+    decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
@@ -367,11 +367,11 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                 checkpoint=tuple((la.path, levels[la.path].name) for la in layers))
 
 
-def _checkpoint_decisions(layers, levels: dict, forced: dict, solution) -> tuple[Decision, ...]:
+def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) -> tuple[Decision, ...]:
     """One decision per layer class and level: the override that forced it, the named plan's default, or the ILP
-    (every level priced: recompute time, the saved bytes per device, what it re-issues is in the step)."""
+    (`auto`: every level priced: recompute time and the bytes kept per device; a named plan: its level's)."""
     from autopar.plan import CandidateRow
-    terms = solution.priced.checkpoint if solution is not None and solution.priced is not None else None
+    terms = solution.priced.checkpoint if solution is not None else priced.checkpoint_terms
     out: dict[tuple, list[str]] = {}
     for la in layers:
         out.setdefault((la.cls, levels[la.path].name, la.path in forced), []).append(la.path)
@@ -440,7 +440,7 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
 
 
 def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-              memory_limit, layers=(), levels=None) -> Estimate:
+              memory_limit, layers=(), levels=None):
     from autopar import solver as ilp
     priced = solution.choices if solution is not None else {}
     if solution is None:
@@ -459,12 +459,13 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         solver_note = (f"ILP {solution.status}, gap {solution.gap:.2%}, {solution.classes} site classes, "
                        f"data axes {solution.data_axes or '()'}, solved in {solution.solve_s:.2f} s")
     per_site = tuple((k, c.time_s, int(c.memory_bytes)) for k, c in solution.per_site.items())
-    return Estimate(step_time_s=solution.time_s, compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
-                    memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
-                    fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
-                    per_site=per_site, solver=solver_note,
-                    sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
-                                         other_fsdp=name == "fsdp"))
+    estimate = Estimate(step_time_s=solution.time_s, compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
+                        memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
+                        fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
+                        per_site=per_site, solver=solver_note,
+                        sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
+                                             other_fsdp=name == "fsdp"))
+    return estimate, solution  # the solution: what explain reads of the checkpoint levels
 
 
 def tie_placements(plan: Plan, model: nn.Module, from_user: bool = False) -> Plan:

@@ -92,6 +92,7 @@ class Solution:
     other: Cost | None = None  # what no structure holds (`other_cost`)
     checkpoint: dict[str, str] = field(default_factory=dict)  # layer path -> activation checkpointing level
     checkpoint_cost: Cost | None = None  # what the levels add (recompute, re-issued collectives, saved bytes)
+    checkpoint_terms: "CheckpointTerms | None" = None  # evaluate: the given levels priced (explain)
 
 
 @dataclass
@@ -576,8 +577,8 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
         per_site[site.key] = site_cost(site, st, cand, mc)
-    extra = None
-    if checkpoint and any(lv.recomputes for lv in checkpoint.values()):
+    extra = ck = None
+    if checkpoint:
         groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint)
         sites = ctx.planning_sites()
         classes = [[s] for s in sites]
@@ -588,4 +589,5 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
                                 classes, cands)
     sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", extra)
     sol.checkpoint = {path: lv.name for path, lv in (checkpoint or {}).items()}
+    sol.checkpoint_terms = ck
     return sol

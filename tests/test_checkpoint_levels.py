@@ -310,3 +310,27 @@ def test_walk_sees_the_nodes_inside_checkpointed_layers(local_world):
     assert not any(n.op == "call_function" and n.target in COLLECTIVES and n.meta.get("autopar_comm") is None
                    for n in inside)
     assert sum(1 for r in res.plan.comms if r.fn == "all_reduce") == 2 * 2 + 1  # both layers' + the loss'
+
+
+def test_a_new_program_keeps_the_levels_and_eval_runs_without_recompute(local_world, fp64):
+    """Another sequence length re-captures and re-lowers the plan: the layers keep their level. In eval under
+    no_grad the layers just run (nothing to recompute) and match the model."""
+    import copy
+    ref = _gpt()
+    inputs, shorter = _tokens(), _tokens(seq=8)
+    with local_world(2):
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        pm = autopar.parallelize(copy.deepcopy(ref), mesh, inputs, plan="megatron",
+                                 overrides={"checkpoint:h.1": FULL})
+        assert dict(pm.plan.checkpoint) == {"h.0": NONE, "h.1": FULL}
+        pm(*shorter).backward()
+        assert dict(pm.plan.checkpoint) == {"h.0": NONE, "h.1": FULL}
+        assert [(b.path, b.recomputes) for b in _bodies(pm.graph_module)] == [("h.1", 1)]
+        pm.eval()
+        with torch.no_grad():
+            got = pm(*inputs)
+        assert [b.recomputes for b in _bodies(pm.graph_module)] == [0]
+    with torch.no_grad():
+        want = ref.eval()(*inputs)
+    assert abs(_value(got) - float(want)) <= TOL
