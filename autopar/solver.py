@@ -434,9 +434,13 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
                 reissue.append((k, gi, n))
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
     # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
-    # re-issued; a replicated candidate's communication is its gradients' reduction, which is not
-    reissue_s = [[c.comm_s / 2 if (cand.axes or cand.fsdp) else 0.0 for cand, c in zip(cs, cost)]
-                 for cs, cost in zip(cands, costs)]
+    # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
+    # are issued before the layers (outside the recomputed region): an FSDP candidate re-issues what its
+    # candidate without FSDP does
+    own = [{(cand.form, cand.axes): c.comm_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
+           for cs, cost in zip(cands, costs)]
+    reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
+                 for cs, cost, mine in zip(cands, costs, own)]
     return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model)
 
 
@@ -583,8 +587,12 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         sites = ctx.planning_sites()
         classes = [[s] for s in sites]
         cands = [[choices.get(s.key, Candidate(form=Replicate.name))] for s in sites]
-        ck = _checkpoint_terms(groups, classes, cands, [[per_site[s.key]] for s in sites], mc, mesh, data_axes,
-                               seq_axes)
+        costs = [[per_site[s.key]] for s in sites]
+        for s, cs, cost in zip(sites, cands, costs):  # an FSDP choice re-issues what it does without FSDP
+            if cs[0].fsdp:
+                cs.append(Candidate(form=cs[0].form, axes=cs[0].axes))
+                cost.append(site_cost(s, stats[s.key], cs[1], mc))
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
                                 classes, cands)
     sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", extra)

@@ -2,8 +2,9 @@
 checkpointing (`autopar.runtime.checkpoint.Checkpointed`).
 
 A layer's region is every call_function node of the lowered graph from its first to its last node (by the
-captured graph's node names, `LowerContext.checkpoint`), so the collectives lowering inserted inside the layer
-are in it and recomputed with it. Gradient buckets (`grad_sync_bucket`: an identity forward on parameters,
+captured graph's node names, `LowerContext.checkpoint`), and the collectives right after it that lowering made
+for the layer (the all-reduce of a partial output the lowering carried through the residual add), so the
+collectives lowering inserted for the layer are in it and issued again with it (as `autopar.solver` prices). Gradient buckets (`grad_sync_bucket`: an identity forward on parameters,
 all-reduce in backward) placed inside are moved before the region: their backward must run once, and they
 depend on placeholders only. The region becomes `checkpoint_<i>` (a `Checkpointed` module) called with the
 values it reads from outside and returning those read after it; its body is a GraphModule whose nodes keep
@@ -18,6 +19,7 @@ import operator
 from torch import fx
 
 from autopar.runtime import collectives as C
+from passes import meta as M
 from autopar.runtime.checkpoint import Checkpointed, whole
 from autopar.runtime.ring_attention import ring_attention
 
@@ -29,6 +31,13 @@ def walk(gm: fx.GraphModule):
             yield from gm.get_submodule(n.target).body.graph.nodes
         else:
             yield n
+
+
+def _collective_of(n: fx.Node, path: str) -> bool:
+    """A collective lowering inserted for the layer at `path` (its CommInfo names the layer or a module in it)."""
+    comm = n.meta.get(M.COMM) if n.op == "call_function" and n.target in C.COLLECTIVES else None
+    module = getattr(comm, "module", None) or ""
+    return module == path or module.startswith(path + ".")
 
 
 def checkpoint_layers_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -43,7 +52,10 @@ def _outline(gm: fx.GraphModule, name: str, path: str, level: str, names: set[st
     idx = [i for i, n in enumerate(order) if n.name in names]
     if not idx:
         return
-    span = [n for n in order[idx[0]:idx[-1] + 1] if n.op == "call_function"]
+    end = idx[-1] + 1
+    while end < len(order) and _collective_of(order[end], path):  # e.g. the reduction of its partial output
+        end += 1
+    span = [n for n in order[idx[0]:end] if n.op == "call_function"]
     hoisted = set()
     for n in span:  # gradient buckets (and their getitems) run before the region
         if n.target is C.grad_sync_bucket or (n.target is operator.getitem and n.args[0] in hoisted):
