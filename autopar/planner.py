@@ -382,8 +382,11 @@ def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) 
             by = f"override: forced to {chosen}"
         elif solution is None:
             by = f"the named plan's default (no '{ckpt.KEY}' override names these layers)"
+        elif not ckpt.LEVELS[chosen].recomputes:
+            by = "the ILP: cheapest (recomputing costs time) and the plan fits the memory limit without it"
         else:
-            by = "the ILP: the least step time within the memory limit (a recomputing level costs time, saves memory)"
+            by = (f"the ILP, memory limit binding: {ckpt.NONE.name} takes less time (no recompute), but with the "
+                  "structures' forms this plan chose it does not fit the memory limit")
         group = next((g for g in (terms.groups if terms else []) if paths[0] in {la.path for la in g.layers}), None)
         if group is not None:
             costs = terms.costs[terms.groups.index(group)]
