@@ -52,6 +52,7 @@ def _moe():
 
 # name -> (model, mesh shape, axis names, plan, overrides)
 CASES = {
+    "dp": (_gpt, (2,), ("dp",), "dp", {}),  # gradient buckets: moved before the checkpointed regions
     "tp": (_gpt, (2,), ("tp",), "megatron", {}),
     "sp": (_llama, (2,), ("tp",), "megatron", {"norm": "sequence"}),
     "fsdp": (_llama, (2,), ("dp",), "fsdp", {}),
@@ -150,8 +151,9 @@ def test_every_level_matches_one_device_recomputes_and_reissues_what_it_prices(l
     if case == "ep":  # the experts' token all-to-alls (inside the MoE node) are collectives: issued again
         want["all_to_all.recompute"] = base["counts"]["all_to_all.forward"]
     assert again == {k: v for k, v in want.items() if v}, (again, want)
-    # FSDP's gathers run before the layers (their outputs are the regions' inputs): nothing to issue again
-    assert (sum(again.values()) == 0) == (case == "fsdp"), again
+    # FSDP's gathers run before the layers (their outputs are the regions' inputs), DP has no forward collective:
+    # nothing to issue again
+    assert (sum(again.values()) == 0) == (case in ("dp", "fsdp")), again
 
 
 def test_dropout_masks_are_drawn_again_identically(local_world, fp64):
