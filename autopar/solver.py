@@ -12,8 +12,14 @@ Sets
       model axis (forms split structures over it) or the sequence axis (at most one; then every
       attention takes a sequence form on it). Every assignment the batch admits is tried (at most
       27 for a 3-D mesh), one ILP each, and the best is kept.                    `_role_options`
+  G   layer groups (`autopar.forms.checkpoint.groups`): the model's layers (`autopar.layers`) by class (and by the
+      level an override forces), each taking one activation checkpointing level l in L_g (none, selective,
+      full; the forced one only). `_checkpoint_terms`
 Variables
   x[k,c] in {0,1}: class k takes candidate c.
+  y[g,l] in {0,1}: layer group g takes checkpoint level l.
+  w[k,g] >= 0: the forward collectives class k's sites in g's layers issue again (re-issued by recomputation).
+  T >= 0: the recompute transient (one layer's recomputed tensors in its backward), the largest.
 Constraints
   sum_c x[k,c] = 1 for every k                                                 (one-hot)
   tied parameters (an embedding and its LM head) take matching forms and FSDP  (`_tie`)
@@ -21,10 +27,16 @@ Constraints
       a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel
       there; an embedding added to an earlier one (a position embedding) is vocab-parallel on an
       axis only if the earlier one is (their sum is all-reduced once)
-  sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
+  sum_l y[g,l] = 1 for every g                                                 (one level per group)
+  w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
+  T >= transient[g,l] y[g,l]
+  sum_k n_k sum_c mem[k,c] x[k,c] + sum_g,l dmem[g,l] y[g,l] + T + mem_other <= memory limit   (per-device memory)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
-  each form's `cost`, `site_cost`; the rest `other_cost`), in integer nanoseconds for CP-SAT.
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g] + time_other:
+  estimated step time (compute + communication: each form's `cost`, `site_cost`; the rest `other_cost`; the
+  levels' recompute and re-issued collectives, `ckpt.cost`; fwd[k,c] = half the candidate's communication, its
+  forward collectives), in integer nanoseconds for CP-SAT. dmem[g,l]: what level l keeps less than none
+  (negative), per device.
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
