@@ -38,6 +38,7 @@ from autopar.precision import Precision, as_dtypes, capture_dtypes, cast_inputs,
 from autopar.planner import BATCH_NOTE_RE, build_plan, tie_placements
 from autopar.sites import Kind, PassContext
 from autopar.spec import Shard, fmt_placements, is_owned, placements_from_str
+from autopar.forms import checkpoint as ckpt
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -158,6 +159,8 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
         if why:
             notes.append(f"{s.kind} {s.key} replicated for these inputs, not {s.label}: {why}")
         overrides[_exact(s.key)] = Replicate.name if why else s.label
+    for path, level in plan.checkpoint:  # the same activation checkpointing level per layer
+        overrides[f"{ckpt.KEY}:{_exact(path)}"] = level
     base = plan.name if plan.name in ("megatron", "dp", "fsdp") else _named_like(plan)
     batch, shapes = input_batch(ctx.captured)
     new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes, data_axes=_data_axes(plan, info))

@@ -222,9 +222,10 @@ def _group_nodes(plan, gm) -> dict[str, list[tuple[str, str]]]:
     """Graph nodes by the structure whose module (or member) path holds them, else their top-level module:
     (escaped line, escaped collective note or '')."""
     scopes = sorted(((k, s.key) for s in plan.strategies for k in (s.key, *s.members)), key=lambda x: -len(x[0]))
-    comm = {n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES}
+    from passes.checkpoint import walk
+    comm = {n for n in walk(gm) if n.op == "call_function" and n.target in COLLECTIVES}
     groups: dict[str, list[tuple[str, str]]] = {}
-    for n in gm.graph.nodes:
+    for n in walk(gm):  # checkpointed layers' nodes in place of their call
         path = _module_path(n)
         if n in comm:
             path = n.meta[M.COMM].module or path

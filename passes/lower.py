@@ -49,6 +49,7 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
+from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
@@ -86,6 +87,8 @@ class LowerContext:
     notes: list[str] = field(default_factory=list)
     arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
     precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
+    # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
+    checkpoint: list = field(default_factory=list)
 
 
 def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default",
@@ -145,6 +148,7 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
                                  "plan was made for another model or input shapes. Fix: re-plan for this model.")
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
+    ctx.checkpoint = _checkpointed_layers(plan, captured)
     return ctx
 
 
@@ -158,6 +162,23 @@ def _plan_precision(plan: Plan, captured: Captured):
             f"for {captured.precision.spec() if captured.precision else 'none'}. Fix: pass the plan's mp_policy "
             "(autopar.parallelize(..., mp_policy=...)), or re-plan for this one.")
     return precision
+
+
+def _checkpointed_layers(plan: Plan, captured: Captured) -> list:
+    """(path, level, node names) of every layer the plan checkpoints; a layer this graph lacks is an error."""
+    from autopar.forms import checkpoint as ckpt
+    from autopar.layers import find_layers
+    wanted = {path: ckpt.level(name, f"plan {plan.name!r}: checkpoint level of layer {path!r}")
+              for path, name in plan.checkpoint}
+    if not any(lv.recomputes for lv in wanted.values()):
+        return []
+    layers = {la.path: la for la in find_layers(captured.gm, set(captured.param_fqns) | set(captured.buffer_fqns))}
+    missing = [p for p, lv in wanted.items() if lv.recomputes and p not in layers]
+    if missing:
+        raise ValueError(f"plan {plan.name!r} checkpoints layer {missing[0]!r}, which this model's graph does not "
+                         f"have (layers: {', '.join(layers) or 'none'}): the plan was made for another model. Fix: "
+                         "re-plan for this model and inputs.")
+    return [(p, lv.name, layers[p].nodes) for p, lv in wanted.items() if lv.recomputes]
 
 
 def _directive_value(plan: Plan, d, parse):
@@ -978,6 +999,7 @@ LOWER = [
     bucket_gradients_pass,
     mixed_precision_pass,
     dead_code_pass,
+    checkpoint_layers_pass,
 ]
 
 
@@ -988,7 +1010,8 @@ def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C.COLLECTIVES]
+    """Every collective node, those inside checkpointed layers too."""
+    return [n for n in walk(gm) if n.op == "call_function" and n.target in C.COLLECTIVES]
 
 
 def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
@@ -1003,7 +1026,7 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         c = n.meta[M.COMM]
         rows.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                             bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
-    for n in gm.graph.nodes:
+    for n in walk(gm):
         if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
             continue
         x, idx, key, axis = n.args[0], n.args[1], n.args[4], resolve_axis(n.args[5])

@@ -45,13 +45,25 @@ _c10d = torch.ops._c10d_functional
 class CommRecord:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
     axis: str
-    pass_: str  # forward | backward
+    pass_: str  # forward | backward | recompute (a checkpointed layer's forward collectives issued again in backward)
     numel: int  # elements of the full (logical) tensor moved
     send_bytes: int  # bytes each rank sends (ring / pairwise algorithms)
     dtype: str = ""  # of the tensor moved, e.g. "bfloat16" (mixed precision: gathers in param_dtype, reductions not)
 
 
 _RECORDERS: list[list[CommRecord]] = []
+_RECOMPUTING = [0]  # > 0 while backward runs a checkpointed layer's forward again (`autopar.runtime.checkpoint`)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Collectives issued inside are recorded with pass "recompute": a checkpointed layer's forward run again in
+    backward."""
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
 
 
 @contextlib.contextmanager
@@ -64,10 +76,15 @@ def record_comms():
         _RECORDERS.remove(records)
 
 
+def pass_name(backward: bool) -> str:
+    """The pass a collective issued now belongs to: backward, a recompute in backward, or forward."""
+    return "backward" if backward else "recompute" if _RECOMPUTING[0] else "forward"
+
+
 def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward: bool) -> None:
     if not _RECORDERS:
         return
-    rec = CommRecord(kind, axis.name, "backward" if backward else "forward", full_numel,
+    rec = CommRecord(kind, axis.name, pass_name(backward), full_numel,
                      round(send_bytes(kind, full_numel * t.element_size(), axis.size)),
                      str(t.dtype).removeprefix("torch."))
     for r in _RECORDERS:
