@@ -309,8 +309,9 @@ class ConstraintView:
 
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
-          time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0) -> Solution:
-    """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs)."""
+          time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0, exclude=()) -> Solution:
+    """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs).
+    `exclude`: assignments ({site key: Candidate}) the plan must differ from in some structure's form (`no_good`)."""
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
@@ -338,7 +339,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
         try:
-            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, exclude)
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
@@ -398,11 +399,12 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
     return out
 
 
-def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats):
+def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats, exclude=()):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
         model.AddExactlyOne(xs)
+    no_good(model, classes, cands, x, exclude)
     index = {s.key: k for k, cls in enumerate(classes) for s in cls}
     for a, b in pairs:  # tied parameters: the same axes (or none) and the same FSDP choice
         ka, kb = index[a.key], index[b.key]
@@ -448,6 +450,18 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     sol = _total((), choices, per_site, base, gap, name)
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
+
+
+def no_good(model, classes, cands, x, exclude) -> None:
+    """A no-good cut per excluded assignment: sum_k x[k, c_k] <= |K| - 1, where c_k is the candidate the
+    assignment gives class k, so the ILP's plan differs from it in at least one structure's form (`autopar.tune`'s
+    k best distinct plans). An assignment that takes a candidate this role assignment does not offer cannot be
+    chosen anyway: no cut."""
+    for choices in exclude:
+        chosen = [next((v for v, c in zip(xs, cs) if c == choices.get(cls[0].key)), None)
+                  for cls, cs, xs in zip(classes, cands, x)]
+        if all(v is not None for v in chosen):
+            model.Add(sum(chosen) <= len(chosen) - 1)
 
 
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str) -> Solution:

@@ -13,7 +13,7 @@ Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) an
 | "p2p"            | the block one rank sends            | n             | n/bw + alpha                   |
 
 A group of size 1 costs nothing. (Ring algorithms; tree all-reduce latency would be 2·log2(p)·alpha,
-not modelled.) When the link carries a measured table for the kind and the group size
+not modelled.) Every time is multiplied by `Link.time_factor` (a calibration, `autopar.tune`). When the link carries a measured table for the kind and the group size
 (`Link.table`, written by `autopar.profile`), the time is interpolated from it instead: log-log
 between measured sizes, the smallest size's time below them, and the last segment's slope
 (seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
@@ -116,8 +116,9 @@ def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link, 
         if interval_s is not None and link.sync_table:
             t += _piecewise_linear(link.sync_table, interval_s) - _piecewise_linear(link.sync_table,
                                                                                      link.table_interval_s)
-        return max(t, 0.0)
-    return send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s + steps(group_size) * link.alpha_s
+        return max(t, 0.0) * link.time_factor
+    return (send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s
+            + steps(group_size) * link.alpha_s) * link.time_factor
 
 
 def _piecewise_linear(rows, x: float) -> float:
