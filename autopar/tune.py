@@ -7,11 +7,13 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    structure's form) and the named hand plans (`autopar.planner.PLANS`); a plan found twice is measured once,
    under both names. Each is priced by the cost model as loaded (`predicted_s`) and broken into the parts a
    calibration scales (`components`: compute per op kind, collectives per mesh axis, the rest).
-2. **Measurement**: each candidate is lowered (`autopar.parallelize` with the plan), given an optimizer (AdamW on
+2. **Measurement**: each candidate is lowered (as `autopar.parallelize` lowers a given plan), given an optimizer (AdamW on
    its parameters, or `optimizer(params)`), warmed up `warmup` steps and timed for `steps` training steps
    (forward, backward, optimizer step). Steps are interleaved: round r runs one step of every live candidate
    (the order rotated each round), so drift on the machine hits all alike. Each step's time is the slowest
-   rank's; a candidate's time is the median of its steps. Peak memory per rank: the candidate's resident state
+   rank's; a candidate's time is the median of its steps. The 3 fastest and the fastest hand plan are then
+   timed `steps` more steps, interleaved, before the fastest is chosen (one set of rounds decides a near-tie by
+   noise). Peak memory per rank: the candidate's resident state
    (parameters, gradients, optimizer state) plus the most allocated above it during a step (CUDA
    `max_memory_allocated`; on a CPU host the resident set's high-water mark, reset before each step).
 3. **Isolation**: after every phase (lowering, each step) the ranks agree (one all-gather of each rank's status,
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -62,6 +65,7 @@ from cost_model.hardware import Calibration, Cluster, calibration_path, load_clu
 
 __all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key"]
 
+_STREAMS = itertools.count()  # dropout streams of the candidates' programs
 REST = "rest"  # the part of a prediction no calibration factor scales
 _MAX_FITS = 400  # measurements kept beside a profile (the oldest dropped)
 
@@ -176,8 +180,6 @@ def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, 
     `optimizer(params) -> torch.optim.Optimizer` (default AdamW); `cluster` as in `parallelize` (the profile to
     calibrate; a preset name is used as published and not calibrated on disk); `memory_limit` (bytes per rank): a
     candidate that measures more is skipped; `calibrate=False` leaves the calibration on disk alone."""
-    from autopar.api import _prepare
-
     _check(model, mesh, top_k, steps, warmup, optimizer)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     loaded = load_cluster(cluster, info.sizes)
@@ -216,6 +218,40 @@ def tuned_plan(model: nn.Module, mesh: DeviceMesh, example_inputs, *, cluster=No
     """`parallelize(..., plan="tuned")`: the cached tuned plan for this model, mesh, cluster and dtypes, or, when
     there is none, the plan `tune` finds (measured now, then cached)."""
     return tune(model, mesh, example_inputs, cluster=cluster, progress=_rank() == 0).plan
+
+
+def _prepare(model, mesh, example_inputs):
+    """Capture and recognise (as `autopar.api` does; `parallelize(plan="tuned")` calls tune, so tune lowers its
+    candidates itself, `_lower`)."""
+    from autopar.agree import _local_tensor_off
+    from autopar.capture import capture, split_example_inputs
+    from autopar.mesh import mesh_info
+    from autopar.relower import plain_inputs
+    from autopar.sites import PassContext
+    from passes.pipeline import RECOGNISE, run_passes
+
+    args, kwargs = plain_inputs(*split_example_inputs(example_inputs))
+    with _local_tensor_off():
+        captured = capture(model, args, kwargs)
+    ctx = PassContext(captured)
+    run_passes(captured.gm, ctx, RECOGNISE)
+    return mesh_info(mesh), captured, ctx
+
+
+def _lower(model, mesh, example_inputs, plan: Plan, stream: str):
+    """The candidate `plan` (planned on rank 0, the same on every rank) as a ParallelModule, as `parallelize` makes
+    it from a given Plan."""
+    from autopar.agree import agreed_seed
+    from autopar.checks import check_given_plan
+    from autopar.module import ParallelModule
+    from autopar.runtime.ops import new_rng_stream
+    from passes.lower import lower_context, lower_pass
+
+    info, captured, _ = _prepare(model, mesh, example_inputs)
+    check_given_plan(plan, f"candidate {plan.name!r}", info, captured)
+    new_rng_stream(stream, agreed_seed(mesh))
+    gm = lower_pass(captured.gm, lower_context(plan, captured, info, rng_stream=stream))
+    return ParallelModule(model, mesh, captured, plan, gm, stream, example_inputs=example_inputs)
 
 
 def _check(model, mesh, top_k, steps, warmup, optimizer) -> None:
@@ -370,7 +406,7 @@ def _factor(part: str, cal: Calibration) -> float:
 
 
 def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tuple[int, ...], *, of: str,
-                    ridge: float = 0.1, source: str = "") -> Calibration:
+                    ridge: float = 1e-3, source: str = "") -> Calibration:
     """Factors per op kind and per mesh axis such that the calibrated predictions of `fits` ([(components,
     measured seconds)]) best match the measurements, in relative error (least squares). Every factor is pulled
     towards the one global factor that fits best (weight `ridge`), so parts the measurements cannot tell apart
@@ -475,8 +511,6 @@ class _Live:
 
 def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, warmup, optimizer, cluster,
              memory_limit, progress) -> list[TuneCandidate]:
-    import autopar
-
     live = [_Live(c) for c in cands if not c.skipped]
     bars = _Bars([c.name for c in cands], warmup + steps, progress)
     for c in cands:
@@ -486,24 +520,28 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
     make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
     def build(lv: _Live):
-        lv.pm = autopar.parallelize(model, mesh, example_inputs, plan=lv.cand.plan, cluster=cluster)
+        lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
         lv.opt = make_opt(list(lv.pm.parameters()))
 
     for lv in live:
         _phase(lv, lambda lv=lv: build(lv), mesh, memory_limit, timed=False)
         if lv.cand.skipped:
             bars.finish(lv.cand.name, lv.cand.skipped)
-    for r in range(warmup + steps):
-        alive = [lv for lv in live if not lv.cand.skipped]
-        k = r % max(1, len(alive))
-        for lv in alive[k:] + alive[:k]:  # each round starts with another candidate
-            _phase(lv, lambda lv=lv: _step(lv, args, kwargs, mesh), mesh, memory_limit, timed=r >= warmup)
-            lv.done += 1
-            if lv.cand.skipped:
-                lv.pm = lv.opt = None
-                bars.finish(lv.cand.name, lv.cand.skipped)
-            else:
-                bars.update(lv.cand.name, lv.done)
+    def rounds(group: list[_Live], count: int, first_timed: int) -> None:
+        for r in range(count):
+            alive = [lv for lv in group if not lv.cand.skipped]
+            k = r % max(1, len(alive))
+            for lv in alive[k:] + alive[:k]:  # each round starts with another candidate
+                _phase(lv, lambda lv=lv: _step(lv, args, kwargs, mesh), mesh, memory_limit, timed=r >= first_timed)
+                lv.done += 1
+                if lv.cand.skipped:
+                    lv.pm = lv.opt = None
+                    bars.finish(lv.cand.name, lv.cand.skipped)
+                else:
+                    bars.update(lv.cand.name, lv.done)
+
+    rounds(live, warmup + steps, warmup)
+    rounds(_contenders(live), steps, 0)
     out = []
     for c in cands:
         lv = next((lv for lv in live if lv.cand.name == c.name), None)
@@ -516,6 +554,16 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
     return out
 
 
+def _contenders(live: list[_Live]) -> list[_Live]:
+    """The candidates timed `steps` more steps before the winner is chosen: the 3 fastest so far and the fastest
+    hand plan (a near-tie is otherwise decided by the noise of one set of rounds)."""
+    from autopar.planner import PLANS
+    alive = sorted((lv for lv in live if not lv.cand.skipped), key=lambda lv: statistics.median(lv.times))
+    hand = [lv for lv in alive if set(lv.cand.name.split("=")) & set(PLANS)]
+    out = alive[:3] + [lv for lv in hand[:1] if lv not in alive[:3]]
+    return out if len(out) > 1 else []
+
+
 def _split(example_inputs):
     from autopar.capture import split_example_inputs
     return split_example_inputs(example_inputs)
@@ -524,16 +572,17 @@ def _split(example_inputs):
 def _step(lv: _Live, args, kwargs, mesh) -> tuple[float, int]:
     """One training step: (seconds, peak bytes on this rank above its resident state)."""
     cuda = mesh.device_type == "cuda"
-    mark = _memory_mark(cuda)
-    t0 = time.perf_counter()
     lv.opt.zero_grad(set_to_none=True)
+    resident = _state_bytes(lv.pm, lv.opt)  # what the step allocates anew (the first step's optimizer state) is in
+    mark = _memory_mark(cuda)  # the peak above this mark
+    t0 = time.perf_counter()
     loss = _loss_of(lv.pm(*args, **kwargs))
     loss.backward()
     lv.opt.step()
     if cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return seconds, _memory_peak(mark, cuda) + _state_bytes(lv.pm, lv.opt)
+    return seconds, resident + _memory_peak(mark, cuda)
 
 
 def _loss_of(out) -> torch.Tensor:
@@ -693,7 +742,7 @@ class _Bars:
     def _line(self, name: str) -> str:
         done, note = self.state[name]
         width = 24
-        filled = width * done // max(1, self.total)
+        filled = min(width, width * done // max(1, self.total))
         return f"autopar tune {name:<16} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {note}"[:150]
 
     def _draw(self) -> None:
@@ -709,7 +758,7 @@ class _Bars:
         self.state[name] = (done, "")
         if self.tty:
             self._draw()
-        elif done == self.total:
+        elif done == self.total:  # (contenders' extra steps are not printed again off a terminal)
             self.state[name] = (done, "done")
             print(self._line(name), file=sys.stderr, flush=True)
 

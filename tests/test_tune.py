@@ -267,10 +267,10 @@ def _job_memory_limit(cache_dir: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     def run():
-        model, inputs = tiny(vocab=32768, hidden=128, batch=4)
+        model, inputs = tiny(vocab=65536, hidden=256, batch=4)  # 64 MiB of parameters, nearly all the embedding
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp_state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # AdamW: p, grad, 2 states
-        limit = int(0.75 * dp_state)
+        limit = int(0.9 * dp_state)
         result = autopar.tune(model, mesh, inputs, top_k=0, steps=1, warmup=0, progress=False, cache=False,
                               memory_limit=limit, cluster="cpu")
         return limit, [(c.name, c.measured_s, c.skipped, c.peak_bytes) for c in result.candidates]
@@ -278,8 +278,9 @@ def _job_memory_limit(cache_dir: str):
 
 
 def test_a_candidate_over_the_memory_limit_is_skipped(tmp_path):
-    """dp holds every parameter and its AdamW state whole on every rank: over 3/4 of that, it is skipped; the
-    plans that shard the (large) embedding go on."""
+    """dp holds every parameter and its AdamW state whole on every rank: over 9/10 of that, it is skipped; the
+    plans that shard the (large) embedding go on (megatron holds half of it; what each measured is within the
+    limit)."""
     out = gloo_pool(4).run(_job_memory_limit, str(tmp_path))
     limit, rows = out[0]
     assert all(o == out[0] for o in out)
