@@ -106,6 +106,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                         "mesh given as axis sizes")
     if isinstance(plan, str) and plan == "tuned":  # the cached winner of `autopar.tune`, or tune now
         from autopar.tune import tuned_plan
+        if inputs != "global":
+            raise NotImplementedError(
+                f"plan='tuned' with inputs={inputs!r}: autopar.tune measures plans on the global batch every rank "
+                "passes, so it cannot tune for local shards yet. Fix: inputs='global', or tune once with the global "
+                "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
     _refuse_meta_moe(model)

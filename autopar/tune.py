@@ -406,7 +406,7 @@ def _factor(part: str, cal: Calibration) -> float:
 
 
 def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tuple[int, ...], *, of: str,
-                    ridge: float = 1e-3, source: str = "") -> Calibration:
+                    ridge: float = 0.1, source: str = "") -> Calibration:
     """Factors per op kind and per mesh axis such that the calibrated predictions of `fits` ([(components,
     measured seconds)]) best match the measurements, in relative error (least squares). Every factor is pulled
     towards the one global factor that fits best (weight `ridge`), so parts the measurements cannot tell apart

@@ -301,7 +301,7 @@ def test_cli_tunes_on_4_ranks(tmp_path):
                XDG_CACHE_HOME=str(tmp_path))
     torchrun = Path(sys.executable).with_name("torchrun")
     out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", "-m", "autopar", "tune",
-                          "--model", "test_tune:tiny", "--mesh", "2x2", "--mesh-names", "dp,tp", "--top-k", "2",
+                          "--model", "test_tune:tiny", "--mesh", "2x2", "--mesh-names", "dp,tp", "--top-k", "1",
                           "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "plan.json")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
