@@ -15,7 +15,7 @@ the fastest wins); step 2 measures both again in fresh rounds, so the ratio show
 
 The cache and calibration go to a temporary XDG_CACHE_HOME (this machine's own are left alone).
 
-    python benchmarks/tune.py [--quick]
+    python benchmarks/tune.py [--quick]      # TUNE_DUMP=path.json: also write the candidates (to refit offline)
 """
 
 from __future__ import annotations
