@@ -91,6 +91,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
       data (checked). Batched inputs (dim 0 the size of the first input's) are the local shard; other inputs are
       the same on every rank (checked). The plan is made for the global batch, local batch x data-parallel degree.
 
+    `plan="tuned"`: the plan `autopar.tune` measured fastest for this model, mesh, cluster and dtypes (its cache), or,
+    when it has not been tuned yet, `autopar.tune` runs now (every rank measures the candidates) and caches it.
+
     `overrides` ({key: form}): where several keys name one structure, the most specific wins whatever the dict's
     order (an exact module path beats a glob, which beats a kind: `{"h.0.attn": "heads", "attention":
     "replicate"}` gives h.0.attn heads); equally specific keys that disagree raise. Requests that cannot be
@@ -108,6 +111,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
+    if isinstance(plan, str) and plan == "tuned":  # the cached winner of `autopar.tune`, or tune now
+        from autopar.tune import tuned_plan
+        if inputs != "global":
+            raise NotImplementedError(
+                f"plan='tuned' with inputs={inputs!r}: autopar.tune measures plans on the global batch every rank "
+                "passes, so it cannot tune for local shards yet. Fix: inputs='global', or tune once with the global "
+                "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
+        plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
     _refuse_meta_moe(model)
     memory_limit = check_options(plan, cluster, memory_limit)

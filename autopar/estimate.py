@@ -449,11 +449,18 @@ class MeshCosting:
 def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
     """Forward + backward (3x the forward work) of a site's nodes with the work split over `divisor` ranks:
     by op kind when the cluster measured kernel rates (every op runs on every rank: the dispatch overhead
-    is not divided), else the roofline of all its FLOPs and activation bytes."""
-    if has_kernel_rates(cluster):
-        return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster), cluster,
-                                 num_ops=3 * ops, flops_per_call=size / divisor if size and kind == "matmul" else None,
-                                 seq_len=size if size and kind == "sdpa" else None)
+    is not divided), else the roofline of all its FLOPs and activation bytes. A calibrated cluster
+    (`Cluster.calibration`, `autopar.tune`) prices each kind apart and scales it by its measured factor."""
+    cal = cluster.calibration
+    if has_kernel_rates(cluster) or cal is not None:
+        rates = has_kernel_rates(cluster)
+        return sum((cal.compute.get(kind, 1.0) if cal is not None else 1.0)
+                   * (kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster),
+                                    cluster, num_ops=3 * ops,
+                                    flops_per_call=size / divisor if size and kind == "matmul" else None,
+                                    seq_len=size if size and kind == "sdpa" else None)
+                      if rates else compute_time_s(3 * flops / divisor, 3 * nbytes / divisor,
+                                                   compute_dtype(dtype, cluster), cluster))
                    for (kind, dtype, size), (flops, nbytes, ops) in st.work.items())
     return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, compute_dtype(st.compute_dtype, cluster),
                           cluster)

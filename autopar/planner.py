@@ -269,13 +269,14 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
                optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
-               data_axes: tuple[str, ...] | None = None) -> Plan:
+               data_axes: tuple[str, ...] | None = None, exclude=()) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
     priced by the same cost model, so they can be compared (and may not fit). `data_axes` (named plans only)
     fixes the axes the batch is sharded over instead of the plan's own choice (re-lowering a plan for new
-    shapes keeps its data axes, `autopar.relower`).
+    shapes keeps its data axes, `autopar.relower`). `exclude` ("auto" only): assignments the ILP's plan must
+    differ from (`autopar.solver.no_good`; `autopar.tune` asks for the k best distinct plans).
     """
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
@@ -307,7 +308,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit,
                              forced={k: c for k, c in forced.items() if planning[k].kind is not Kind.LINEAR},
                              optimizer=optimizer, data_axes_options=options, batch=batch, layers=layers,
-                             checkpoint_forced=ck_forced)
+                             checkpoint_forced=ck_forced, exclude=exclude)
         choices = {s.key: solution.choices[s.key] for s in ctx.planning_sites()}
         levels = {la.path: ckpt.LEVELS[solution.checkpoint[la.path]] for la in layers}
         choices.update({k: c for k, c in forced.items() if planning[k].kind is Kind.LINEAR})

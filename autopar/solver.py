@@ -334,10 +334,11 @@ class ConstraintView:
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
           time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0, layers=(),
-          checkpoint_forced: dict | None = None) -> Solution:
+          checkpoint_forced: dict | None = None, exclude=()) -> Solution:
     """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs).
     `layers` (`autopar.layers.find_layers`) take an activation checkpointing level each, per layer class
-    (`checkpoint_forced`: layer path -> the level an override forces)."""
+    (`checkpoint_forced`: layer path -> the level an override forces). `exclude`: assignments ({site key:
+    Candidate}) the plan must differ from in some structure's form (`no_good`)."""
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
@@ -367,7 +368,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         base = other_cost(other, mc)
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
         try:
-            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck)
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude)
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
@@ -494,11 +495,12 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
 
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
-               ck: CheckpointTerms | None = None):
+               ck: CheckpointTerms | None = None, exclude=()):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
         model.AddExactlyOne(xs)
+    no_good(model, classes, cands, x, exclude)
     index = {s.key: k for k, cls in enumerate(classes) for s in cls}
     for a, b in pairs:  # tied parameters: the same axes (or none) and the same FSDP choice
         ka, kb = index[a.key], index[b.key]
@@ -572,6 +574,18 @@ def checkpoint_cost(levels: dict, choices: dict[str, Candidate], ck: CheckpointT
             comm += n * ck.reissue_s[k][i]
     return Cost(compute_s=compute, comm_s=comm, comm_bytes=0.0, memory_bytes=act + transient, act_bytes=act,
                 transient_bytes=transient)
+
+
+def no_good(model, classes, cands, x, exclude) -> None:
+    """A no-good cut per excluded assignment: sum_k x[k, c_k] <= |K| - 1, where c_k is the candidate the
+    assignment gives class k, so the ILP's plan differs from it in at least one structure's form (`autopar.tune`'s
+    k best distinct plans). An assignment that takes a candidate this role assignment does not offer cannot be
+    chosen anyway: no cut."""
+    for choices in exclude:
+        chosen = [next((v for v, c in zip(xs, cs) if c == choices.get(cls[0].key)), None)
+                  for cls, cs, xs in zip(classes, cands, x)]
+        if all(v is not None for v in chosen):
+            model.Add(sum(chosen) <= len(chosen) - 1)
 
 
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str,

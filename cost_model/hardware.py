@@ -49,6 +49,14 @@ GB/s bus bandwidth across NDR nodes), a data axis outside a tensor-parallel axis
 A profiled `Cluster` also stores the link it measured for each axis of the mesh it was measured
 on (`mesh_shape`, `axis_links`); for that same mesh shape `axis_link` returns the measured link.
 
+Calibration (`Calibration`, written by `autopar.tune`): factors measured step times fitted against the
+model's predictions, one per op kind of compute (`cost_model.analytical.KINDS`) and one per mesh axis of the
+mesh it was measured on (its collectives' times), applied where they are priced (`autopar.estimate.compute_s`,
+`collective_time_s` through `Link.time_factor`, which `axis_link` sets). It is saved beside the profile it
+corrects (`calibration_path`: the profile's path with `.calibration.json`; for a machine without a profile,
+beside the path its profile would have) and `load_cluster` applies it when it loads that profile or, for
+`None`, this machine's preset; a preset named explicitly stays as published.
+
 `load_cluster(spec, mesh_shape)` resolves, in order: a `Cluster`; a preset name (`PRESETS`); a
 path to a JSON profile; or `None`, meaning the cached profile for this device and mesh at
 `default_profile_path(mesh_shape)` (`$XDG_CACHE_HOME/autopar/profile-<device>-<mesh>.json`,
@@ -69,7 +77,7 @@ from pathlib import Path
 
 __all__ = [
     "TABLE_KINDS", "Link", "Cluster", "PRESETS", "load_cluster", "check_cluster_spec", "axis_link",
-    "default_profile_path", "device_name",
+    "default_profile_path", "device_name", "Calibration", "calibration_path",
 ]
 
 _FORMAT = "autopar.cluster/1"
@@ -96,6 +104,7 @@ class Link:
     table_group_size: int | None = None
     table_interval_s: float | None = None  # compute before each collective when the table was measured
     sync_table: tuple[tuple[float, float], ...] | None = None  # (interval_s, seconds) of a small all-reduce
+    time_factor: float = 1.0  # measured / predicted collective time on this axis (`Calibration`, set by axis_link)
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
@@ -104,6 +113,8 @@ class Link:
             raise ValueError(f"Link.bytes_per_s must be a finite number > 0, got {self.bytes_per_s}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Link.efficiency must be in (0, 1], got {self.efficiency}")
+        if not (self.time_factor > 0 and math.isfinite(self.time_factor)):
+            raise ValueError(f"Link.time_factor must be a finite number > 0, got {self.time_factor}")
         if self.table is None:
             return
         if not (isinstance(self.table_group_size, int) and self.table_group_size > 1):
@@ -141,6 +152,51 @@ class Link:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Measured / predicted time factors (`autopar.tune`): `compute[kind]` per op kind, `axes[i]` for the
+    collectives on axis i of `mesh_shape` (other mesh shapes take their geometric mean). `of` names the cluster
+    they correct (`Cluster.name`); `samples` counts the measurements fitted."""
+
+    compute: dict[str, float] = field(default_factory=dict, hash=False)
+    axes: tuple[float, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    of: str = ""
+    samples: int = 0
+    source: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(float(a) for a in self.axes))
+        object.__setattr__(self, "mesh_shape", tuple(int(d) for d in self.mesh_shape))
+        for what, f in [*self.compute.items(), *enumerate(self.axes)]:
+            if not (f > 0 and math.isfinite(f)):
+                raise ValueError(f"Calibration factor {what!r} must be a finite number > 0, got {f}")
+        if self.axes and len(self.axes) != len(self.mesh_shape):
+            raise ValueError(f"Calibration.axes has {len(self.axes)} factors for mesh {self.mesh_shape}; give one "
+                             "per mesh axis")
+
+    def axis_factor(self, mesh_shape: tuple[int, ...], axis_index: int) -> float:
+        if not self.axes:
+            return 1.0
+        if tuple(mesh_shape) == self.mesh_shape:
+            return self.axes[axis_index]
+        return math.exp(sum(math.log(a) for a in self.axes) / len(self.axes))
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "format": _CAL_FORMAT}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.pop("format", None) != _CAL_FORMAT:
+            raise ValueError(f"not an autopar calibration: expected format {_CAL_FORMAT!r}")
+        data.pop("fits", None)  # the measurements it was fitted on (`autopar.tune` keeps them to refit)
+        return cls(**data)
+
+
+_CAL_FORMAT = "autopar.calibration/1"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Per-device compute, memory and the links between devices; see the module docstring."""
 
@@ -164,6 +220,7 @@ class Cluster:
     vector_bytes_per_s: float | None = None  # elementwise / reduction ops: bytes read + written per second
     copy_bytes_per_s: float | None = None  # pure data movement ops: bytes read + written per second
     op_overhead_s: float | None = None  # framework time per op dispatched
+    calibration: Calibration | None = None  # measured / predicted corrections (`autopar.tune`)
 
     def __post_init__(self):
         if self.gpus_per_node < 1:
@@ -253,6 +310,8 @@ class Cluster:
             if data.get("mesh_shape") is not None:
                 data["mesh_shape"] = tuple(data["mesh_shape"])
             data["axis_links"] = tuple(None if x is None else Link(**x) for x in data.get("axis_links", ()))
+            if data.get("calibration") is not None:
+                data["calibration"] = Calibration(**data["calibration"])
             return cls(**data)
         except KeyError as e:
             raise ValueError(f"field {e.args[0]!r} is missing") from None
@@ -470,6 +529,26 @@ def check_cluster_spec(spec) -> None:
                         f"profile or preset); got {type(spec).__name__} {spec!r}")
 
 
+def calibration_path(profile: "str | os.PathLike") -> Path:
+    """Where the calibration of the profile at `profile` is saved (`autopar.tune`) and loaded."""
+    profile = Path(profile)
+    return profile.with_name(profile.name.removesuffix(".json") + ".calibration.json")
+
+
+def _calibrated(cluster: Cluster, profile: Path | None) -> Cluster:
+    """`cluster` with the calibration saved beside `profile`, when there is one for this cluster."""
+    path = calibration_path(profile) if profile is not None else None
+    if path is None or not path.is_file():
+        return cluster
+    try:
+        cal = Calibration.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:
+        warnings.warn(f"the calibration {str(path)!r} is not valid ({e}); pricing without it. Fix: tune again "
+                      "(autopar.tune rewrites it) or delete the file.", stacklevel=3)
+        return cluster
+    return dataclasses.replace(cluster, calibration=cal) if cal.of == cluster.name else cluster
+
+
 def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
                  mesh_shape: tuple[int, ...] | None = None) -> Cluster:
     """A `Cluster` from a preset name, a Cluster, a JSON profile path, or None (see module docstring)."""
@@ -477,21 +556,40 @@ def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
         return spec
     check_cluster_spec(spec)
     if spec is None:
-        cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
-        if cached is not None:
-            try:
-                return Cluster.from_json(cached.read_text())
-            except (OSError, ValueError) as e:
-                preset = _preset_for_this_machine()
-                warnings.warn(f"the cached cluster profile {str(cached)!r} is not a valid autopar profile ({e}); "
-                              f"planning with the {preset.name!r} preset instead. Fix: measure again with `torchrun "
-                              "--nproc-per-node N -m autopar profile` (it rewrites the file), or delete the file.",
-                              stacklevel=2)
-                return preset
-        return _preset_for_this_machine()
+        cluster, profile = _this_machine(mesh_shape)
+        return _calibrated(cluster, profile)
     if isinstance(spec, str) and spec.lower() in PRESETS:
         return PRESETS[spec.lower()]
     path = Path(spec)
+    return _calibrated(_load_path(spec, path), path)
+
+
+def profile_of(mesh_shape: tuple[int, ...] | None) -> Path | None:
+    """The profile `load_cluster(None, mesh_shape)` reads, or where this machine's profile would be (beside
+    which its calibration is saved); None without a mesh shape."""
+    if mesh_shape is None:
+        return None
+    return _cached_profile(tuple(mesh_shape)) or default_profile_path(tuple(mesh_shape))
+
+
+def _this_machine(mesh_shape) -> tuple[Cluster, Path | None]:
+    """This machine's cached profile for the mesh (else its preset), and the profile path its calibration is
+    beside."""
+    cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
+    if cached is not None:
+        try:
+            return Cluster.from_json(cached.read_text()), cached
+        except (OSError, ValueError) as e:
+            preset = _preset_for_this_machine()
+            warnings.warn(f"the cached cluster profile {str(cached)!r} is not a valid autopar profile ({e}); "
+                          f"planning with the {preset.name!r} preset instead. Fix: measure again with `torchrun "
+                          "--nproc-per-node N -m autopar profile` (it rewrites the file), or delete the file.",
+                          stacklevel=3)
+            return preset, None
+    return _preset_for_this_machine(), profile_of(mesh_shape)
+
+
+def _load_path(spec, path: Path) -> Cluster:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"cluster profile {str(path)!r} does not exist; write one with "
@@ -513,13 +611,17 @@ def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis_index: int) ->
         raise ValueError(f"mesh axis {axis_index} does not exist in a mesh of shape {mesh_shape}")
     axis_index %= len(mesh_shape)
     if cluster.mesh_shape == mesh_shape and cluster.axis_links and cluster.axis_links[axis_index] is not None:
-        return cluster.axis_links[axis_index]
-    span = math.prod(mesh_shape[axis_index:])  # ranks covered by one group and the faster axes inside it
-    if span <= cluster.gpus_per_node:
-        return cluster.intra_node
-    stride = span // mesh_shape[axis_index]
-    per_node = max(1, min(mesh_shape[axis_index], cluster.gpus_per_node // stride))  # this group's GPUs in one node
-    if per_node == 1:
-        return cluster.inter_node
-    inter, intra = cluster.inter_node, cluster.intra_node
-    return dataclasses.replace(inter, bytes_per_s=min(per_node * inter.bytes_per_s, intra.bytes_per_s))
+        link = cluster.axis_links[axis_index]
+    else:
+        span = math.prod(mesh_shape[axis_index:])  # ranks covered by one group and the faster axes inside it
+        if span <= cluster.gpus_per_node:
+            link = cluster.intra_node
+        else:
+            stride = span // mesh_shape[axis_index]
+            per_node = max(1, min(mesh_shape[axis_index], cluster.gpus_per_node // stride))  # its GPUs in one node
+            inter, intra = cluster.inter_node, cluster.intra_node
+            link = inter if per_node == 1 else dataclasses.replace(
+                inter, bytes_per_s=min(per_node * inter.bytes_per_s, intra.bytes_per_s))
+    if cluster.calibration is not None:
+        link = dataclasses.replace(link, time_factor=cluster.calibration.axis_factor(mesh_shape, axis_index))
+    return link
