@@ -14,8 +14,9 @@ complete (`autopar.runtime.fsdp`). `keep_gathered` marks groups kept gathered fr
 
 Cost (`sync`): per group an all-gather forward per data axis, again in backward when resharded
 (`regather_time_s`; a group only embedding lookups read is not saved, so not gathered again), and a
-reduce-scatter per data axis backward (`reduce_time_s`); each parameter pays its share of its group's collective
-(`autopar.estimate.fsdp_groups`). On sequence axes gradients join the data-parallel bucket. State: parameters,
+reduce-scatter per data axis backward (`reduce_time_s`, in reduce_dtype bytes under mixed precision); each
+parameter pays its share of its group's collective (`autopar.estimate.fsdp_groups`). `gather_s` is the gathers' share (what a timeline prefetches ahead of the
+forward: `autopar.timeline`). On sequence axes gradients join the data-parallel bucket. State: parameters,
 gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters (`params_cost`'s
 gathered bytes: today all of a structure's, as if held; `held_gathered_bytes` says what a group holds from forward
 to backward: all of it kept, none resharded). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one
@@ -109,7 +110,8 @@ def sync(mc: MeshCosting, gathered: list[tuple[float, float, bool]], reduced: li
     site = sum(n for n, _ in reduced)
     for nbytes, group in reduced:
         # a group's reduce-scatter follows the group's backward: this structure's, scaled by bytes to the group
-        rt, rb = reduce_time_s(mc, nbytes, group, backward_s * group / site)
+        rt, rb = reduce_time_s(mc, nbytes * mc.grad_bytes_factor, group * mc.grad_bytes_factor,
+                               backward_s * group / site)  # mixed precision: reduced in reduce_dtype
         t, b = t + rt, b + rb
     t_seq, b_seq = dp.grad_sync(mc, sum(n for n, _ in reduced), mc.seq_axes)
     return t + t_seq, b + b_seq
@@ -174,6 +176,17 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
     return t + kept_t, b + kept_b, state_bytes(mc, local) + dp.state_bytes(mc, kept.param_bytes / split), local
+
+
+def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
+    """The forward all-gathers' share of `params_cost`'s time (issued before the layer's compute, prefetched)."""
+    sharded, _ = st.fsdp_parts()
+    t = 0.0
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        group = sharded.fsdp_groups.get(name, (nbytes, False))[0] if synced else nbytes
+        if used:
+            t += gather_time_s(mc, nbytes / split, group / split)[0]
+    return t
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
