@@ -670,8 +670,11 @@ def _grad_buckets(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[list[
 def _bucket(gm: fx.GraphModule, axis, nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
     """Replace the reductions `nodes` by one `grad_sync_bucket` placed before their inputs' first use; its items."""
     first = min((u for n in nodes for u in n.args[0].users), key=order.__getitem__)
+    # the bucket alone consumes its inputs: its reduction need not be waited for before their gradients flow on
+    exclusive = all(len(n.args[0].users) == 1 for n in nodes)
     with gm.graph.inserting_before(first):
-        bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
+        bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis),
+                                        {"exclusive": True} if exclusive else {})
         infos = [n.meta[M.COMM] for n in nodes]
         bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
                                        0, sum(i.bytes_backward for i in infos), "(gradient bucket)")
