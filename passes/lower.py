@@ -658,8 +658,10 @@ def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModu
     several gradients (per axis and dtype), as DDP buckets them: parameters in reverse order of first use, each
     bucket holding at most `C.GRAD_BUCKET_BYTES` of gradient (a larger parameter alone). Each bucket goes right
     before the first use of any of its parameters, so autograd runs its backward (an asynchronous all-reduce) as soon
-    as their gradients are ready, while the backward of earlier layers still runs. An axis and dtype with a single
-    reduction keeps its `grad_all_reduce`.
+    as their gradients are ready, while the backward of earlier layers still runs. A bucket that alone consumes its
+    inputs is marked `exclusive=True`: its reduction is waited for only where the gradients flow on (for parameters,
+    at the end of the backward), not inside its own backward. An axis and dtype with a single reduction keeps its
+    `grad_all_reduce`.
 
     A parameter reduced over several data axes is a chain `grad_all_reduce(grad_all_reduce(w, a0), a1)`
     (its gradient flows through a1's reduction first, then a0's). Bucketing runs in rounds: the first
