@@ -871,7 +871,7 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
     (`mp=(.., .., True)`: a gather moves param_dtype bytes, exact) so that the last one casts, and a value computed
     by lookups and views from parameters is computed from the masters (`_in_master_dtype`); a reduction of any other
     value computed from the cast copies returns param_dtype (its sum rounded once). Backward bytes are re-priced at
-    reduce_dtype."""
+    reduce_dtype (an FSDP group's reduce-scatter; its backward re-gather stays at param_dtype)."""
     if ctx.precision is None:
         return gm
     param_dtype, reduce_dtype = ctx.precision.collective_dtypes
@@ -898,6 +898,12 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
     for n in graph.nodes:
         if n.op == "call_function" and n.target in (F.fsdp_gather, F.fsdp_prefetch):  # FSDP groups: dtypes as args
             n.args = (*n.args[:6], *mp) if n.target is F.fsdp_gather else (*n.args[:2], param_dtype)
+            info = n.meta.get(M.COMM)
+            if info is not None and reduce_dtype is not None:  # the reduce-scatter in reduce_dtype, a re-gather not
+                regather = info.bytes_forward if "all_gather" in info.backward else 0
+                ratio = torch.empty((), dtype=reduce_dtype).element_size() / n.args[0][0].meta["val"].element_size()
+                n.meta[M.COMM] = dataclasses.replace(
+                    info, bytes_backward=regather + round((info.bytes_backward - regather) * ratio))
             continue
         if n.op != "call_function" or n.target not in _PARAMETER_SIDE or n in batch:
             continue
