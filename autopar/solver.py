@@ -455,8 +455,9 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
     # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
     # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
-    # are issued before the layers (outside the recomputed region): an FSDP candidate re-issues what its
-    # candidate without FSDP does
+    # are issued before the layers' regions (`passes.checkpoint`: the recompute reads the full parameters through
+    # the backward re-gather the FSDP form prices with or without checkpointing): an FSDP candidate re-issues what
+    # its candidate without FSDP does
     own = [{(cand.form, cand.axes): c.comm_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
            for cs, cost in zip(cands, costs)]
     reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
