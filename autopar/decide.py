@@ -195,7 +195,8 @@ def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:
     one = state / mc.state_factor()  # parameters (and as much again for gradients)
     return SiteEstimate(key=key, compute_s=cost.compute_s, comm_s=cost.comm_s, comm_axes=axes,
                         parameters_bytes=int(one), gradients_bytes=int(one), optimizer_bytes=int(state - 2 * one),
-                        activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes))
+                        activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes),
+                        momentary_bytes=int(cost.peak_bytes))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

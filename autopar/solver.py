@@ -21,7 +21,11 @@ Constraints
       a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel
       there; an embedding added to an earlier one (a position embedding) is vocab-parallel on an
       axis only if the earlier one is (their sum is all-reduced once)
-  sum_k n_k sum_c mem[k,c] x[k,c] + mem_other <= memory limit                  (per-device memory)
+  held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
+      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
+      peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary  (start of backward),
+      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other            (end of backward),
+      momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
   minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
   each form's `cost`, `site_cost`; the rest `other_cost`), in integer nanoseconds for CP-SAT.
@@ -47,7 +51,8 @@ from typing import Callable
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing
+from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing, \
+    peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import dp as dp_form
 from autopar.forms import fsdp as fsdp_form
@@ -148,8 +153,12 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
             else:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
-                act_bytes=st.act_bytes / mc.dp, transient_bytes=transient)
+    # saved activations: split over the data and sequence axes with the batch; those that do not depend on it only
+    # over the sequence axes, where they hold the sequence (`attribute_saved`)
+    act = (st.saved_bytes / mc.dp + st.saved_unbatched_seq_bytes / seq
+           + st.saved_unbatched_bytes - st.saved_unbatched_seq_bytes)
+    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
+                act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -338,14 +347,14 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
         try:
-            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats)
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, mc.grad_share())
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
             continue
         least_memory = min(least_memory, mem_min)
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
-            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
+            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, mc.grad_share())
             tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
                                                      f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
@@ -393,12 +402,13 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
                  roles=[(d, q, sol, why) for d, q, sol, why in tried])
     cheapest = [min(c.time_s for c in cost) for cost in costs]
     if any(best.per_site[cls[0].key].time_s > t + 1e-12 for cls, t in zip(classes, cheapest)):
-        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats)
+        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, mc.grad_share())
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
     return out
 
 
-def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats):
+def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
+               grad_share: float):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
@@ -418,12 +428,30 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
             form_of(cls[0].kind, c.form).add_constraints(view, cls[0], c, v)
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
-    mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))
-    # the least memory any plan of this family needs (reported when nothing fits)
-    mem_min = kib(base.memory_bytes) + sum(len(cls) * min(kib(c.memory_bytes) for c in cs)
-                                           for cls, cs in zip(classes, costs))
+    # the step's peak (`autopar.estimate.peak_bytes`): held + max(activations + the largest momentary buffer,
+    # gradients); `peak` (the max of the two ends) and `momentary` (the max of the chosen buffers) are variables
+    # bounded below, which the limit then caps
+    parts = [[[kib(p) for p in c.live_parts(grad_share)] + [kib(c.peak_bytes)] for c in cs] for cs in costs]
+    bparts = [kib(p) for p in base.live_parts(grad_share)] + [kib(base.peak_bytes)]
+
+    def total(i):  # part i (0 held, 1 activations, 2 gradients) of the chosen candidates, and of the rest
+        return bparts[i] + sum(len(cls) * ps[i] * v for cls, pcs, xs in zip(classes, parts, x) for ps, v in zip(pcs, xs))
+
+    top = int(limit // 1024) if limit < 2.0**61 else 2**62 // 1024
+    momentary = model.NewIntVar(0, max([bparts[3]] + [ps[3] for pcs in parts for ps in pcs]), "momentary")
+    model.Add(momentary >= bparts[3])
+    for pcs, xs in zip(parts, x):
+        for ps, v in zip(pcs, xs):
+            if ps[3] > bparts[3]:
+                model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
+    peak = model.NewIntVar(0, 2**62 // 1024, "peak")
+    model.Add(peak >= total(1) + momentary)
+    model.Add(peak >= total(2))
+    # the least memory any plan of this family needs (reported when nothing fits): each part at its least
+    least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
+    mem_min = least[0] + max(least[1] + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]), least[2])
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
-    model.Add(mem + kib(base.memory_bytes) <= int(limit // 1024)).OnlyEnforceIf(memory_on)
+    model.Add(total(0) + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
     model.Minimize(sum(len(cls) * ns(c.time_s) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs)))
     solver = cp_model.CpSolver()
@@ -445,15 +473,16 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
     gap = 0.0 if obj == 0 else max(0.0, (obj - bound) / obj)
     name = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
-    sol = _total((), choices, per_site, base, gap, name)
+    sol = _total((), choices, per_site, base, gap, name, grad_share)
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
 
 
-def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str) -> Solution:
+def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str,
+           grad_share: float) -> Solution:
     costs = list(per_site.values()) + [base]
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
-                    sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
+                    sum(c.comm_s for c in costs), peak_bytes(costs, grad_share),
                     sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base)
 
 
@@ -474,4 +503,4 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
         per_site[site.key] = site_cost(site, st, cand, mc)
-    return _total(data_axes, choices, per_site, base, 0.0, "evaluated")
+    return _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share())

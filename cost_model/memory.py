@@ -61,7 +61,8 @@ from cost_model.analytical import _bound_args, _is_view, _SDPA
 from cost_model.hardware import dtype_name
 
 __all__ = [
-    "OPTIMIZER_STATES", "MemoryBytes", "shard_factor", "local_numel", "param_state_bytes", "model_state_bytes",
+    "OPTIMIZER_STATES", "MemoryBytes", "StateBytes", "state_bytes_per_element", "shard_factor", "local_numel",
+    "param_state_bytes", "model_state_bytes",
     "SavedTensor", "saved_activations", "activation_bytes",
 ]
 
@@ -116,20 +117,47 @@ def _itemsize(dtype) -> int:
     return getattr(torch, dtype_name(dtype)).itemsize
 
 
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Bytes per parameter element held from step to step (`state_bytes_per_element`)."""
+
+    param: int  # the parameter as stored
+    grad: int  # its gradient
+    optimizer: int  # optimizer states, and the fp32 master copy of a 16-bit parameter
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+def state_bytes_per_element(param_dtype, compute_dtype=None, reduce_dtype=None, optimizer: str = "adam", *,
+                            master_weights: bool = True) -> StateBytes:
+    """Parameter, gradient and optimizer bytes per parameter element: the one rule for model state (module
+    docstring). `param_dtype`: the parameters as the model stores them; `compute_dtype`: what forward and
+    backward run in (a `MixedPrecisionPolicy`'s `param_dtype`; None: the stored dtype); `reduce_dtype`: what
+    gradients are reduced and kept in (None: the compute dtype). A 16-bit floating parameter trained with
+    `master_weights` has an fp32 master copy and fp32 states (mixed-precision Adam: 2 + 2 + 4 + 2·4 = 16
+    bytes, ZeRO's K = 12); otherwise states take the parameter's dtype (what `torch.optim` does)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}. Fix: pass "
+                         "one of those (the optimizer's state per element decides the memory)")
+    size = _itemsize(param_dtype)
+    grad = _itemsize(reduce_dtype or compute_dtype or param_dtype)
+    master = master_weights and size == 2 and getattr(torch, dtype_name(param_dtype)).is_floating_point
+    state_size = _FP32_BYTES if master else size
+    return StateBytes(param=size, grad=grad,
+                      optimizer=OPTIMIZER_STATES[optimizer] * state_size + (_FP32_BYTES if master else 0))
+
+
 def param_state_bytes(shape: tuple[int, ...], dtype, placements: tuple[Placement, ...] = (),
                       mesh_shape: tuple[int, ...] = (), *, optimizer: str = "adam",
                       master_weights: bool = True, requires_grad: bool = True) -> MemoryBytes:
     """Parameter, gradient and optimizer bytes of one parameter on the busiest rank (module docstring)."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}")
+    per = state_bytes_per_element(dtype, optimizer=optimizer, master_weights=master_weights)
     n = local_numel(shape, placements, mesh_shape)
-    size = _itemsize(dtype)
     if not requires_grad:
-        return MemoryBytes(param_bytes=n * size)
-    master = master_weights and size == 2 and getattr(torch, dtype_name(dtype)).is_floating_point
-    state_size = _FP32_BYTES if master else size
-    optimizer_bytes = n * (OPTIMIZER_STATES[optimizer] * state_size + (_FP32_BYTES if master else 0))
-    return MemoryBytes(param_bytes=n * size, grad_bytes=n * size, optimizer_bytes=optimizer_bytes)
+        return MemoryBytes(param_bytes=n * per.param)
+    return MemoryBytes(param_bytes=n * per.param, grad_bytes=n * per.grad, optimizer_bytes=n * per.optimizer)
 
 
 def model_state_bytes(params: Mapping[str, torch.Tensor], placements: Mapping[str, tuple[Placement, ...]] | None = None,

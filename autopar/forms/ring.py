@@ -74,9 +74,9 @@ class Ring(Form):
 
     def cost(self, site: AttentionSite, st, cand, mc):
         comms = blocks.Comms(mc, cand.axis)
-        buffers = add_ring_comms(comms, site, st, mc, cand.axis)
-        act = st.act_bytes / mc.dp + buffers
-        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms, act=act)
+        buffers = add_ring_comms(comms, site, st, mc, cand.axis)  # alive only while the attention runs
+        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms,
+                             act=st.saved_bytes / mc.dp, peak=buffers)
 
 
 def add_ring_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> float:

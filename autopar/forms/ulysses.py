@@ -61,7 +61,7 @@ class Ulysses(Form):
         comms = blocks.Comms(mc, cand.axis)
         add_ulysses_comms(comms, site, st, mc, cand.axis)
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms,
-                             act=st.act_bytes / mc.dp)
+                             act=st.saved_bytes / mc.dp)
 
 
 def add_ulysses_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> None:

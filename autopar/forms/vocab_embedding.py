@@ -53,7 +53,7 @@ class VocabEmbedding(Form):
         comms = blocks.Comms(mc, cand.axis)
         if st.summed_into is None:  # else reduced with the embedding it is added to
             comms.add("all_reduce", st.act_bytes / mc.dp, compute / 3)
-        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=st.act_bytes / mc.dp, param_split=t)
+        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=st.saved_bytes / mc.dp, param_split=t)
 
     def add_constraints(self, view, site, cand, var):
         leader = view.stats(site).summed_into
