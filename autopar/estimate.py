@@ -94,6 +94,7 @@ class SiteStats:
     saved_unbatched_bytes: float = 0.0  # other: saved values that do not depend on the batch (replicated on data)
     saved_unbatched_seq_bytes: float = 0.0  # ... of which those holding the sequence (split on sequence axes)
     peak_bytes: float = 0.0  # a buffer alive only momentarily (the loss' gradients of its logits), global
+    attn_out_bytes: float = 0.0  # attention: its output (b, heads, s, d), global
     io_bytes: float = 0.0  # the block's input activation, global
     param_bytes: float = 0.0
     param_numel: int = 0
@@ -336,7 +337,7 @@ def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str
     norms = [s.key for s in ctx.of_kind(Kind.NORM)]
     batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)
-    for saved in saved_activations(gm).values():
+    for saved in saved_activations(gm, set(ctx.captured.user_inputs)).values():
         n = saved.node
         if n in stream:
             for key in norms:
@@ -412,6 +413,8 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             owned.add(p)
         if site.kind is Kind.EMBEDDING:
             st.summed_into = summed.get(site.key)
+        if site.kind is Kind.ATTENTION:
+            st.attn_out_bytes = _bytes(site.node.meta.get("val"))
         if site.kind is Kind.LOSS:
             st.loss_reductions = _loss_reductions(site)
             logits = site.node.args[0].meta.get("val")

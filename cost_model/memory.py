@@ -309,8 +309,9 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
     return [(a, None) for a in args]  # unknown op: conservatively, every tensor input
 
 
-def saved_activations(gm: fx.GraphModule) -> dict[object, SavedTensor]:
-    """What autograd saves for backward, keyed by storage root (or (node, why) for extra buffers)."""
+def saved_activations(gm: fx.GraphModule, inputs: frozenset[str] | set[str] = frozenset()) -> dict[object, SavedTensor]:
+    """What autograd saves for backward, keyed by storage root (or (node, why) for extra buffers). `inputs`:
+    placeholders (user inputs: token ids, labels) charged when saved, as the other placeholders are not."""
     needs = _requires_grad(gm)
     saved: dict[object, SavedTensor] = {}
     for node in gm.graph.nodes:
@@ -321,8 +322,8 @@ def saved_activations(gm: fx.GraphModule) -> dict[object, SavedTensor]:
                 saved[(node, "extra", len(saved))] = SavedTensor(bytes=int(extra), node=value, why=_name(node))
                 continue
             root = _storage_root(value)
-            if root.op != "call_function" or root in saved:
-                continue  # placeholders are parameters/buffers/inputs, not activations
+            if (root.op != "call_function" and root.name not in inputs) or root in saved:
+                continue  # placeholders are parameters/buffers (and inputs unless asked for), not activations
             saved[root] = SavedTensor(bytes=_tensor_bytes(root), node=root, why=_name(node))
     return saved
 

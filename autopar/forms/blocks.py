@@ -84,7 +84,10 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     tokens = T / mc.dp  # this rank's tokens
     work = 2 * T * k * per_expert / mc.dp / (1 if on_data else split)
     dtype = site.dtype if site.dtype in mc.cluster.peak_flops else "float32"
-    routed_bytes = tokens * k * (2 * H + 3 * ffn) * item / (1 if on_data else split)  # expert activations saved
+    routed_bytes = tokens * k * (2 * H + 3 * ffn) * item / (1 if on_data else split)  # expert activations moved
+    # saved per routed row (`autopar.runtime.moe`): the expert's input rows (H), its gate output, their SiLU, the up
+    # output and their product (4F), and its output rows, kept for the routing weights' gradient (H)
+    routed_saved = tokens * k * (2 * H + 4 * ffn) * item / (1 if on_data else split)
     compute = compute_s(st, mc.dp, mc.cluster) + compute_time_s(3 * work, 3 * routed_bytes, dtype, mc.cluster)
     comms = Comms(mc, cand.axis)
     if split > 1 and on_data:
@@ -103,5 +106,5 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     d_t, d_b = dp.grad_sync(mc, dense_bytes)
     state = local * mc.state_factor() / (mc.dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
     return Cost(compute_s=compute, comm_s=comms.time_s + gs_t + d_t, comm_bytes=comms.bytes + gs_b + d_b,
-                memory_bytes=state + st.saved_bytes / mc.dp + routed_bytes, act_bytes=st.saved_bytes / mc.dp + routed_bytes,
+                memory_bytes=state + st.saved_bytes / mc.dp + routed_saved, act_bytes=st.saved_bytes / mc.dp + routed_saved,
                 transient_bytes=local if cand.fsdp else 0.0)

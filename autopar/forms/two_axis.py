@@ -73,5 +73,8 @@ class HeadsAndSequence(Form):
         cost = self.heads.cost(site, st, dataclasses.replace(cand, form=self.heads.name, axes=(tp,)), mc)
         comms = blocks.Comms(mc, seq)
         peak = self.add_within_comms(comms, site, st, mc, seq, mc.size(tp))
+        # the sequence form's copy of the attention output, saved by the output projection (`ring`, `ulysses`)
+        act = st.attn_out_bytes / mc.dp / mc.size(tp)
         return dataclasses.replace(cost, comm_s=cost.comm_s + comms.time_s, comm_bytes=cost.comm_bytes + comms.bytes,
+                                   memory_bytes=cost.memory_bytes + act, act_bytes=cost.act_bytes + act,
                                    peak_bytes=max(cost.peak_bytes, peak))
