@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost_model.analytical import collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
+from cost_model.analytical import _is_view, collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
     send_bytes
 from cost_model.hardware import Cluster, axis_link, dtype_name
 from cost_model.memory import OPTIMIZER_STATES, saved_activations, state_bytes_per_element
@@ -95,6 +95,7 @@ class SiteStats:
     saved_unbatched_seq_bytes: float = 0.0  # ... of which those holding the sequence (split on sequence axes)
     peak_bytes: float = 0.0  # a buffer alive only momentarily (the loss' gradients of its logits), global
     attn_out_bytes: float = 0.0  # attention: its output (b, heads, s, d), global
+    index_numel: int = 0  # embedding: the ids it looks up, global
     io_bytes: float = 0.0  # the block's input activation, global
     param_bytes: float = 0.0
     param_numel: int = 0
@@ -104,6 +105,7 @@ class SiteStats:
     # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
+    saved_params: frozenset[str] = frozenset()  # parameters backward reads (FSDP keeps their gathered copies)
     # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
@@ -156,6 +158,8 @@ class SiteStats:
         for name, (nbytes, used, synced) in self.param_facts.items():
             part = parts[name in self.fsdp_whole]
             part.param_bytes += nbytes
+            if name in self.saved_params:
+                part.saved_params = part.saved_params | {name}
             part.param_facts[name] = (nbytes, used, synced)
             if used:
                 part.param_sizes.append(nbytes)
@@ -313,6 +317,21 @@ def _logits_region(site: LossSite, owner: dict[fx.Node, str]) -> set[fx.Node]:
     return out
 
 
+def _reaches_batch(n: fx.Node, batch: set[fx.Node]) -> bool:
+    """Whether batch-dependent work consumes `n`, directly or through views."""
+    stack, seen = list(n.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in batch:
+            return True
+        if u.op == "call_function" and (u.target in TRANSPARENT or _is_view(u)):
+            stack.extend(u.users)
+    return False
+
+
 def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats], other: SiteStats
                     ) -> None:
     """Add each tensor autograd saves for backward (`cost_model.memory.saved_activations` of the captured graph:
@@ -325,8 +344,11 @@ def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str
       the loss (vocab-parallel cross-entropy splits it on the vocabulary);
     - else produced inside a site (`owner`): that site (tensor parallelism splits a block's interior);
     - else other: replicated on model axes; split on the data axes when it depends on the batch
-      (`saved_bytes`), else whole there (`saved_unbatched_bytes`), and then split on a sequence axis when it
-      holds the sequence (`saved_unbatched_seq_bytes`: rotary tables).
+      (`saved_bytes`), else whole there (`saved_unbatched_bytes`), and then split on a sequence axis when
+      batch-dependent work takes it on the sequence (`saved_unbatched_seq_bytes`: rotary tables).
+
+    Parameters backward reads (`saved_params`: a linear's weight, a norm's weight; not a bias, not an embedding
+    table) are what FSDP's gathered copies keep alive until backward (`autopar.forms.fsdp.params_cost`).
     """
     gm = ctx.captured.gm
     sites = {s.key: s for s in ctx.planning_sites()}
@@ -337,7 +359,13 @@ def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str
     norms = [s.key for s in ctx.of_kind(Kind.NORM)]
     batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)
-    for saved in saved_activations(gm, set(ctx.captured.user_inputs)).values():
+    params = set(ctx.captured.param_fqns)
+    for saved in saved_activations(gm, set(ctx.captured.user_inputs) | params).values():
+        if saved.node.op == "placeholder" and saved.node.name in params:
+            for st in (*stats.values(), other):
+                if saved.node.name in st.param_facts:
+                    st.saved_params = st.saved_params | {saved.node.name}
+            continue
         n = saved.node
         if n in stream:
             for key in norms:
@@ -349,9 +377,10 @@ def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str
         elif n in batch:
             other.saved_bytes += saved.bytes
         else:
-            v = n.meta.get("val")
             other.saved_unbatched_bytes += saved.bytes
-            if seq_len is not None and isinstance(v, torch.Tensor) and seq_len in tuple(v.shape):
+            # split on a sequence axis where the batch-dependent work consuming it takes it (a boundary holding the
+            # sequence: the lowering splits it there); values before such a boundary stay whole
+            if _reaches_batch(n, batch) and _on_sequence(n, seq_len):
                 other.saved_unbatched_seq_bytes += saved.bytes
 
 
@@ -413,6 +442,8 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             owned.add(p)
         if site.kind is Kind.EMBEDDING:
             st.summed_into = summed.get(site.key)
+            ids = site.node.args[1].meta.get("val")
+            st.index_numel = ids.numel() if isinstance(ids, torch.Tensor) else 0
         if site.kind is Kind.ATTENTION:
             st.attn_out_bytes = _bytes(site.node.meta.get("val"))
         if site.kind is Kind.LOSS:

@@ -288,12 +288,14 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
         val = x.meta["val"]
         shape = node.args[1] if name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm") else [1]
         rows = val.numel() // max(1, math.prod(int(s) for s in shape))
-        return [(x, None), (node, _NORMS[name] * _FP32_BYTES * rows)]
+        affine = [(a, None) for a in node.args[2:4] if isinstance(a, fx.Node)]  # weight and bias (parameters)
+        return [(x, None), (node, _NORMS[name] * _FP32_BYTES * rows)] + affine
     if name in SAVES_INPUT:
         return [(args[0], None)] if args else []
     if name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward"):
         logits = node.args[0].meta["val"]
-        return [(node.args[0], logits.numel() * max(_FP32_BYTES, logits.element_size()))]
+        target = [(node.args[1], None)] if isinstance(node.args[1], fx.Node) else []  # nll_loss' backward reads it
+        return [(node.args[0], logits.numel() * max(_FP32_BYTES, logits.element_size()))] + target
     if name in ("dropout", "native_dropout"):
         a = _bound_args(node)
         if a.get("p", 0) and a.get("train", True):

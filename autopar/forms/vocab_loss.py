@@ -72,6 +72,9 @@ class VocabLoss(Form):
             comms.add("all_reduce", st.tokens / mc.dp * 4, fwd_s / 3)
         if st.logits_out:  # the model also returns its logits: gathered
             comms.add("all_gather", st.logits_bytes / mc.dp)
-        # what it saves (log-probabilities) and its momentary logit gradients are split on the vocabulary
-        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=st.saved_bytes / mc.dp / t, param_split=t,
+        # what it saves (log-probabilities) and its momentary logit gradients are split on the vocabulary; it also
+        # saves two 1-byte masks per token (targets outside this rank's columns, ignored targets) and its local
+        # targets in place of the targets the graph's cross-entropy saves (`_VocabParallelCrossEntropy`)
+        act = st.saved_bytes / mc.dp / t + 2 * st.tokens / mc.dp
+        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t,
                              backward_s=bwd_s, peak=VOCAB_CE_BACKWARD_BUFFERS * st.ce_logits_fp32_bytes / mc.dp / t)
