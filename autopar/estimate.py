@@ -2,9 +2,22 @@
 
 A *site* is a recognised structure (attention, MLP, embedding, loss, norm, MoE; a lone linear).
 `gather_stats` reads, once per captured graph, what each site's cost needs (`SiteStats`): its
-forward FLOPs and bytes by op kind, the activations its nodes save, its block input, its parameters
-(and which of them have their own gradient reduced), the loss' logits and reductions, and the same
-for everything outside every site ("other": norms, residuals, masks, which are data-parallel only).
+forward FLOPs and bytes by op kind, the activations saved for backward whose placement its form
+decides, its block input, its parameters (and which of them have their own gradient reduced, which
+backward reads), the loss' logits and reductions, and the same for everything outside every site
+("other": what no form shards).
+
+Memory. Saved activations are what autograd saves (`cost_model.memory.saved_activations` on the
+captured graph: views and shared storage once, values freed in forward not at all), each given to the
+site whose form decides its placement (`attribute_saved`): a block's interior to the block (tensor
+parallelism divides it by t), the residual stream (residual adds, RMS-norm pieces, dropout masks on
+it) to the norms (sequence parallelism divides it by t), the logits between the LM head and the loss
+to the loss (vocab-parallel divides it by t); what remains is replicated on the model axes. Every
+form's `cost` says what its runtime saves beyond the graph (a mask, a copy). The step's peak
+(`peak_bytes`): parameters, optimizer state and FSDP's kept gathers, plus the larger end of the
+backward: every saved activation with the largest momentary buffer (`Cost.peak_bytes`: the loss'
+logit gradients), or every gradient. Model state per parameter element follows one rule
+(`cost_model.memory.state_bytes_per_element`, `MeshCosting.state_factor`).
 
 `MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
 collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or

@@ -7,15 +7,17 @@ Model state, per parameter of global numel N on a mesh (`param_state_bytes`, `mo
   `Partial` axes hold everything (placements are `torch.distributed.tensor`'s, as in autopar.spec).
 - parameters: local numel · itemsize(dtype).
 - gradients (trainable parameters): the same as the parameter (DTensor gradients keep the
-  parameter's dtype and placements).
+  parameter's dtype and placements), or the reduce dtype when one is given.
 - optimizer: `OPTIMIZER_STATES[optimizer]` states per element (adam/adamw 2, sgd_momentum 1,
   sgd 0). With `master_weights=True` (the default) a 16-bit parameter also has an fp32 master copy
   (4 bytes) and its states are fp32 (mixed-precision Adam: 2 + 2 + 12 = 16 bytes per element,
   ZeRO's K = 12). Otherwise states take the parameter's dtype (what `torch.optim` does).
+  `state_bytes_per_element(param dtype, compute dtype, reduce dtype, optimizer)` is the one rule: the
+  estimate's `MeshCosting.state_factor` and `param_state_bytes` both read it.
 
 Activations (`saved_activations`, `activation_bytes`): what autograd keeps from the forward for the
-backward, read off the forward fx graph. The peak of training memory sits at the end of the
-forward, when all of them are alive; transient buffers are not modelled. Rules:
+backward, read off the forward fx graph (the planner's estimate gives each to the structure whose
+form decides its placement and models the step's peak: `autopar.estimate`). Rules:
 - a value requires grad when it depends on a placeholder whose `meta["val"].requires_grad`
   (the parameters); only ops with an input that requires grad save anything.
 - saved inputs per op: products (`linear`, `mm`, `bmm`, `matmul`, `addmm`, `baddbmm`, `mul`)
@@ -24,8 +26,8 @@ forward, when all of them are alive; transient buffers are not modelled. Rules:
   SDPA saves q, k, v, its output and an fp32 log-sum-exp (b·heads·s_q·4 bytes, flash-style);
   softmax/log_softmax and the `SAVES_OUTPUT` ops (relu, sigmoid, tanh, exp, rsqrt, sqrt) save
   their output; layer/RMS norms save their input plus fp32 statistics (mean and rstd, 8 bytes
-  per normalised row; rstd only for RMS); `SAVES_INPUT` ops (gelu, silu, pow, sin, cos, log,
-  erf, abs, ...) save their input; cross-entropy saves fp32-sized log-probabilities (its input's
+  per normalised row; rstd only for RMS), and their weight and bias; `SAVES_INPUT` ops (gelu, silu, pow, sin, cos, log,
+  erf, abs, ...) save their input; cross-entropy saves its target and fp32-sized log-probabilities (its input's
   size); dropout with p > 0 in training saves a 1-byte mask per element; masked_fill/where
   save the mask; `SAVES_NOTHING` ops (add, sub, neg, sum, mean, cat, casts, copies, views, the
   collectives autopar's lowering inserts, ...) save nothing; `regather_linears` (linears on an
