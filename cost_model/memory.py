@@ -35,7 +35,8 @@ form decides its placement and models the step's peak: `autopar.estimate`). Rule
   all its tensor inputs.
 - a saved view is charged to its storage root (the node whose output it aliases), once: q, k
   and v split out of one fused QKV projection cost the projection's output, once. `ALIASES`
-  (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too.
+  (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too, and so are the
+  items of a `TUPLE_ALIASES` op (`grad_sync_bucket`: each item its input).
   Placeholders (parameters, buffers, user inputs) are not activations and are not charged.
 - with `mesh_shape`, a saved tensor on a node with `meta["autopar_placements"]` (a tuple of
   placements per mesh axis) costs its bytes / prod(sizes of the axes where it is sharded).
@@ -203,6 +204,8 @@ SAVES_NOTHING = {"add", "sub", "rsub", "neg", "sum", "mean", "cat", "stack", "to
                  "all_reduce", "all_gather", "all_gather_rs", "reduce_scatter", "all_to_all"}
 # functions whose forward returns an alias of their first input (identity forward)
 ALIASES = {"grad_all_reduce", "placement_hint"}
+# functions whose forward returns aliases of the tensors of their first argument, a tuple (item i of its input i)
+TUPLE_ALIASES = {"grad_sync_bucket"}
 _NORMS = {"layer_norm": 2, "native_layer_norm": 2, "rms_norm": 1, "_fused_rms_norm": 1,
           "group_norm": 2, "native_group_norm": 2}  # fp32 statistics per normalised row
 
@@ -217,6 +220,9 @@ def _storage_root(node: fx.Node) -> fx.Node:
     while node.op == "call_function":
         if node.target is operator.getitem:
             src = node.args[0]
+            if isinstance(src, fx.Node) and src.op == "call_function" and _name(src) in TUPLE_ALIASES:
+                node = src.args[0][node.args[1]]
+                continue
             if not (isinstance(src, fx.Node) and src.op == "call_function" and _is_view(src)):
                 return node
             node = src
@@ -308,7 +314,8 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
         return [(m, None) for m in masks]
     if name in ("embedding", "index_select", "gather", "index", "scatter", "scatter_add"):
         return [(a, None) for a in args if not a.meta["val"].is_floating_point()]
-    if name in SAVES_NOTHING or name in ALIASES or node.target is operator.getitem or _is_view(node):
+    if name in SAVES_NOTHING or name in ALIASES or name in TUPLE_ALIASES or node.target is operator.getitem \
+            or _is_view(node):
         return []
     return [(a, None) for a in args]  # unknown op: conservatively, every tensor input
 
