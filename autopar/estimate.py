@@ -65,8 +65,12 @@ class Cost:
     act_bytes: float = 0.0
     transient_bytes: float = 0.0
     # not in memory_bytes: a buffer alive only while this structure runs (the loss' logit gradients, a ring's K/V
-    # double buffer); the step's peak adds the largest of them to the sum of memory_bytes (`peak_bytes`)
+    # double buffer); the step's peak adds the largest of them to the start of the backward (`peak_bytes`)
     peak_bytes: float = 0.0
+    # of its gradients, those reduced in the data-parallel buckets (`autopar.forms.dp`): reducing a bucket holds its
+    # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
+    # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
+    bucket_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -84,14 +88,16 @@ def peak_bytes(costs, grad_share: float) -> float:
     """The step's peak memory per device from its structures' costs: what is held all step, plus the larger of the
     two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
     momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
-    at its end every gradient and no activation. In between, gradients accumulate as activations are freed, and
+    at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
+    `Cost.bucket_bytes`). In between, gradients accumulate as activations are freed, and
     the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
     activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size)."""
-    held = act = grads = momentary = 0.0
+    held = act = grads = momentary = bucket = 0.0
     for c in costs:
         h, a, g = c.live_parts(grad_share)
-        held, act, grads, momentary = held + h, act + a, grads + g, max(momentary, c.peak_bytes)
-    return held + max(act + momentary, grads)
+        held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
+            bucket + c.bucket_bytes
+    return held + max(act + momentary, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
 
 
 @dataclass

@@ -24,7 +24,8 @@ Constraints
   held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
       held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary  (start of backward),
-      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other            (end of backward),
+      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
+                                                                          (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
   minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
@@ -58,6 +59,7 @@ from autopar.forms import dp as dp_form
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
+from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, PassContext, Site
 from autopar.units import fmt_bytes
 from cost_model.hardware import Cluster
@@ -158,7 +160,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     act = (st.saved_bytes / mc.dp + st.saved_unbatched_seq_bytes / seq
            + st.saved_unbatched_bytes - st.saved_unbatched_seq_bytes)
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
-                act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp)
+                act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
+                bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes))
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -446,7 +449,12 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
                 model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
     peak = model.NewIntVar(0, 2**62 // 1024, "peak")
     model.Add(peak >= total(1) + momentary)
-    model.Add(peak >= total(2))
+    # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
+    bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
+                                            for c, v in zip(cs, xs))
+    small = model.NewBoolVar("bucket_small")
+    model.Add(peak >= total(2) + 2 * bucketed).OnlyEnforceIf(small)
+    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES)).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
     mem_min = least[0] + max(least[1] + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]), least[2])

@@ -45,7 +45,10 @@ PLANS = {
     "ring": ("cp", "dp", {"attention": "ring@cp"}),
     "ep": ("ep", "dp", {"moe": "expert@ep"}),
 }
-CASES = [(m, p) for m in ("gpt", "llama") for p in PLANS if p != "ep"] + [("llama-moe", "ep")]
+# gpt-wide: few tokens, wide layers, so that the gradients at the end of backward outweigh the activations at its
+# start (the other end of the peak)
+CASES = [(m, p) for m in ("gpt", "llama") for p in PLANS if p != "ep"] + [("llama-moe", "ep")] + \
+    [("gpt-wide", p) for p in ("dp", "fsdp", "tp")]
 
 
 def model(name: str):
@@ -54,14 +57,16 @@ def model(name: str):
     torch.manual_seed(0)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=H))
+    if name == "gpt-wide":
+        return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=8 * H))
     moe = dict(moe_experts=4, moe_top_k=2, moe_style="grouped") if name == "llama-moe" else {}
     return Llama(LlamaConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, num_kv_heads=2, hidden=H,
                              ffn_hidden=2 * H, attention="sdpa", **moe))
 
 
-def inputs():
+def inputs(batch: int = B):
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, V, (B, S), generator=g)
+    ids = torch.randint(0, V, (batch, S), generator=g)
     return ids, torch.roll(ids, -1, dims=1)
 
 
@@ -75,7 +80,7 @@ def measure(model_name: str, plan_name: str) -> dict:
 
     axis, plan, overrides = PLANS[plan_name]
     mesh = init_device_mesh("cpu", (W,), mesh_dim_names=(axis,))
-    x = inputs()
+    x = inputs(2 if model_name == "gpt-wide" else B)
     pm = autopar.parallelize(model(model_name), mesh, x, plan=plan, overrides=overrides)
     opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
     pm(*x).backward()

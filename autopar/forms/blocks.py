@@ -30,15 +30,17 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     parameters are divided over by the form itself; `act`: its saved activations on this rank; `peak`: what it
     holds only while it runs (`Cost.peak_bytes`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
+    bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
     else:
         t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
         state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
+        bucket = dp.bucket_bytes(mc, st.param_bytes / param_split)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
-                act_bytes=act, transient_bytes=gathered, peak_bytes=peak)
+                act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
@@ -107,4 +109,4 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     state = local * mc.state_factor() / (mc.dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
     return Cost(compute_s=compute, comm_s=comms.time_s + gs_t + d_t, comm_bytes=comms.bytes + gs_b + d_b,
                 memory_bytes=state + st.saved_bytes / mc.dp + routed_saved, act_bytes=st.saved_bytes / mc.dp + routed_saved,
-                transient_bytes=local if cand.fsdp else 0.0)
+                transient_bytes=local if cand.fsdp else 0.0, bucket_bytes=0.0 if cand.fsdp else dp.bucket_bytes(mc, local))
