@@ -7,9 +7,10 @@ from autopar.capture import CaptureError
 from autopar.plan import CommRow, Estimate, Plan, Strategy
 from autopar.profile import profile
 from autopar.solver import InfeasibleError
+from autopar.tune import TuneResult, tune
 from autopar.verify import VerifyReport, verify
 from autopar.weights import load
 
 
-__all__ = ["parallelize", "plan", "load", "verify", "profile", "ParallelModule", "Plan", "Strategy", "CommRow",
+__all__ = ["parallelize", "plan", "load", "verify", "profile", "tune", "TuneResult", "ParallelModule", "Plan", "Strategy", "CommRow",
            "Estimate", "VerifyReport", "CaptureError", "InfeasibleError", "RankMismatchError"]

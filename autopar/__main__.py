@@ -1,6 +1,7 @@
 """Command line: `torchrun --nproc-per-node N -m autopar profile [--out PATH] [--mesh 2x4] [--dtypes ...]`;
 `python -m autopar plan ...` plans a model offline (`autopar.cli_plan`);
-`torchrun ... -m autopar verify --model pkg.module:factory ...` (see `autopar.cli_verify`).
+`torchrun ... -m autopar verify --model pkg.module:factory ...` (see `autopar.cli_verify`);
+`torchrun ... -m autopar tune --model pkg.module:factory ...` (see `autopar.cli_tune`).
 
 `profile` measures the mesh (see `autopar.profile`) and writes the JSON profile that
 `cost_model.load_cluster` reads. It joins the process group torchrun set up (initialising it
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     from autopar import cli_verify
     cli_verify.add_parser(sub)
+    from autopar import cli_tune
+    cli_tune.add_parser(sub)
     cli_plan.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "profile":

@@ -34,6 +34,8 @@ from autopar.dtensors import mesh_device
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
+from autopar.precision import (Precision, capture_dtypes, cast_inputs, check_plan_precision, mark_captured,
+                               precision_of)
 from autopar.planner import PLANS, build_plan, check_batch, check_memory_limit, tie_placements
 from autopar.relower import meta_to_device, plain_inputs
 from autopar.runtime.ops import new_rng_stream
@@ -46,15 +48,16 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None, lower=False, progress=None) -> Plan:
+         overrides=None, lower=False, progress=None, mp_policy=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
     and the model may live on the meta device. Returns the Plan with its cost estimate; `lower=True` also
     lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
     `parallelize` would. `progress(stage, seconds)` is called after each stage (capture, recognise, solve,
-    lower)."""
+    lower). `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy` (`autopar.precision`), as in `parallelize`."""
     check_model(model)
     memory_limit = check_options(plan, cluster, memory_limit)
-    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress)
+    precision = precision_of(mp_policy)
+    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
     t0 = time.perf_counter()
     with _local_tensor_off():
         chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
@@ -73,7 +76,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
-                memory_limit=None, inputs="global") -> ParallelModule:
+                memory_limit=None, inputs="global", mp_policy=None) -> ParallelModule:
     """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
 
     Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
@@ -88,6 +91,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
       data (checked). Batched inputs (dim 0 the size of the first input's) are the local shard; other inputs are
       the same on every rank (checked). The plan is made for the global batch, local batch x data-parallel degree.
 
+    `plan="tuned"`: the plan `autopar.tune` measured fastest for this model, mesh, cluster and dtypes (its cache), or,
+    when it has not been tuned yet, `autopar.tune` runs now (every rank measures the candidates) and caches it.
+
     `overrides` ({key: form}): where several keys name one structure, the most specific wins whatever the dict's
     order (an exact module path beats a glob, which beats a kind: `{"h.0.attn": "heads", "attention":
     "replicate"}` gives h.0.attn heads); equally specific keys that disagree raise. Requests that cannot be
@@ -97,14 +103,28 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 
     A model on the meta device is captured and planned on shapes and each rank allocates only its shards: fill
     them with `autopar.load(pm, path)` or `pm.init_weights()` (`autopar.weights`).
+
+    `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy`, run as FSDP2 runs it whatever the plan
+    (`autopar.precision`): the parameters stay in their dtype (the optimizer's masters), compute and FSDP gathers in
+    `param_dtype`, gradient reductions in `reduce_dtype`, gradients in the parameters' dtype. None: the model's dtypes.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
                         "mesh given as axis sizes")
+    if isinstance(plan, str) and plan == "tuned":  # the cached winner of `autopar.tune`, or tune now
+        from autopar.tune import tuned_plan
+        if inputs != "global":
+            raise NotImplementedError(
+                f"plan='tuned' with inputs={inputs!r}: autopar.tune measures plans on the global batch every rank "
+                "passes, so it cannot tune for local shards yet. Fix: inputs='global', or tune once with the global "
+                "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
+        plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
     _refuse_meta_moe(model)
     memory_limit = check_options(plan, cluster, memory_limit)
-    arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs)
+    precision = precision_of(mp_policy)
+    arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs,
+                     mp_policy=precision.spec() if precision else None)
     # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
     copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
@@ -157,7 +177,7 @@ def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
     error on every rank if one failed, `RankMismatchError` if the fingerprints differ."""
     def step():
         check_mode(arguments["inputs"])
-        return _prepare(model, mesh, example_inputs, copies=copies)
+        return _prepare(model, mesh, example_inputs, copies=copies, precision=Precision.parse(arguments["mp_policy"]))
 
     def describe(prepared, ranks):
         args, kwargs = split_example_inputs(example_inputs)
@@ -169,17 +189,19 @@ def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
     return info, captured, ctx, agreement
 
 
-def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None
+def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None
              ) -> tuple[MeshInfo, Captured, PassContext]:
     """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
-    (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`)."""
+    (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`).
+    `precision` (`autopar.precision`): captured with the parameters (and floating inputs) at its param_dtype."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
-    args, kwargs = plain_inputs(args, kwargs)
+    args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
     t0 = time.perf_counter()
-    with _local_tensor_off():  # tracing runs on fake tensors, never on simulated ranks
+    with _local_tensor_off(), capture_dtypes(model, precision):  # tracing runs on fake tensors, not simulated ranks
         args, kwargs = global_example(args, kwargs, copies)
         captured = capture(model, args, kwargs)
+    mark_captured(captured, model, precision)
     t1 = time.perf_counter()
     if progress:
         progress("capture", t1 - t0)
@@ -211,8 +233,9 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         flat_shapes = captured.example_shapes
         batch = dict(zip(captured.user_inputs, batch_dims(flat_shapes)))
         shapes = dict(zip(captured.user_inputs, flat_shapes))
-        return build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
+        made = build_plan(ctx, info, plan, overrides, batch, cluster=cluster, memory_limit=memory_limit,
                           input_shapes=shapes)
+        return dataclasses.replace(made, precision=captured.precision.spec() if captured.precision else "")
     source = "the given Plan"
     if isinstance(plan, (str, os.PathLike)):
         if not os.path.isfile(plan):
@@ -225,5 +248,6 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
         plan = Plan.load(plan)
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
+    check_plan_precision(plan.precision, captured.precision, source)
     check_given_plan(plan, source, info, captured)
     return plan

@@ -24,6 +24,9 @@ class Captured:
     notes: list[str] = field(default_factory=list)  # what capture had to do (opaque submodules)
     # the ids and class targets computed from the user inputs, checked before the program runs (`autopar.index_checks`)
     index_checks: object = None
+    # the mixed-precision policy it was captured under (`autopar.precision.Precision`; parameters at param_dtype)
+    precision: object = None
+    master_dtype: object = None  # then: the floating parameters' dtype as the model holds them (the optimizer's)
 
     def placeholder(self, name: str) -> fx.Node:
         (node,) = self.gm.graph.find_nodes(op="placeholder", target=name)

@@ -7,7 +7,8 @@ the choice, in this order:
 
 - `override`: the user's overrides forced it;
 - a named plan: the form that plan gives the kind (and, where it could not, the precondition that stopped it);
-- the ILP (`auto`): `cheapest` when no possible candidate costs less time; else `memory limit binding` when
+- the ILP (`auto`): `cheapest` when no possible candidate costs less time (the ILP's objective,
+  `autopar.timeline.overlapped_s`); else `memory limit binding` when
   the ILP's plan without the memory limit takes a cheaper one (and needs more memory than the limit); else
   the coupling that rules the cheaper ones out: a tied weight (an embedding and its LM head take the same
   axes) or a form's constraint (`Form.add_constraints`, e.g. sequence-parallel norms need tensor-parallel
@@ -29,6 +30,7 @@ from autopar.mesh import MeshInfo
 from autopar.plan import CandidateRow, Decision, SiteEstimate, _fmt_bytes
 from cost_model.hardware import Link
 from autopar.sites import Kind, PassContext, Site
+from autopar.timeline import overlapped_s
 
 ROLES_KEY = "(axis roles)"
 _EPS = 1e-12
@@ -43,8 +45,8 @@ def _row(c: Candidate, cost: Cost | None, why: str) -> CandidateRow:
 
 def _cheapest_text(rows, chosen: Candidate) -> str:
     possible = [(c, cost) for c, cost, why in rows if cost is not None and not why]
-    t = next(cost.time_s for c, cost in possible if c == chosen)
-    ties = [c.label for c, cost in possible if c != chosen and abs(cost.time_s - t) <= _EPS]
+    t = next(overlapped_s(cost) for c, cost in possible if c == chosen)
+    ties = [c.label for c, cost in possible if c != chosen and abs(overlapped_s(cost) - t) <= _EPS]
     return (f"cheapest: the least estimated time of {_n(len(possible), 'possible candidate')}"
             + (f" (as cheap as {', '.join(ties)}: ties break by candidate order)" if ties else ""))
 
@@ -56,8 +58,8 @@ def auto_decisions(solution, forced: dict[str, Candidate], limit: float) -> tupl
     for cls, rows in zip(pr.classes, pr.rows):
         key = cls[0].key
         chosen = forced.get(key) or solution.choices[key]
-        t = solution.per_site[key].time_s
-        cheaper = [(c, cost) for c, cost, why in rows if cost is not None and not why and cost.time_s < t - _EPS]
+        t = overlapped_s(solution.per_site[key])
+        cheaper = [(c, cost) for c, cost, why in rows if cost is not None and not why and overlapped_s(cost) < t - _EPS]
         if key in forced:
             by = f"override: forced to {forced[key].label}"
         elif not cheaper:
@@ -79,7 +81,7 @@ def _n(count: int, noun: str) -> str:
 
 
 def _time_of(rows, cand: Candidate) -> float:
-    return next(cost.time_s for c, cost, why in rows if c == cand and cost is not None)
+    return next(overlapped_s(cost) for c, cost, why in rows if c == cand and cost is not None)
 
 
 def _coupling(key: str, cls, pr, solution, cheaper) -> str:
@@ -103,7 +105,7 @@ def _roles_decision(solution, roles) -> Decision:
         rows.append(CandidateRow(label=label, compute_s=sol.compute_s, comm_s=sol.comm_s,
                                  memory_bytes=int(sol.memory_bytes), excluded=why))
         fits += not why
-        if why and sol.time_s < solution.time_s - _EPS:  # priced without the limit (`solver.solve`)
+        if why and sol.objective_s < solution.objective_s - _EPS:  # priced without the limit (`solver.solve`)
             faster.append(label)
     chosen = _roles_label(solution.data_axes, solution.seq_axes)
     by = (f"the fastest of {_n(fits, 'role assignment')} whose best plan fits the memory limit"
@@ -192,9 +194,10 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
 
 def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:
     state = max(0.0, cost.memory_bytes - cost.act_bytes - cost.transient_bytes)
-    one = state / mc.state_factor()  # parameters (and as much again for gradients)
+    params, grads = state * mc.param_share(), state * mc.grad_share()  # any precision (`state_bytes_per_element`)
     return SiteEstimate(key=key, compute_s=cost.compute_s, comm_s=cost.comm_s, comm_axes=axes,
-                        parameters_bytes=int(one), gradients_bytes=int(one), optimizer_bytes=int(state - 2 * one),
+                        parameters_bytes=int(params), gradients_bytes=int(grads),
+                        optimizer_bytes=int(state - params - grads),
                         activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes),
                         momentary_bytes=int(cost.peak_bytes))
 

@@ -22,14 +22,16 @@ logit gradients), or every gradient. Model state per parameter element follows o
 `MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
 collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or
 alpha-beta), the optimizer's state, and compute (`compute_s`): forward + backward = 3x the forward
-work of the site's nodes, divided by the ranks the work is split over. With a profiled cluster
-(per-op-kind rates) each kind of op is priced at its rate, a matmul at the rate of its split size,
-and every op pays the dispatch overhead, which no split divides (`kernel_time_s`); with a preset,
-the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
+work of the site's nodes, divided by the ranks the work is split over. With per-op-kind rates (a
+profiled cluster, or a GPU preset's achieved rates) each kind of op is priced at its rate, a matmul at
+the rate of its split size, an attention at the rate of its key length, and every op pays the dispatch
+overhead, which no split divides (`kernel_time_s`; a kind without a rate: its roofline); with only
+peaks (the cpu preset), the roofline of the site's FLOPs and activation bytes (`compute_time_s`).
 
 What a form adds (its collectives, how it splits work, parameters and activations) is in the form's
 own module; how parameters are synchronised over the data axes in `autopar.forms.dp` and
-`autopar.forms.fsdp`. Estimates ignore compute/communication overlap (the step time is their sum).
+`autopar.forms.fsdp`. A `Cost` says which part of its communication is the parameters' synchronisation
+(`gather_s`, `reduce_s`: overlappable); `autopar.timeline` simulates the step with that overlap.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from torch import fx
 from cost_model.analytical import _is_view, collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
     send_bytes
 from cost_model.hardware import Cluster, axis_link, dtype_name
-from cost_model.memory import OPTIMIZER_STATES, saved_activations, state_bytes_per_element
+from cost_model.memory import OPTIMIZER_STATES, saved_activations
+from cost_model.memory import state_bytes_per_element as element_state_bytes
 from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes.patterns import TRANSPARENT
@@ -71,10 +74,21 @@ class Cost:
     # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
     # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
     bucket_bytes: float = 0.0
+    # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
+    # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
+    # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
 
     @property
     def time_s(self) -> float:
+        """Compute + communication, nothing overlapped (`autopar.timeline` simulates the overlap)."""
         return self.compute_s + self.comm_s
+
+    @property
+    def critical_s(self) -> float:
+        """Communication on the critical path: what no compute hides."""
+        return max(0.0, self.comm_s - self.gather_s - self.reduce_s)
 
     def live_parts(self, grad_share: float) -> tuple[float, float, float]:
         """(held all step: parameters, optimizer state, FSDP's gathered copies; saved activations; gradients), with
@@ -84,20 +98,22 @@ class Cost:
         return state - grads, self.act_bytes, grads
 
 
-def peak_bytes(costs, grad_share: float) -> float:
+def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
     """The step's peak memory per device from its structures' costs: what is held all step, plus the larger of the
     two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
     momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
     at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
     `Cost.bucket_bytes`). In between, gradients accumulate as activations are freed, and
     the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
-    activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size)."""
+    activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size).
+    `start_bytes`: more at the start of the backward (activation checkpointing: the saved bytes its levels change,
+    negative, and the recompute transient, `solver.checkpoint_cost`)."""
     held = act = grads = momentary = bucket = 0.0
     for c in costs:
         h, a, g = c.live_parts(grad_share)
         held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
             bucket + c.bucket_bytes
-    return held + max(act + momentary, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
+    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
 
 
 @dataclass
@@ -125,7 +141,7 @@ class SiteStats:
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
     saved_params: frozenset[str] = frozenset()  # parameters backward reads (FSDP keeps their gathered copies)
-    # (op kind, dtype, flops per call of a matmul else 0) -> [flops, bytes, ops], forward
+    # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
     # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
@@ -150,7 +166,8 @@ class SiteStats:
             self.compute_dtype = c.dtype
         self.act_bytes += _bytes(n.meta.get("val"))
         if c.kind != "view":
-            w = self.work.setdefault((c.kind, c.dtype, c.flops if c.kind == "matmul" else 0), [0.0, 0.0, 0])
+            size = c.flops if c.kind == "matmul" else c.seq_len if c.kind == "sdpa" else 0
+            w = self.work.setdefault((c.kind, c.dtype, size), [0.0, 0.0, 0])
             w[0], w[1], w[2] = w[0] + c.flops, w[1] + c.bytes, w[2] + 1
 
     def add_param(self, name: str, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
@@ -525,8 +542,38 @@ def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
                        optimizer=optimizer, param_dtype=dtype_name(param_dtype), seq_axes=tuple(seq_axes),
-                       bucket_bytes=total,
-                       num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)))
+                       bucket_bytes=total, num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)),
+                       **precision_costing(ctx.captured, dtypes, optimizer))
+
+
+def state_bytes_per_element(master_dtype: torch.dtype, param_dtype: torch.dtype | None,
+                            reduce_dtype: torch.dtype | None, optimizer: str) -> float:
+    """Bytes per parameter element held across the step under a mixed-precision policy (`autopar.precision`): the
+    master parameter, its gradient as the optimizer sees it (master dtype: a reduce_dtype gradient is cast back
+    after its reduction) and the optimizer's states (PyTorch keeps them in the parameter's dtype: Adam's two
+    moments). param_dtype compute copies and reduce_dtype buffers live within a step (activations, FSDP's gathered
+    copy, the collectives), not here. Adam, fp32 masters, bf16 / fp32: 4 + 4 + 2 x 4 = 16."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    del param_dtype, reduce_dtype  # transients (see above)
+    # the one rule (`cost_model.memory`): the master is what the optimizer updates, no further fp32 copy
+    return float(element_state_bytes(master_dtype, optimizer=optimizer, master_weights=False).total)
+
+
+def precision_costing(captured, dtypes: set, optimizer: str) -> dict:
+    """MeshCosting's mixed-precision fields for a capture made under a policy (its parameters at param_dtype, the
+    bytes every `SiteStats` counts): the state per byte of those parameters, and the bytes a gradient reduction
+    moves per byte of them (reduce_dtype / param_dtype). Empty without a policy."""
+    precision = getattr(captured, "precision", None)
+    if precision is None:
+        return {}
+    graph = max(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+    held = torch.empty((), dtype=graph).element_size()
+    param_dtype, reduce_dtype = precision.collective_dtypes
+    master = captured.master_dtype or graph
+    state = state_bytes_per_element(master, param_dtype, reduce_dtype, optimizer)
+    return {"state_bytes_per_param_byte": state / held,
+            "grad_bytes_factor": torch.empty((), dtype=reduce_dtype or graph).element_size() / held}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -540,6 +587,10 @@ class MeshCosting:
     seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
     bucket_bytes: float = 0.0  # gradient bytes of all parameters: the bucket whose per-byte rate sites pay
     num_buckets: int = 1  # gradient buckets per axis: one per dtype, one per `GRAD_BUCKET_BYTES`
+    # mixed precision (`precision_costing`): state per byte of the graph's (param_dtype) parameters, and the bytes a
+    # gradient reduction moves per such byte (reduce_dtype); None / 1.0: the model's dtypes
+    state_bytes_per_param_byte: float | None = None
+    grad_bytes_factor: float = 1.0
 
     @property
     def dp(self) -> int:
@@ -580,26 +631,47 @@ class MeshCosting:
         return t, b
 
     def state_factor(self) -> float:
-        """Parameter + gradient + optimizer state (and an fp32 master copy of 16-bit parameters), in multiples of
-        the parameter bytes: `cost_model.memory.state_bytes_per_element`, the one rule for model state (2 + the
-        optimizer's states for fp32; 8 for 16-bit parameters with Adam: 16 bytes per element)."""
-        per = state_bytes_per_element(self.param_dtype, optimizer=self.optimizer)
+        """Parameter + gradient + optimizer state, in multiples of the parameter bytes: under mixed precision, of the
+        param_dtype bytes the graph holds (`state_bytes_per_element`); else `cost_model.memory.state_bytes_per_element`
+        of the parameters' dtype, the one rule for model state (2 + the optimizer's states for fp32; 8 for 16-bit
+        parameters with Adam and fp32 masters: 16 bytes per element)."""
+        if self.state_bytes_per_param_byte is not None:
+            return self.state_bytes_per_param_byte
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
         return per.total / per.param
 
+    def param_share(self) -> float:
+        """Parameters' share of parameter + gradient + optimizer bytes (as `grad_share`)."""
+        if self.state_bytes_per_param_byte is not None:
+            return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
+        return per.param / per.total
+
     def grad_share(self) -> float:
-        """Gradients' share of parameter + gradient + optimizer bytes (`state_bytes_per_element`)."""
-        per = state_bytes_per_element(self.param_dtype, optimizer=self.optimizer)
+        """Gradients' share of parameter + gradient + optimizer bytes: under a policy one of the master's 2 + states
+        parts (`state_bytes_per_element`), else as `cost_model.memory.state_bytes_per_element` says."""
+        if self.state_bytes_per_param_byte is not None:
+            return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
         return per.grad / per.total
 
 
 def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:
     """Forward + backward (3x the forward work) of a site's nodes with the work split over `divisor` ranks:
     by op kind when the cluster measured kernel rates (every op runs on every rank: the dispatch overhead
-    is not divided), else the roofline of all its FLOPs and activation bytes."""
-    if has_kernel_rates(cluster):
-        return sum(kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster), cluster,
-                                 num_ops=3 * ops, flops_per_call=per_call / divisor if per_call else None)
-                   for (kind, dtype, per_call), (flops, nbytes, ops) in st.work.items())
+    is not divided), else the roofline of all its FLOPs and activation bytes. A calibrated cluster
+    (`Cluster.calibration`, `autopar.tune`) prices each kind apart and scales it by its measured factor."""
+    cal = cluster.calibration
+    if has_kernel_rates(cluster) or cal is not None:
+        rates = has_kernel_rates(cluster)
+        return sum((cal.compute.get(kind, 1.0) if cal is not None else 1.0)
+                   * (kernel_time_s(kind, 3 * flops / divisor, 3 * nbytes / divisor, compute_dtype(dtype, cluster),
+                                    cluster, num_ops=3 * ops,
+                                    flops_per_call=size / divisor if size and kind == "matmul" else None,
+                                    seq_len=size if size and kind == "sdpa" else None)
+                      if rates else compute_time_s(3 * flops / divisor, 3 * nbytes / divisor,
+                                                   compute_dtype(dtype, cluster), cluster))
+                   for (kind, dtype, size), (flops, nbytes, ops) in st.work.items())
     return compute_time_s(3 * st.flops / divisor, 3 * st.act_bytes / divisor, compute_dtype(st.compute_dtype, cluster),
                           cluster)
 

@@ -106,11 +106,14 @@ def retarget_meta(gm: fx.GraphModule, device: torch.device) -> None:
     def retarget(a):
         return device if isinstance(a, torch.device) and a.type == "meta" else a
 
-    for node in gm.graph.nodes:
-        if node.op == "call_function":
-            node.args = torch.utils._pytree.tree_map(retarget, node.args)
-            node.kwargs = torch.utils._pytree.tree_map(retarget, node.kwargs)
-    gm.recompile()
+    for mod in gm.modules():  # checkpointed layers' bodies too (`passes.checkpoint`)
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        for node in mod.graph.nodes:
+            if node.op == "call_function":
+                node.args = torch.utils._pytree.tree_map(retarget, node.args)
+                node.kwargs = torch.utils._pytree.tree_map(retarget, node.kwargs)
+        mod.recompile()
 
 
 def _is_int(node) -> bool:

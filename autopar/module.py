@@ -37,6 +37,7 @@ from autopar.captured import Captured
 from autopar.checkpoint import strided_to_replicated, to_placements
 from autopar.mesh import mesh_info
 from autopar.plan import Plan
+from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
 from autopar.runtime.collectives import after_backward
@@ -109,6 +110,7 @@ class ParallelModule(nn.Module):
         self._local_axes = local[0] if local is not None else None
         self.train(model.training)
         self._plan = plan  # the plan every re-lowering takes its forms from
+        self._precision = Precision.parse(plan.precision)  # mixed precision: inputs and outputs cast per call
         self._stored = dict(plan.params)  # every parameter's placements, whatever program runs
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         args, kwargs = split_example_inputs(example_inputs) if example_inputs is not None else (None, None)
@@ -181,7 +183,7 @@ class ParallelModule(nn.Module):
                 meta_device=mesh_device(self._mesh) if self._source is not None else None))
         self._programs.move_to_end(key)
         self._current = prog
-        flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in prog.kw_order}))
+        flat, spec = pytree.tree_flatten(cast_inputs(self._precision, args, {k: kwargs[k] for k in prog.kw_order}))
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
         self._check_inputs(key, cap, flat)
@@ -203,7 +205,7 @@ class ParallelModule(nn.Module):
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
         outs = prog.gm(*feeds)
-        return pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec)
+        return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
 
     def _plain_grads(self) -> None:
         """After a backward whose data-parallel buckets were reduced asynchronously: each gradient's local tensor,

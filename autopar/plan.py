@@ -135,10 +135,13 @@ class Estimate:
     per_site: tuple[tuple[str, float, int], ...] = ()  # (structure key, time s, memory bytes)
     solver: str = ""  # how the plan was found: status, gap, time
     sites: tuple[SiteEstimate, ...] = ()  # per structure, in plan order: time and memory broken down
+    # of comm_time_s, what the step's timeline leaves uncovered by compute (`autopar.timeline`): step = compute + this
+    exposed_comm_s: float | None = None
 
     def summary(self) -> str:
+        exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
-                f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms), "
+                f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms{exposed}), "
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
                 f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step (estimated)"
                 + (f"; {self.solver}" if self.solver else ""))
@@ -182,8 +185,15 @@ class Plan:
     notes: tuple[str, ...] = ()
     estimate: Estimate | None = None
     decisions: tuple[Decision, ...] = ()  # recorded at planning time, for explain()
+    # mixed precision it was made for (`autopar.precision.Precision.spec()`); "" : the model's dtypes
+    precision: str = ""
+    # (layer module path, activation checkpointing level) for every layer (`autopar.forms.checkpoint`)
+    checkpoint: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if self.precision:
+            from autopar.precision import Precision
+            Precision.parse(self.precision)
         for fqn, pls in self.params + self.inputs:
             try:
                 got = placements_from_str(pls)
@@ -258,6 +268,10 @@ class Plan:
                 lines.append("  ".join("-" * w for w in widths))
         if self.inputs:
             lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
+        if self.precision:
+            lines.append(f"mixed precision: {self.precision}")
+        if self.checkpoint:
+            lines.append("activation checkpointing: " + self.checkpoint_summary())
         if self.comms:
             lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
                          "sent per rank per step (forward + backward)")
@@ -293,6 +307,13 @@ class Plan:
                          f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
         return rows
 
+    def checkpoint_summary(self) -> str:
+        """The level per layer, layers of one level listed together: 'h.0, h.1: full; h.2: none'."""
+        by_level: dict[str, list[str]] = defaultdict(list)
+        for path, level in self.checkpoint:
+            by_level[level].append(path)
+        return "; ".join(f"{_keys_list(paths)}: {level}" for level, paths in by_level.items())
+
     def __str__(self) -> str:
         return self.table()
 
@@ -316,7 +337,8 @@ class Plan:
             fb = b[k].label if k in b else "-"
             if fa != fb:
                 out.append(f"{k}: {fa} -> {fb}")
-        for label, x, y in (("param", dict(self.params), dict(other.params)),
+        for label, x, y in (("checkpoint", dict(self.checkpoint), dict(other.checkpoint)),
+                            ("param", dict(self.params), dict(other.params)),
                             ("input", dict(self.inputs), dict(other.inputs))):
             for k in sorted(set(x) | set(y)):
                 if x.get(k) != y.get(k):
@@ -509,6 +531,7 @@ _READERS = {
     (Estimate, "sites"): _items(SiteEstimate),
     (SiteEstimate, "comm_axes"): _rows(str, (int, float), what="an [axis name, seconds] pair such as [\"tp\", 0.001]"),
     (Plan, "decisions"): _items(Decision),
+    (Plan, "checkpoint"): _rows(str, str, what="a [layer path, checkpoint level] pair such as [\"layers.0\", \"full\"]"),
     (Decision, "keys"): _strs,
     (Decision, "candidates"): _items(CandidateRow),
 }

@@ -32,10 +32,12 @@ import re
 from torch import nn
 
 from autopar.forms import Candidate, Role, form_names, form_of, forms_for
+from autopar.forms import checkpoint as ckpt
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.decide import auto_decisions, hand_decisions, site_estimates
+from autopar.layers import find_layers
 from autopar.plan import Decision, Directive, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
@@ -267,13 +269,14 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
                optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
-               data_axes: tuple[str, ...] | None = None) -> Plan:
+               data_axes: tuple[str, ...] | None = None, exclude=()) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
     priced by the same cost model, so they can be compared (and may not fit). `data_axes` (named plans only)
     fixes the axes the batch is sharded over instead of the plan's own choice (re-lowering a plan for new
-    shapes keeps its data axes, `autopar.relower`).
+    shapes keeps its data axes, `autopar.relower`). `exclude` ("auto" only): assignments the ILP's plan must
+    differ from (`autopar.solver.no_good`; `autopar.tune` asks for the k best distinct plans).
     """
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
@@ -283,6 +286,11 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                          f"got {name!r}")
     clus = load_cluster(cluster, mesh.sizes)
     notes: list[str] = []
+    layers = find_layers(ctx.captured.gm, set(ctx.captured.param_fqns) | set(ctx.captured.buffer_fqns))
+    ck_forced: dict[str, ckpt.Level] = {}
+    if isinstance(overrides, dict):  # activation checkpointing: the `checkpoint` keys (autopar.forms.checkpoint)
+        ck_forced = ckpt.parse_overrides(overrides, layers, specificity)
+        overrides = {k: v for k, v in overrides.items() if not ckpt.is_key(k)}
     parsed = parse_overrides(ctx, mesh, overrides)
     for site, cand in parsed:  # a forced form whose precondition fails raises here, saying why
         if cand.axes:
@@ -299,8 +307,10 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         # lone linears are priced replicated whatever their form: the ILP plans the rest, their overrides apply after
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit,
                              forced={k: c for k, c in forced.items() if planning[k].kind is not Kind.LINEAR},
-                             optimizer=optimizer, data_axes_options=options, batch=batch)
+                             optimizer=optimizer, data_axes_options=options, batch=batch, layers=layers,
+                             checkpoint_forced=ck_forced, exclude=exclude)
         choices = {s.key: solution.choices[s.key] for s in ctx.planning_sites()}
+        levels = {la.path: ckpt.LEVELS[solution.checkpoint[la.path]] for la in layers}
         choices.update({k: c for k, c in forced.items() if planning[k].kind is Kind.LINEAR})
         data_axes, seq_axes = list(solution.data_axes), list(solution.seq_axes)
     else:
@@ -316,6 +326,7 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                            if ok == frozenset({Role.SEQUENCE})})
         if name == "fsdp":
             choices = {k: Candidate(form=c.form, axes=c.axes, fsdp=True) for k, c in choices.items()}
+        levels = {la.path: ck_forced.get(la.path, ckpt.DEFAULT) for la in layers}
     sites = {s.key: s for s in ctx.planning_sites()}
     chosen = [(sites[k], form_of(sites[k].kind, c.form), c) for k, c in choices.items()]
     # parameters
@@ -340,8 +351,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     directives = list(dict.fromkeys(directives))
     strategies = _strategies(ctx, chosen, forced_linears, pls)
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
-    estimate = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-                         memory_limit)
+    estimate, priced = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
+                                 memory_limit, layers, levels)
     if solution is not None:
         decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
     else:
@@ -349,10 +360,44 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced to "
                                 f"{c.label} (a layer inside a structure: not priced on its own)")
                        for s, c in forced_linears)
+    decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
-                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate, decisions=decisions)
+                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate, decisions=decisions,
+                checkpoint=tuple((la.path, levels[la.path].name) for la in layers))
+
+
+def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) -> tuple[Decision, ...]:
+    """One decision per layer class and level: the override that forced it, the named plan's default, or the ILP
+    (`auto`: every level priced: recompute time and the bytes kept per device; a named plan: its level's)."""
+    from autopar.plan import CandidateRow
+    terms = solution.priced.checkpoint if solution is not None else priced.checkpoint_terms
+    out: dict[tuple, list[str]] = {}
+    for la in layers:
+        out.setdefault((la.cls, levels[la.path].name, la.path in forced), []).append(la.path)
+    decisions = []
+    for (cls, chosen, was_forced), paths in out.items():
+        rows: tuple = ()
+        if was_forced:
+            by = f"override: forced to {chosen}"
+        elif solution is None:
+            by = f"the named plan's default (no '{ckpt.KEY}' override names these layers)"
+        elif not ckpt.LEVELS[chosen].recomputes:
+            by = "the ILP: cheapest (recomputing costs time) and the plan fits the memory limit without it"
+        else:
+            by = (f"the ILP, memory limit binding: {ckpt.NONE.name} takes less time (no recompute), but with the "
+                  "structures' forms this plan chose it does not fit the memory limit")
+        group = next((g for g in (terms.groups if terms else []) if paths[0] in {la.path for la in g.layers}), None)
+        if group is not None:
+            costs = terms.costs[terms.groups.index(group)]
+            none = group.price.saved[ckpt.NONE.name]
+            rows = tuple(CandidateRow(label=lv.name, compute_s=c.compute_s,
+                                      memory_bytes=int(len(group.layers) * none / terms.split + c.memory_bytes))
+                         for lv, c in zip(group.levels, costs))
+        decisions.append(Decision(keys=tuple(paths), kind=f"{ckpt.KEY} ({cls})", chosen=chosen, decided_by=by,
+                                  candidates=rows))
+    return tuple(decisions)
 
 
 def _strategies(ctx: PassContext, chosen, forced_linears, pls: _Placements) -> list[Strategy]:
@@ -399,7 +444,7 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
 
 
 def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-              memory_limit) -> Estimate:
+              memory_limit, layers=(), levels=None):
     from autopar import solver as ilp
     priced = solution.choices if solution is not None else {}
     if solution is None:
@@ -409,7 +454,7 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         batched = any(Shard(0) in placements_from_str(p) for p in inputs.values())
         data_axes = tuple(data_axes) if batched else ()
         solution = ilp.evaluate(ctx, mesh, clus, priced, data_axes, optimizer, tuple(seq_axes),
-                                other_fsdp=name == "fsdp")
+                                other_fsdp=name == "fsdp", layers=layers, checkpoint=levels)
     else:
         data_axes, seq_axes = solution.data_axes, solution.seq_axes
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
@@ -418,12 +463,41 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         solver_note = (f"ILP {solution.status}, gap {solution.gap:.2%}, {solution.classes} site classes, "
                        f"data axes {solution.data_axes or '()'}, solved in {solution.solve_s:.2f} s")
     per_site = tuple((k, c.time_s, int(c.memory_bytes)) for k, c in solution.per_site.items())
-    return Estimate(step_time_s=solution.time_s, compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
-                    memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
-                    fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
-                    per_site=per_site, solver=solver_note,
-                    sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
-                                         other_fsdp=name == "fsdp"))
+    schedule = step_timeline(ctx, solution, priced, data_axes, seq_axes)
+    estimate = Estimate(step_time_s=schedule.makespan_s, exposed_comm_s=schedule.exposed_comm_s,
+                        compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
+                        memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
+                        fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
+                        per_site=per_site, solver=solver_note,
+                        sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
+                                             other_fsdp=name == "fsdp"))
+    return estimate, solution  # the solution: what explain reads of the checkpoint levels
+
+
+def step_timeline(ctx, solution, priced, data_axes, seq_axes) -> "timeline.Schedule":
+    """The step's timeline (`autopar.timeline`): the structures in forward order (their anchors' graph order), what
+    no structure holds ("other": norms, residuals between them) spread evenly over them; parameter synchronisation
+    on the data axes' stream, each structure's own collectives on its axes' stream."""
+    from autopar import timeline
+    order = {n: i for i, n in enumerate(ctx.captured.gm.graph.nodes)}
+    sites = sorted((s for s in ctx.planning_sites() if s.key in solution.per_site), key=lambda s: order.get(s.node, 0))
+    other = solution.other
+    # spread evenly over the structures: what no structure holds, and the checkpoint levels' recompute and re-issued
+    # collectives (priced per layer class, `solution.checkpoint_cost`)
+    spread = [c for c in (other, solution.checkpoint_cost) if c is not None]
+    n = max(1, len(sites))
+    share = (lambda c, attr: getattr(c, attr) + sum(getattr(o, attr) for o in spread) / n)  # noqa: E731
+    sync = "+".join(tuple(data_axes) + tuple(seq_axes)) or "data"
+    pieces = []
+    for s in sites:
+        c, cand = solution.per_site[s.key], priced.get(s.key)
+        pieces.append(timeline.Piece(
+            key=s.key, compute_s=share(c, "compute_s"), critical_s=share(c, "critical_s"),
+            gather_s=share(c, "gather_s"), reduce_s=share(c, "reduce_s"), sync_stream=sync,
+            critical_stream="+".join(cand.axes) if cand is not None and cand.axes else "model"))
+    if not pieces and other is not None:
+        pieces.append(timeline.piece("(other)", other, sync))
+    return timeline.step_schedule(pieces)
 
 
 def tie_placements(plan: Plan, model: nn.Module, from_user: bool = False) -> Plan:

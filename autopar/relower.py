@@ -34,9 +34,11 @@ from autopar.index_checks import retarget_meta
 from autopar.inputs import batch_dims, data_degree, global_example, local_arrivals
 from autopar.mesh import MeshInfo
 from autopar.plan import DirectiveKind, Plan
+from autopar.precision import Precision, as_dtypes, capture_dtypes, cast_inputs, mark_captured
 from autopar.planner import BATCH_NOTE_RE, build_plan, tie_placements
 from autopar.sites import Kind, PassContext
 from autopar.spec import Shard, fmt_placements, is_owned, placements_from_str
+from autopar.forms import checkpoint as ckpt
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -115,11 +117,13 @@ def relower(model: nn.Module, info: MeshInfo, plan: Plan, args: tuple, kwargs: d
     program is captured for the global batch and takes the shard as given. `meta_device`: the model lives on the
     meta device; the program's factory calls run on this device instead."""
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-    args, kwargs = plain_inputs(args, kwargs)
-    with maybe_disable_local_tensor_mode(), _as_called(model, training, tensors):
+    precision = Precision.parse(plan.precision)
+    args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
+    with maybe_disable_local_tensor_mode(), _as_called(model, training, tensors, precision):
         if local_axes is not None:
             args, kwargs = global_example(args, kwargs, data_degree(local_axes, info))
         captured = capture(model, args, kwargs)
+    mark_captured(captured, model, precision)
     ctx = PassContext(captured)
     run_passes(captured.gm, ctx, RECOGNISE)
     new = tie_placements(replan(ctx, info, plan), model)
@@ -155,10 +159,12 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
         if why:
             notes.append(f"{s.kind} {s.key} replicated for these inputs, not {s.label}: {why}")
         overrides[_exact(s.key)] = Replicate.name if why else s.label
+    for path, level in plan.checkpoint:  # the same activation checkpointing level per layer
+        overrides[f"{ckpt.KEY}:{_exact(path)}"] = level
     base = plan.name if plan.name in ("megatron", "dp", "fsdp") else _named_like(plan)
     batch, shapes = input_batch(ctx.captured)
     new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes, data_axes=_data_axes(plan, info))
-    return replace(new, name=plan.name, notes=new.notes + tuple(notes))
+    return replace(new, name=plan.name, notes=new.notes + tuple(notes), precision=plan.precision)
 
 
 def _data_axes(plan: Plan, info: MeshInfo) -> tuple[str, ...] | None:
@@ -207,30 +213,16 @@ def _exact(key: str) -> str:
 
 
 @contextlib.contextmanager
-def _as_called(model: nn.Module, training: bool, tensors: dict[str, torch.Tensor]):
+def _as_called(model: nn.Module, training: bool, tensors: dict[str, torch.Tensor], precision=None):
     """`model` in mode `training`, its parameters and buffers of the dtypes of `tensors` (converted copies where
-    they differ; the same tensor under every tied name), all restored afterwards."""
+    they differ; the same tensor under every tied name), its floating parameters at the mixed-precision policy's
+    `param_dtype` (`autopar.precision`), all restored afterwards."""
     modes = [(m, m.training) for m in model.modules()]
-    swapped, made = [], {}
-    for fqn, t in list(model.named_parameters(remove_duplicate=False)) + \
-            list(model.named_buffers(remove_duplicate=False)):
-        want = tensors.get(fqn)
-        if want is None or want.dtype == t.dtype:
-            continue
-        if id(t) not in made:
-            value = t.detach().to(want.dtype)
-            made[id(t)] = nn.Parameter(value, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else value
-        *path, leaf = fqn.split(".")
-        mod = model.get_submodule(".".join(path))
-        table = mod._parameters if leaf in mod._parameters else mod._buffers
-        swapped.append((table, leaf, table[leaf]))
-        table[leaf] = made[id(t)]
     model.train(training)
     try:
-        yield
+        with as_dtypes(model, {fqn: t.dtype for fqn, t in tensors.items()}), capture_dtypes(model, precision):
+            yield
     finally:
-        for table, leaf, old in reversed(swapped):
-            table[leaf] = old
         for m, was in modes:
             m.training = was
 

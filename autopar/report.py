@@ -146,12 +146,14 @@ def _step_section(plan) -> str:
                 segs[lane].append(f"<div class='seg' style='left:{100 * t / total:.4f}%;width:{100 * d / total:.4f}%;"
                                   f"background:{color[lane]}' title='{_e(s.key)}: {lane} {_ms(d)}'></div>")
             t += d
+    exposed = est.comm_time_s if est.exposed_comm_s is None else est.exposed_comm_s
     out.append(f"<p>{_ms(est.step_time_s)} per step: compute {_ms(est.compute_time_s)}, communication "
-               f"{_ms(est.comm_time_s)}. Each structure in plan order (forward and backward together): its compute, "
-               "then its communication on each mesh axis, then the local copies around its collectives. The cost "
-               "model prices no overlap of compute and communication, so the step is their sum, laid out "
-               "sequentially here. A structure's time on an axis is its communication time less the same with that "
-               "axis' links free. Hover a bar for the structure.</p>")
+               f"{_ms(est.comm_time_s)}, of which {_ms(exposed)} exposed (the step's timeline overlaps parameter "
+               "synchronisation with compute: `autopar.timeline`). Each structure in plan order (forward and "
+               "backward together): its compute, then its communication on each mesh axis, then the local copies "
+               "around its collectives, laid out sequentially here (their sum is compute + all communication). A "
+               "structure's time on an axis is its communication time less the same with that axis' links free. "
+               "Hover a bar for the structure.</p>")
     out.append("<div class='timeline'>")
     for lane in lanes:
         busy = sum(d for d in _lane_sum(est.sites, lane, axes))
@@ -225,9 +227,10 @@ def _group_nodes(plan, gm) -> dict[str, list[tuple[str, str]]]:
     """Graph nodes by the structure whose module (or member) path holds them, else their top-level module:
     (escaped line, escaped collective note or '')."""
     scopes = sorted(((k, s.key) for s in plan.strategies for k in (s.key, *s.members)), key=lambda x: -len(x[0]))
-    comm = {n for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES}
+    from passes.checkpoint import walk
+    comm = {n for n in walk(gm) if n.op == "call_function" and n.target in COLLECTIVES}
     groups: dict[str, list[tuple[str, str]]] = {}
-    for n in gm.graph.nodes:
+    for n in walk(gm):  # checkpointed layers' nodes in place of their call
         path = _module_path(n)
         if n in comm:
             path = n.meta[M.COMM].module or path

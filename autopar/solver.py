@@ -12,8 +12,14 @@ Sets
       model axis (forms split structures over it) or the sequence axis (at most one; then every
       attention takes a sequence form on it). Every assignment the batch admits is tried (at most
       27 for a 3-D mesh), one ILP each, and the best is kept.                    `_role_options`
+  G   layer groups (`autopar.forms.checkpoint.groups`): the model's layers (`autopar.layers`) by class (and by the
+      level an override forces), each taking one activation checkpointing level l in L_g (none, selective,
+      full; the forced one only). `_checkpoint_terms`
 Variables
   x[k,c] in {0,1}: class k takes candidate c.
+  y[g,l] in {0,1}: layer group g takes checkpoint level l.
+  w[k,g] >= 0: the forward collectives class k's sites in g's layers issue again (re-issued by recomputation).
+  T >= 0: the recompute transient (one layer's recomputed tensors in its backward), the largest.
 Constraints
   sum_c x[k,c] = 1 for every k                                                 (one-hot)
   tied parameters (an embedding and its LM head) take matching forms and FSDP  (`_tie`)
@@ -21,15 +27,24 @@ Constraints
       a norm is sequence-parallel on an axis only if every attention / MLP class is tensor parallel
       there; an embedding added to an earlier one (a position embedding) is vocab-parallel on an
       axis only if the earlier one is (their sum is all-reduced once)
+  sum_l y[g,l] = 1 for every g                                                 (one level per group)
+  w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
+  T >= transient[g,l] y[g,l]
   held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
       held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
-      peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary  (start of backward),
+      peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
+                + sum_g,l dmem[g,l] y[g,l] + T                                 (start of backward),
       peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
                                                                           (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + time_other: estimated step time (compute + communication:
-  each form's `cost`, `site_cost`; the rest `other_cost`), in integer nanoseconds for CP-SAT.
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g] + time_other:
+  estimated step time, in integer nanoseconds for CP-SAT. time[k,c] = `timeline.overlapped_s`: compute +
+  critical communication (tensor-parallel collectives, exposed) + the part of the parameters' synchronisation
+  (FSDP gathers, gradient reductions) the structure's own forward / backward does not cover (each form's `cost`,
+  `site_cost`; the rest `other_cost`); the levels' recompute and re-issued collectives (`ckpt.cost`; fwd[k,c] =
+  half the candidate's communication, its forward collectives). dmem[g,l]: what level l keeps less than none
+  (negative), per device. The plan's estimate simulates the chosen plan's whole step (`autopar.timeline`).
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
@@ -55,12 +70,14 @@ from ortools.sat.python import cp_model
 from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing, \
     peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
+from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, PassContext, Site
+from autopar.timeline import overlapped_s
 from autopar.units import fmt_bytes
 from cost_model.hardware import Cluster
 
@@ -96,6 +113,10 @@ class Solution:
     site_whys: dict[str, set[str]] = field(default_factory=dict)  # the form constraints that tie each site
     priced: "Priced | None" = None  # every candidate of the chosen role assignment, for Plan.explain
     other: Cost | None = None  # what no structure holds (`other_cost`)
+    objective_s: float = 0.0  # what the ILP minimises: the sum of `timeline.overlapped_s` (time_s: nothing overlapped)
+    checkpoint: dict[str, str] = field(default_factory=dict)  # layer path -> activation checkpointing level
+    checkpoint_cost: Cost | None = None  # what the levels add (recompute, re-issued collectives, saved bytes)
+    checkpoint_terms: "CheckpointTerms | None" = None  # evaluate: the given levels priced (explain)
 
 
 @dataclass
@@ -110,6 +131,7 @@ class Priced:
     free: dict[str, Candidate] | None = None
     free_memory_bytes: float = 0.0
     roles: list[tuple[tuple[str, ...], tuple[str, ...], "Solution | None", str]] = field(default_factory=list)
+    checkpoint: "CheckpointTerms | None" = None  # the layers' levels priced on the chosen role assignment
 
 
 # ----------------------------------------------------------------------------- pricing
@@ -141,10 +163,13 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     if fsdp:
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
+        gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
     else:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
+        gather = 0.0
+    sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
         for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
@@ -161,7 +186,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
            + st.saved_unbatched_bytes - st.saved_unbatched_seq_bytes)
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
                 act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
-                bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes))
+                bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
+                reduce_s=sync_s - gather)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -321,8 +347,12 @@ class ConstraintView:
 
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
-          time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0) -> Solution:
-    """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs)."""
+          time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0, layers=(),
+          checkpoint_forced: dict | None = None, exclude=()) -> Solution:
+    """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs).
+    `layers` (`autopar.layers.find_layers`) take an activation checkpointing level each, per layer class
+    (`checkpoint_forced`: layer path -> the level an override forces). `exclude`: assignments ({site key:
+    Candidate}) the plan must differ from in some structure's form (`no_good`)."""
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
@@ -331,6 +361,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     tied = {s.key for p in pairs for s in p}
     classes = _classes(sites, tied)
     forced = forced or {}
+    groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint_forced or {})
     options = _role_options(ctx, mesh, batch, data_axes_options)
     best: Solution | None = None
     least_memory = math.inf
@@ -349,24 +380,27 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
         try:
-            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, mc.grad_share())
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude,
+                                      grad_share=mc.grad_share())
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
             continue
         least_memory = min(least_memory, mem_min)
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
-            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, mc.grad_share())
+            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
+                                  grad_share=mc.grad_share())
             tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
                                                      f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
             continue
         sol.data_axes = tuple(data_axes)
         sol.seq_axes = tuple(seq_axes)
-        sol.priced = (mc, cands, costs, base)  # replaced by a Priced for the best solution below
+        sol.priced = (mc, cands, costs, base, ck)  # replaced by a Priced for the best solution below
         tried.append((data_axes, seq_axes, sol, ""))
-        if best is None or sol.time_s < best.time_s - 1e-12:
+        if best is None or sol.objective_s < best.objective_s - 1e-12:
             best = sol
     if best is None and math.isinf(least_memory):
         forced_labels = ", ".join(f"{k}: {c.label}" for k, c in forced.items()) or "none"
@@ -390,7 +424,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
 def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit, time_limit_s, tried) -> Priced:
     """Every candidate of the best role assignment priced (those the ILP left out too), and, when some class did
     not take its cheapest candidate, the ILP's choices without the memory limit (to tell memory from coupling)."""
-    mc, cands, costs, base = best.priced
+    mc, cands, costs, base, ck = best.priced
     for _, _, sol, _ in tried:
         if sol is not None and sol is not best:
             sol.priced = None
@@ -403,19 +437,87 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
                                                   best.seq_axes)])
     out = Priced(classes=classes, rows=rows, pairs=pairs,
                  roles=[(d, q, sol, why) for d, q, sol, why in tried])
-    cheapest = [min(c.time_s for c in cost) for cost in costs]
-    if any(best.per_site[cls[0].key].time_s > t + 1e-12 for cls, t in zip(classes, cheapest)):
-        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, mc.grad_share())
+    cheapest = [min(overlapped_s(c) for c in cost) for cost in costs]
+    if any(overlapped_s(best.per_site[cls[0].key]) > t + 1e-12 for cls, t in zip(classes, cheapest)):
+        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
+                             grad_share=mc.grad_share())
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
+    out.checkpoint = ck
     return out
 
 
+@dataclass
+class CheckpointTerms:
+    """The activation checkpointing levels on one role assignment: per group of layers (`ckpt.Group`) its levels
+    and their costs (`ckpt.cost`), and per (site class k, group g, n) the n sites of class k in g's layers, whose
+    forward collectives a recomputing level issues again."""
+
+    groups: list
+    costs: list[list[Cost]]
+    reissue: list[tuple[int, int, int]]
+    reissue_s: list[list[float]]  # per class and candidate: its forward collectives' time (what a recompute re-issues)
+    split: float = 1.0  # what saved bytes are divided by (`ckpt.cost`)
+
+
+def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: MeshInfo, data_axes,
+                      seq_axes) -> CheckpointTerms:
+    model = math.prod(s for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes)
+    ck_costs = [[ckpt.cost(g, lv, mc, model) for lv in g.levels] for g in groups]
+    reissue = []
+    for k, cls in enumerate(classes):
+        for gi, g in enumerate(groups):
+            n = sum(1 for s in cls if g.holds(s.key))
+            if n:
+                reissue.append((k, gi, n))
+    # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
+    # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
+    # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
+    # are issued before the layers (outside the recomputed region): an FSDP candidate re-issues what its
+    # candidate without FSDP does
+    own = [{(cand.form, cand.axes): c.comm_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
+           for cs, cost in zip(cands, costs)]
+    reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
+                 for cs, cost, mine in zip(cands, costs, own)]
+    return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model)
+
+
+def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
+    """The levels' variables (one-hot per group), and their time and memory terms (linear expressions, integer
+    nanoseconds and KiB): the levels' own costs, the collectives re-issued (w[k,g] >= forward collectives of class
+    k's choice less M * y[g, none]: Alpa-style linearisation of x * (1 - y)), and the recompute transient, the
+    largest over the recomputing groups (T >= transient[g, l] * y[g, l])."""
+    if ck is None or not ck.groups:
+        return [], 0, 0, 0
+    y = [[model.NewBoolVar(f"ck{g}_{i}") for i in range(len(lvs))] for g, lvs in enumerate(ck.costs)]
+    for ys in y:
+        model.AddExactlyOne(ys)
+    time = sum(ns(c.compute_s) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
+    mem = sum(-kib(-c.memory_bytes) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
+    for k, g, n in ck.reissue:
+        per = [ns(t) for t in ck.reissue_s[k]]
+        top = max(per, default=0)
+        if top == 0:
+            continue
+        recomputing = sum(v for lv, v in zip(ck.groups[g].levels, y[g]) if lv.recomputes)
+        w = model.NewIntVar(0, top, f"reissue{k}_{g}")
+        model.Add(w >= sum(p * v for p, v in zip(per, x[k])) - top * (1 - recomputing))
+        time += n * w
+    top_t = max((kib(c.transient_bytes) for cs in ck.costs for c in cs), default=0)
+    transient = model.NewIntVar(0, top_t, "ck_transient")
+    for cs, ys in zip(ck.costs, y):
+        for c, v in zip(cs, ys):
+            if c.transient_bytes:
+                model.Add(transient >= kib(c.transient_bytes) * v)
+    return y, time, mem + transient, sum(min(-kib(-c.memory_bytes) for c in cs) for cs in ck.costs)
+
+
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
-               grad_share: float):
+               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
         model.AddExactlyOne(xs)
+    no_good(model, classes, cands, x, exclude)
     index = {s.key: k for k, cls in enumerate(classes) for s in cls}
     for a, b in pairs:  # tied parameters: the same axes (or none) and the same FSDP choice
         ka, kb = index[a.key], index[b.key]
@@ -448,7 +550,8 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
             if ps[3] > bparts[3]:
                 model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
     peak = model.NewIntVar(0, 2**62 // 1024, "peak")
-    model.Add(peak >= total(1) + momentary)
+    y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
+    model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
     # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
                                             for c, v in zip(cs, xs))
@@ -457,11 +560,14 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES)).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
-    mem_min = least[0] + max(least[1] + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]), least[2])
+    mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
+                             least[2])
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
     model.Add(total(0) + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
-    model.Minimize(sum(len(cls) * ns(c.time_s) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs)))
+    # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`)
+    model.Minimize(sum(len(cls) * ns(overlapped_s(c)) * v for cls, cs, xs in zip(classes, costs, x)
+                       for c, v in zip(cs, xs)) + ck_time)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -481,24 +587,64 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
     gap = 0.0 if obj == 0 else max(0.0, (obj - bound) / obj)
     name = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
-    sol = _total((), choices, per_site, base, gap, name, grad_share)
+    levels = {}
+    if y:
+        for g, ys in zip(ck.groups, y):
+            levels[g] = next(lv for lv, v in zip(g.levels, ys) if solver.Value(v))
+    extra = checkpoint_cost(levels, {k: c for k, c in choices.items()}, ck, classes, cands) if ck else None
+    sol = _total((), choices, per_site, base, gap, name, grad_share, extra)
+    sol.checkpoint = {la.path: lv.name for g, lv in levels.items() for la in g.layers}
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
 
 
-def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str,
-           grad_share: float) -> Solution:
-    costs = list(per_site.values()) + [base]
+def checkpoint_cost(levels: dict, choices: dict[str, Candidate], ck: CheckpointTerms, classes, cands) -> Cost | None:
+    """What the chosen levels (group -> level) add to the step: their costs, the collectives they re-issue, and
+    the recompute transient (the largest), as one Cost (memory_bytes includes the transient)."""
+    if not levels:
+        return None
+    compute = comm = act = transient = 0.0
+    for gi, g in enumerate(ck.groups):
+        lv = levels[g]
+        c = ck.costs[gi][g.levels.index(lv)]
+        compute, act, transient = compute + c.compute_s, act + c.memory_bytes, max(transient, c.transient_bytes)
+    for k, gi, n in ck.reissue:
+        if levels[ck.groups[gi]].recomputes:
+            i = cands[k].index(choices[classes[k][0].key])
+            comm += n * ck.reissue_s[k][i]
+    return Cost(compute_s=compute, comm_s=comm, comm_bytes=0.0, memory_bytes=act + transient, act_bytes=act,
+                transient_bytes=transient)
+
+
+def no_good(model, classes, cands, x, exclude) -> None:
+    """A no-good cut per excluded assignment: sum_k x[k, c_k] <= |K| - 1, where c_k is the candidate the
+    assignment gives class k, so the ILP's plan differs from it in at least one structure's form (`autopar.tune`'s
+    k best distinct plans). An assignment that takes a candidate this role assignment does not offer cannot be
+    chosen anyway: no cut."""
+    for choices in exclude:
+        chosen = [next((v for v, c in zip(xs, cs) if c == choices.get(cls[0].key)), None)
+                  for cls, cs, xs in zip(classes, cands, x)]
+        if all(v is not None for v in chosen):
+            model.Add(sum(chosen) <= len(chosen) - 1)
+
+
+def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str, grad_share: float,
+           checkpoint: Cost | None = None) -> Solution:
+    costs = list(per_site.values()) + [base] + ([checkpoint] if checkpoint is not None else [])
+    # the peak: the checkpoint levels change the start of the backward (saved bytes, recompute transient)
+    memory = peak_bytes(costs[:len(per_site) + 1], grad_share, checkpoint.memory_bytes if checkpoint else 0.0)
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
-                    sum(c.comm_s for c in costs), peak_bytes(costs, grad_share),
-                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base)
+                    sum(c.comm_s for c in costs), memory,
+                    sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base,
+                    objective_s=sum(overlapped_s(c) for c in costs), checkpoint_cost=checkpoint)
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
              data_axes: tuple[str, ...], optimizer: str = "adam", seq_axes: tuple[str, ...] = (), *,
-             other_fsdp: bool = False) -> Solution:
+             other_fsdp: bool = False, layers=(), checkpoint: dict | None = None) -> Solution:
     """The cost of a given assignment (a hand plan) under the same model the ILP optimises; `other_fsdp`:
-    the parameters outside every site are FSDP-sharded too (the fsdp plan)."""
+    the parameters outside every site are FSDP-sharded too (the fsdp plan); `checkpoint`: layer path -> level
+    (`autopar.forms.checkpoint.Level`) of the `layers`."""
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
                       seq_axes=seq_axes)
@@ -511,4 +657,21 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
         per_site[site.key] = site_cost(site, st, cand, mc)
-    return _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share())
+    extra = ck = None
+    if checkpoint:
+        groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint)
+        sites = ctx.planning_sites()
+        classes = [[s] for s in sites]
+        cands = [[choices.get(s.key, Candidate(form=Replicate.name))] for s in sites]
+        costs = [[per_site[s.key]] for s in sites]
+        for s, cs, cost in zip(sites, cands, costs):  # an FSDP choice re-issues what it does without FSDP
+            if cs[0].fsdp:
+                cs.append(Candidate(form=cs[0].form, axes=cs[0].axes))
+                cost.append(site_cost(s, stats[s.key], cs[1], mc))
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
+        extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
+                                classes, cands)
+    sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra)
+    sol.checkpoint = {path: lv.name for path, lv in (checkpoint or {}).items()}
+    sol.checkpoint_terms = ck
+    return sol

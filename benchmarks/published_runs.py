@@ -6,8 +6,14 @@ nothing and hides nothing.
                                                                  # (its step time and memory; no auto, no planning)
 
 Every model is built whole (every layer) on the meta device in bf16 with its published shapes and planned
-with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster="h100")`; nothing
-runs. From `plan.estimate` (step time, memory per device):
+with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster=<the run's preset>)`;
+nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP gathers prefetched, gradient
+reductions overlapped with the backward, tensor-parallel collectives exposed) at the presets' achieved rates
+(`cost_model.hardware`: matmul by size, flash attention by sequence length, NCCL ring/tree, mesh axes mapped to
+NVLink within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB
+HBM2e, 500 W H100 torchtitan measured on) with torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDPA) and add
+the recomputation of its per-op selective activation checkpointing, priced explicitly here (`sac_recompute_s`)
+until the `checkpoint` form prices it in the estimate. From `plan.estimate` (step time, memory per device):
 
 - predicted tokens/s/GPU = global batch x sequence / step time / GPUs;
 - torchtitan rows: TFLOP/s/GPU = tokens/s/GPU x (6 N + 12 L H s) (torchtitan's own count: N the parameters
@@ -43,9 +49,9 @@ Sources of the published figures:
 - torchtitan's 64-GPU run shards parameters over its 8 data-parallel ranks (FSDP 8 x TP 8); no hand plan
   does that (`megatron` is DP x TP), so that row prices `megatron` and says so in its forms.
 
-The runs used what autopar cannot express today: per-op selective activation checkpointing (torchtitan) and
-communication overlap (Megatron; torchtitan's FSDP prefetch). The cost model keeps every activation, so the
-memory rows and the FSDP "DOES NOT FIT" are findings of this baseline, not bugs of the benchmark. Issue #11
+The runs used per-op selective activation checkpointing (torchtitan), which autopar cannot lower yet: its
+recomputation is priced here, but the cost model still keeps every activation, so the memory rows and the FSDP
+"DOES NOT FIT" are findings of this baseline, not bugs of the benchmark. Issue #11
 asks for the hand plans "with the checkpoint levels": autopar has no activation-checkpoint form yet, so the
 planning rows compare against megatron and fsdp without checkpointing and say so.
 """
@@ -92,6 +98,8 @@ class Run:
     unit: str
     published_mem_gib: float | None = None
     notes: tuple = field(default=())
+    cluster: str = "h100"  # the hardware preset the run is priced on
+    ac: str = ""  # "selective": torchtitan's per-op selective activation checkpointing, priced explicitly here
 
     @property
     def gpus(self) -> int:
@@ -100,11 +108,14 @@ class Run:
 
 RUNS = (
     Run("tt_8b_fsdp8", "torchtitan Llama-3.1-8B, 8 H100, FSDP 8, local batch 2, seq 8192", "llama", LLAMA_8B,
-        {"dp": 8}, 16, 8192, "fsdp", 5762.0, "tok/s/GPU", 82.4, ("selective AC", "96 GB H100")),
+        {"dp": 8}, 16, 8192, "fsdp", 5762.0, "tok/s/GPU", 82.4, ("selective AC", "96 GB H100"),
+        cluster="h100_hbm2e", ac="selective"),
     Run("tt_8b_fsdp128", "same on 128 H100, FSDP 128", "llama", LLAMA_8B,
-        {"dp": 128}, 256, 8192, "fsdp", 5605.0, "tok/s/GPU", 67.0, ("selective AC", "96 GB H100")),
+        {"dp": 128}, 256, 8192, "fsdp", 5605.0, "tok/s/GPU", 67.0, ("selective AC", "96 GB H100"),
+        cluster="h100_hbm2e", ac="selective"),
     Run("tt_8b_fsdp8_tp8", "torchtitan Llama-3.1-8B, 64 H100, FSDP 8 x TP 8, local batch 12, seq 8192, compile",
-        "llama", LLAMA_8B, {"dp": 8, "tp": 8}, 96, 8192, "megatron", 4378.0, "tok/s/GPU"),
+        "llama", LLAMA_8B, {"dp": 8, "tp": 8}, 96, 8192, "megatron", 4378.0, "tok/s/GPU",
+        cluster="h100_hbm2e", ac="selective"),
     Run("mlm_gpt_1.7b_tp1", "Megatron-LM GPT 1.7B, TP1 x DP48, 48 H100", "gpt", {"size": "1.7b"},
         {"dp": 48}, 192, GPT_SEQ, "dp", 408.8, "TFLOP/s/GPU"),
     Run("mlm_gpt_7.1b_tp2", "Megatron-LM GPT 7.1B, TP2 x DP48, 96 H100", "gpt", {"size": "7.1b"},
@@ -136,12 +147,61 @@ def gpt_meta(size: str, batch: int):
     return model, (ids, ids)
 
 
+def llama_tt_meta(shape: dict, seq: int, batch: int, layers: int | None = None):
+    """torchtitan's Llama 3 as autopar.models.Llama (RMSNorm, RoPE, GQA, SwiGLU, untied output, fp32 loss) with
+    causal SDPA (torchtitan calls `F.scaled_dot_product_attention(..., is_causal=True)`: flash attention skips
+    the masked half; the HF model's explicit mask would price the full square), on meta in bf16."""
+    import torch
+    from autopar.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=shape["vocab"], seq_len=seq, num_layers=layers or shape["layers"],
+                      num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], hidden=shape["hidden"],
+                      ffn_hidden=shape["ffn"], rope_theta=500000.0, norm_eps=1e-5, attention="sdpa")
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
+
 def build(run: Run):
     if run.arch == "llama":
-        s = run.shape
-        return llama_meta(s["layers"], s["hidden"], s["heads"], s["kv_heads"], s["ffn"], s["vocab"], run.seq,
-                          run.batch)
+        return llama_tt_meta(run.shape, run.seq, run.batch)
     return gpt_meta(run.shape["size"], run.batch)
+
+
+def sac_recompute_s(run: Run) -> float:
+    """Per GPU, the forward work torchtitan's per-op selective activation checkpointing runs again in backward
+    (`torchtitan/distributed/activation_checkpoint.py`: it saves the outputs of matmuls (every other one: "mm_count
+    % 2") and of SDPA, and recomputes everything else inside each transformer block), priced op by op at the
+    run's preset rates like the estimate's compute (`autopar.estimate.compute_s`, one forward instead of 3x):
+    half of the blocks' matmuls and all their elementwise ops (norms, RoPE, SwiGLU, residual adds), none of the
+    attention kernels. Counted on one layer and multiplied by the layers. Work split as the plan splits it: the
+    blocks' over every rank of the data and model axes, norms and the rest over the data axis only.
+    TEMPORARY: priced here until the `checkpoint` form (issue #11 item 3) prices recomputation in the estimate."""
+    import dataclasses as dc
+
+    from autopar.api import _prepare
+    from autopar.estimate import compute_dtype, gather_stats
+    from autopar.sites import Kind
+    from cost_model.analytical import kernel_time_s
+    from cost_model.hardware import PRESETS
+
+    cluster = PRESETS[run.cluster]
+    model, inputs = llama_tt_meta(run.shape, run.seq, run.batch, layers=1)
+    _, _, ctx = _prepare(model, run.mesh, inputs)
+    stats, other, _ = gather_stats(ctx)
+    dp, tp = run.mesh.get("dp", 1), run.mesh.get("tp", 1)
+    parts = [(stats[s.key], dp * tp) for s in ctx.planning_sites() if s.kind in (Kind.ATTENTION, Kind.MLP)]
+    parts += [(stats[s.key], dp) for s in ctx.planning_sites() if s.kind is Kind.NORM][:2]  # the layer's two norms
+    parts.append((dc.replace(other, work={k: w for k, w in other.work.items() if k[0] == "vector"}), dp))
+    t = 0.0
+    for st, div in parts:
+        for (kind, dtype, size), (flops, nbytes, ops) in st.work.items():
+            share = 0.5 if kind == "matmul" else 0.0 if kind == "sdpa" else 1.0
+            if share:
+                t += share * kernel_time_s(kind, flops / div, nbytes / div, compute_dtype(dtype, cluster), cluster,
+                                           num_ops=ops, flops_per_call=size / div if kind == "matmul" else None)
+    return t * run.shape["layers"]
 
 
 def flops_per_step(run: Run, model) -> float:
@@ -165,16 +225,19 @@ def price(run: Run, memory_limit=None) -> dict:
     out = {"run": run, "params": sum(p.numel() for p in model.parameters())}
     t0 = time.perf_counter()
     try:
-        p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster="h100", memory_limit=memory_limit)
+        p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit)
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
         return out
     e = p.estimate
-    tok_s_gpu = run.batch * run.seq / e.step_time_s / run.gpus
-    tflops = flops_per_step(run, model) / e.step_time_s / run.gpus / 1e12
+    recompute = sac_recompute_s(run) if run.ac == "selective" else 0.0
+    step = e.step_time_s + recompute  # recomputation runs on the compute stream, in backward
+    tok_s_gpu = run.batch * run.seq / step / run.gpus
+    tflops = flops_per_step(run, model) / step / run.gpus / 1e12
     predicted = tok_s_gpu if run.unit == "tok/s/GPU" else tflops
-    out.update(plan_s=time.perf_counter() - t0, infeasible=None, step_s=e.step_time_s, compute_s=e.compute_time_s,
-               comm_s=e.comm_time_s, mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
+    out.update(plan_s=time.perf_counter() - t0, infeasible=None, step_s=step, compute_s=e.compute_time_s,
+               comm_s=e.comm_time_s, exposed_s=e.exposed_comm_s, recompute_s=recompute,
+               mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
                limit_gib=e.memory_limit_bytes / GIB, tok_s_gpu=tok_s_gpu, tflops=tflops, mfu=tflops * 1e12 / PEAK_BF16,
                predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p))
     return out
@@ -200,8 +263,11 @@ def fmt_row(r: dict) -> str:
     run = r["run"]
     if r["infeasible"]:
         return f"  {run.what} [{run.plan}]: INFEASIBLE: {r['infeasible']}"
-    return (f"  {run.what} [{run.plan}, {r['params'] / 1e9:.2f} B params]: predicted {r['step_s'] * 1e3:.0f} ms/step "
-            f"(compute {r['compute_s'] * 1e3:.0f}, comm {r['comm_s'] * 1e3:.0f}), {r['tok_s_gpu']:,.0f} tok/s/GPU, "
+    return (f"  {run.what} [{run.plan}, {run.cluster}, {r['params'] / 1e9:.2f} B params]: predicted "
+            f"{r['step_s'] * 1e3:.0f} ms/step (compute {r['compute_s'] * 1e3:.0f}"
+            + (f" + selective-AC recompute {r['recompute_s'] * 1e3:.0f}" if r["recompute_s"] else "")
+            + f", comm {r['comm_s'] * 1e3:.0f} of which exposed {r['exposed_s'] * 1e3:.0f}), "
+            f"{r['tok_s_gpu']:,.0f} tok/s/GPU, "
             f"{r['tflops']:.0f} TFLOP/s/GPU ({r['mfu']:.0%} of peak), {r['mem_gib']:.1f} GiB/device "
             f"({'fits' if r['fits'] else 'DOES NOT FIT'} {r['limit_gib']:.1f}); published {run.published:,.1f} "
             f"{run.unit}\n    forms: {r['forms']}"

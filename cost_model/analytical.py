@@ -12,8 +12,10 @@ Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) an
 | "all_to_all"     | the local buffer on one rank        | (p-1)/p · n   | (p-1)/p · n/bw + (p-1)·alpha   |
 | "p2p"            | the block one rank sends            | n             | n/bw + alpha                   |
 
-A group of size 1 costs nothing. (Ring algorithms; tree all-reduce latency would be 2·log2(p)·alpha,
-not modelled.) When the link carries a measured table for the kind and the group size
+A group of size 1 costs nothing. Ring algorithms; on a link with `tree_all_reduce` (NCCL) an
+all-reduce's latency is the shorter of the ring's 2(p-1)·alpha and the double binary tree's
+2·ceil(log2 p)·alpha (NCCL picks the algorithm by size; the bandwidth term is the ring's). Every time is
+multiplied by `Link.time_factor` (a calibration, `autopar.tune`). When the link carries a measured table for the kind and the group size
 (`Link.table`, written by `autopar.profile`), the time is interpolated from it instead: log-log
 between measured sizes, the smallest size's time below them, and the last segment's slope
 (seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
@@ -30,7 +32,8 @@ kind (`NodeCost.kind`) and the work of each kind is priced at that kind's rate, 
 - "matmul": flops / the matmul rate for the size of one call (`Cluster.matmul_table`, log-linear
   in the flops per call between measured sizes, flat outside them; `peak_flops[dtype]` without a
   table for the dtype);
-- "sdpa": flops / sdpa_flops[dtype];
+- "sdpa": flops / the rate for its key length (`Cluster.sdpa_table`, log-linear in the length between
+  rows, flat outside), else flops / sdpa_flops[dtype];
 - "vector" (pointwise, reductions, norms, softmax, losses): bytes / vector_bytes_per_s;
 - "memory" (everything else that moves data: copies, concatenation, embedding gathers): bytes /
   copy_bytes_per_s.
@@ -73,7 +76,7 @@ from cost_model.hardware import Cluster, Link, dtype_name
 
 __all__ = [
     "COLLECTIVES", "collective_time_s", "interpolate_table", "send_bytes", "compute_time_s", "KINDS",
-    "has_kernel_rates", "matmul_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
+    "has_kernel_rates", "matmul_flops_per_s", "sdpa_flops_per_s", "kernel_time_s", "NodeCost", "node_cost",
 ]
 
 aten = torch.ops.aten
@@ -116,8 +119,12 @@ def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link, 
         if interval_s is not None and link.sync_table:
             t += _piecewise_linear(link.sync_table, interval_s) - _piecewise_linear(link.sync_table,
                                                                                      link.table_interval_s)
-        return max(t, 0.0)
-    return send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s + steps(group_size) * link.alpha_s
+        return max(t, 0.0) * link.time_factor
+    n_steps = steps(group_size)
+    if kind == "all_reduce" and link.tree_all_reduce:
+        n_steps = min(n_steps, 2 * math.ceil(math.log2(group_size)))
+    return (send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s
+            + n_steps * link.alpha_s) * link.time_factor
 
 
 def _piecewise_linear(rows, x: float) -> float:
@@ -158,9 +165,34 @@ KINDS = ("matmul", "sdpa", "vector", "memory")
 
 
 def has_kernel_rates(cluster: Cluster) -> bool:
-    """Whether the cluster measured per-op-kind compute (a profile) rather than only a roofline (a preset)."""
-    return any(x is not None for x in (cluster.matmul_table, cluster.sdpa_flops, cluster.vector_bytes_per_s,
-                                       cluster.copy_bytes_per_s, cluster.op_overhead_s))
+    """Whether the cluster has per-op-kind compute rates (a profile, or a GPU preset's achieved rates) rather
+    than only a roofline."""
+    return any(x is not None for x in (cluster.matmul_table, cluster.sdpa_flops, cluster.sdpa_table,
+                                       cluster.vector_bytes_per_s, cluster.copy_bytes_per_s, cluster.op_overhead_s))
+
+
+def _log_linear(rows, x: float) -> float:
+    """y at x from ((x, y), ...) rows (x increasing, > 0): linear in log x between rows, flat outside."""
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in zip(rows, rows[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * math.log(x / x0) / math.log(x1 / x0)
+    return rows[-1][1]
+
+
+def sdpa_flops_per_s(cluster: Cluster, dtype, seq_len: float | None = None) -> float | None:
+    """Fused-attention throughput for keys of `seq_len` tokens: the cluster's table by length when it has one for
+    the dtype (and the length is known), else its single measured rate; None when it has neither."""
+    name = dtype_name(dtype)
+    rows = (cluster.sdpa_table or {}).get(name)
+    if rows and seq_len:
+        return _log_linear(rows, seq_len) * cluster.flops_efficiency
+    if cluster.sdpa_flops and name in cluster.sdpa_flops:
+        return cluster.sdpa_flops[name] * cluster.flops_efficiency
+    if rows:
+        return rows[-1][1] * cluster.flops_efficiency
+    return None
 
 
 def matmul_flops_per_s(cluster: Cluster, dtype, flops_per_call: float | None = None) -> float:
@@ -178,17 +210,19 @@ def matmul_flops_per_s(cluster: Cluster, dtype, flops_per_call: float | None = N
 
 
 def kernel_time_s(kind: str, flops: float, bytes_moved: float, dtype, cluster: Cluster, num_ops: float = 0, *,
-                  flops_per_call: float | None = None) -> float:
+                  flops_per_call: float | None = None, seq_len: float | None = None) -> float:
     """Time of `num_ops` ops of one kind doing `flops` and `bytes_moved` in all (module docstring);
-    `flops_per_call`: the forward FLOPs of one matmul call, for the size-dependent matmul rate."""
+    `flops_per_call`: the forward FLOPs of one matmul call, for the size-dependent matmul rate; `seq_len`: an
+    attention's key length, for the length-dependent attention rate."""
     if kind not in KINDS:
         raise ValueError(f"unknown op kind {kind!r}; expected one of {KINDS}")
     overhead = num_ops * (cluster.op_overhead_s or 0.0)
     name = dtype_name(dtype)
     if kind == "matmul":
         return overhead + (flops / matmul_flops_per_s(cluster, dtype, flops_per_call) if flops else 0.0)
-    if kind == "sdpa" and cluster.sdpa_flops and name in cluster.sdpa_flops:
-        return overhead + flops / (cluster.sdpa_flops[name] * cluster.flops_efficiency)
+    sdpa_rate = sdpa_flops_per_s(cluster, name, seq_len) if kind == "sdpa" else None
+    if sdpa_rate:
+        return overhead + flops / sdpa_rate
     if kind == "vector" and cluster.vector_bytes_per_s:
         return overhead + bytes_moved / (cluster.vector_bytes_per_s * cluster.memory_efficiency)
     if kind == "memory" and cluster.copy_bytes_per_s:
@@ -203,6 +237,7 @@ class NodeCost:
     bytes: int = 0  # memory traffic: tensors read + written
     dtype: str = "float32"  # the dtype the FLOPs run in (peak_flops key)
     kind: str = "view"  # matmul | sdpa | vector | memory | view (free: no kernel, no op counted)
+    seq_len: int = 0  # sdpa: the key length (the attention rate depends on it)
 
     def time_s(self, cluster: Cluster, *, divisor: float = 1) -> float:
         """Forward time when the work is split evenly over `divisor` devices: by op kind when the cluster
@@ -211,7 +246,7 @@ class NodeCost:
             return 0.0
         if has_kernel_rates(cluster):
             return kernel_time_s(self.kind, self.flops / divisor, self.bytes / divisor, self.dtype, cluster, 1,
-                                 flops_per_call=self.flops / divisor)
+                                 flops_per_call=self.flops / divisor, seq_len=self.seq_len or None)
         return compute_time_s(self.flops / divisor, self.bytes / divisor, self.dtype, cluster)
 
 
@@ -317,7 +352,7 @@ def node_cost(node: fx.Node) -> NodeCost:
         flops = 2 * batch_heads * s_q * s_kv * (d + d_v)
         if a.get("is_causal"):
             flops //= 2
-        return NodeCost(flops=flops, bytes=io_bytes, dtype=dtype, kind="sdpa")
+        return NodeCost(flops=flops, bytes=io_bytes, dtype=dtype, kind="sdpa", seq_len=s_kv)
     if target is aten.embedding.default:
         rows = sum(map(_nbytes, outs))
         return NodeCost(bytes=2 * rows + _nbytes(_val(node.args[1])), dtype=dtype, kind="memory")

@@ -30,16 +30,32 @@ Units and conventions:
   `copy_bytes_per_s` (pure data movement: copies, concatenation, gathers) and `op_overhead_s`
   (framework time per op dispatched, independent of its size).
 - Efficiencies are explicit fields (`Cluster.flops_efficiency`, `Cluster.memory_efficiency`,
-  `Link.efficiency`), never folded into the numbers. The presets carry datasheet peaks with
-  efficiency 1.0; a profile (`autopar.profile`) carries measured (achieved) numbers, also with
-  efficiency 1.0. Use `dataclasses.replace` to model an achievable fraction of a preset.
+  `Link.efficiency`), never folded into the numbers. The GPU presets carry datasheet peaks with
+  efficiency 1.0 and, beside them, the *achieved* rates of their kernels, each with its source cited at
+  the presets: `matmul_table` (matmul FLOP/s by the size of the call, up to the maximum achievable
+  matmul FLOPS), `sdpa_table` (fused attention by sequence length) and NCCL's all-reduce algorithm
+  (`Link.tree_all_reduce`); a profile (`autopar.profile`) carries measured (achieved) numbers, also with
+  efficiency 1.0, and replaces them. Use `dataclasses.replace` to model an achievable fraction of a preset.
 
 Mesh topology (`axis_link`): meshes are row-major (the last axis varies fastest over global
 ranks), and ranks fill nodes in order, `gpus_per_node` per node. A group along axis `i` contains
 ranks `stride_i = prod(mesh_shape[i+1:])` apart, so it stays inside one node when
 `prod(mesh_shape[i:]) <= gpus_per_node`; such an axis uses `intra_node`, any other `inter_node`.
+Across nodes, a group holding k of a node's GPUs (k = gpus_per_node / stride_i when the stride is
+smaller than a node, else 1) sends over k network ports at once (NCCL runs one ring per port, each
+crossing the node boundary through another GPU's NIC), so its link has k times `inter_node`'s
+bandwidth, at most `intra_node`'s: FSDP over 128 GPUs gets 8 x 50 GB/s on H100 (nccl-tests: 400-450
+GB/s bus bandwidth across NDR nodes), a data axis outside a tensor-parallel axis of 8 gets 50 GB/s.
 A profiled `Cluster` also stores the link it measured for each axis of the mesh it was measured
 on (`mesh_shape`, `axis_links`); for that same mesh shape `axis_link` returns the measured link.
+
+Calibration (`Calibration`, written by `autopar.tune`): factors measured step times fitted against the
+model's predictions, one per op kind of compute (`cost_model.analytical.KINDS`) and one per mesh axis of the
+mesh it was measured on (its collectives' times), applied where they are priced (`autopar.estimate.compute_s`,
+`collective_time_s` through `Link.time_factor`, which `axis_link` sets). It is saved beside the profile it
+corrects (`calibration_path`: the profile's path with `.calibration.json`; for a machine without a profile,
+beside the path its profile would have) and `load_cluster` applies it when it loads that profile or, for
+`None`, this machine's preset; a preset named explicitly stays as published.
 
 `load_cluster(spec, mesh_shape)` resolves, in order: a `Cluster`; a preset name (`PRESETS`); a
 path to a JSON profile; or `None`, meaning the cached profile for this device and mesh at
@@ -61,7 +77,7 @@ from pathlib import Path
 
 __all__ = [
     "TABLE_KINDS", "Link", "Cluster", "PRESETS", "load_cluster", "check_cluster_spec", "axis_link",
-    "default_profile_path", "device_name",
+    "default_profile_path", "device_name", "Calibration", "calibration_path",
 ]
 
 _FORMAT = "autopar.cluster/1"
@@ -80,11 +96,15 @@ class Link:
     alpha_s: float  # latency of one algorithm step
     bytes_per_s: float  # per-rank bandwidth, one direction (what a ring algorithm sends at)
     efficiency: float = 1.0  # achievable fraction of bytes_per_s; 1.0 = use bytes_per_s as is
+    # all-reduce latency: False, a ring's 2(p-1) steps; True, NCCL's choice of ring or double binary tree
+    # (2·ceil(log2 p) steps), whichever is shorter (`cost_model.analytical.collective_time_s`)
+    tree_all_reduce: bool = False
     # kind -> ((n_bytes, seconds), ...): measured in a compute stream, for groups of table_group_size ranks
     table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
     table_group_size: int | None = None
     table_interval_s: float | None = None  # compute before each collective when the table was measured
     sync_table: tuple[tuple[float, float], ...] | None = None  # (interval_s, seconds) of a small all-reduce
+    time_factor: float = 1.0  # measured / predicted collective time on this axis (`Calibration`, set by axis_link)
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
@@ -93,6 +113,8 @@ class Link:
             raise ValueError(f"Link.bytes_per_s must be a finite number > 0, got {self.bytes_per_s}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"Link.efficiency must be in (0, 1], got {self.efficiency}")
+        if not (self.time_factor > 0 and math.isfinite(self.time_factor)):
+            raise ValueError(f"Link.time_factor must be a finite number > 0, got {self.time_factor}")
         if self.table is None:
             return
         if not (isinstance(self.table_group_size, int) and self.table_group_size > 1):
@@ -130,6 +152,51 @@ class Link:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Calibration:
+    """Measured / predicted time factors (`autopar.tune`): `compute[kind]` per op kind, `axes[i]` for the
+    collectives on axis i of `mesh_shape` (other mesh shapes take their geometric mean). `of` names the cluster
+    they correct (`Cluster.name`); `samples` counts the measurements fitted."""
+
+    compute: dict[str, float] = field(default_factory=dict, hash=False)
+    axes: tuple[float, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    of: str = ""
+    samples: int = 0
+    source: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "axes", tuple(float(a) for a in self.axes))
+        object.__setattr__(self, "mesh_shape", tuple(int(d) for d in self.mesh_shape))
+        for what, f in [*self.compute.items(), *enumerate(self.axes)]:
+            if not (f > 0 and math.isfinite(f)):
+                raise ValueError(f"Calibration factor {what!r} must be a finite number > 0, got {f}")
+        if self.axes and len(self.axes) != len(self.mesh_shape):
+            raise ValueError(f"Calibration.axes has {len(self.axes)} factors for mesh {self.mesh_shape}; give one "
+                             "per mesh axis")
+
+    def axis_factor(self, mesh_shape: tuple[int, ...], axis_index: int) -> float:
+        if not self.axes:
+            return 1.0
+        if tuple(mesh_shape) == self.mesh_shape:
+            return self.axes[axis_index]
+        return math.exp(sum(math.log(a) for a in self.axes) / len(self.axes))
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), "format": _CAL_FORMAT}, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.pop("format", None) != _CAL_FORMAT:
+            raise ValueError(f"not an autopar calibration: expected format {_CAL_FORMAT!r}")
+        data.pop("fits", None)  # the measurements it was fitted on (`autopar.tune` keeps them to refit)
+        return cls(**data)
+
+
+_CAL_FORMAT = "autopar.calibration/1"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Cluster:
     """Per-device compute, memory and the links between devices; see the module docstring."""
 
@@ -148,9 +215,12 @@ class Cluster:
     # per-op-kind compute, measured by a profile; None: the roofline (peak_flops, memory_bytes_per_s)
     matmul_table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
     sdpa_flops: dict[str, float] | None = None  # dtype -> fused-attention FLOP/s (forward + backward)
+    # dtype -> ((sequence length, FLOP/s), ...): fused attention by its key length (presets: achieved rates)
+    sdpa_table: dict[str, tuple[tuple[float, float], ...]] | None = field(default=None, hash=False)
     vector_bytes_per_s: float | None = None  # elementwise / reduction ops: bytes read + written per second
     copy_bytes_per_s: float | None = None  # pure data movement ops: bytes read + written per second
     op_overhead_s: float | None = None  # framework time per op dispatched
+    calibration: Calibration | None = None  # measured / predicted corrections (`autopar.tune`)
 
     def __post_init__(self):
         if self.gpus_per_node < 1:
@@ -183,6 +253,15 @@ class Cluster:
                                      f"rows with both > 0 and the flops strictly increasing, got {rows}")
                 table[dtype] = rows
             object.__setattr__(self, "matmul_table", table)
+        if self.sdpa_table is not None:
+            table = {}
+            for dtype, rows in self.sdpa_table.items():
+                rows = tuple((float(n), float(r)) for n, r in rows)
+                if not rows or any(n <= 0 or r <= 0 for n, r in rows) or any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+                    raise ValueError(f"cluster {self.name!r}: sdpa_table[{dtype!r}] needs (sequence length, FLOP/s) rows "
+                                     f"with both > 0 and the lengths strictly increasing, got {rows}")
+                table[dtype] = rows
+            object.__setattr__(self, "sdpa_table", table)
         for dtype, flops in (self.sdpa_flops or {}).items():
             if not (flops > 0 and math.isfinite(flops)):
                 raise ValueError(f"cluster {self.name!r}: sdpa_flops[{dtype!r}] must be > 0, got {flops}")
@@ -231,6 +310,8 @@ class Cluster:
             if data.get("mesh_shape") is not None:
                 data["mesh_shape"] = tuple(data["mesh_shape"])
             data["axis_links"] = tuple(None if x is None else Link(**x) for x in data.get("axis_links", ()))
+            if data.get("calibration") is not None:
+                data["calibration"] = Calibration(**data["calibration"])
             return cls(**data)
         except KeyError as e:
             raise ValueError(f"field {e.args[0]!r} is missing") from None
@@ -262,31 +343,90 @@ _H100_FLOPS = {
     "float64": 67e12,  # FP64 Tensor Core 67 TFLOPS
 }
 
-PRESETS: dict[str, Cluster] = {
-    "h100": Cluster(
-        name="h100",
+# Achieved, not peak, rates of the GPU presets (a profile of the real cluster replaces them all):
+#
+# - Matmul (`_matmul_table`): the best a bf16/fp16 matmul reaches is the "maximum achievable matmul FLOPS"
+#   (MAMF) that mamf-finder.py measured over thousands of shapes (S. Bekman, "Machine Learning Engineering",
+#   compute/accelerator/README.md, MAMF table, BF16: H100 SXM 794.5 of 989 TFLOPS = 80.3%, A100 SXM 271.2 of
+#   312 = 86.9%). Smaller matmuls run slower: a call of f FLOPs takes f / MAMF + T0, T0 the fixed time of a
+#   kernel (launch, prologue and the last partial wave of tiles; assumed 8 us, the order of one CUDA kernel
+#   launch plus a cuBLAS epilogue), so the rate f / (f / MAMF + T0) rises monotonically with the size. fp32
+#   (no TF32) and fp64 run on the CUDA cores at the datasheet figure, reached only by large matmuls alike.
+# - Fused attention (`_sdpa_table`, by key length): FlashAttention-2 (PyTorch's flash SDPA backend) reaches
+#   "up to 335 TFLOPs/s" forward + backward on H100 (Dao 2023, FlashAttention-2, §4.1) and ~70% of peak on
+#   A100 at long sequences (same paper: "up to 73%" of 312); short sequences run slower (its Fig. 4-6: at 512
+#   tokens about 2/3 of the 16k rate): rate(s) = best · s / (s + 256). FlashAttention counts the backward as
+#   2.5x the forward (5 matmuls of 2), autopar as 2x (`estimate.compute_s`: 3x the forward), so the rate in
+#   autopar's count is best · 3 / 3.5.
+# - Collectives: nccl-tests bus bandwidth on 8 H100 SXM over NVLink is 460-480 GB/s for all_reduce at large
+#   sizes (the datasheet's 450 GB/s per direction holds); across nodes with one 400 Gb/s NDR NIC per GPU, a
+#   group holding all 8 GPUs of each node reaches 400-450 GB/s (every GPU's NIC carries a share: NCCL runs one
+#   ring per NIC), a group with one GPU per node a NIC's 50 GB/s (`axis_link` maps a mesh axis to this).
+#   All-reduce latency is NCCL's ring or double binary tree, whichever is shorter (NCCL 2.4 "Massively scale
+#   your deep learning training with NCCL 2.4", NVIDIA blog 2019: trees give logarithmic latency).
+_T0_S = 8e-6  # assumed fixed time of one matmul kernel (see above)
+
+
+def _matmul_table(peak: dict[str, float], mamf: float) -> dict[str, tuple[tuple[float, float], ...]]:
+    """(flops per call, achieved FLOP/s) rows from 1 MFLOP to 10 PFLOP per call: f / (f / best + T0)."""
+    sizes = [10.0 ** e for e in range(6, 17)]
+    out = {}
+    for dtype, flops in peak.items():
+        best = flops * mamf if dtype in ("bfloat16", "float16") else flops
+        out[dtype] = tuple((f, f / (f / best + _T0_S)) for f in sizes)
+    return out
+
+
+def _sdpa_table(best_fa_count: float, dtypes=("bfloat16", "float16")) -> dict[str, tuple[tuple[float, float], ...]]:
+    """(key length, FLOP/s in autopar's count) rows from 128 to 1M tokens: best · s / (s + 256) · 3 / 3.5."""
+    lengths = [2.0 ** e for e in range(7, 21)]
+    return {dt: tuple((s, best_fa_count * 3 / 3.5 * s / (s + 256)) for s in lengths) for dt in dtypes}
+
+
+def _h100_like(name: str, *, peak: dict[str, float], mamf: float, memory_bytes_per_s: float, device_memory_bytes: int,
+               source: str) -> Cluster:
+    """An HGX/DGX H100-class node: 8 GPUs on NVLink 4, one 400 Gb/s NDR port per GPU, achieved rates above."""
+    return Cluster(
+        name=name,
         gpus_per_node=8,  # DGX/HGX H100: 8 GPUs per node
-        peak_flops=dict(_H100_FLOPS),
+        peak_flops=dict(peak),
+        memory_bytes_per_s=memory_bytes_per_s,
+        device_memory_bytes=device_memory_bytes,
+        # H100 SXM datasheet: NVLink 900 GB/s total (both directions) -> 450 GB/s per direction
+        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=450 * GB, tree_all_reduce=True),
+        # DGX H100: one ConnectX-7 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s per direction
+        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB, tree_all_reduce=True),
+        source=source,
+        matmul_table=_matmul_table(peak, mamf),
+        sdpa_table=_sdpa_table(335e12),  # FlashAttention-2 on H100 (see above)
+    )
+
+
+_MAMF_H100 = 794.5 / 989  # MAMF table, H100 SXM bf16 (see above)
+
+PRESETS: dict[str, Cluster] = {
+    "h100": _h100_like(
+        "h100", peak=_H100_FLOPS, mamf=_MAMF_H100,
         memory_bytes_per_s=3.35e12,  # H100 SXM datasheet: HBM3 3.35 TB/s
         device_memory_bytes=80 * 10**9,  # H100 SXM datasheet: 80 GB (decimal; torch reports about 79 GiB usable)
-        # H100 SXM datasheet: NVLink 900 GB/s total (both directions) -> 450 GB/s per direction
-        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=450 * GB),
-        # DGX H100: one ConnectX-7 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s per direction
-        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB),
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5), DGX H100 (8x ConnectX-7 NDR 400 Gb/s); "
-               "alphas assumed",
-    ),
-    "h200": Cluster(
-        name="h200",
-        gpus_per_node=8,  # HGX H200: 8 GPUs per node
-        peak_flops=dict(_H100_FLOPS),  # H200 SXM datasheet: same Tensor Core figures as H100 SXM
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5), DGX H100 (8x ConnectX-7 NDR 400 Gb/s); achieved "
+               "matmul (MAMF), FlashAttention-2 and NCCL rates as cited in cost_model/hardware.py; alphas assumed"),
+    # The H100 that torchtitan's published runs used (Meta Grand Teton): 96 GB HBM2e at 2.4 TB/s, 500 W power limit;
+    # torchtitan docs (benchmarks/llama3_h100_202412_torchtitan.md): "the actual peak TFLOPs number is between SXM and
+    # NVL, and we don't know its exact value". Peak: the middle of SXM (989) and NVL (835: H100 NVL datasheet, BF16
+    # 1,671 TFLOPS with sparsity) bf16, which halves the largest error either end could make; the same achieved
+    # fraction of it (MAMF) as the SXM part.
+    "h100_hbm2e": _h100_like(
+        "h100_hbm2e", peak={**_H100_FLOPS, "bfloat16": 912e12, "float16": 912e12}, mamf=_MAMF_H100,
+        memory_bytes_per_s=2.4e12, device_memory_bytes=96 * 10**9,
+        source="H100 96 GB HBM2e 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts, 400 Gb/s RDMA per GPU); peak between "
+               "the H100 SXM and NVL datasheets; achieved rates as the h100 preset"),
+    "h200": _h100_like(
+        "h200", peak=_H100_FLOPS, mamf=_MAMF_H100,  # H200 SXM datasheet: same Tensor Core figures as H100 SXM
         memory_bytes_per_s=4.8e12,  # H200 SXM datasheet: HBM3e 4.8 TB/s
         device_memory_bytes=141 * 10**9,  # H200 SXM datasheet: 141 GB
-        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=450 * GB),  # NVLink 900 GB/s bidirectional
-        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB),  # 400 Gb/s NDR per GPU
-        source="NVIDIA H200 Tensor Core GPU datasheet (SXM), HGX H200 with 400 Gb/s NDR InfiniBand per GPU; "
-               "alphas assumed",
-    ),
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM), HGX H200 with 400 Gb/s NDR InfiniBand per GPU; achieved "
+               "rates as the h100 preset; alphas assumed"),
     "a100": Cluster(
         name="a100",
         gpus_per_node=8,  # DGX A100: 8 GPUs per node
@@ -300,11 +440,14 @@ PRESETS: dict[str, Cluster] = {
         memory_bytes_per_s=2.039e12,  # A100 80GB SXM datasheet: HBM2e 2,039 GB/s
         device_memory_bytes=80 * 10**9,  # 80 GB
         # A100 datasheet: NVLink 600 GB/s (both directions) -> 300 GB/s per direction
-        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=300 * GB),
+        intra_node=Link(alpha_s=_NVLINK_ALPHA_S, bytes_per_s=300 * GB, tree_all_reduce=True),
         # DGX A100: one ConnectX-6 200 Gb/s HDR InfiniBand port per GPU -> 25 GB/s per direction
-        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=25 * GB),
-        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 (8x ConnectX-6 HDR 200 Gb/s); "
-               "alphas assumed",
+        inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=25 * GB, tree_all_reduce=True),
+        source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM), DGX A100 (8x ConnectX-6 HDR 200 Gb/s); achieved "
+               "matmul (MAMF 271.2/312) and FlashAttention-2 (73% of peak) rates as cited; alphas assumed",
+        matmul_table=_matmul_table({"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
+                                   271.2 / 312),
+        sdpa_table=_sdpa_table(0.73 * 312e12),  # FlashAttention-2 paper: up to 73% of A100 peak
     ),
     # A small CPU host running one gloo rank per core (OMP_NUM_THREADS=1). The numbers are about
     # half of what `torchrun --nproc-per-node 2 -m autopar profile` measured on a 2-core AMD EPYC VM
@@ -326,7 +469,7 @@ PRESETS: dict[str, Cluster] = {
     ),
 }
 
-_GPU_NAMES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))  # substring of get_device_name() -> preset
+_GPU_NAMES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"))  # h100_hbm2e: by name only  # substring of get_device_name() -> preset
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -386,6 +529,26 @@ def check_cluster_spec(spec) -> None:
                         f"profile or preset); got {type(spec).__name__} {spec!r}")
 
 
+def calibration_path(profile: "str | os.PathLike") -> Path:
+    """Where the calibration of the profile at `profile` is saved (`autopar.tune`) and loaded."""
+    profile = Path(profile)
+    return profile.with_name(profile.name.removesuffix(".json") + ".calibration.json")
+
+
+def _calibrated(cluster: Cluster, profile: Path | None) -> Cluster:
+    """`cluster` with the calibration saved beside `profile`, when there is one for this cluster."""
+    path = calibration_path(profile) if profile is not None else None
+    if path is None or not path.is_file():
+        return cluster
+    try:
+        cal = Calibration.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as e:
+        warnings.warn(f"the calibration {str(path)!r} is not valid ({e}); pricing without it. Fix: tune again "
+                      "(autopar.tune rewrites it) or delete the file.", stacklevel=3)
+        return cluster
+    return dataclasses.replace(cluster, calibration=cal) if cal.of == cluster.name else cluster
+
+
 def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
                  mesh_shape: tuple[int, ...] | None = None) -> Cluster:
     """A `Cluster` from a preset name, a Cluster, a JSON profile path, or None (see module docstring)."""
@@ -393,21 +556,40 @@ def load_cluster(spec: "str | os.PathLike | Cluster | None" = None,
         return spec
     check_cluster_spec(spec)
     if spec is None:
-        cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
-        if cached is not None:
-            try:
-                return Cluster.from_json(cached.read_text())
-            except (OSError, ValueError) as e:
-                preset = _preset_for_this_machine()
-                warnings.warn(f"the cached cluster profile {str(cached)!r} is not a valid autopar profile ({e}); "
-                              f"planning with the {preset.name!r} preset instead. Fix: measure again with `torchrun "
-                              "--nproc-per-node N -m autopar profile` (it rewrites the file), or delete the file.",
-                              stacklevel=2)
-                return preset
-        return _preset_for_this_machine()
+        cluster, profile = _this_machine(mesh_shape)
+        return _calibrated(cluster, profile)
     if isinstance(spec, str) and spec.lower() in PRESETS:
         return PRESETS[spec.lower()]
     path = Path(spec)
+    return _calibrated(_load_path(spec, path), path)
+
+
+def profile_of(mesh_shape: tuple[int, ...] | None) -> Path | None:
+    """The profile `load_cluster(None, mesh_shape)` reads, or where this machine's profile would be (beside
+    which its calibration is saved); None without a mesh shape."""
+    if mesh_shape is None:
+        return None
+    return _cached_profile(tuple(mesh_shape)) or default_profile_path(tuple(mesh_shape))
+
+
+def _this_machine(mesh_shape) -> tuple[Cluster, Path | None]:
+    """This machine's cached profile for the mesh (else its preset), and the profile path its calibration is
+    beside."""
+    cached = _cached_profile(tuple(mesh_shape) if mesh_shape is not None else None)
+    if cached is not None:
+        try:
+            return Cluster.from_json(cached.read_text()), cached
+        except (OSError, ValueError) as e:
+            preset = _preset_for_this_machine()
+            warnings.warn(f"the cached cluster profile {str(cached)!r} is not a valid autopar profile ({e}); "
+                          f"planning with the {preset.name!r} preset instead. Fix: measure again with `torchrun "
+                          "--nproc-per-node N -m autopar profile` (it rewrites the file), or delete the file.",
+                          stacklevel=3)
+            return preset, None
+    return _preset_for_this_machine(), profile_of(mesh_shape)
+
+
+def _load_path(spec, path: Path) -> Cluster:
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"cluster profile {str(path)!r} does not exist; write one with "
@@ -429,6 +611,17 @@ def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis_index: int) ->
         raise ValueError(f"mesh axis {axis_index} does not exist in a mesh of shape {mesh_shape}")
     axis_index %= len(mesh_shape)
     if cluster.mesh_shape == mesh_shape and cluster.axis_links and cluster.axis_links[axis_index] is not None:
-        return cluster.axis_links[axis_index]
-    span = math.prod(mesh_shape[axis_index:])  # ranks covered by one group and the faster axes inside it
-    return cluster.intra_node if span <= cluster.gpus_per_node else cluster.inter_node
+        link = cluster.axis_links[axis_index]
+    else:
+        span = math.prod(mesh_shape[axis_index:])  # ranks covered by one group and the faster axes inside it
+        if span <= cluster.gpus_per_node:
+            link = cluster.intra_node
+        else:
+            stride = span // mesh_shape[axis_index]
+            per_node = max(1, min(mesh_shape[axis_index], cluster.gpus_per_node // stride))  # its GPUs in one node
+            inter, intra = cluster.inter_node, cluster.intra_node
+            link = inter if per_node == 1 else dataclasses.replace(
+                inter, bytes_per_s=min(per_node * inter.bytes_per_s, intra.bytes_per_s))
+    if cluster.calibration is not None:
+        link = dataclasses.replace(link, time_factor=cluster.calibration.axis_factor(mesh_shape, axis_index))
+    return link

@@ -18,6 +18,9 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
 - Every graph output is replicated (`R` on every axis): `pm(*inputs)` returns on every rank what
   the model returns.
 - `meta["val"]` keeps the *global* fake value; local shapes follow from it and the placements.
+- Under a plan's mixed precision (`Plan.precision`, `autopar.precision`) the graph was captured with the parameters
+  at param_dtype while they arrive in the master dtype: `mixed_precision_pass` casts them (inside their first
+  collective, with reductions in reduce_dtype, or by one `_to_copy`).
 
 The lowering is the ordered list of passes `LOWER`, run by `passes.pipeline.run_passes` (which lints
 the graph after each and names the pass on failure). What it lowers to is read off the plan alone
@@ -46,6 +49,7 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
+from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
@@ -82,6 +86,9 @@ class LowerContext:
     parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
+    precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
+    # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
+    checkpoint: list = field(default_factory=list)
 
 
 def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default",
@@ -102,7 +109,7 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
     nodes = set(by_name)
     by_fqn = {fqn: ph for ph, fqn in captured.param_fqns.items()}
     ctx = LowerContext(info, placements, set(captured.user_inputs), rng_stream=rng_stream,
-                       arrivals=dict(arrivals or {}))
+                       arrivals=dict(arrivals or {}), precision=_plan_precision(plan, captured))
     zigzag = set()
     for d in plan.directives:
         ax = info.names.index(info.axis(d.axis).name)
@@ -141,7 +148,37 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
                                  "plan was made for another model or input shapes. Fix: re-plan for this model.")
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
+    ctx.checkpoint = _checkpointed_layers(plan, captured)
     return ctx
+
+
+def _plan_precision(plan: Plan, captured: Captured):
+    """The plan's mixed precision, which the capture must have been made under (its parameters at param_dtype)."""
+    from autopar.precision import Precision
+    precision = Precision.parse(plan.precision)
+    if precision != captured.precision:
+        raise ValueError(
+            f"plan {plan.name!r} was made for mixed precision {plan.precision or 'none'}, but the program was captured "
+            f"for {captured.precision.spec() if captured.precision else 'none'}. Fix: pass the plan's mp_policy "
+            "(autopar.parallelize(..., mp_policy=...)), or re-plan for this one.")
+    return precision
+
+
+def _checkpointed_layers(plan: Plan, captured: Captured) -> list:
+    """(path, level, node names) of every layer the plan checkpoints; a layer this graph lacks is an error."""
+    from autopar.forms import checkpoint as ckpt
+    from autopar.layers import find_layers
+    wanted = {path: ckpt.level(name, f"plan {plan.name!r}: checkpoint level of layer {path!r}")
+              for path, name in plan.checkpoint}
+    if not any(lv.recomputes for lv in wanted.values()):
+        return []
+    layers = {la.path: la for la in find_layers(captured.gm, set(captured.param_fqns) | set(captured.buffer_fqns))}
+    missing = [p for p, lv in wanted.items() if lv.recomputes and p not in layers]
+    if missing:
+        raise ValueError(f"plan {plan.name!r} checkpoints layer {missing[0]!r}, which this model's graph does not "
+                         f"have (layers: {', '.join(layers) or 'none'}): the plan was made for another model. Fix: "
+                         "re-plan for this model and inputs.")
+    return [(p, lv.name, layers[p].nodes) for p, lv in wanted.items() if lv.recomputes]
 
 
 def _directive_value(plan: Plan, d, parse):
@@ -689,6 +726,100 @@ def _bucket(gm: fx.GraphModule, axis, nodes: list[fx.Node], order: dict[fx.Node,
     return items
 
 
+# the collectives a parameter meets before its compute: under mixed precision each casts (`C.all_gather_rs` & co, `mp=`)
+_PARAMETER_SIDE = (C.all_gather, C.all_gather_rs, C.grad_all_reduce, C.grad_sync_bucket)
+
+
+def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """Mixed precision (`autopar.precision`): the program was captured with the parameters at param_dtype, and runs
+    on the master (e.g. fp32) parameters. A parameter's uses other than collectives read one cast copy
+    (`aten._to_copy`, right after its placeholder). Every gradient collective of a value computed from parameters
+    alone (not from the batch: FSDP's all-gathers, data-parallel buckets and gradient all-reduces, a positional
+    embedding's reduction at the batch boundary) gets `mp=(param_dtype, reduce_dtype)`: forward it casts its input to
+    param_dtype (an FSDP shard before its gather: the gather moves param_dtype bytes), backward it reduces the gradient
+    in reduce_dtype and returns it in its input's dtype. That is the master dtype for a parameter; a collective whose
+    users are collectives again (gathered on one axis, its gradient reduced on another) keeps the master dtype
+    (`mp=(.., .., True)`: a gather moves param_dtype bytes, exact) so that the last one casts, and a value computed
+    by lookups and views from parameters is computed from the masters (`_in_master_dtype`); a reduction of any other
+    value computed from the cast copies returns param_dtype (its sum rounded once). Backward bytes are re-priced at
+    reduce_dtype."""
+    if ctx.precision is None:
+        return gm
+    param_dtype, reduce_dtype = ctx.precision.collective_dtypes
+    mp = (param_dtype, reduce_dtype)
+    graph = gm.graph
+    params = [n for n in graph.nodes if n.op == "placeholder" and n.name in ctx.placements
+              and n.name not in ctx.user_inputs and isinstance(n.meta.get("val"), torch.Tensor)
+              and n.meta["val"].dtype.is_floating_point]
+    for ph in params:
+        direct = [u for u in ph.users if u.target not in _PARAMETER_SIDE]
+        if not direct or param_dtype is None:
+            continue
+        with graph.inserting_after(ph):
+            cast = graph.call_function(aten._to_copy.default, (ph,), {"dtype": param_dtype})
+        cast.meta.update({"val": ph.meta["val"], M.PLACEMENTS: ph.meta.get(M.PLACEMENTS),
+                          "nn_module_stack": direct[0].meta.get("nn_module_stack", {})})
+        for u in direct:
+            u.replace_input_with(ph, cast)
+    batch: set[fx.Node] = set()  # values computed from the user's inputs
+    for n in graph.nodes:
+        if n.name in ctx.user_inputs or any(a in batch for a in n.all_input_nodes):
+            batch.add(n)
+    casts = {n for n in graph.nodes if n.target is aten._to_copy.default and n.args[0] in params}
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target not in _PARAMETER_SIDE or n in batch:
+            continue
+        if n.target is not C.grad_sync_bucket:
+            _in_master_dtype(n, casts, mp)
+        # a collective followed by collectives only (gathered on one axis, reduced on another): the last one casts
+        chained = n.target is not C.grad_sync_bucket and all(
+            u.target in _PARAMETER_SIDE and u not in batch for u in n.users)
+        n.kwargs = {**n.kwargs, "mp": (*mp, True) if chained else n.kwargs.get("mp", mp)}
+        info = n.meta.get(M.COMM)
+        held = (n.args[0][0] if n.target is C.grad_sync_bucket else n.args[0]).meta["val"].element_size()
+        if info is not None and reduce_dtype is not None:
+            size = torch.empty((), dtype=reduce_dtype).element_size()
+            n.meta[M.COMM] = dataclasses.replace(info, bytes_backward=round(info.bytes_backward * size / held))
+    return gm
+
+
+# ops whose result cast to another dtype is the op on its inputs cast (lookups, views): their parameter-only inputs
+# can be computed in the master dtype and cast once after them
+_CAST_COMMUTES = {aten.embedding.default, aten.t.default, aten.view.default, aten.reshape.default,
+                  aten._unsafe_view.default, aten.transpose.int, aten.permute.default, aten.contiguous.default,
+                  aten.clone.default, aten.alias.default, aten.flatten.using_ints, aten.unflatten.int,
+                  aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.slice.Tensor, operator.getitem}
+
+
+def _in_master_dtype(n: fx.Node, casts: set[fx.Node], mp: tuple) -> None:
+    """A gradient collective `n` of a value computed from parameters by lookups and views only (a positional
+    embedding `wpe[arange(s)]` reduced where it meets the batch): that value is computed from the master parameters
+    instead of their cast copies (an FSDP gather on the way gathers param_dtype bytes and returns them in the master
+    dtype: `mp=(param_dtype, reduce_dtype, True)`), so `n` casts it (exactly: the ops commute with the cast) and its
+    reduced gradient reaches the parameter in the master dtype, never rounded to param_dtype. Left as it is where a
+    value on the way has another use."""
+    region, gathers, stack = set(), set(), list(n.all_input_nodes)
+    while stack:
+        x = stack.pop()
+        if x in region or x in casts or not _is_tensor_node(x) or not x.meta["val"].dtype.is_floating_point:
+            continue  # integer indices (arange) stay as they are
+        if x.target in (C.all_gather, C.all_gather_rs):  # of parameters (all above `n` is parameters only)
+            gathers.add(x)
+            continue
+        if x.op != "call_function" or x.target not in _CAST_COMMUTES:
+            return
+        region.add(x)
+        stack.extend(x.all_input_nodes)
+    if not region or any(u is not n and u not in region for x in region | gathers for u in x.users):
+        return
+    for g in gathers:
+        g.kwargs = {**g.kwargs, "mp": (*mp, True)}
+    for x in region:
+        for a in x.all_input_nodes:
+            if a in casts:
+                x.replace_input_with(a, a.args[0])
+
+
 def erase_asserts_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Drop the trace's dtype/device asserts: they are not part of the computation."""
     for node in list(gm.graph.nodes):
@@ -866,7 +997,9 @@ LOWER = [
     fuse_gather_grad_reduce_pass,
     regather_linear_inputs_pass,
     bucket_gradients_pass,
+    mixed_precision_pass,
     dead_code_pass,
+    checkpoint_layers_pass,
 ]
 
 
@@ -877,7 +1010,8 @@ def lower_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
 
 
 def collective_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in C.COLLECTIVES]
+    """Every collective node, those inside checkpointed layers too."""
+    return [n for n in walk(gm) if n.op == "call_function" and n.target in C.COLLECTIVES]
 
 
 def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
@@ -892,7 +1026,7 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         c = n.meta[M.COMM]
         rows.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                             bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
-    for n in gm.graph.nodes:
+    for n in walk(gm):
         if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
             continue
         x, idx, key, axis = n.args[0], n.args[1], n.args[4], resolve_axis(n.args[5])

@@ -207,7 +207,7 @@ def test_corrupted_cached_profile_warns_with_its_path_and_falls_back_to_the_pres
 
 def test_cluster_of_the_wrong_type_lists_what_is_accepted():
     model, inputs = _mlp()
-    with pytest.raises(TypeError, match=r"cluster must be a preset name \('a100', 'cpu', 'h100', 'h200'\), a path to "
+    with pytest.raises(TypeError, match=r"cluster must be a preset name \('a100', 'cpu', 'h100', 'h100_hbm2e', 'h200'\), a path to "
                                         r"a JSON profile .* a Cluster, or None .*; got int 42"):
         autopar.plan(model, MESH, inputs, cluster=42)
 

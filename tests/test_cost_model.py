@@ -60,7 +60,7 @@ def test_load_cluster(tmp_path, monkeypatch):
     assert H.load_cluster("H100") is H.PRESETS["h100"]
     c = H.PRESETS["a100"]
     assert H.load_cluster(c) is c
-    with pytest.raises(ValueError, match=r"unknown cluster 'b300'.*'a100', 'cpu', 'h100', 'h200'"):
+    with pytest.raises(ValueError, match=r"unknown cluster 'b300'.*'a100', 'cpu', 'h100', 'h100_hbm2e', 'h200'"):
         H.load_cluster("b300")
     with pytest.raises(ValueError, match="does not exist"):
         H.load_cluster(tmp_path / "missing.json")
@@ -99,15 +99,19 @@ def test_axis_link_row_major_nodes():
     assert [H.axis_link(h100, (8, 8), i) for i in range(2)] == [inter, intra]
     assert [H.axis_link(h100, (2, 4), i) for i in range(2)] == [intra, intra]
     assert [H.axis_link(h100, (2, 8), i) for i in range(2)] == [inter, intra]
-    assert [H.axis_link(h100, (4, 4, 4), i) for i in range(3)] == [inter, inter, intra]
-    assert H.axis_link(h100, (16,), 0) == inter and H.axis_link(h100, (8,), -1) == intra
+    # across nodes, a group holding k GPUs of each node sends over their k NICs at once (at most NVLink's rate)
+    assert [H.axis_link(h100, (4, 4, 4), i) for i in range(3)] == [
+        inter, dataclasses.replace(inter, bytes_per_s=2 * inter.bytes_per_s), intra]
+    assert H.axis_link(h100, (16,), 0) == dataclasses.replace(inter, bytes_per_s=8 * inter.bytes_per_s)
+    assert H.axis_link(h100, (8,), -1) == intra
     with pytest.raises(ValueError, match="does not exist"):
         H.axis_link(h100, (8,), 1)
     fast = H.Link(alpha_s=1e-6, bytes_per_s=1e12)
     measured = dataclasses.replace(h100, mesh_shape=(8, 8), axis_links=(fast, None))
     assert H.axis_link(measured, (8, 8), 0) == fast  # measured on this mesh shape
     assert H.axis_link(measured, (8, 8), 1) == intra  # size-1/unmeasured axis: topology rule
-    assert H.axis_link(measured, (4, 16), 0) == inter  # another mesh: topology rule
+    assert H.axis_link(measured, (4, 16), 0) == inter  # another mesh: topology rule (one GPU per node)
+    assert H.axis_link(measured, (16, 4), 0) == dataclasses.replace(inter, bytes_per_s=2 * inter.bytes_per_s)
 
 
 # ---------------------------------------------------------------------------------- analytical

@@ -1,7 +1,8 @@
-"""benchmarks/published_runs.py does not rot: its --quick row (torchtitan Llama-3.1-8B on 8 H100s, FSDP 8)
-plans on the meta device and prints its RATIO lines, its throughput is the estimate's step time turned into
-tokens/s/GPU, and the Megatron FLOP count matches a term-by-term count. It asserts nothing about how close
-the cost model comes to the published runs (that is the benchmark's finding, issues #11 and #12)."""
+"""benchmarks/published_runs.py does not rot, and the cost model stays close to published runs: its --quick row
+(torchtitan Llama-3.1-8B on 8 H100s, FSDP 8) plans on the meta device and prints its RATIO lines, its throughput
+is the estimate's timeline (plus the selective-AC recomputation the benchmark prices) turned into tokens/s/GPU,
+the Megatron FLOP count matches a term-by-term count, and every published row is predicted within the bounds
+below (the inputs are published figures, so these are real checks of the cost model: issue #12 item 3)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,42 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import published_runs as pr  # noqa: E402
 
+# predicted / published within the issue's goal, +-25%
+MEETS_GOAL = ("tt_8b_fsdp8_tp8", "mlm_gpt_16b_tp4", "mlm_gpt_32b_tp8")
+# rows the cost model still predicts too fast (goal not met: 1.25-1.42 today, see the benchmark's module docstring
+# and the timeline's "left out"); bounded so that a regression fails
+MISSES_GOAL = {"tt_8b_fsdp8": 1.5, "tt_8b_fsdp128": 1.5, "mlm_gpt_1.7b_tp1": 1.45, "mlm_gpt_7.1b_tp2": 1.35}
+
 
 def test_quick_row_prices_the_8_gpu_fsdp_run(capsys):
     out = pr.main(["--quick"])
     text = capsys.readouterr().out
     (r,) = out["results"]
     run = r["run"]
-    assert run.name == "tt_8b_fsdp8" and run.gpus == 8 and r["infeasible"] is None
+    assert run.name == "tt_8b_fsdp8" and run.gpus == 8 and r["infeasible"] is None and run.cluster == "h100_hbm2e"
     assert 7.9e9 < r["params"] < 8.1e9  # Llama-3.1-8B's shapes
     assert r["tok_s_gpu"] == pytest.approx(run.batch * run.seq / r["step_s"] / 8)
     assert r["ratio"] == pytest.approx(r["tok_s_gpu"] / 5762.0)
-    assert max(r["compute_s"], r["comm_s"]) <= r["step_s"] <= (r["compute_s"] + r["comm_s"]) * (1 + 1e-9)
+    # the timeline: compute plus the exposed part of the communication, plus the selective-AC recomputation
+    assert 0 <= r["exposed_s"] <= r["comm_s"] and r["recompute_s"] > 0
+    assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_s"] + r["recompute_s"])
     # the fsdp hand plan: every structure with parameters is sharded over the data axis
     for label in r["forms"].split(", "):
         assert label.startswith("norm") or "+fsdp" in label, label
     assert f"RATIO published_tt_8b_fsdp8 predicted/published = {r['ratio']:.2f}" in text
     assert f"RATIO published_mem_tt_8b_fsdp8 predicted/published = {r['mem_gib'] / 82.4:.2f}" in text
+
+
+def test_published_rows_and_fsdp_scaling():
+    assert set(MEETS_GOAL) | set(MISSES_GOAL) == {r.name for r in pr.RUNS}
+    got = {run.name: pr.price(run) for run in pr.RUNS}
+    for name in MEETS_GOAL:
+        assert 0.75 <= got[name]["ratio"] <= 1.25, (name, got[name]["ratio"])
+    for name, bound in MISSES_GOAL.items():
+        assert 0.75 <= got[name]["ratio"] <= bound, (name, got[name]["ratio"])
+    # torchtitan FSDP 8 -> 128 GPUs: published -2.7%; within 10 points (FSDP 128 crosses nodes on all 8 NICs)
+    drop = got["tt_8b_fsdp128"]["tok_s_gpu"] / got["tt_8b_fsdp8"]["tok_s_gpu"] - 1
+    assert abs(drop - pr.PUBLISHED_SCALING) <= 0.10, drop
 
 
 def test_megatron_flop_count_term_by_term():

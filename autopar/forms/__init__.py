@@ -18,6 +18,8 @@
 | `moe_tp`          | moe         | tp            | model             |
 
 and the parameters' forms over the data axes: `dp` (gradient buckets) and `fsdp` (sharded, gathered).
+`checkpoint`: the activation checkpointing levels of a layer (none, selective, full), a registry of their own
+(`checkpoint.LEVELS`: a layer is not a structure), taken per layer besides its structures' forms.
 `two_axis` is the base the two-axis attention forms share (it registers nothing).
 """
 

@@ -26,6 +26,7 @@ def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] |
     its bytes at the bucket's per-byte rate, and their copy into the bucket's flat buffer (read + write)."""
     t = b = 0.0
     copy_bytes_per_s = mc.cluster.copy_bytes_per_s or mc.cluster.effective_memory_bytes_per_s
+    local_param_bytes *= mc.grad_bytes_factor  # mixed precision: the gradients are reduced in reduce_dtype
     for a in mc.data_axes + mc.seq_axes if axes is None else axes:
         p = mc.size(a)
         if p == 1:

@@ -10,7 +10,9 @@ backward (`all_gather_rs`, the fused gather + partial-gradient pair).
 
 Cost (`sync`): per parameter, an all-gather forward on every data axis, back to back at the start;
 each gradient that has its own reduction is reduce-scattered on the outermost axis and all-reduced
-whole on the others, as backward produces it. On sequence axes gradients join the data-parallel
+whole on the others, as backward produces it (per parameter, as the lowering issues them today; when
+gathers are grouped per block, as FSDP2 does, latency is paid per group). `gather_s` is the gathers'
+share (what a timeline prefetches ahead of the forward: `autopar.timeline`). On sequence axes gradients join the data-parallel
 bucket. State: parameters, gradients and optimizer state divided by the data-parallel degree, plus
 the gathered parameters backward reads (`SiteStats.saved_params`: weights, not biases or embedding
 tables), which live from forward to backward (not re-gathered in backward, as ZeRO-3 does to save
@@ -81,6 +83,7 @@ def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_
             t += collective_time_s("all_gather", int(n), p, mc.link(a), interval_s=0.0)
             b += send_bytes("all_gather", n, p)
     for nbytes in reduced:
+        nbytes *= mc.grad_bytes_factor  # mixed precision: reduced in reduce_dtype
         for i, a in enumerate(axes):
             p = mc.size(a)
             kind = "reduce_scatter" if i == 0 else "all_reduce"
@@ -104,6 +107,12 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     gathered = sum(sharded.param_facts[p][0] for p in sharded.saved_params) / split
     return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
             + dp.state_bytes(mc, kept.param_bytes / split), gathered)
+
+
+def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
+    """The all-gathers' share of `params_cost`'s time (issued before the forward, prefetched)."""
+    sharded, _ = st.fsdp_parts()
+    return sync(mc, [x / split for x in sharded.param_sizes], [])[0]
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:

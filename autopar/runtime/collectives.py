@@ -45,12 +45,25 @@ _c10d = torch.ops._c10d_functional
 class CommRecord:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
     axis: str
-    pass_: str  # forward | backward
+    pass_: str  # forward | backward | recompute (a checkpointed layer's forward collectives issued again in backward)
     numel: int  # elements of the full (logical) tensor moved
     send_bytes: int  # bytes each rank sends (ring / pairwise algorithms)
+    dtype: str = ""  # of the tensor moved, e.g. "bfloat16" (mixed precision: gathers in param_dtype, reductions not)
 
 
 _RECORDERS: list[list[CommRecord]] = []
+_RECOMPUTING = [0]  # > 0 while backward runs a checkpointed layer's forward again (`autopar.runtime.checkpoint`)
+
+
+@contextlib.contextmanager
+def recomputing():
+    """Collectives issued inside are recorded with pass "recompute": a checkpointed layer's forward run again in
+    backward."""
+    _RECOMPUTING[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] -= 1
 
 
 @contextlib.contextmanager
@@ -63,11 +76,17 @@ def record_comms():
         _RECORDERS.remove(records)
 
 
+def pass_name(backward: bool) -> str:
+    """The pass a collective issued now belongs to: backward, a recompute in backward, or forward."""
+    return "backward" if backward else "recompute" if _RECOMPUTING[0] else "forward"
+
+
 def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward: bool) -> None:
     if not _RECORDERS:
         return
-    rec = CommRecord(kind, axis.name, "backward" if backward else "forward", full_numel,
-                     round(send_bytes(kind, full_numel * t.element_size(), axis.size)))
+    rec = CommRecord(kind, axis.name, pass_name(backward), full_numel,
+                     round(send_bytes(kind, full_numel * t.element_size(), axis.size)),
+                     str(t.dtype).removeprefix("torch."))
     for r in _RECORDERS:
         r.append(rec)
 
@@ -167,6 +186,31 @@ def _raw_all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef
     return torch.cat(recv.unbind(0), dim=cat_dim).contiguous()
 
 
+# ----------------------------------------------------------------------------- mixed precision
+# A parameter-side collective under a mixed-precision policy (`autopar.precision`) takes the master (e.g. fp32)
+# parameter and `mp = (param_dtype, reduce_dtype)`: forward it casts to param_dtype first (an FSDP gather moves
+# param_dtype bytes); backward it casts the gradient to reduce_dtype, reduces, and returns it in the input's dtype.
+# The casts sit inside the collective because autograd hands each input the gradient in that input's dtype: a
+# reduction after a separate cast would be rounded to param_dtype on the way back. Given `mp = (param_dtype,
+# reduce_dtype, True)` a collective keeps its input's dtype (an all-gather gathers param_dtype bytes and returns them
+# in it, exactly): in a chain of collectives on one parameter (several axes) only the last one casts.
+
+def _to_param(x: torch.Tensor, mp) -> torch.Tensor:
+    return x.to(mp[0]) if mp is not None and mp[0] is not None and mp[0] != x.dtype else x
+
+
+def _to_reduce(g: torch.Tensor, mp) -> torch.Tensor:
+    return g.to(mp[1]) if mp is not None and mp[1] is not None and mp[1] != g.dtype else g
+
+
+def _to_input(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return g.to(dtype) if g.dtype != dtype else g
+
+
+def _keeps_dtype(mp) -> bool:
+    return mp is not None and len(mp) > 2 and mp[2]
+
+
 # ----------------------------------------------------------------------------- autograd pairs
 
 class _AllReduce(torch.autograd.Function):
@@ -181,27 +225,34 @@ class _AllReduce(torch.autograd.Function):
 
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis):
-        ctx.axis = axis
-        return x.view_as(x)
+    def forward(ctx, x, axis, *mp):  # mp: () or (param_dtype, reduce_dtype[, keep]) ("mixed precision" above)
+        ctx.axis, ctx.mp, ctx.dtype = axis, (mp[0] if mp else None), x.dtype
+        y = x if _keeps_dtype(ctx.mp) else _to_param(x, ctx.mp)
+        return y if y is not x else x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return _raw_all_reduce(g, ctx.axis, backward=True), None
+        gx = _to_input(_raw_all_reduce(_to_reduce(g, ctx.mp), ctx.axis, backward=True), ctx.dtype)
+        return (gx, None) + ((None,) if ctx.mp is not None else ())
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, axis, split_factor, reduce_grad):
+    def forward(ctx, x, dim, axis, split_factor, reduce_grad, mp=None):
         ctx.args = (dim, axis, split_factor, reduce_grad)
-        return _raw_all_gather(x, dim, axis, split_factor)
+        ctx.mp, ctx.dtype = mp, x.dtype
+        y = _raw_all_gather(_to_param(x, mp), dim, axis, split_factor)
+        return _to_input(y, x.dtype) if _keeps_dtype(mp) else y
 
     @staticmethod
     def backward(ctx, g):
         dim, axis, split_factor, reduce_grad = ctx.args
+        g = _to_reduce(g, ctx.mp)
         if reduce_grad:
-            return _raw_reduce_scatter(g, dim, axis, split_factor, backward=True), None, None, None, None
-        return _raw_split(g, dim, axis, split_factor), None, None, None, None
+            gx = _raw_reduce_scatter(g, dim, axis, split_factor, backward=True)
+        else:
+            gx = _raw_split(g, dim, axis, split_factor)
+        return _to_input(gx, ctx.dtype), None, None, None, None, None
 
 
 class _Split(torch.autograd.Function):
@@ -291,19 +342,21 @@ def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
     return _AllReduce.apply(x, resolve_axis(axis))
 
 
-def grad_all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
-    """R consumed by sharded work: identity; backward sums the partial gradients over the axis."""
-    return _GradAllReduce.apply(x, resolve_axis(axis))
+def grad_all_reduce(x: torch.Tensor, axis: AxisRef, mp=None) -> torch.Tensor:
+    """R consumed by sharded work: identity; backward sums the partial gradients over the axis. `mp`: (param_dtype,
+    reduce_dtype) of a mixed-precision parameter (see "mixed precision" above)."""
+    return _GradAllReduce.apply(x, resolve_axis(axis), *(() if mp is None else (mp,)))
 
 
-def all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
-    """S(dim) -> R; backward takes this rank's chunk of the (replicated) gradient."""
-    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, False)
+def all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, mp=None) -> torch.Tensor:
+    """S(dim) -> R; backward takes this rank's chunk of the (replicated) gradient. `mp` as `grad_all_reduce`."""
+    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, False, mp)
 
 
-def all_gather_rs(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
-    """S(dim) -> R feeding sharded work; backward reduce-scatters the partial gradients."""
-    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, True)
+def all_gather_rs(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, mp=None) -> torch.Tensor:
+    """S(dim) -> R feeding sharded work; backward reduce-scatters the partial gradients. `mp` as
+    `grad_all_reduce`: an FSDP shard gathered in param_dtype, its gradient reduce-scattered in reduce_dtype."""
+    return _AllGather.apply(x, dim, resolve_axis(axis), split_factor, True, mp)
 
 
 def split(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1) -> torch.Tensor:
@@ -346,14 +399,16 @@ class _GradSyncBucket(torch.autograd.Function):
     before it is reduced. Under `LocalTensorMode` (simulated ranks) it is reduced synchronously."""
 
     @staticmethod
-    def forward(ctx, axis, *xs):
-        ctx.axis = axis
+    def forward(ctx, axis, mp, *xs):
+        ctx.axis, ctx.mp = axis, mp
         ctx.shapes = [(x.shape, x.dtype) for x in xs]
-        return tuple(x.view_as(x) for x in xs)
+        ys = [_to_param(x, mp) for x in xs]
+        return tuple(y if y is not x else x.view_as(x) for x, y in zip(xs, ys))
 
     @staticmethod
     def backward(ctx, *grads):
-        grads = [g if g is not None else torch.zeros(s, dtype=d) for g, (s, d) in zip(grads, ctx.shapes)]
+        grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
+                 for g, (s, d) in zip(grads, ctx.shapes)]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if local_tensor_mode() is None and type(flat) is torch.Tensor:
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
@@ -364,10 +419,10 @@ class _GradSyncBucket(torch.autograd.Function):
         else:
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
         out, i = [], 0
-        for g in grads:
-            out.append(flat[i:i + g.numel()].view(g.shape))
+        for g, (_, dtype) in zip(grads, ctx.shapes):
+            out.append(_to_input(flat[i:i + g.numel()].view(g.shape), dtype))
             i += g.numel()
-        return (None, *out)
+        return (None, None, *out)
 
 
 # Called once at the end of a backward that reduced gradients asynchronously (registered by `ParallelModule.forward`):
@@ -392,10 +447,11 @@ def _after_backward() -> None:
             fn()
 
 
-def grad_sync_bucket(xs: tuple, axis: AxisRef) -> tuple:
+def grad_sync_bucket(xs: tuple, axis: AxisRef, mp=None) -> tuple:
     """Data-parallel gradient reduction of many parameters as one all-reduce (a DDP bucket), issued as soon as
-    their gradients are ready and waited for by the end of the backward."""
-    return _GradSyncBucket.apply(resolve_axis(axis), *xs)
+    their gradients are ready and waited for by the end of the backward. `mp` as `grad_all_reduce`: the bucket is
+    reduced in reduce_dtype."""
+    return _GradSyncBucket.apply(resolve_axis(axis), mp, *xs)
 
 
 # What each graph-callable collective moves, forward and backward (used to count and price them).

@@ -150,7 +150,7 @@ def _(key, x, idx, weights, params):
 def _record_rows(axis: AxisRef, rows_total: int, rows_self: int, row_numel: int, itemsize: int, backward: bool):
     if not C._RECORDERS:
         return
-    rec = C.CommRecord("all_to_all", axis.name, "backward" if backward else "forward", rows_total * row_numel,
+    rec = C.CommRecord("all_to_all", axis.name, C.pass_name(backward), rows_total * row_numel,
                        (rows_total - rows_self) * row_numel * itemsize)
     for r in C._RECORDERS:
         r.append(rec)

@@ -1,0 +1,160 @@
+"""The step as the hardware runs it: compute and communication on streams, overlapped where dependencies allow.
+
+A step is a list of `Task`s, each on a *stream* with a duration and the tasks it waits for. A stream runs its
+tasks one at a time in the order given (as a CUDA stream, or NCCL's stream per process group, does); a task
+starts when its stream is free and every task it waits for has ended (`simulate`). The step ends when every
+stream has finished; the communication it *exposes* is what the compute stream does not cover:
+makespan - compute busy time (`Schedule.exposed_comm_s`).
+
+`step_tasks(pieces)` builds a training step from per-structure costs (`Piece`: one per structure, in forward
+order; `piece` reads one from an `autopar.estimate.Cost`). Streams: "compute", and one per communicating mesh
+axis: the parameters' synchronisation on the data axes (`Piece.sync_stream`) and a structure's own
+collectives on its model axes (`Piece.critical_stream`). Forward, for each structure i:
+- `gather i` (sync stream): FSDP's all-gather of its parameters; it waits for the forward of structure i-2,
+  so the gather of the next structure runs while this one computes (FSDP2's prefetch, one ahead);
+- `fwd i` (compute, a third of its compute: forward = 1/3 of forward + backward): waits for `gather i` and
+  for the previous structure's forward collectives;
+- `fwd-comm i` (its critical stream, half its critical communication): tensor-parallel collectives, the loss'
+  reductions; the next compute waits for them, so they are exposed.
+Backward, last structure first: `bwd i` (compute, two thirds) after the later structure's `bwd-comm`;
+`bwd-comm i` (the other half); `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket
+share, FSDP's reduce-scatter), which waits only for `bwd i`, so it overlaps the backward of the structures
+before it. The optimizer step waits for every reduction: the last ones are exposed.
+
+`overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
+structures, linear in the choices): compute + critical communication + the part of its gathers its forward
+does not cover + the part of its reductions its backward does not cover. (In the timeline a gather hides
+behind the previous structure's forward and a reduction behind the next-earlier backward; per structure,
+its own compute stands for that neighbour's: identical layers make them equal.)
+
+What the timeline leaves out: the compute slowdown while NCCL kernels share the SMs, the optimizer step's own
+time, ZeRO-3's backward re-gather (priced by the FSDP form when it issues one), bucket boundaries inside a
+structure, and the pipeline bubble of pipeline parallelism (which autopar does not do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Task", "Schedule", "simulate", "Piece", "piece", "step_tasks", "step_schedule", "overlapped_s"]
+
+COMPUTE = "compute"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One piece of work on `stream` taking `duration_s`, started only after every task named in `after` ended."""
+
+    name: str
+    stream: str
+    duration_s: float
+    after: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.duration_s >= 0:
+            raise ValueError(f"task {self.name!r}: duration must be >= 0 seconds, got {self.duration_s}")
+
+
+@dataclass
+class Schedule:
+    """When each task ran: `start[name]`, `end[name]`, and the streams' busy time."""
+
+    start: dict[str, float] = field(default_factory=dict)
+    end: dict[str, float] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)  # stream -> seconds of work
+
+    @property
+    def makespan_s(self) -> float:
+        return max(self.end.values(), default=0.0)
+
+    @property
+    def compute_s(self) -> float:
+        return self.busy.get(COMPUTE, 0.0)
+
+    @property
+    def comm_s(self) -> float:
+        """All communication, on every stream (what a step without overlap would add)."""
+        return sum(t for s, t in self.busy.items() if s != COMPUTE)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """The communication no compute covers: makespan - compute."""
+        return max(0.0, self.makespan_s - self.compute_s)
+
+
+def simulate(tasks: list[Task]) -> Schedule:
+    """Run `tasks` (each stream in list order) and return when each started and ended. A task may wait only for
+    tasks listed before it (the list is a valid issue order); naming a later or unknown task is an error."""
+    sched = Schedule()
+    free: dict[str, float] = {}
+    for t in tasks:
+        if t.name in sched.end:
+            raise ValueError(f"task {t.name!r} is listed twice; give each task its own name")
+        missing = [a for a in t.after if a not in sched.end]
+        if missing:
+            raise ValueError(f"task {t.name!r} waits for {missing}, which are not listed before it. Fix: list tasks in "
+                             "an order where every task comes after those it waits for")
+        start = max([free.get(t.stream, 0.0)] + [sched.end[a] for a in t.after])
+        sched.start[t.name], sched.end[t.name] = start, start + t.duration_s
+        free[t.stream] = start + t.duration_s
+        sched.busy[t.stream] = sched.busy.get(t.stream, 0.0) + t.duration_s
+    return sched
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One structure of the step: its compute (forward + backward), critical communication (on
+    `critical_stream`), and parameter synchronisation (gathers before its forward, reductions after its
+    backward, on `sync_stream`)."""
+
+    key: str
+    compute_s: float
+    critical_s: float = 0.0
+    gather_s: float = 0.0
+    reduce_s: float = 0.0
+    sync_stream: str = "data"
+    critical_stream: str = "model"
+
+
+def piece(key: str, cost, sync_stream: str = "data", critical_stream: str = "model") -> Piece:
+    """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s` and the rest of `comm_s`)."""
+    return Piece(key=key, compute_s=cost.compute_s, critical_s=cost.critical_s, gather_s=cost.gather_s,
+                 reduce_s=cost.reduce_s, sync_stream=sync_stream, critical_stream=critical_stream)
+
+
+def step_tasks(pieces: list[Piece]) -> list[Task]:
+    """The tasks of one training step over `pieces` in forward order (module docstring)."""
+    tasks: list[Task] = []
+    prev: tuple[str, ...] = ()
+    for i, p in enumerate(pieces):
+        gather = ()
+        if p.gather_s > 0:
+            wait = (f"fwd {pieces[i - 2].key}",) if i >= 2 else ()
+            tasks.append(Task(f"gather {p.key}", p.sync_stream, p.gather_s, wait))
+            gather = (f"gather {p.key}",)
+        tasks.append(Task(f"fwd {p.key}", COMPUTE, p.compute_s / 3, prev + gather))
+        prev = (f"fwd {p.key}",)
+        if p.critical_s > 0:
+            tasks.append(Task(f"fwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
+            prev = (f"fwd-comm {p.key}",)
+    for p in reversed(pieces):
+        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3, prev))
+        prev = (f"bwd {p.key}",)
+        if p.reduce_s > 0:
+            tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, prev))
+        if p.critical_s > 0:
+            tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
+            prev = (f"bwd-comm {p.key}",)
+    return tasks
+
+
+def step_schedule(pieces: list[Piece]) -> Schedule:
+    """`simulate(step_tasks(pieces))`."""
+    return simulate(step_tasks(pieces))
+
+
+def overlapped_s(cost) -> float:
+    """What one structure adds to the step with its parameter synchronisation overlapped (module docstring):
+    the ILP's objective per candidate."""
+    fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
+    return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd) + max(0.0, cost.reduce_s - bwd))

@@ -1,0 +1,775 @@
+"""`autopar.tune`: measure the best candidate plans on the real mesh, keep the fastest, and calibrate the cost model.
+
+Run under `torchrun` (every rank calls it with the same model, mesh and example inputs, as `parallelize`):
+
+1. **Candidates** (`candidates`, planned on rank 0 and broadcast): the ILP's `top_k` best distinct plans (each
+   solved again with the assignments found so far excluded, `autopar.solver.no_good`, so they differ in some
+   structure's form) and the named hand plans (`autopar.planner.PLANS`); a plan found twice is measured once,
+   under both names. Each is priced by the cost model as loaded (`predicted_s`) and broken into the parts a
+   calibration scales (`components`: compute per op kind, collectives per mesh axis, the rest).
+2. **Measurement**: each candidate is lowered (as `autopar.parallelize` lowers a given plan), given an optimizer (AdamW on
+   its parameters, or `optimizer(params)`), warmed up `warmup` steps and timed for `steps` training steps
+   (forward, backward, optimizer step). Steps are interleaved: round r runs one step of every live candidate
+   (the order rotated each round), so drift on the machine hits all alike. Each step's time is the slowest
+   rank's; a candidate's time is the median of its steps. The 3 fastest and the fastest hand plan are then
+   timed `steps` more steps, interleaved, before the fastest is chosen (one set of rounds decides a near-tie by
+   noise). Peak memory per rank: the candidate's resident state
+   (parameters, gradients, optimizer state) plus the most allocated above it during a step (CUDA
+   `max_memory_allocated`; on a CPU host the resident set's high-water mark, reset before each step).
+3. **Isolation**: after every phase (lowering, each step) the ranks agree (one all-gather of each rank's status,
+   time and memory): a candidate that raised on any rank, ran out of memory, or needed more than `memory_limit`
+   per rank is skipped on every rank with the first failing rank's reason, and the others go on. A failure
+   between collectives (lowering, the optimizer, a rank-local check) is isolated this way; a rank failing inside
+   a collective sequence while the others wait in it is only ended by the process group's timeout.
+4. **Calibration** (`fit_calibration`): factors per op kind of compute and per mesh axis of collectives, fitted by
+   least squares on the relative error of the measured candidates (pulled towards one global factor where the
+   measurements do not tell the parts apart), saved beside the cluster profile
+   (`cost_model.hardware.calibration_path`) with the measurements of every model tuned on this machine and mesh,
+   refitted on all of them, so later plans of other models are priced with it (`load_cluster`).
+5. **Cache**: the result is saved under `$XDG_CACHE_HOME/autopar/tune/<key>.json`, the key a digest of the
+   captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
+   call (and `parallelize(..., plan="tuned")`) returns it without measuring.
+
+`TuneResult.plan` is the fastest measured plan, `.table()` prints every candidate's prediction before and after
+calibration against its measurement, `.candidates` holds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from autopar.forms import Candidate
+from autopar.plan import Plan
+from cost_model.analytical import KINDS
+from cost_model.hardware import Calibration, Cluster, calibration_path, load_cluster, profile_of
+
+__all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key"]
+
+_STREAMS = itertools.count()  # dropout streams of the candidates' programs
+REST = "rest"  # the part of a prediction no calibration factor scales
+_MAX_FITS = 400  # measurements kept beside a profile (the oldest dropped)
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclass(frozen=True, kw_only=True)
+class TuneCandidate:
+    """One plan tried: its prediction (as loaded, and after this run's calibration), the parts a calibration
+    scales, and what was measured (None with `skipped` saying why)."""
+
+    name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both
+    plan: Plan
+    predicted_s: float
+    components: tuple[tuple[str, float], ...] = ()  # 'compute:<kind>', 'axis:<index>', 'rest' -> seconds
+    calibrated_s: float = math.nan
+    measured_s: float | None = None
+    step_times_s: tuple[float, ...] = ()  # the slowest rank's time of each timed step
+    peak_bytes: tuple[int, ...] = ()  # per rank
+    skipped: str = ""
+
+    @property
+    def forms(self) -> str:
+        """The forms the plan gives, per kind: 'attention heads@tp; mlp tp@tp; loss vocab@tp'."""
+        by: dict[str, dict[str, int]] = {}
+        for st in self.plan.strategies:
+            by.setdefault(st.kind, {}).setdefault(st.label, 0)
+            by[st.kind][st.label] += 1
+        from autopar.spec import Shard, placements_from_str
+        names = [n for n, _ in self.plan.mesh]
+        data = sorted({names[i] for _, p in self.plan.inputs for i, x in enumerate(placements_from_str(p))
+                       if x == Shard(0)}, key=names.index)
+        return (f"batch over {'+'.join(data) or '-'}; " + "; ".join(f"{k} {'/'.join(v)}" for k, v in by.items()))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["plan"] = self.plan.to_json()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TuneCandidate":
+        d = dict(d)
+        d["plan"] = Plan.from_json(d["plan"])
+        d["components"] = tuple(tuple(c) for c in d["components"])
+        d["step_times_s"] = tuple(d["step_times_s"])
+        d["peak_bytes"] = tuple(d["peak_bytes"])
+        return cls(**d)
+
+
+@dataclass
+class TuneResult:
+    candidates: list[TuneCandidate]
+    key: str  # the cache key (`cache_key`)
+    measured: bool  # False: read from the cache
+    calibration: Calibration | None = None
+    cache_path: str = ""
+    calibration_path: str = ""
+
+    @property
+    def fastest(self) -> TuneCandidate:
+        done = [c for c in self.candidates if c.measured_s is not None]
+        if not done:
+            raise RuntimeError("autopar.tune: every candidate was skipped, so there is no tuned plan:\n"
+                               + "\n".join(f"  {c.name}: {c.skipped}" for c in self.candidates)
+                               + "\nFix: the reasons above (more memory per rank, fewer ranks per axis, ...).")
+        return min(done, key=lambda c: c.measured_s)
+
+    @property
+    def plan(self) -> Plan:
+        """The fastest measured plan."""
+        return self.fastest.plan
+
+    def table(self) -> str:
+        head = ("candidate", "forms", "predicted", "calibrated", "measured", "error", "calibrated error",
+                "peak memory/rank", "")
+        rows = [head]
+        best = self.fastest.name if any(c.measured_s is not None for c in self.candidates) else None
+        for c in self.candidates:
+            m = c.measured_s
+            err = lambda p: f"{(p - m) / m:+.0%}" if m and math.isfinite(p) else "-"  # noqa: E731
+            spread = (f" ({min(c.step_times_s) * 1e3:.1f}-{max(c.step_times_s) * 1e3:.1f})"
+                      if len(c.step_times_s) > 1 else "")
+            rows.append((c.name, c.forms, _ms(c.predicted_s), _ms(c.calibrated_s),
+                         (_ms(m) + spread) if m is not None else "skipped", err(c.predicted_s), err(c.calibrated_s),
+                         _mib(max(c.peak_bytes)) if c.peak_bytes else "-",
+                         "fastest" if c.name == best else c.skipped))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) + ("  " + r[-1] if r[-1] else "") for r in rows]
+        note = "measured now" if self.measured else f"from the cache ({self.cache_path})"
+        cal = (f"; calibration of {self.calibration.samples} measurements: "
+               + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.calibration.compute.items()))
+               + "".join(f", axis {i} x{a:.2f}" for i, a in enumerate(self.calibration.axes))
+               if self.calibration is not None else "")
+        return "\n".join(lines) + f"\n(step times in ms, slowest rank, median of the timed steps; {note}{cal})"
+
+
+def _ms(s: float | None) -> str:
+    return f"{s * 1e3:.2f}" if s is not None and math.isfinite(s) else "-"
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, steps: int = 10, warmup: int = 3,
+         optimizer: Callable | None = None, cache: bool = True, progress: bool = True, cluster=None,
+         memory_limit: float | None = None, calibrate: bool = True) -> TuneResult:
+    """Measure the ILP's `top_k` best distinct plans and the hand plans on `mesh`; see the module docstring.
+
+    `optimizer(params) -> torch.optim.Optimizer` (default AdamW); `cluster` as in `parallelize` (the profile to
+    calibrate; a preset name is used as published and not calibrated on disk); `memory_limit` (bytes per rank): a
+    candidate that measures more is skipped; `calibrate=False` leaves the calibration on disk alone."""
+    _check(model, mesh, top_k, steps, warmup, optimizer)
+    info, captured, ctx = _prepare(model, mesh, example_inputs)
+    loaded = load_cluster(cluster, info.sizes)
+    base = dataclasses.replace(loaded, calibration=None)
+    key = cache_key(captured, info, base, model, example_inputs)
+    where = _cache_dir() / f"{key}.json"
+    if cache:
+        hit = _on_rank0(lambda: where.read_text() if where.is_file() else None, mesh)
+        if hit is not None:
+            result = _from_cache(hit, key, str(where))
+            return result
+    rows = _on_rank0(lambda: [c.to_dict() for c in candidates(model, ctx, info, captured, loaded, top_k)], mesh)
+    cands = [TuneCandidate.from_dict(r) for r in rows]
+    cands = _measure(model, mesh, example_inputs, cands, steps=steps, warmup=warmup, optimizer=optimizer,
+                     cluster=cluster, memory_limit=memory_limit, progress=progress and _rank() == 0)
+    fits = [(dict(c.components), c.measured_s) for c in cands if c.measured_s is not None]
+    cal, cal_path = None, ""
+    if fits:
+        profile = _calibration_home(cluster, info.sizes)
+        cal = _on_rank0(lambda: _update_calibration(profile, base, info.sizes, captured.fingerprint(), fits,
+                                                    save=calibrate and profile is not None), mesh)
+        cal_path = str(calibration_path(profile)) if profile is not None and calibrate else ""
+        cands = [dataclasses.replace(c, calibrated_s=apply_calibration(dict(c.components), cal)) for c in cands]
+    result = TuneResult(candidates=cands, key=key, measured=True, calibration=cal, cache_path=str(where),
+                        calibration_path=cal_path)
+    if cache and any(c.measured_s is not None for c in cands) and _rank() == 0:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = where.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "candidates": [c.to_dict() for c in cands],
+                                   "calibration": json.loads(cal.to_json()) if cal else None}))
+        tmp.replace(where)
+    return result
+
+
+def tuned_plan(model: nn.Module, mesh: DeviceMesh, example_inputs, *, cluster=None) -> Plan:
+    """`parallelize(..., plan="tuned")`: the cached tuned plan for this model, mesh, cluster and dtypes, or, when
+    there is none, the plan `tune` finds (measured now, then cached)."""
+    return tune(model, mesh, example_inputs, cluster=cluster, progress=_rank() == 0).plan
+
+
+def _prepare(model, mesh, example_inputs):
+    """Capture and recognise (as `autopar.api` does; `parallelize(plan="tuned")` calls tune, so tune lowers its
+    candidates itself, `_lower`)."""
+    from autopar.agree import _local_tensor_off
+    from autopar.capture import capture, split_example_inputs
+    from autopar.mesh import mesh_info
+    from autopar.relower import plain_inputs
+    from autopar.sites import PassContext
+    from passes.pipeline import RECOGNISE, run_passes
+
+    args, kwargs = plain_inputs(*split_example_inputs(example_inputs))
+    with _local_tensor_off():
+        captured = capture(model, args, kwargs)
+    ctx = PassContext(captured)
+    run_passes(captured.gm, ctx, RECOGNISE)
+    return mesh_info(mesh), captured, ctx
+
+
+def _lower(model, mesh, example_inputs, plan: Plan, stream: str):
+    """The candidate `plan` (planned on rank 0, the same on every rank) as a ParallelModule, as `parallelize` makes
+    it from a given Plan."""
+    from autopar.agree import agreed_seed
+    from autopar.checks import check_given_plan
+    from autopar.module import ParallelModule
+    from autopar.runtime.ops import new_rng_stream
+    from passes.lower import lower_context, lower_pass
+
+    info, captured, _ = _prepare(model, mesh, example_inputs)
+    check_given_plan(plan, f"candidate {plan.name!r}", info, captured)
+    new_rng_stream(stream, agreed_seed(mesh))
+    gm = lower_pass(captured.gm, lower_context(plan, captured, info, rng_stream=stream))
+    return ParallelModule(model, mesh, captured, plan, gm, stream, example_inputs=example_inputs)
+
+
+def _check(model, mesh, top_k, steps, warmup, optimizer) -> None:
+    from torch.distributed._local_tensor import local_tensor_mode
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"autopar.tune measures plans on a DeviceMesh, got {type(mesh).__name__}; build one with "
+                        "init_device_mesh under torchrun (autopar.plan prices plans on axis sizes without running)")
+    if local_tensor_mode() is not None or (dist.is_initialized() and dist.get_backend() == "fake"):
+        raise ValueError("autopar.tune times real ranks, but it runs under LocalTensorMode or the fake process "
+                         "group, where every rank is simulated in one process and times mean nothing. Fix: run it "
+                         "under torchrun with one process per rank.")
+    for name, v, least in (("top_k", top_k, 0), ("steps", steps, 1), ("warmup", warmup, 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"autopar.tune: {name} must be an int >= {least}, got {v!r}")
+    if optimizer is not None and not callable(optimizer):
+        raise TypeError(f"autopar.tune: optimizer must be a factory params -> torch.optim.Optimizer (e.g. "
+                        f"lambda ps: torch.optim.SGD(ps, lr=0.1)), got {type(optimizer).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autopar.tune needs an nn.Module, got {type(model).__name__}")
+
+
+# ----------------------------------------------------------------------------- candidates
+
+def candidates(model: nn.Module, ctx, info, captured, cluster: Cluster, top_k: int) -> list[TuneCandidate]:
+    """The ILP's `top_k` best distinct plans, then the hand plans not among them, priced on `cluster`.
+    Fewer ILP plans when fewer exist."""
+    from autopar.inputs import batch_dims
+    from autopar.planner import PLANS, build_plan, check_batch, tie_placements
+    from autopar.solver import InfeasibleError
+
+    shapes = captured.example_shapes
+    batch = dict(zip(captured.user_inputs, batch_dims(shapes)))
+    build = lambda name, exclude=(): build_plan(ctx, info, name, None, batch, cluster=cluster,  # noqa: E731
+                                                input_shapes=dict(zip(captured.user_inputs, shapes)),
+                                                exclude=exclude)
+    found: list[tuple[str, Plan | None, str]] = []
+    exclude: list[dict[str, Candidate]] = []
+    for i in range(top_k):
+        try:
+            plan = build("auto", exclude)
+        except (InfeasibleError, ValueError) as e:
+            if not exclude:
+                raise
+            if "no plan" not in str(e):
+                raise
+            break  # every assignment that fits has been found
+        choices = plan_choices(plan)[0]
+        assert choices not in exclude, "the ILP returned an excluded assignment"
+        exclude.append(choices)
+        found.append((f"auto#{i + 1}", plan, ""))
+    for name in PLANS:
+        if name == "auto":
+            continue
+        plan = build(name)
+        try:
+            check_batch(plan)
+        except ValueError as e:
+            found.append((name, plan, f"not run: {e}"))
+            continue
+        found.append((name, plan, ""))
+    out: list[TuneCandidate] = []
+    seen: dict[tuple, int] = {}
+    for name, plan, why in found:
+        plan = tie_placements(plan, model)
+        same = seen.get(_signature(plan))
+        if same is not None and not why:
+            out[same] = dataclasses.replace(out[same], name=f"{out[same].name}={name}")
+            continue
+        if not why:
+            seen[_signature(plan)] = len(out)
+        out.append(TuneCandidate(name=name, plan=plan, predicted_s=plan.estimate.step_time_s,
+                                 components=components(ctx, info, cluster, plan), skipped=why))
+    return out
+
+
+def _signature(plan: Plan) -> tuple:
+    """What makes two plans run alike: placements of parameters and inputs, and the lowering directives."""
+    return (plan.params, plan.inputs, tuple(sorted(map(repr, plan.directives))))
+
+
+_ROLES = re.compile(r"^data (.*), sequence (.*), the rest model$")
+
+
+def plan_choices(plan: Plan) -> tuple[dict[str, Candidate], tuple[str, ...], tuple[str, ...]]:
+    """The assignment the plan's estimate priced ({site key: Candidate}), its data and sequence axes, read off its
+    decisions (`autopar.decide`: each structure's chosen label, the axis roles)."""
+    from autopar.decide import ROLES_KEY
+    from autopar.planner import REPLICATE
+    from autopar.sites import Kind
+
+    choices, data, seq = {}, (), ()
+    for d in plan.decisions:
+        if d.keys == (ROLES_KEY,):
+            m = _ROLES.match(d.chosen)
+            assert m, d.chosen
+            data, seq = (tuple(a for a in g.split("+") if a != "-") for g in m.groups())
+            continue
+        label, fsdp = d.chosen.removesuffix("+fsdp"), d.chosen.endswith("+fsdp")
+        forms, axes = zip(*(part.partition("@")[::2] for part in label.split("+")))
+        cand = Candidate(form="+".join(forms), axes=tuple(a for a in axes if a), fsdp=fsdp)
+        for k in d.keys:
+            if plan.name != "auto" and d.kind == Kind.LINEAR.value:  # named plans price lone linears replicated
+                cand = dataclasses.replace(REPLICATE, fsdp=fsdp)
+            choices[k] = cand
+    if plan.name != "auto" and not any("S(0)" in p for _, p in plan.inputs):
+        data = ()  # the batch is not split: priced without data axes (`planner._estimate`)
+    return choices, data, seq
+
+
+def _evaluate(ctx, info, cluster: Cluster, plan: Plan) -> float:
+    from autopar.solver import evaluate
+    choices, data, seq = plan_choices(plan)
+    return evaluate(ctx, info, cluster, choices, data, seq_axes=seq, other_fsdp=plan.name == "fsdp").time_s
+
+
+def components(ctx, info, cluster: Cluster, plan: Plan) -> tuple[tuple[str, float], ...]:
+    """The plan's predicted step on `cluster` (without calibration) split into the parts a `Calibration` scales:
+    each op kind's compute ('compute:<kind>'), each mesh axis' collectives ('axis:<i>'), and the rest. Each part
+    is the prediction with that factor at 2 less the prediction with every factor at 1 (the prediction is linear in
+    each factor)."""
+    base = dataclasses.replace(cluster, calibration=None)
+    one = lambda **kw: dataclasses.replace(base, calibration=Calibration(  # noqa: E731
+        mesh_shape=info.sizes, axes=kw.get("axes", (1.0,) * len(info.sizes)), compute=kw.get("compute", {}),
+        of=base.name))
+    t1 = _evaluate(ctx, info, one(), plan)
+    parts = {f"compute:{k}": _evaluate(ctx, info, one(compute={k: 2.0}), plan) - t1 for k in KINDS}
+    for i, size in enumerate(info.sizes):
+        if size > 1:
+            axes = tuple(2.0 if j == i else 1.0 for j in range(len(info.sizes)))
+            parts[f"axis:{i}"] = _evaluate(ctx, info, one(axes=axes), plan) - t1
+    parts = {k: v for k, v in parts.items() if abs(v) > 1e-15}
+    parts[REST] = t1 - sum(parts.values())
+    return tuple(parts.items())
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def apply_calibration(parts: dict[str, float], cal: Calibration | None) -> float:
+    """The prediction `parts` (`components`) under `cal`."""
+    if cal is None:
+        return sum(parts.values())
+    return sum(v * _factor(k, cal) for k, v in parts.items())
+
+
+def _factor(part: str, cal: Calibration) -> float:
+    what, _, name = part.partition(":")
+    if what == "compute":
+        return cal.compute.get(name, 1.0)
+    if what == "axis":
+        return cal.axes[int(name)] if cal.axes else 1.0
+    return 1.0
+
+
+def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tuple[int, ...], *, of: str,
+                    ridge: float = 0.1, source: str = "") -> Calibration:
+    """Factors per op kind and per mesh axis such that the calibrated predictions of `fits` ([(components,
+    measured seconds)]) best match the measurements, in relative error (least squares). Every factor is pulled
+    towards the one global factor that fits best (weight `ridge`), so parts the measurements cannot tell apart
+    (always in the same proportion) share it; factors stay within 1/20 and 20 times that global factor."""
+    if not fits:
+        raise ValueError("fit_calibration needs at least one (components, measured seconds) pair")
+    names = sorted({k for parts, _ in fits for k, v in parts.items() if k != REST and abs(v) > 0})
+    a = np.array([[parts.get(k, 0.0) / m for k in names] for parts, m in fits])  # relative: each row / measured
+    rest = np.array([parts.get(REST, 0.0) / m for parts, m in fits])
+    target = 1.0 - rest
+    scaled = a.sum(axis=1)
+    glob = float(scaled @ target / (scaled @ scaled)) if scaled @ scaled > 0 else 1.0
+    glob = glob if glob > 0 else 1.0
+    lam = math.sqrt(ridge)
+    lhs = np.vstack([a, lam * np.eye(len(names))])
+    rhs = np.concatenate([target, lam * glob * np.ones(len(names))])
+    theta = np.linalg.lstsq(lhs, rhs, rcond=None)[0] if names else np.zeros(0)
+    theta = np.clip(theta, glob / 20, glob * 20)
+    factors = dict(zip(names, map(float, theta)))
+    compute = {k.partition(":")[2]: f for k, f in factors.items() if k.startswith("compute:")}
+    axes = tuple(factors.get(f"axis:{i}", glob) for i in range(len(mesh_shape)))
+    return Calibration(compute=compute, axes=axes, mesh_shape=tuple(mesh_shape), of=of, samples=len(fits),
+                       source=source or f"autopar.tune: {len(fits)} measured steps fitted")
+
+
+def _calibration_home(cluster, mesh_shape) -> Path | None:
+    """The profile whose calibration this run updates: the given profile path, or this machine's (the cached
+    profile, or where it would be); None for a preset named or a Cluster given (nothing on disk to correct)."""
+    from cost_model.hardware import PRESETS
+    if cluster is None:
+        return profile_of(mesh_shape)
+    if isinstance(cluster, str) and cluster.lower() in PRESETS:
+        return None
+    return Path(cluster) if isinstance(cluster, (str, os.PathLike)) else None
+
+
+def _update_calibration(profile: Path | None, base: Cluster, mesh_shape, graph: str, fits, *, save: bool
+                        ) -> Calibration:
+    """Refit on this run's measurements and those saved beside `profile` for other models (same cluster and mesh
+    shape); save when asked. Runs on rank 0."""
+    kept = []
+    path = calibration_path(profile) if profile is not None else None
+    if path is not None and path.is_file():
+        try:
+            old = json.loads(path.read_text())
+            if old.get("of") == base.name and tuple(old.get("mesh_shape", ())) == tuple(mesh_shape):
+                kept = [f for f in old.get("fits", []) if f["graph"] != graph]
+        except (OSError, ValueError):
+            kept = []
+    mine = [{"graph": graph, "components": parts, "measured_s": m} for parts, m in fits]
+    every = (kept + mine)[-_MAX_FITS:]
+    cal = fit_calibration([(f["components"], f["measured_s"]) for f in every], tuple(mesh_shape), of=base.name,
+                          source=f"autopar.tune on {len({f['graph'] for f in every})} model(s), "
+                                 f"{len(every)} measured plans")
+    if save and path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({**json.loads(cal.to_json()), "fits": every}, indent=1))
+        tmp.replace(path)
+    return cal
+
+
+# ----------------------------------------------------------------------------- the cache
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autopar" / "tune"
+
+
+def cache_key(captured, info, cluster: Cluster, model: nn.Module, example_inputs) -> str:
+    """A digest of what the measured winner depends on: the captured graph, the mesh, the cluster (uncalibrated)
+    and the dtypes of the parameters and inputs."""
+    leaves = pytree.tree_leaves(example_inputs)
+    text = json.dumps({
+        "graph": captured.fingerprint(),
+        "mesh": [list(info.names), list(info.sizes)],
+        "cluster": hashlib.sha256(dataclasses.replace(cluster, calibration=None).to_json().encode()).hexdigest(),
+        "params": sorted({str(p.dtype) for p in model.parameters()}),
+        "inputs": [str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__ for a in leaves],
+    }, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _from_cache(text: str, key: str, where: str) -> TuneResult:
+    data = json.loads(text)
+    cal = data.get("calibration")
+    return TuneResult(candidates=[TuneCandidate.from_dict(c) for c in data["candidates"]], key=key, measured=False,
+                      calibration=Calibration(**{k: v for k, v in cal.items() if k != "format"}) if cal else None,
+                      cache_path=where)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+@dataclass
+class _Live:
+    cand: TuneCandidate
+    pm: nn.Module | None = None
+    opt: object = None
+    times: list[float] = field(default_factory=list)
+    peaks: list[int] | None = None
+    done: int = 0
+
+
+def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, warmup, optimizer, cluster,
+             memory_limit, progress) -> list[TuneCandidate]:
+    live = [_Live(c) for c in cands if not c.skipped]
+    bars = _Bars([c.name for c in cands], warmup + steps, progress)
+    for c in cands:
+        if c.skipped:
+            bars.finish(c.name, c.skipped)
+    args, kwargs = _split(example_inputs)
+    make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+
+    def build(lv: _Live):
+        lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
+        lv.opt = make_opt(list(lv.pm.parameters()))
+
+    for lv in live:
+        _phase(lv, lambda lv=lv: build(lv), mesh, memory_limit, timed=False)
+        if lv.cand.skipped:
+            bars.finish(lv.cand.name, lv.cand.skipped)
+    def rounds(group: list[_Live], count: int, first_timed: int) -> None:
+        for r in range(count):
+            alive = [lv for lv in group if not lv.cand.skipped]
+            k = r % max(1, len(alive))
+            for lv in alive[k:] + alive[:k]:  # each round starts with another candidate
+                _phase(lv, lambda lv=lv: _step(lv, args, kwargs, mesh), mesh, memory_limit, timed=r >= first_timed)
+                lv.done += 1
+                if lv.cand.skipped:
+                    lv.pm = lv.opt = None
+                    bars.finish(lv.cand.name, lv.cand.skipped)
+                else:
+                    bars.update(lv.cand.name, lv.done)
+
+    rounds(live, warmup + steps, warmup)
+    rounds(_contenders(live), steps, 0)
+    out = []
+    for c in cands:
+        lv = next((lv for lv in live if lv.cand.name == c.name), None)
+        if lv is None or lv.cand.skipped:
+            out.append(lv.cand if lv is not None else c)
+            continue
+        out.append(dataclasses.replace(lv.cand, measured_s=statistics.median(lv.times),
+                                       step_times_s=tuple(lv.times), peak_bytes=tuple(lv.peaks or ())))
+    bars.close()
+    return out
+
+
+def _contenders(live: list[_Live]) -> list[_Live]:
+    """The candidates timed `steps` more steps before the winner is chosen: the 3 fastest so far and the fastest
+    hand plan (a near-tie is otherwise decided by the noise of one set of rounds)."""
+    from autopar.planner import PLANS
+    alive = sorted((lv for lv in live if not lv.cand.skipped), key=lambda lv: statistics.median(lv.times))
+    hand = [lv for lv in alive if set(lv.cand.name.split("=")) & set(PLANS)]
+    out = alive[:3] + [lv for lv in hand[:1] if lv not in alive[:3]]
+    return out if len(out) > 1 else []
+
+
+def _split(example_inputs):
+    from autopar.capture import split_example_inputs
+    return split_example_inputs(example_inputs)
+
+
+def _step(lv: _Live, args, kwargs, mesh) -> tuple[float, int]:
+    """One training step: (seconds, peak bytes on this rank above its resident state)."""
+    cuda = mesh.device_type == "cuda"
+    lv.opt.zero_grad(set_to_none=True)
+    resident = _state_bytes(lv.pm, lv.opt)  # what the step allocates anew (the first step's optimizer state) is in
+    mark = _memory_mark(cuda)  # the peak above this mark
+    t0 = time.perf_counter()
+    loss = _loss_of(lv.pm(*args, **kwargs))
+    loss.backward()
+    lv.opt.step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    return seconds, resident + _memory_peak(mark, cuda)
+
+
+def _loss_of(out) -> torch.Tensor:
+    """The scalar a training step differentiates: the output if it is one, a `.loss`, else the first tensor's
+    sum (the output's gradient then is ones, as a loss over it would give)."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next((t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad), None)
+    if first is None:
+        raise ValueError(f"autopar.tune: the model's output ({type(out).__name__}) holds no tensor that requires "
+                         "grad, so there is no training step to time. Fix: return the loss from forward (wrap the "
+                         "model with its loss), as for training.")
+    return first.sum()
+
+
+def _state_bytes(pm, opt) -> int:
+    """Bytes this rank holds of the parameters, their gradients and the optimizer's state."""
+    def local(t):
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+    n = sum(local(p) + local(p.grad) for p in pm.parameters())
+    for st in getattr(opt, "state", {}).values():
+        n += sum(local(v) for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return n
+
+
+def _memory_mark(cuda: bool) -> int:
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    rss = _status("VmRSS")
+    try:  # reset the high-water mark of the resident set to what is resident now (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return -1
+    return rss
+
+
+def _memory_peak(mark: int, cuda: bool) -> int:
+    """Bytes allocated at the step's peak above what was allocated before it (0 where it cannot be told)."""
+    if cuda:
+        return max(0, torch.cuda.max_memory_allocated() - mark)
+    if mark < 0:
+        return 0
+    return max(0, _status("VmHWM") - mark)
+
+
+def _status(field_name: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _phase(lv: _Live, fn, mesh, memory_limit, *, timed: bool) -> None:
+    """Run `fn` on this rank, then agree with every rank: skip the candidate on all of them if any failed or
+    exceeded `memory_limit`; record the slowest rank's time (`timed`) and each rank's peak memory."""
+    error, seconds, peak = None, 0.0, 0
+    try:
+        got = fn()
+        if got is not None:
+            seconds, peak = got
+    except Exception as e:  # noqa: BLE001 - agreed with every rank below
+        error = e
+        if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+            lv.pm = lv.opt = None
+            torch.cuda.empty_cache()
+    rows = _gather([1.0 if error is not None else 0.0, seconds, float(peak)], mesh)
+    failed = [r for r, row in enumerate(rows) if row[0]]
+    if failed:
+        texts = _gather_objects(None if error is None else _describe(error), mesh)
+        first = failed[0]
+        lv.cand = dataclasses.replace(lv.cand, skipped=f"rank {first}: {texts[first]}"
+                                      + (f" (and ranks {failed[1:]})" if len(failed) > 1 else ""))
+        return
+    peaks = [int(row[2]) for row in rows]
+    if any(peaks):
+        lv.peaks = peaks if lv.peaks is None else [max(a, b) for a, b in zip(lv.peaks, peaks)]
+    if memory_limit is not None and lv.peaks and max(lv.peaks) > memory_limit:
+        r = max(range(len(lv.peaks)), key=lambda i: lv.peaks[i])
+        lv.cand = dataclasses.replace(lv.cand, skipped=f"exceeds the memory limit: rank {r} peaked at "
+                                      f"{_mib(lv.peaks[r])}, over {_mib(memory_limit)} per rank")
+        return
+    if timed:
+        lv.times.append(max(row[1] for row in rows))
+
+
+def _describe(e: BaseException) -> str:
+    kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+    return f"{kind}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _gather(values: list[float], mesh) -> list[list[float]]:
+    if _world() == 1:
+        return [values]
+    from autopar.agree import _device
+    t = torch.tensor(values, dtype=torch.float64, device=_device(mesh))
+    out = [torch.empty_like(t) for _ in range(_world())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _gather_objects(obj, mesh) -> list:
+    if _world() == 1:
+        return [obj]
+    out: list = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _on_rank0(fn, mesh):
+    """`fn()` on rank 0, its (picklable) result on every rank; rank 0's error raised on every rank."""
+    if _world() == 1:
+        return fn()
+    from autopar.agree import _portable
+    box = [None]
+    if _rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            box = [("error", _portable(e))]
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        value.add_note("autopar.tune: rank 0 raised this (it plans and keeps the cache); raised on every rank")
+        raise value
+    return value
+
+
+class _Bars:
+    """Rank 0: one progress bar per candidate on stderr (redrawn in place on a terminal; elsewhere a line when a
+    candidate finishes)."""
+
+    def __init__(self, names: list[str], total: int, enabled: bool):
+        self.names, self.total, self.enabled = names, total, enabled
+        self.state = {n: (0, "") for n in names}
+        self.tty = enabled and sys.stderr.isatty()
+        self.drawn = False
+
+    def _line(self, name: str) -> str:
+        done, note = self.state[name]
+        width = 24
+        filled = min(width, width * done // max(1, self.total))
+        return f"autopar tune {name:<16} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} {note}"[:150]
+
+    def _draw(self) -> None:
+        if self.drawn:
+            sys.stderr.write(f"\x1b[{len(self.names)}F")
+        sys.stderr.write("".join(self._line(n).ljust(100) + "\n" for n in self.names))
+        sys.stderr.flush()
+        self.drawn = True
+
+    def update(self, name: str, done: int) -> None:
+        if not self.enabled:
+            return
+        self.state[name] = (done, "")
+        if self.tty:
+            self._draw()
+        elif done == self.total:  # (contenders' extra steps are not printed again off a terminal)
+            self.state[name] = (done, "done")
+            print(self._line(name), file=sys.stderr, flush=True)
+
+    def finish(self, name: str, why: str) -> None:
+        if not self.enabled:
+            return
+        self.state[name] = (self.state[name][0], f"skipped: {why}")
+        if self.tty:
+            self._draw()
+        else:
+            print(self._line(name), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,312 @@
+"""autopar.tune: candidate enumeration (the ILP's k best distinct plans and the hand plans), failure isolation
+(a candidate that raises on one rank, one over the memory limit, one out of memory), the cache (a second call and
+plan="tuned" measure nothing; the key follows the mesh and dtypes), the calibration (fitted, saved beside the
+profile, applied when pricing) and the command line under torchrun on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.api import _prepare
+from autopar.models import GPT, GPTConfig
+from autopar.tune import (REST, _evaluate, apply_calibration, cache_key, candidates, components, fit_calibration, plan_choices,
+                          _update_calibration)
+from cost_model.analytical import collective_time_s
+from cost_model.hardware import PRESETS, Calibration, Link, calibration_path, load_cluster
+from dist_harness import gloo_pool
+
+ROOT = Path(__file__).resolve().parents[1]
+MESH = {"dp": 2, "tp": 2}
+
+
+def tiny(batch: int = 8, vocab: int = 128, hidden: int = 32):
+    """A 2-layer GPT and a batch of tokens (the command line's factory too)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=vocab, seq_len=16, num_layers=2, num_heads=4, hidden=hidden))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, 16), generator=g)
+    return model, (ids, ids.roll(1, dims=1))
+
+
+def _enumerate(model, inputs, mesh, top_k, cluster="cpu"):
+    info, captured, ctx = _prepare(model, mesh, inputs)
+    return candidates(model, ctx, info, captured, load_cluster(cluster, info.sizes), top_k), (info, captured, ctx)
+
+
+# ----------------------------------------------------------------------------- candidates
+
+def test_k_best_distinct_plans_in_order_with_the_hand_plans():
+    model, inputs = tiny()
+    cands, (info, _, ctx) = _enumerate(model, inputs, MESH, top_k=4)
+    ilp = [c for c in cands if c.name.startswith("auto#")]
+    assert [c.name.split("=")[0] for c in ilp] == ["auto#1", "auto#2", "auto#3", "auto#4"]
+    assignments = [plan_choices(c.plan) for c in ilp]
+    for a, b in itertools.combinations(assignments, 2):
+        assert a[0] != b[0]  # distinct in the forms, not only in cost
+    times = [c.predicted_s for c in ilp]
+    assert times == sorted(times)  # the k best, best first
+    names = " ".join(c.name for c in cands)
+    for hand in ("megatron", "dp", "fsdp"):
+        assert hand in names
+    # each plan's assignment (read off its decisions) prices exactly as its estimate; its parts add up to the
+    # prediction with every calibration factor 1 (each op kind priced apart)
+    cluster = load_cluster("cpu", info.sizes)
+    identity = dataclasses.replace(cluster, calibration=Calibration(axes=(1.0, 1.0), mesh_shape=(2, 2), of="cpu"))
+    for c in cands:
+        assert math.isclose(_evaluate(ctx, info, cluster, c.plan), c.predicted_s, rel_tol=1e-9), c.name
+        assert math.isclose(sum(v for _, v in c.components), _evaluate(ctx, info, identity, c.plan),
+                            rel_tol=1e-9), c.name
+    # a plan found twice is measured once: no two candidates lower alike
+    sigs = [(c.plan.params, c.plan.inputs, tuple(sorted(map(repr, c.plan.directives)))) for c in cands]
+    assert len(set(sigs)) == len(sigs)
+
+
+def test_fewer_plans_when_fewer_exist():
+    """A 2-layer MLP regression on 2 ranks has few assignments: asked for 40, the ILP gives every one once, then
+    stops (no error)."""
+    from autopar.models import MLP
+    model = MLP(dim=8, hidden=16)
+    inputs = (torch.randn(4, 8), torch.randn(4, 8))
+    cands, _ = _enumerate(model, inputs, {"dp": 2}, top_k=40)
+    ilp = [c for c in cands if c.name.startswith("auto#")]
+    assert 1 < len(ilp) < 40
+    forms = [plan_choices(c.plan)[0] for c in ilp]
+    assert all(a != b for a, b in itertools.combinations(forms, 2))
+    again, _ = _enumerate(model, inputs, {"dp": 2}, top_k=len(ilp))
+    assert [c.name for c in again] == [c.name for c in cands]
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def _synthetic(truth: dict[str, float], n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        parts = {k: float(torch.rand((), generator=g)) * 1e-3 for k in truth}
+        parts[REST] = 1e-5
+        measured = sum(truth[k] * v for k, v in parts.items() if k != REST) + parts[REST]
+        out.append((parts, measured))
+    return out
+
+
+def test_fit_recovers_factors_and_predicts_held_aside():
+    truth = {"compute:matmul": 3.0, "compute:vector": 1.5, "axis:0": 2.0, "axis:1": 6.0}
+    fits = _synthetic(truth, 12)
+    cal = fit_calibration(fits[:8], (2, 2), of="cpu", ridge=1e-4)
+    assert cal.compute["matmul"] == pytest.approx(3.0, rel=0.05)
+    assert cal.axes[1] == pytest.approx(6.0, rel=0.05)
+    for parts, measured in fits[8:]:  # held aside
+        assert apply_calibration(parts, cal) == pytest.approx(measured, rel=0.02)
+        assert abs(apply_calibration(parts, None) - measured) / measured > 0.3
+
+
+def test_calibration_saved_beside_the_profile_round_trips_and_prices(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model, inputs = tiny()
+    cands, (info, captured, ctx) = _enumerate(model, inputs, MESH, top_k=2, cluster=None)
+    base = load_cluster(None, info.sizes)
+    assert base.calibration is None
+    fits = [(dict(c.components), c.predicted_s * (3.0 if i % 2 else 2.5)) for i, c in enumerate(cands)]
+    from cost_model.hardware import profile_of
+    profile = profile_of(info.sizes)
+    cal = _update_calibration(profile, base, info.sizes, captured.fingerprint(), fits, save=True)
+    path = calibration_path(profile)
+    assert path.is_file() and path.name.endswith(".calibration.json")
+    assert Calibration.from_json(path.read_text()) == cal
+    # every later load of this machine's cluster (other models too) prices with it
+    loaded = load_cluster(None, info.sizes)
+    assert loaded.calibration == cal
+    for name in ("megatron", "fsdp"):
+        plain = autopar.plan(model, MESH, inputs, plan=name, cluster=base).estimate.step_time_s
+        priced = autopar.plan(model, MESH, inputs, plan=name).estimate.step_time_s
+        parts = dict(next(c for c in cands if name in c.name).components)
+        assert priced == pytest.approx(apply_calibration(parts, cal), rel=1e-9)
+        assert priced > 2 * plain
+    # a second model's measurements are fitted with the first's, which are kept
+    other, other_inputs = tiny(vocab=256)
+    cands2, (_, captured2, _) = _enumerate(other, other_inputs, MESH, top_k=1, cluster=None)
+    _update_calibration(profile, base, info.sizes, captured2.fingerprint(),
+                        [(dict(c.components), c.predicted_s * 2.0) for c in cands2], save=True)
+    saved = json.loads(path.read_text())
+    assert {f["graph"] for f in saved["fits"]} == {captured.fingerprint(), captured2.fingerprint()}
+    # a preset named explicitly stays as published
+    assert load_cluster("cpu", info.sizes).calibration is None
+
+
+def test_link_time_factor_scales_collectives():
+    link = Link(alpha_s=1e-5, bytes_per_s=1e9)
+    slow = dataclasses.replace(link, time_factor=2.5)
+    assert collective_time_s("all_reduce", 2**20, 4, slow) == pytest.approx(
+        2.5 * collective_time_s("all_reduce", 2**20, 4, link))
+    with pytest.raises(ValueError, match="time_factor"):
+        Link(alpha_s=0, bytes_per_s=1e9, time_factor=0)
+
+
+# ----------------------------------------------------------------------------- the cache key
+
+def test_cache_key_follows_graph_mesh_and_dtypes():
+    model, inputs = tiny()
+    cluster = PRESETS["cpu"]
+
+    def key(m, mesh, x):
+        info, captured, _ = _prepare(m, mesh, x)
+        return cache_key(captured, info, cluster, m, x)
+
+    k = key(model, MESH, inputs)
+    assert k == key(model, MESH, inputs)
+    assert k != key(model, {"dp": 4, "tp": 1}, inputs)
+    assert k != key(model, {"data": 2, "tp": 2}, inputs)
+    assert k != key(model.double(), MESH, inputs)
+    other, _ = tiny(vocab=256)
+    assert k != key(other, MESH, inputs)
+
+
+# ----------------------------------------------------------------------------- on 4 gloo ranks
+
+class _InjectedError(RuntimeError):
+    pass
+
+
+def _failing_optimizers(plan_of_build: list):
+    """Build 2 fails on rank 1 only; build 3's optimizer fails at its second step on rank 2 only; build 4 runs
+    out of memory (on every rank) at its first step."""
+    calls = itertools.count(1)
+
+    def make(params):
+        import torch.distributed as dist
+        n, rank = next(calls), dist.get_rank()
+        if n == 2 and rank == 1:
+            raise _InjectedError("injected build failure")
+        opt = torch.optim.AdamW(params, lr=1e-4)
+        if n in (3, 4):
+            step, count = opt.step, itertools.count(1)
+
+            def failing_step(*a, **k):
+                i = next(count)
+                if n == 3 and i == 2 and rank == 2:
+                    raise _InjectedError("injected step failure")
+                if n == 4:
+                    raise torch.OutOfMemoryError("injected: tried to allocate 1 TiB")
+                return step(*a, **k)
+            opt.step = failing_step
+        return opt
+    return make
+
+
+def _with_cache(cache_dir: str, fn):
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = cache_dir
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+
+
+def _job_isolation_and_cache(cache_dir: str):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def run():
+        tune_mod = sys.modules["autopar.tune"]
+        model, inputs = tiny()
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        result = autopar.tune(model, mesh, inputs, top_k=2, steps=2, warmup=1, progress=False,
+                              optimizer=_failing_optimizers([]), cluster="cpu")
+        first = [(c.name, c.measured_s, c.skipped, c.peak_bytes) for c in result.candidates]
+        # the cache: a second call and plan="tuned" measure nothing
+        real = tune_mod._measure
+        tune_mod._measure = lambda *a, **k: (_ for _ in ()).throw(AssertionError("measured again"))
+        try:
+            again = autopar.tune(model, mesh, inputs, top_k=2, steps=2, warmup=1, progress=False, cluster="cpu")
+            pm = autopar.parallelize(model, mesh, inputs, plan="tuned", cluster="cpu")
+        finally:
+            tune_mod._measure = real
+        loss = pm(*inputs)
+        loss.backward()
+        return dict(first=first, winner=result.plan.to_json(), again_measured=again.measured,
+                    again_winner=again.plan.to_json(), tuned=pm.plan.params == result.plan.params,
+                    table=result.table() if dist.get_rank() == 0 else "", loss=float(loss))
+    return _with_cache(cache_dir, run)
+
+
+def test_failures_are_isolated_and_the_result_is_cached(tmp_path):
+    out = gloo_pool(4).run(_job_isolation_and_cache, str(tmp_path))
+    assert all(o["first"] == out[0]["first"] for o in out)  # every rank saw the same outcome
+    rows = out[0]["first"]
+    assert len(rows) == 5, rows  # 2 of the ILP, 3 hand plans, in the order they are built
+    assert rows[1][2] == "rank 1: _InjectedError: injected build failure", rows
+    assert rows[2][2] == "rank 2: _InjectedError: injected step failure", rows
+    assert rows[3][2] == "rank 0: out of memory: injected: tried to allocate 1 TiB (and ranks [1, 2, 3])", rows
+    for i in (1, 2, 3):
+        assert rows[i][1] is None and rows[i][0] not in out[0]["table"].split("fastest")[0].splitlines()[-1]
+    for name, t, why, peaks in (rows[0], rows[4]):  # the others went on
+        assert t > 0 and len(peaks) == 4 and min(peaks) > 0 and not why
+    fastest = min((rows[0], rows[4]), key=lambda r: r[1])
+    assert f"{fastest[0]} " in out[0]["table"].split("fastest")[0].splitlines()[-1]
+    # cached: the second call and plan="tuned" returned the winner without measuring (the job would have raised)
+    assert all(o["again_measured"] is False and o["again_winner"] == o["winner"] and o["tuned"] for o in out)
+    assert math.isfinite(out[0]["loss"])
+    assert list((tmp_path / "autopar" / "tune").glob("*.json"))
+
+
+def _job_memory_limit(cache_dir: str):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def run():
+        model, inputs = tiny(vocab=65536, hidden=256, batch=4)  # 64 MiB of parameters, nearly all the embedding
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp_state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # AdamW: p, grad, 2 states
+        limit = int(0.9 * dp_state)
+        result = autopar.tune(model, mesh, inputs, top_k=0, steps=1, warmup=0, progress=False, cache=False,
+                              memory_limit=limit, cluster="cpu")
+        return limit, [(c.name, c.measured_s, c.skipped, c.peak_bytes) for c in result.candidates]
+    return _with_cache(cache_dir, run)
+
+
+def test_a_candidate_over_the_memory_limit_is_skipped(tmp_path):
+    """dp holds every parameter and its AdamW state whole on every rank: over 9/10 of that, it is skipped; the
+    plans that shard the (large) embedding go on (megatron holds half of it; what each measured is within the
+    limit)."""
+    out = gloo_pool(4).run(_job_memory_limit, str(tmp_path))
+    limit, rows = out[0]
+    assert all(o == out[0] for o in out)
+    assert [r[0] for r in rows] == ["megatron", "dp", "fsdp"]
+    dp = rows[1]
+    assert dp[1] is None and dp[2].startswith("exceeds the memory limit: rank ") \
+        and dp[2].endswith(f"over {limit / 2**20:.1f} MiB per rank"), rows
+    measured = [r for r in rows if r[1] is not None]
+    assert measured, rows
+    for name, t, why, peaks in measured:
+        assert max(peaks) <= limit
+
+
+# ----------------------------------------------------------------------------- the command line
+
+def test_cli_tunes_on_4_ranks(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+               XDG_CACHE_HOME=str(tmp_path))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4", "-m", "autopar", "tune",
+                          "--model", "test_tune:tiny", "--mesh", "2x2", "--mesh-names", "dp,tp", "--top-k", "1",
+                          "--steps", "2", "--warmup", "1", "--out", str(tmp_path / "plan.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("fastest: ") == 1 and "predicted" in out.stdout and "calibrated" in out.stdout
+    assert "autopar tune auto#1" in out.stderr  # the progress bars, rank 0 only
+    plan = autopar.Plan.load(str(tmp_path / "plan.json"))
+    assert dict(plan.mesh) == {"dp": 2, "tp": 2}
+    assert list(tmp_path.glob("autopar/*.calibration.json"))  # saved beside this machine's profile
