@@ -632,19 +632,19 @@ class MeshCosting:
 
     def state_factor(self) -> float:
         """Parameter + gradient + optimizer state, in multiples of the parameter bytes: under mixed precision, of the
-        param_dtype bytes the graph holds (`state_bytes_per_element`); else `cost_model.memory.state_bytes_per_element`
-        of the parameters' dtype, the one rule for model state (2 + the optimizer's states for fp32; 8 for 16-bit
-        parameters with Adam and fp32 masters: 16 bytes per element)."""
+        param_dtype bytes the graph holds (`state_bytes_per_element`: fp32 masters, 16 bytes per element with Adam);
+        else `cost_model.memory.state_bytes_per_element` of the parameters' dtype without masters (a 16-bit model
+        trained by torch.optim as it is keeps 16-bit states): 2 + the optimizer's states."""
         if self.state_bytes_per_param_byte is not None:
             return self.state_bytes_per_param_byte
-        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
         return per.total / per.param
 
     def param_share(self) -> float:
         """Parameters' share of parameter + gradient + optimizer bytes (as `grad_share`)."""
         if self.state_bytes_per_param_byte is not None:
             return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
-        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
         return per.param / per.total
 
     def grad_share(self) -> float:
@@ -652,7 +652,7 @@ class MeshCosting:
         parts (`state_bytes_per_element`), else as `cost_model.memory.state_bytes_per_element` says."""
         if self.state_bytes_per_param_byte is not None:
             return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
-        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer)
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
         return per.grad / per.total
 
 

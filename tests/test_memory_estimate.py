@@ -179,7 +179,8 @@ def test_solver_memory_limit_is_the_peak():
 def test_optimizer_state_per_element():
     """Adam: fp32 parameters 4 + 4 + 2·4 = 16 bytes; 16-bit parameters with an fp32 master copy and fp32 moments
     2 + 2 + 4 + 8 = 16 (ZeRO's K = 12); fp32 gradients of 16-bit parameters (a reduce dtype) add 2; SGD holds no
-    state; the estimate's state factor follows the same rule (one home)."""
+    state. The estimate follows the same rule (one home): a bf16 model trained as it is (no `mp_policy`) keeps
+    bf16 states, 2 + 2 + 2·2 = 8 bytes (what torch.optim allocates); under a policy, fp32 masters (16)."""
     assert state_bytes_per_element(torch.float32).total == 16
     bf16 = state_bytes_per_element(torch.bfloat16, optimizer="adamw")
     assert (bf16.param, bf16.grad, bf16.optimizer, bf16.total) == (2, 2, 12, 16)
@@ -193,10 +194,10 @@ def test_optimizer_state_per_element():
     _, _, ctx = _prepare(model, {"dp": 2}, x, None)
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, ("dp",), (2,), ("dp",), H.PRESETS["h100"])
-    assert mc.state_factor() == 8 and mc.grad_share() == 2 / 16
+    assert mc.state_factor() == 4 and mc.grad_share() == mc.param_share() == 2 / 8
     e = autopar.plan(model, {"dp": 2}, x, plan="dp", cluster="h100").estimate
     numel = sum(p.numel() for p in model.parameters())
-    state = model_state_bytes(dict(model.named_parameters()))
+    state = model_state_bytes(dict(model.named_parameters()), master_weights=False)
     assert sum(s.optimizer_bytes for s in e.sites) == pytest.approx(state.optimizer_bytes, abs=4 * len(e.sites)) \
-        == 12 * numel
+        == pytest.approx(4 * numel, abs=4 * len(e.sites))
     assert sum(s.parameters_bytes for s in e.sites) == pytest.approx(2 * numel, abs=4 * len(e.sites))
