@@ -221,9 +221,11 @@ def _world(shape) -> int:
 
 
 def test_auto_plan_forced_by_memory_mixes_forms_and_matches(local_world):
-    """`auto` on dp=2 x tp=2 with 70% of the memory the data-parallel plan needs: neither `dp` nor `megatron`
-    fits, and the ILP combines tensor parallelism (attention by heads, MLPs, vocab-parallel embedding and loss),
-    Megatron sequence parallelism (norms) and FSDP (parameters sharded over dp). That plan, run: loss, every
+    """`auto` on dp=2 x tp=2 with 40% of the memory the data-parallel plan needs (the saved-tensor estimate, with
+    the data-parallel plan's gradient bucket copies at the end of backward, fits tensor parallelism alone in 55%,
+    and checkpoint levels alone more): neither `dp` nor `megatron` fits, and the ILP combines tensor parallelism
+    (attention by heads, MLPs, vocab-parallel embedding and loss), Megatron sequence parallelism (norms) and FSDP
+    (parameters sharded over dp). That plan, run: loss, every
     gradient and every parameter after the step equal one device's, and each form's collectives ran."""
     import autopar
 
@@ -231,7 +233,7 @@ def test_auto_plan_forced_by_memory_mixes_forms_and_matches(local_world):
     numels = {n: p.numel() for n, p in model.named_parameters()}
     mesh = {"dp": 2, "tp": 2}
     whole = autopar.plan(model, mesh, inputs, plan="dp", cluster="cpu", memory_limit=2**40)
-    limit = 0.7 * whole.estimate.memory_bytes_per_device
+    limit = 0.4 * whole.estimate.memory_bytes_per_device
     for hand in ("dp", "megatron"):
         assert not autopar.plan(model, mesh, inputs, plan=hand, cluster="cpu", memory_limit=limit).estimate.fits, hand
     planned = autopar.plan(model, mesh, inputs, plan="auto", cluster="cpu", memory_limit=limit)

@@ -14,8 +14,9 @@ whole on the others, as backward produces it (per parameter, as the lowering iss
 gathers are grouped per block, as FSDP2 does, latency is paid per group). `gather_s` is the gathers'
 share (what a timeline prefetches ahead of the forward: `autopar.timeline`). On sequence axes gradients join the data-parallel
 bucket. State: parameters, gradients and optimizer state divided by the data-parallel degree, plus
-the gathered parameters, which live from forward to backward (not re-gathered in backward, as
-ZeRO-3 does to save that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter).
+the gathered parameters backward reads (`SiteStats.saved_params`: weights, not biases or embedding
+tables), which live from forward to backward (not re-gathered in backward, as ZeRO-3 does to save
+that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter).
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
                 backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
-    return t + kept_t, b + kept_b, state_bytes(mc, local) + dp.state_bytes(mc, kept.param_bytes / split), local
+    # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table)
+    gathered = sum(sharded.param_facts[p][0] for p in sharded.saved_params) / split
+    return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
+            + dp.state_bytes(mc, kept.param_bytes / split), gathered)
 
 
 def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
