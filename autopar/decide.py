@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.estimate import OPTIMIZER_STATES, Cost, MeshCosting, gather_stats, mesh_costing
+from autopar.estimate import Cost, MeshCosting, gather_stats, mesh_costing
 from autopar.forms import Candidate
 from autopar.mesh import MeshInfo
 from autopar.plan import CandidateRow, Decision, SiteEstimate, _fmt_bytes
@@ -194,10 +194,12 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
 
 def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:
     state = max(0.0, cost.memory_bytes - cost.act_bytes - cost.transient_bytes)
-    one = state / (2 + OPTIMIZER_STATES[mc.optimizer])  # parameters (as much again for gradients), any precision
+    params, grads = state * mc.param_share(), state * mc.grad_share()  # any precision (`state_bytes_per_element`)
     return SiteEstimate(key=key, compute_s=cost.compute_s, comm_s=cost.comm_s, comm_axes=axes,
-                        parameters_bytes=int(one), gradients_bytes=int(one), optimizer_bytes=int(state - 2 * one),
-                        activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes))
+                        parameters_bytes=int(params), gradients_bytes=int(grads),
+                        optimizer_bytes=int(state - params - grads),
+                        activations_bytes=int(cost.act_bytes), transient_bytes=int(cost.transient_bytes),
+                        momentary_bytes=int(cost.peak_bytes))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -2,9 +2,22 @@
 
 A *site* is a recognised structure (attention, MLP, embedding, loss, norm, MoE; a lone linear).
 `gather_stats` reads, once per captured graph, what each site's cost needs (`SiteStats`): its
-forward FLOPs and bytes by op kind, the activations its nodes save, its block input, its parameters
-(and which of them have their own gradient reduced), the loss' logits and reductions, and the same
-for everything outside every site ("other": norms, residuals, masks, which are data-parallel only).
+forward FLOPs and bytes by op kind, the activations saved for backward whose placement its form
+decides, its block input, its parameters (and which of them have their own gradient reduced, which
+backward reads), the loss' logits and reductions, and the same for everything outside every site
+("other": what no form shards).
+
+Memory. Saved activations are what autograd saves (`cost_model.memory.saved_activations` on the
+captured graph: views and shared storage once, values freed in forward not at all), each given to the
+site whose form decides its placement (`attribute_saved`): a block's interior to the block (tensor
+parallelism divides it by t), the residual stream (residual adds, RMS-norm pieces, dropout masks on
+it) to the norms (sequence parallelism divides it by t), the logits between the LM head and the loss
+to the loss (vocab-parallel divides it by t); what remains is replicated on the model axes. Every
+form's `cost` says what its runtime saves beyond the graph (a mask, a copy). The step's peak
+(`peak_bytes`): parameters, optimizer state and FSDP's kept gathers, plus the larger end of the
+backward: every saved activation with the largest momentary buffer (`Cost.peak_bytes`: the loss'
+logit gradients), or every gradient. Model state per parameter element follows one rule
+(`cost_model.memory.state_bytes_per_element`, `MeshCosting.state_factor`).
 
 `MeshCosting` prices on one role assignment of the mesh (data axes, sequence axes, the cluster):
 collectives on an axis (`cost_model.analytical.collective_time_s`: a profile's measured table, or
@@ -29,15 +42,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from cost_model.analytical import collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
+from cost_model.analytical import _is_view, collective_time_s, compute_time_s, has_kernel_rates, kernel_time_s, node_cost, \
     send_bytes
-from cost_model.hardware import Cluster, axis_link
+from cost_model.hardware import Cluster, axis_link, dtype_name
+from cost_model.memory import OPTIMIZER_STATES, saved_activations
+from cost_model.memory import state_bytes_per_element as element_state_bytes
 from autopar.layers import find_layers
 from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes.patterns import TRANSPARENT
 
-OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1}
+
+# aten's cross-entropy backward holds two logit-sized fp32 buffers besides the saved log-probabilities: the gradient
+# of the log-probabilities and that of the logits (`_log_softmax_backward_data`); the step's peak is usually there
+CE_BACKWARD_BUFFERS = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +68,13 @@ class Cost:
     # parameters, gradients and optimizer state (`MeshCosting.state_factor`: 1 : 1 : the optimizer's states)
     act_bytes: float = 0.0
     transient_bytes: float = 0.0
+    # not in memory_bytes: a buffer alive only while this structure runs (the loss' logit gradients, a ring's K/V
+    # double buffer); the step's peak adds the largest of them to the start of the backward (`peak_bytes`)
+    peak_bytes: float = 0.0
+    # of its gradients, those reduced in the data-parallel buckets (`autopar.forms.dp`): reducing a bucket holds its
+    # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
+    # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
+    bucket_bytes: float = 0.0
     # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
     # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
     # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
@@ -66,6 +91,31 @@ class Cost:
         """Communication on the critical path: what no compute hides."""
         return max(0.0, self.comm_s - self.gather_s - self.reduce_s)
 
+    def live_parts(self, grad_share: float) -> tuple[float, float, float]:
+        """(held all step: parameters, optimizer state, FSDP's gathered copies; saved activations; gradients), with
+        `grad_share` the gradients' share of parameter + gradient + optimizer bytes (`MeshCosting.grad_share`)."""
+        state = self.memory_bytes - self.act_bytes
+        grads = (state - self.transient_bytes) * grad_share
+        return state - grads, self.act_bytes, grads
+
+
+def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
+    """The step's peak memory per device from its structures' costs: what is held all step, plus the larger of the
+    two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
+    momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
+    at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
+    `Cost.bucket_bytes`). In between, gradients accumulate as activations are freed, and
+    the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
+    activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size).
+    `start_bytes`: more at the start of the backward (activation checkpointing: the saved bytes its levels change,
+    negative, and the recompute transient, `solver.checkpoint_cost`)."""
+    held = act = grads = momentary = bucket = 0.0
+    for c in costs:
+        h, a, g = c.live_parts(grad_share)
+        held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
+            bucket + c.bucket_bytes
+    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
+
 
 @dataclass
 class SiteStats:
@@ -73,7 +123,15 @@ class SiteStats:
 
     flops: float = 0.0  # forward
     compute_dtype: str = "float32"
-    act_bytes: float = 0.0  # outputs of its nodes (saved for backward), global
+    act_bytes: float = 0.0  # outputs of its nodes, global: the bytes its ops write (the roofline's traffic)
+    # saved for backward (`cost_model.memory.saved_activations`: views and shared storage once), global, whose
+    # placement this site's form decides (`attribute_saved`); other: what no form shards (replicated on model axes)
+    saved_bytes: float = 0.0
+    saved_unbatched_bytes: float = 0.0  # other: saved values that do not depend on the batch (replicated on data)
+    saved_unbatched_seq_bytes: float = 0.0  # ... of which those holding the sequence (split on sequence axes)
+    peak_bytes: float = 0.0  # a buffer alive only momentarily (the loss' gradients of its logits), global
+    attn_out_bytes: float = 0.0  # attention: its output (b, heads, s, d), global
+    index_numel: int = 0  # embedding: the ids it looks up, global
     io_bytes: float = 0.0  # the block's input activation, global
     param_bytes: float = 0.0
     param_numel: int = 0
@@ -85,6 +143,7 @@ class SiteStats:
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
     # placeholder -> (bytes of its FSDP gather group, gathered again in backward): `fsdp_groups`
     fsdp_groups: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    saved_params: frozenset[str] = frozenset()  # parameters backward reads (FSDP keeps their gathered copies)
     # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
@@ -117,9 +176,11 @@ class SiteStats:
     def add_param(self, name: str, v: torch.Tensor, synced: bool, *, counted: bool = True, used: bool = True) -> None:
         """A parameter of the site; `counted=False` for one another site already counts (a tied weight):
         it constrains the site's FSDP sharding but its bytes are synchronised and stored once. An unused
-        placeholder (`used=False`: the other name of a tied weight) is stored but never communicated."""
+        placeholder (`used=False`: the other name of a tied weight) is not counted: a tied name shares its
+        twin's storage, and a parameter no op uses gets no gradient, so no optimizer state (its own bytes,
+        which are rare and small, are left out)."""
         self.param_shapes[name] = tuple(int(d) for d in v.shape)
-        if not counted:
+        if not counted or not used:
             return
         self.param_bytes += _bytes(v)
         self.param_numel += v.numel()
@@ -136,6 +197,8 @@ class SiteStats:
         for name, (nbytes, used, synced) in self.param_facts.items():
             part = parts[name in self.fsdp_whole]
             part.param_bytes += nbytes
+            if name in self.saved_params:
+                part.saved_params = part.saved_params | {name}
             part.param_facts[name] = (nbytes, used, synced)
             if used:
                 part.param_sizes.append(nbytes)
@@ -246,6 +309,121 @@ def _on_sequence(n: fx.Node, seq_len: int | None) -> bool:
     return False
 
 
+def _batch_dependent(gm: fx.GraphModule, user_inputs: set[str]) -> set[fx.Node]:
+    """Nodes whose value depends on a user input (the batch)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if (n.op == "placeholder" and n.name in user_inputs) or any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _stream(ctx: PassContext, interior: set[fx.Node]) -> set[fx.Node]:
+    """The residual stream: values with the leading (batch, sequence) dims of a norm's input connected to one
+    (either way) through nodes outside the interior of attention, MLP, MoE and loss blocks (residual adds,
+    dropouts, the pieces of an RMS norm, the embedding output, a row-parallel layer's output). Megatron sequence
+    parallelism splits all of it on the sequence (`autopar.forms.sequence_norm`)."""
+    norms = ctx.of_kind(Kind.NORM)
+    if not norms:
+        return set()
+    lead = tuple(norms[0].input.meta["val"].shape[:2])
+
+    def on(n: fx.Node) -> bool:
+        v = n.meta.get("val")
+        return (n.op == "call_function" and n not in interior and isinstance(v, torch.Tensor) and v.dim() >= 2
+                and tuple(v.shape[:2]) == lead)
+
+    seen: set[fx.Node] = set()
+    stack = [s.input for s in norms if on(s.input)] + [s.node for s in norms if on(s.node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(m for m in (*n.all_input_nodes, *n.users) if m not in seen and on(m))
+    return seen
+
+
+def _logits_region(site: LossSite, owner: dict[fx.Node, str]) -> set[fx.Node]:
+    """Nodes outside every site between a loss' LM head and the loss (the logits' upcast, flattening)."""
+    out: set[fx.Node] = set()
+    stack = [u for lin in site.head for u in lin.node.users]
+    while stack:
+        n = stack.pop()
+        if n in out or n in owner or n.op != "call_function":
+            continue
+        out.add(n)
+        stack.extend(n.users)
+    return out
+
+
+def _reaches_batch(n: fx.Node, batch: set[fx.Node]) -> bool:
+    """Whether batch-dependent work consumes `n`, directly or through views."""
+    stack, seen = list(n.users), set()
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in batch:
+            return True
+        if u.op == "call_function" and (u.target in TRANSPARENT or _is_view(u)):
+            stack.extend(u.users)
+    return False
+
+
+def attribute_saved(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats], other: SiteStats
+                    ) -> None:
+    """Add each tensor autograd saves for backward (`cost_model.memory.saved_activations` of the captured graph:
+    views and shared storage counted once, values freed in forward not at all) to the stats of the site whose
+    form decides its placement (by the node that produces it, or that an extra buffer is placed like):
+
+    - the residual stream (`_stream`): shared evenly by the norms (sequence parallelism splits it on the
+      sequence; otherwise it is replicated on model axes);
+    - between an LM head and its loss (`_logits_region`: the upcast, flattening, cross-entropy's log-probabilities):
+      the loss (vocab-parallel cross-entropy splits it on the vocabulary);
+    - else produced inside a site (`owner`): that site (tensor parallelism splits a block's interior);
+    - else other: replicated on model axes; split on the data axes when it depends on the batch
+      (`saved_bytes`), else whole there (`saved_unbatched_bytes`), and then split on a sequence axis when
+      batch-dependent work takes it on the sequence (`saved_unbatched_seq_bytes`: rotary tables).
+
+    Parameters backward reads (`saved_params`: a linear's weight, a norm's weight; not a bias, not an embedding
+    table) are what FSDP's gathered copies keep alive until backward (`autopar.forms.fsdp.params_cost`).
+    """
+    gm = ctx.captured.gm
+    sites = {s.key: s for s in ctx.planning_sites()}
+    interior = {n for n, key in owner.items() if sites[key].kind in (Kind.ATTENTION, Kind.MLP, Kind.MOE, Kind.LOSS)}
+    interior -= {lin.node for site in sites.values() for lin in _row_linears(site)}  # their outputs join the stream
+    stream = _stream(ctx, interior)
+    logits = {n: site.key for site in ctx.of_kind(Kind.LOSS) for n in _logits_region(site, owner)}
+    norms = [s.key for s in ctx.of_kind(Kind.NORM)]
+    batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
+    seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)
+    params = set(ctx.captured.param_fqns)
+    for saved in saved_activations(gm, set(ctx.captured.user_inputs) | params).values():
+        if saved.node.op == "placeholder" and saved.node.name in params:
+            for st in (*stats.values(), other):
+                if saved.node.name in st.param_facts:
+                    st.saved_params = st.saved_params | {saved.node.name}
+            continue
+        n = saved.node
+        if n in stream:
+            for key in norms:
+                stats[key].saved_bytes += saved.bytes / len(norms)
+        elif n in logits:
+            stats[logits[n]].saved_bytes += saved.bytes
+        elif n in owner:
+            stats[owner[n]].saved_bytes += saved.bytes
+        elif n in batch:
+            other.saved_bytes += saved.bytes
+        else:
+            other.saved_unbatched_bytes += saved.bytes
+            # split on a sequence axis where the batch-dependent work consuming it takes it (a boundary holding the
+            # sequence: the lowering splits it there); values before such a boundary stay whole
+            if _reaches_batch(n, batch) and _on_sequence(n, seq_len):
+                other.saved_unbatched_seq_bytes += saved.bytes
+
+
 def _loss_reductions(site: LossSite) -> int:
     """Scalars a loss all-reduces per data axis with the batch split: its value, and for a mean cross-entropy
     the valid-token count (`autopar.runtime.ops.loss_reduce`); none for reduction='none'."""
@@ -286,6 +464,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     summed = summed_embeddings(ctx)
     stats: dict[str, SiteStats] = {}
     covered_nodes: set[fx.Node] = set()
+    owner: dict[fx.Node, str] = {}  # node -> the site that counts it
     owned: set[str] = set()
     outputs = set(gm.graph.output_node().all_input_nodes)
     for site in ctx.planning_sites():
@@ -294,6 +473,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             if n in covered_nodes:
                 continue
             covered_nodes.add(n)
+            owner[n] = site.key
             st.add_node(n)
         x = _block_input(site)
         st.io_bytes = _bytes(x.meta.get("val")) if x is not None else 0.0
@@ -302,12 +482,17 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
             owned.add(p)
         if site.kind is Kind.EMBEDDING:
             st.summed_into = summed.get(site.key)
+            ids = site.node.args[1].meta.get("val")
+            st.index_numel = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        if site.kind is Kind.ATTENTION:
+            st.attn_out_bytes = _bytes(site.node.meta.get("val"))
         if site.kind is Kind.LOSS:
             st.loss_reductions = _loss_reductions(site)
             logits = site.node.args[0].meta.get("val")
             if isinstance(logits, torch.Tensor) and site.loss == "cross_entropy":
                 st.ce_logits_fp32_bytes = logits.numel() * max(4, logits.element_size())  # at least fp32
                 st.ce_fused_bytes = node_cost(site.node).bytes
+                st.peak_bytes = CE_BACKWARD_BUFFERS * st.ce_logits_fp32_bytes
         if site.kind is Kind.LOSS and site.head:
             logits = site.head[0].node
             st.logits_bytes = _bytes(logits.meta.get("val"))
@@ -335,6 +520,7 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
                                    if used and sync})
     for st in (*stats.values(), other):
         st.fsdp_groups = {p: groups[p] for p in st.param_facts if p in groups}
+    attribute_saved(ctx, owner, stats, other)
     return stats, other, owned
 
 
@@ -385,10 +571,14 @@ def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats
     as many as `GRAD_BUCKET_BYTES` buckets their bytes fill (`bucket_gradients_pass`)."""
     ph = {n.name: n for n in ctx.captured.gm.graph.nodes if n.op == "placeholder"}
     dtypes = {ph[p].meta["val"].dtype for p in ctx.captured.param_fqns}
+    by_dtype: dict[torch.dtype, float] = {}
+    for p in ctx.captured.param_fqns:
+        by_dtype[ph[p].meta["val"].dtype] = by_dtype.get(ph[p].meta["val"].dtype, 0.0) + _bytes(ph[p].meta["val"])
+    param_dtype = max(by_dtype, key=by_dtype.get) if by_dtype else torch.float32
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
-                       optimizer=optimizer, seq_axes=tuple(seq_axes), bucket_bytes=total,
-                       num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)),
+                       optimizer=optimizer, param_dtype=dtype_name(param_dtype), seq_axes=tuple(seq_axes),
+                       bucket_bytes=total, num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)),
                        **precision_costing(ctx.captured, dtypes, optimizer))
 
 
@@ -402,7 +592,8 @@ def state_bytes_per_element(master_dtype: torch.dtype, param_dtype: torch.dtype 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     del param_dtype, reduce_dtype  # transients (see above)
-    return torch.empty((), dtype=master_dtype).element_size() * (2 + OPTIMIZER_STATES[optimizer])
+    # the one rule (`cost_model.memory`): the master is what the optimizer updates, no further fp32 copy
+    return float(element_state_bytes(master_dtype, optimizer=optimizer, master_weights=False).total)
 
 
 def precision_costing(captured, dtypes: set, optimizer: str) -> dict:
@@ -428,6 +619,7 @@ class MeshCosting:
     data_axes: tuple[str, ...]
     cluster: Cluster
     optimizer: str = "adam"
+    param_dtype: str = "float32"  # the parameters' dtype (the one holding most of their bytes)
     seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
     bucket_bytes: float = 0.0  # gradient bytes of all parameters: the bucket whose per-byte rate sites pay
     num_buckets: int = 1  # gradient buckets per axis: one per dtype, one per `GRAD_BUCKET_BYTES`
@@ -475,11 +667,29 @@ class MeshCosting:
         return t, b
 
     def state_factor(self) -> float:
-        """Parameter + gradient + optimizer states, in multiples of the parameter bytes (fp32 states); under mixed
-        precision, of the param_dtype bytes the graph holds (`state_bytes_per_element`)."""
+        """Parameter + gradient + optimizer state, in multiples of the parameter bytes: under mixed precision, of the
+        param_dtype bytes the graph holds (`state_bytes_per_element`: fp32 masters, 16 bytes per element with Adam);
+        else `cost_model.memory.state_bytes_per_element` of the parameters' dtype without masters (a 16-bit model
+        trained by torch.optim as it is keeps 16-bit states): 2 + the optimizer's states."""
         if self.state_bytes_per_param_byte is not None:
             return self.state_bytes_per_param_byte
-        return 2 + OPTIMIZER_STATES[self.optimizer] * 1.0
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
+        return per.total / per.param
+
+    def param_share(self) -> float:
+        """Parameters' share of parameter + gradient + optimizer bytes (as `grad_share`)."""
+        if self.state_bytes_per_param_byte is not None:
+            return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
+        return per.param / per.total
+
+    def grad_share(self) -> float:
+        """Gradients' share of parameter + gradient + optimizer bytes: under a policy one of the master's 2 + states
+        parts (`state_bytes_per_element`), else as `cost_model.memory.state_bytes_per_element` says."""
+        if self.state_bytes_per_param_byte is not None:
+            return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
+        per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
+        return per.grad / per.total
 
 
 def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:

@@ -122,6 +122,7 @@ class SiteEstimate:
     optimizer_bytes: int = 0
     activations_bytes: int = 0  # saved for backward
     transient_bytes: int = 0  # FSDP's gathered copy of the parameters
+    momentary_bytes: int = 0  # alive only while it runs (the loss' logit gradients); the peak adds the largest
 
 
 @dataclass(frozen=True, kw_only=True)

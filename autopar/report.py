@@ -88,7 +88,12 @@ def _memory_section(plan) -> str:
     limit = est.memory_limit_bytes
     on_scale = total >= limit / 20  # else the bar would be too thin to read: scale to the total
     scale = max(total, limit, 1) if on_scale else total * 1.05
-    out.append(f"<p>{_fmt_bytes(total)} of {_fmt_bytes(limit)} ({'fits' if est.fits else 'DOES NOT FIT'}); "
+    momentary = max((s.momentary_bytes for s in est.sites), default=0)
+    out.append(f"<p>Peak {_fmt_bytes(est.memory_bytes_per_device)} of {_fmt_bytes(limit)} "
+               f"({'fits' if est.fits else 'DOES NOT FIT'}): parameters, optimizer state and gathered copies, plus "
+               f"the larger of the activations with the largest momentary buffer ({_fmt_bytes(momentary)}: the "
+               f"loss' logit gradients) at the start of backward and the gradients at its end. The parts below, "
+               f"each in full, add to {_fmt_bytes(total)}; "
                + ("the black line marks the limit." if on_scale else
                   f"the limit is {limit / max(total, 1):.0f}x the total, beyond the bar's right end.") + "</p>")
     out.append(_stack(totals, scale, limit=limit / scale if on_scale else None))

@@ -30,7 +30,13 @@ Constraints
   sum_l y[g,l] = 1 for every g                                                 (one level per group)
   w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
   T >= transient[g,l] y[g,l]
-  sum_k n_k sum_c mem[k,c] x[k,c] + sum_g,l dmem[g,l] y[g,l] + T + mem_other <= memory limit   (per-device memory)
+  held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
+      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
+      peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
+                + sum_g,l dmem[g,l] y[g,l] + T                                 (start of backward),
+      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
+                                                                          (end of backward; a boolean picks the min),
+      momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
   minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g] + time_other:
   estimated step time, in integer nanoseconds for CP-SAT. time[k,c] = `timeline.overlapped_s`: compute +
@@ -61,13 +67,15 @@ from typing import Callable
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing
+from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing, \
+    peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
+from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, PassContext, Site
 from autopar.timeline import overlapped_s
 from autopar.units import fmt_bytes
@@ -172,8 +180,14 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
             else:
                 t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + st.act_bytes / mc.dp,
-                act_bytes=st.act_bytes / mc.dp, transient_bytes=transient, gather_s=gather, reduce_s=sync_s - gather)
+    # saved activations: split over the data and sequence axes with the batch; those that do not depend on it only
+    # over the sequence axes, where they hold the sequence (`attribute_saved`)
+    act = (st.saved_bytes / mc.dp + st.saved_unbatched_seq_bytes / seq
+           + st.saved_unbatched_bytes - st.saved_unbatched_seq_bytes)
+    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
+                act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
+                bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
+                reduce_s=sync_s - gather)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -368,14 +382,16 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         base = other_cost(other, mc)
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
         try:
-            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude)
+            sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude,
+                                      grad_share=mc.grad_share())
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
             continue
         least_memory = min(least_memory, mem_min)
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
-            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck)
+            free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
+                                  grad_share=mc.grad_share())
             tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
                                                      f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
@@ -423,7 +439,8 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
                  roles=[(d, q, sol, why) for d, q, sol, why in tried])
     cheapest = [min(overlapped_s(c) for c in cost) for cost in costs]
     if any(overlapped_s(best.per_site[cls[0].key]) > t + 1e-12 for cls, t in zip(classes, cheapest)):
-        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck)
+        free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
+                             grad_share=mc.grad_share())
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
     out.checkpoint = ck
     return out
@@ -496,7 +513,7 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
 
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
-               ck: CheckpointTerms | None = None, exclude=()):
+               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
@@ -517,14 +534,37 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
             form_of(cls[0].kind, c.form).add_constraints(view, cls[0], c, v)
     kib = lambda b: int(math.ceil(b / 1024))  # noqa: E731
     ns = lambda s: int(round(s * 1e9))  # noqa: E731
-    mem = sum(len(cls) * kib(c.memory_bytes) * v for cls, cs, xs in zip(classes, costs, x) for c, v in zip(cs, xs))
-    # the least memory any plan of this family needs (reported when nothing fits)
-    mem_min = kib(base.memory_bytes) + sum(len(cls) * min(kib(c.memory_bytes) for c in cs)
-                                           for cls, cs in zip(classes, costs))
+    # the step's peak (`autopar.estimate.peak_bytes`): held + max(activations + the largest momentary buffer,
+    # gradients); `peak` (the max of the two ends) and `momentary` (the max of the chosen buffers) are variables
+    # bounded below, which the limit then caps
+    parts = [[[kib(p) for p in c.live_parts(grad_share)] + [kib(c.peak_bytes)] for c in cs] for cs in costs]
+    bparts = [kib(p) for p in base.live_parts(grad_share)] + [kib(base.peak_bytes)]
+
+    def total(i):  # part i (0 held, 1 activations, 2 gradients) of the chosen candidates, and of the rest
+        return bparts[i] + sum(len(cls) * ps[i] * v for cls, pcs, xs in zip(classes, parts, x) for ps, v in zip(pcs, xs))
+
+    top = int(limit // 1024) if limit < 2.0**61 else 2**62 // 1024
+    momentary = model.NewIntVar(0, max([bparts[3]] + [ps[3] for pcs in parts for ps in pcs]), "momentary")
+    model.Add(momentary >= bparts[3])
+    for pcs, xs in zip(parts, x):
+        for ps, v in zip(pcs, xs):
+            if ps[3] > bparts[3]:
+                model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
+    peak = model.NewIntVar(0, 2**62 // 1024, "peak")
     y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
-    mem_min += ck_mem_min
+    model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
+    # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
+    bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
+                                            for c, v in zip(cs, xs))
+    small = model.NewBoolVar("bucket_small")
+    model.Add(peak >= total(2) + 2 * bucketed).OnlyEnforceIf(small)
+    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES)).OnlyEnforceIf(small.Not())
+    # the least memory any plan of this family needs (reported when nothing fits): each part at its least
+    least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
+    mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
+                             least[2])
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
-    model.Add(mem + ck_mem + kib(base.memory_bytes) <= int(limit // 1024)).OnlyEnforceIf(memory_on)
+    model.Add(total(0) + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
     # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`)
     model.Minimize(sum(len(cls) * ns(overlapped_s(c)) * v for cls, cs, xs in zip(classes, costs, x)
@@ -553,7 +593,7 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
         for g, ys in zip(ck.groups, y):
             levels[g] = next(lv for lv, v in zip(g.levels, ys) if solver.Value(v))
     extra = checkpoint_cost(levels, {k: c for k, c in choices.items()}, ck, classes, cands) if ck else None
-    sol = _total((), choices, per_site, base, gap, name, extra)
+    sol = _total((), choices, per_site, base, gap, name, grad_share, extra)
     sol.checkpoint = {la.path: lv.name for g, lv in levels.items() for la in g.layers}
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
@@ -589,11 +629,13 @@ def no_good(model, classes, cands, x, exclude) -> None:
             model.Add(sum(chosen) <= len(chosen) - 1)
 
 
-def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str,
+def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str, grad_share: float,
            checkpoint: Cost | None = None) -> Solution:
     costs = list(per_site.values()) + [base] + ([checkpoint] if checkpoint is not None else [])
+    # the peak: the checkpoint levels change the start of the backward (saved bytes, recompute transient)
+    memory = peak_bytes(costs[:len(per_site) + 1], grad_share, checkpoint.memory_bytes if checkpoint else 0.0)
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
-                    sum(c.comm_s for c in costs), sum(c.memory_bytes for c in costs),
+                    sum(c.comm_s for c in costs), memory,
                     sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base,
                     objective_s=sum(overlapped_s(c) for c in costs), checkpoint_cost=checkpoint)
 
@@ -630,7 +672,7 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
                                 classes, cands)
-    sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", extra)
+    sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra)
     sol.checkpoint = {path: lv.name for path, lv in (checkpoint or {}).items()}
     sol.checkpoint_terms = ck
     return sol

@@ -7,15 +7,17 @@ Model state, per parameter of global numel N on a mesh (`param_state_bytes`, `mo
   `Partial` axes hold everything (placements are `torch.distributed.tensor`'s, as in autopar.spec).
 - parameters: local numel · itemsize(dtype).
 - gradients (trainable parameters): the same as the parameter (DTensor gradients keep the
-  parameter's dtype and placements).
+  parameter's dtype and placements), or the reduce dtype when one is given.
 - optimizer: `OPTIMIZER_STATES[optimizer]` states per element (adam/adamw 2, sgd_momentum 1,
   sgd 0). With `master_weights=True` (the default) a 16-bit parameter also has an fp32 master copy
   (4 bytes) and its states are fp32 (mixed-precision Adam: 2 + 2 + 12 = 16 bytes per element,
   ZeRO's K = 12). Otherwise states take the parameter's dtype (what `torch.optim` does).
+  `state_bytes_per_element(param dtype, compute dtype, reduce dtype, optimizer)` is the one rule: the
+  estimate's `MeshCosting.state_factor` and `param_state_bytes` both read it.
 
 Activations (`saved_activations`, `activation_bytes`): what autograd keeps from the forward for the
-backward, read off the forward fx graph. The peak of training memory sits at the end of the
-forward, when all of them are alive; transient buffers are not modelled. Rules:
+backward, read off the forward fx graph (the planner's estimate gives each to the structure whose
+form decides its placement and models the step's peak: `autopar.estimate`). Rules:
 - a value requires grad when it depends on a placeholder whose `meta["val"].requires_grad`
   (the parameters); only ops with an input that requires grad save anything.
 - saved inputs per op: products (`linear`, `mm`, `bmm`, `matmul`, `addmm`, `baddbmm`, `mul`)
@@ -24,8 +26,8 @@ forward, when all of them are alive; transient buffers are not modelled. Rules:
   SDPA saves q, k, v, its output and an fp32 log-sum-exp (b·heads·s_q·4 bytes, flash-style);
   softmax/log_softmax and the `SAVES_OUTPUT` ops (relu, sigmoid, tanh, exp, rsqrt, sqrt) save
   their output; layer/RMS norms save their input plus fp32 statistics (mean and rstd, 8 bytes
-  per normalised row; rstd only for RMS); `SAVES_INPUT` ops (gelu, silu, pow, sin, cos, log,
-  erf, abs, ...) save their input; cross-entropy saves fp32-sized log-probabilities (its input's
+  per normalised row; rstd only for RMS), and their weight and bias; `SAVES_INPUT` ops (gelu, silu, pow, sin, cos, log,
+  erf, abs, ...) save their input; cross-entropy saves its target and fp32-sized log-probabilities (its input's
   size); dropout with p > 0 in training saves a 1-byte mask per element; masked_fill/where
   save the mask; `SAVES_NOTHING` ops (add, sub, neg, sum, mean, cat, casts, copies, views, the
   collectives autopar's lowering inserts, ...) save nothing; `regather_linears` (linears on an
@@ -33,7 +35,8 @@ forward, when all of them are alive; transient buffers are not modelled. Rules:
   all its tensor inputs.
 - a saved view is charged to its storage root (the node whose output it aliases), once: q, k
   and v split out of one fused QKV projection cost the projection's output, once. `ALIASES`
-  (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too.
+  (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too, and so are the
+  items of a `TUPLE_ALIASES` op (`grad_sync_bucket`: each item its input).
   Placeholders (parameters, buffers, user inputs) are not activations and are not charged.
 - with `mesh_shape`, a saved tensor on a node with `meta["autopar_placements"]` (a tuple of
   placements per mesh axis) costs its bytes / prod(sizes of the axes where it is sharded).
@@ -61,7 +64,8 @@ from cost_model.analytical import _bound_args, _is_view, _SDPA
 from cost_model.hardware import dtype_name
 
 __all__ = [
-    "OPTIMIZER_STATES", "MemoryBytes", "shard_factor", "local_numel", "param_state_bytes", "model_state_bytes",
+    "OPTIMIZER_STATES", "MemoryBytes", "StateBytes", "state_bytes_per_element", "shard_factor", "local_numel",
+    "param_state_bytes", "model_state_bytes",
     "SavedTensor", "saved_activations", "activation_bytes",
 ]
 
@@ -116,20 +120,47 @@ def _itemsize(dtype) -> int:
     return getattr(torch, dtype_name(dtype)).itemsize
 
 
+@dataclass(frozen=True, kw_only=True)
+class StateBytes:
+    """Bytes per parameter element held from step to step (`state_bytes_per_element`)."""
+
+    param: int  # the parameter as stored
+    grad: int  # its gradient
+    optimizer: int  # optimizer states, and the fp32 master copy of a 16-bit parameter
+
+    @property
+    def total(self) -> int:
+        return self.param + self.grad + self.optimizer
+
+
+def state_bytes_per_element(param_dtype, compute_dtype=None, reduce_dtype=None, optimizer: str = "adam", *,
+                            master_weights: bool = True) -> StateBytes:
+    """Parameter, gradient and optimizer bytes per parameter element: the one rule for model state (module
+    docstring). `param_dtype`: the parameters as the model stores them; `compute_dtype`: what forward and
+    backward run in (a `MixedPrecisionPolicy`'s `param_dtype`; None: the stored dtype); `reduce_dtype`: what
+    gradients are reduced and kept in (None: the compute dtype). A 16-bit floating parameter trained with
+    `master_weights` has an fp32 master copy and fp32 states (mixed-precision Adam: 2 + 2 + 4 + 2·4 = 16
+    bytes, ZeRO's K = 12); otherwise states take the parameter's dtype (what `torch.optim` does)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}. Fix: pass "
+                         "one of those (the optimizer's state per element decides the memory)")
+    size = _itemsize(param_dtype)
+    grad = _itemsize(reduce_dtype or compute_dtype or param_dtype)
+    master = master_weights and size == 2 and getattr(torch, dtype_name(param_dtype)).is_floating_point
+    state_size = _FP32_BYTES if master else size
+    return StateBytes(param=size, grad=grad,
+                      optimizer=OPTIMIZER_STATES[optimizer] * state_size + (_FP32_BYTES if master else 0))
+
+
 def param_state_bytes(shape: tuple[int, ...], dtype, placements: tuple[Placement, ...] = (),
                       mesh_shape: tuple[int, ...] = (), *, optimizer: str = "adam",
                       master_weights: bool = True, requires_grad: bool = True) -> MemoryBytes:
     """Parameter, gradient and optimizer bytes of one parameter on the busiest rank (module docstring)."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected one of {sorted(OPTIMIZER_STATES)}")
+    per = state_bytes_per_element(dtype, optimizer=optimizer, master_weights=master_weights)
     n = local_numel(shape, placements, mesh_shape)
-    size = _itemsize(dtype)
     if not requires_grad:
-        return MemoryBytes(param_bytes=n * size)
-    master = master_weights and size == 2 and getattr(torch, dtype_name(dtype)).is_floating_point
-    state_size = _FP32_BYTES if master else size
-    optimizer_bytes = n * (OPTIMIZER_STATES[optimizer] * state_size + (_FP32_BYTES if master else 0))
-    return MemoryBytes(param_bytes=n * size, grad_bytes=n * size, optimizer_bytes=optimizer_bytes)
+        return MemoryBytes(param_bytes=n * per.param)
+    return MemoryBytes(param_bytes=n * per.param, grad_bytes=n * per.grad, optimizer_bytes=n * per.optimizer)
 
 
 def model_state_bytes(params: Mapping[str, torch.Tensor], placements: Mapping[str, tuple[Placement, ...]] | None = None,
@@ -173,6 +204,8 @@ SAVES_NOTHING = {"add", "sub", "rsub", "neg", "sum", "mean", "cat", "stack", "to
                  "all_reduce", "all_gather", "all_gather_rs", "reduce_scatter", "all_to_all"}
 # functions whose forward returns an alias of their first input (identity forward)
 ALIASES = {"grad_all_reduce", "placement_hint"}
+# functions whose forward returns aliases of the tensors of their first argument, a tuple (item i of its input i)
+TUPLE_ALIASES = {"grad_sync_bucket"}
 _NORMS = {"layer_norm": 2, "native_layer_norm": 2, "rms_norm": 1, "_fused_rms_norm": 1,
           "group_norm": 2, "native_group_norm": 2}  # fp32 statistics per normalised row
 
@@ -187,6 +220,9 @@ def _storage_root(node: fx.Node) -> fx.Node:
     while node.op == "call_function":
         if node.target is operator.getitem:
             src = node.args[0]
+            if isinstance(src, fx.Node) and src.op == "call_function" and _name(src) in TUPLE_ALIASES:
+                node = src.args[0][node.args[1]]
+                continue
             if not (isinstance(src, fx.Node) and src.op == "call_function" and _is_view(src)):
                 return node
             node = src
@@ -260,12 +296,14 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
         val = x.meta["val"]
         shape = node.args[1] if name in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm") else [1]
         rows = val.numel() // max(1, math.prod(int(s) for s in shape))
-        return [(x, None), (node, _NORMS[name] * _FP32_BYTES * rows)]
+        affine = [(a, None) for a in node.args[2:4] if isinstance(a, fx.Node)]  # weight and bias (parameters)
+        return [(x, None), (node, _NORMS[name] * _FP32_BYTES * rows)] + affine
     if name in SAVES_INPUT:
         return [(args[0], None)] if args else []
     if name in ("cross_entropy_loss", "nll_loss", "nll_loss_forward"):
         logits = node.args[0].meta["val"]
-        return [(node.args[0], logits.numel() * max(_FP32_BYTES, logits.element_size()))]
+        target = [(node.args[1], None)] if isinstance(node.args[1], fx.Node) else []  # nll_loss' backward reads it
+        return [(node.args[0], logits.numel() * max(_FP32_BYTES, logits.element_size()))] + target
     if name in ("dropout", "native_dropout"):
         a = _bound_args(node)
         if a.get("p", 0) and a.get("train", True):
@@ -276,13 +314,15 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
         return [(m, None) for m in masks]
     if name in ("embedding", "index_select", "gather", "index", "scatter", "scatter_add"):
         return [(a, None) for a in args if not a.meta["val"].is_floating_point()]
-    if name in SAVES_NOTHING or name in ALIASES or node.target is operator.getitem or _is_view(node):
+    if name in SAVES_NOTHING or name in ALIASES or name in TUPLE_ALIASES or node.target is operator.getitem \
+            or _is_view(node):
         return []
     return [(a, None) for a in args]  # unknown op: conservatively, every tensor input
 
 
-def saved_activations(gm: fx.GraphModule) -> dict[object, SavedTensor]:
-    """What autograd saves for backward, keyed by storage root (or (node, why) for extra buffers)."""
+def saved_activations(gm: fx.GraphModule, inputs: frozenset[str] | set[str] = frozenset()) -> dict[object, SavedTensor]:
+    """What autograd saves for backward, keyed by storage root (or (node, why) for extra buffers). `inputs`:
+    placeholders (user inputs: token ids, labels) charged when saved, as the other placeholders are not."""
     needs = _requires_grad(gm)
     saved: dict[object, SavedTensor] = {}
     for node in gm.graph.nodes:
@@ -293,8 +333,8 @@ def saved_activations(gm: fx.GraphModule) -> dict[object, SavedTensor]:
                 saved[(node, "extra", len(saved))] = SavedTensor(bytes=int(extra), node=value, why=_name(node))
                 continue
             root = _storage_root(value)
-            if root.op != "call_function" or root in saved:
-                continue  # placeholders are parameters/buffers/inputs, not activations
+            if (root.op != "call_function" and root.name not in inputs) or root in saved:
+                continue  # placeholders are parameters/buffers (and inputs unless asked for), not activations
             saved[root] = SavedTensor(bytes=_tensor_bytes(root), node=root, why=_name(node))
     return saved
 

@@ -251,7 +251,9 @@ def test_solver_picks_none_when_memory_allows_and_recomputes_when_tight():
     assert set(dict(roomy.checkpoint).values()) == {NONE}, roomy.checkpoint
     need = {lv: _plan(plan="dp", overrides={"checkpoint": lv}).estimate.memory_bytes_per_device
             for lv in (NONE, SELECTIVE, FULL)}
-    assert need[FULL] < need[SELECTIVE] < need[NONE], need
+    # the estimate is the step's peak: once the activations fall below the end of the backward (gradients and the
+    # gradient bucket's copies), recomputing more lowers it no further
+    assert need[FULL] <= need[SELECTIVE] < need[NONE], need
     times = {lv: _plan(plan="dp", overrides={"checkpoint": lv}).estimate for lv in (NONE, SELECTIVE, FULL)}
     assert times[NONE].compute_time_s < times[SELECTIVE].compute_time_s < times[FULL].compute_time_s
     # selective fits (and costs less time than full); FSDP-sharding every structure without recompute does not (with

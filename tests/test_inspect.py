@@ -141,7 +141,7 @@ def test_explain_an_override():
     rows = _rows(plan.explain("layers.0.attn"), "layers.0.attn")
     assert rows[1] == "  chosen replicate: override: forced to replicate"
     heads = next(line for line in rows if line[4:].startswith("heads@tp "))
-    assert "excluded" not in heads and " MiB" in heads  # the forms it could have taken are still priced
+    assert "excluded" not in heads and ("KiB" in heads or "MiB" in heads)  # the forms it could have taken are priced
 
 
 def test_explain_a_precondition():
@@ -154,20 +154,21 @@ def test_explain_a_precondition():
 
 
 def test_explain_memory_limit_binding():
-    """Without a limit every structure is replicated (the fastest); under a limit the loss splits its vocabulary
-    though replicating is faster: the explanation says the limit decided it."""
+    """Without a limit every structure is replicated (the fastest); under a limit the loss or the embedding (which
+    one depends on how the memory estimate weighs them) splits its vocabulary though replicating is faster: the
+    explanation says the limit decided it."""
     model, inputs = llama(2, 16, layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=8192, dtype=torch.float32)
     free = autopar.plan(model, {"dp": 2}, inputs, cluster="h100")
     assert {s.key: s.form for s in free.strategies}["embed"] == "replicate"
     limit = int(free.estimate.memory_bytes_per_device * 0.8)
     plan = autopar.plan(model, {"dp": 2}, inputs, cluster="h100", memory_limit=limit)
     assert plan.estimate.fits and plan.estimate.memory_bytes_per_device <= limit
-    loss = next(d for d in plan.decisions if d.keys == ("loss",))
-    assert loss.chosen != "replicate" and loss.decided_by.startswith("memory limit binding: replicate is faster")
+    loss = next(d for d in plan.decisions if d.keys in (("loss",), ("embed",)) and d.chosen != "replicate")
+    assert loss.decided_by.startswith("memory limit binding: replicate is faster")
     rows = {c.label: c for c in loss.candidates}
     t = lambda c: c.compute_s + c.comm_s  # noqa: E731
     assert t(rows["replicate"]) < t(rows[loss.chosen]) and rows["replicate"].memory_bytes > rows[loss.chosen].memory_bytes
-    assert "over the limit of" in plan.explain("loss")
+    assert "over the limit of" in plan.explain(loss.keys[0])
 
 
 def test_explain_a_coupling():
@@ -246,10 +247,12 @@ def test_plan_to_html(tmp_path):
     page = (tmp_path / "p.html").read_text()
     _check_report(page, plan)
     assert "pm.report(path)" in page  # no graph here: it says where the graph is
-    # the memory bars add up to the estimate, the timeline to the step
+    # the memory bars give the estimate's peak (held + the larger end of backward), the timeline the step
     e = plan.estimate
-    assert sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes + s.activations_bytes + s.transient_bytes
-               for s in e.sites) == pytest.approx(e.memory_bytes_per_device, abs=len(e.sites) * 4)
+    held = sum(s.parameters_bytes + s.optimizer_bytes + s.transient_bytes for s in e.sites)
+    ends = (sum(s.activations_bytes for s in e.sites) + max(s.momentary_bytes for s in e.sites),
+            sum(s.gradients_bytes for s in e.sites))
+    assert held + max(ends) == pytest.approx(e.memory_bytes_per_device, abs=len(e.sites) * 4)
     assert sum(s.compute_s + s.comm_s for s in e.sites) == pytest.approx(e.compute_time_s + e.comm_time_s)
     assert e.step_time_s == pytest.approx(e.compute_time_s + e.exposed_comm_s)  # the step's timeline
     assert all(sum(t for _, t in s.comm_axes) <= s.comm_s + 1e-15 for s in e.sites)

@@ -24,11 +24,13 @@ class Comms:
 
 
 def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, comms: Comms | None, act: float,
-           param_split: int = 1, backward_s: float | None = None) -> Cost:
+           param_split: int = 1, backward_s: float | None = None, peak: float = 0.0) -> Cost:
     """A structure's cost: its compute and collectives, plus its parameters over the data axes (FSDP or the
     data-parallel bucket, their state) and the loss' scalar reductions. `param_split`: the ranks its
-    parameters are divided over by the form itself."""
+    parameters are divided over by the form itself; `act`: its saved activations on this rank; `peak`: what it
+    holds only while it runs (`Cost.peak_bytes`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
+    bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     gather = 0.0
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
@@ -36,15 +38,18 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     else:
         t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
         state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
+        bucket = dp.bucket_bytes(mc, st.param_bytes / param_split)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
-                act_bytes=act, transient_bytes=gathered, gather_s=gather, reduce_s=t - gather)
+                act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
+                reduce_s=t - gather)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """Every rank runs the structure on its share of the tokens, parameters whole."""
-    return finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=None, act=st.act_bytes / mc.dp)
+    return finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=None, act=st.saved_bytes / mc.dp,
+                  peak=st.peak_bytes / mc.dp)
 
 
 def tensor_parallel_volume_bytes(block_input_bytes: float, t: int) -> float:
@@ -57,14 +62,13 @@ def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """A Megatron block (attention by heads, MLP colwise -> rowwise) on `cand.axis` of size t: work and
     parameters / t; one all-reduce of the block's output forward (the row-parallel sum) and one of its
     input's gradient backward (the column-parallel f), each the size of the block input; activations
-    inside the block / t, its replicated input whole."""
+    inside the block / t (what it saves is produced inside it: its input is the norm's, `attribute_saved`)."""
     t = mc.size(cand.axis)
     compute = compute_s(st, mc.dp * t, mc.cluster)
     comms = Comms(mc, cand.axis)
     comms.add("all_reduce", st.io_bytes / mc.dp, compute / 3)
     comms.add("all_reduce", st.io_bytes / mc.dp, 2 * compute / 3)
-    act = st.io_bytes / mc.dp + (st.act_bytes - st.io_bytes) / mc.dp / t
-    return finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
+    return finish(st, cand, mc, compute=compute, comms=comms, act=st.saved_bytes / mc.dp / t, param_split=t)
 
 
 def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split: int, on_data: bool) -> Cost:
@@ -85,7 +89,10 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     tokens = T / mc.dp  # this rank's tokens
     work = 2 * T * k * per_expert / mc.dp / (1 if on_data else split)
     dtype = site.dtype if site.dtype in mc.cluster.peak_flops else "float32"
-    routed_bytes = tokens * k * (2 * H + 3 * ffn) * item / (1 if on_data else split)  # expert activations saved
+    routed_bytes = tokens * k * (2 * H + 3 * ffn) * item / (1 if on_data else split)  # expert activations moved
+    # saved per routed row (`autopar.runtime.moe`): the expert's input rows (H), its gate output, their SiLU, the up
+    # output and their product (4F), and its output rows, kept for the routing weights' gradient (H)
+    routed_saved = tokens * k * (2 * H + 4 * ffn) * item / (1 if on_data else split)
     compute = compute_s(st, mc.dp, mc.cluster) + compute_time_s(3 * work, 3 * routed_bytes, dtype, mc.cluster)
     comms = Comms(mc, cand.axis)
     if split > 1 and on_data:
@@ -104,5 +111,5 @@ def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split
     d_t, d_b = dp.grad_sync(mc, dense_bytes)
     state = local * mc.state_factor() / (mc.dp if cand.fsdp else 1) + (local if cand.fsdp else 0.0)
     return Cost(compute_s=compute, comm_s=comms.time_s + gs_t + d_t, comm_bytes=comms.bytes + gs_b + d_b,
-                memory_bytes=state + st.act_bytes / mc.dp + routed_bytes, act_bytes=st.act_bytes / mc.dp + routed_bytes,
-                transient_bytes=local if cand.fsdp else 0.0)
+                memory_bytes=state + st.saved_bytes / mc.dp + routed_saved, act_bytes=st.saved_bytes / mc.dp + routed_saved,
+                transient_bytes=local if cand.fsdp else 0.0, bucket_bytes=0.0 if cand.fsdp else dp.bucket_bytes(mc, local))

@@ -41,6 +41,14 @@ def bucket_fixed_s(mc: MeshCosting) -> float:
     return mc.num_buckets * sum(mc.bucket_rate(a)[0] for a in mc.data_axes + mc.seq_axes)
 
 
+def bucket_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
+    """Gradient bytes these parameters put in the data-parallel buckets (none without a data or sequence axis):
+    reducing a bucket holds its flat copy and the all-reduce's result (`autopar.estimate.peak_bytes`)."""
+    if all(mc.size(a) == 1 for a in mc.data_axes + mc.seq_axes):
+        return 0.0
+    return local_param_bytes * mc.grad_share() * mc.state_factor()
+
+
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
     """Parameters, gradients and optimizer state, replicated over the data axes."""
     return local_param_bytes * mc.state_factor()

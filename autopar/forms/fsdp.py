@@ -17,10 +17,10 @@ Cost (`sync`): per group an all-gather forward per data axis, again in backward 
 reduce-scatter per data axis backward (`reduce_time_s`, in reduce_dtype bytes under mixed precision); each
 parameter pays its share of its group's collective (`autopar.estimate.fsdp_groups`). `gather_s` is the gathers' share (what a timeline prefetches ahead of the
 forward: `autopar.timeline`). On sequence axes gradients join the data-parallel bucket. State: parameters,
-gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters (`params_cost`'s
-gathered bytes: today all of a structure's, as if held; `held_gathered_bytes` says what a group holds from forward
-to backward: all of it kept, none resharded). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one
-reduce-scatter), `3(p-1)/p · Ψ` resharded.
+gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters backward reads
+(`SiteStats.saved_params`: weights, not biases or embedding tables) of the groups kept gathered from forward to
+backward (`held_gathered_bytes`: a resharded group holds none, it is gathered again). Volume per step:
+`2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
 """
 
 from __future__ import annotations
@@ -175,7 +175,12 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     t, b = sync(mc, gathered, reduced, backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
-    return t + kept_t, b + kept_b, state_bytes(mc, local) + dp.state_bytes(mc, kept.param_bytes / split), local
+    # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table) in a
+    # group kept gathered; a resharded group gathers them again in backward instead
+    gathered = sum(held_gathered_bytes(sharded.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
+                   for p in sharded.saved_params) / split
+    return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
+            + dp.state_bytes(mc, kept.param_bytes / split), gathered)
 
 
 def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:

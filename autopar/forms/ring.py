@@ -74,9 +74,12 @@ class Ring(Form):
 
     def cost(self, site: AttentionSite, st, cand, mc):
         comms = blocks.Comms(mc, cand.axis)
-        buffers = add_ring_comms(comms, site, st, mc, cand.axis)
-        act = st.act_bytes / mc.dp + buffers
-        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms, act=act)
+        buffers = add_ring_comms(comms, site, st, mc, cand.axis)  # alive only while the attention runs
+        # saved beyond what the graph says: ring attention returns its output contiguous as (b, heads, s, d), so the
+        # reshape to (b, s, h) before the output projection copies it, and the projection saves that copy beside
+        # the attention's own saved output
+        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms,
+                             act=(st.saved_bytes + st.attn_out_bytes) / mc.dp, peak=buffers)
 
 
 def add_ring_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> float:

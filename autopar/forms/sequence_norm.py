@@ -77,10 +77,11 @@ class SequenceNorm(Form):
         comms.time_s += sync_s + st.sequence_bucket_share * mc.bucket_rate(cand.axis)[0]
         comms.bytes += sync_bytes
         # The norm's output (the size of the stream it normalises) feeds column-parallel linears, which save its
-        # shard, not the gathered copy the block's own cost counts (`blocks.tensor_parallel`: the block input
-        # whole), and all-gather it again backward.
+        # shard and all-gather it again backward (`regather_linears`).
         stream = site.input.meta["val"]
         out_bytes = stream.numel() * stream.element_size() / mc.dp
         comms.add("all_gather", out_bytes)
-        act = st.act_bytes / mc.dp / t - (t - 1) / t * out_bytes
-        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp * t, mc.cluster), comms=comms, act=act)
+        # what it saves (its share of the residual stream, its output, its statistics: `attribute_saved`) is split
+        # on the sequence
+        return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp * t, mc.cluster), comms=comms,
+                             act=st.saved_bytes / mc.dp / t)

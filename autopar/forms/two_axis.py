@@ -38,7 +38,8 @@ class HeadsAndSequence(Form):
         raise NotImplementedError
 
     def add_within_comms(self, comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, t: int) -> float:
-        """Add the sequence form's collectives on `axis` for the heads of one rank; return extra activation bytes."""
+        """Add the sequence form's collectives on `axis` for the heads of one rank; return the bytes of the buffers
+        it holds while it runs (`Cost.peak_bytes`)."""
         raise NotImplementedError
 
     def precondition(self, site: AttentionSite, sizes):
@@ -71,6 +72,9 @@ class HeadsAndSequence(Form):
         tp, seq = cand.axes
         cost = self.heads.cost(site, st, dataclasses.replace(cand, form=self.heads.name, axes=(tp,)), mc)
         comms = blocks.Comms(mc, seq)
-        act = self.add_within_comms(comms, site, st, mc, seq, mc.size(tp))
+        peak = self.add_within_comms(comms, site, st, mc, seq, mc.size(tp))
+        # the sequence form's copy of the attention output, saved by the output projection (`ring`, `ulysses`)
+        act = st.attn_out_bytes / mc.dp / mc.size(tp)
         return dataclasses.replace(cost, comm_s=cost.comm_s + comms.time_s, comm_bytes=cost.comm_bytes + comms.bytes,
-                                   memory_bytes=cost.memory_bytes + act, act_bytes=cost.act_bytes + act)
+                                   memory_bytes=cost.memory_bytes + act, act_bytes=cost.act_bytes + act,
+                                   peak_bytes=max(cost.peak_bytes, peak))

@@ -61,7 +61,12 @@ class Ulysses(Form):
         comms = blocks.Comms(mc, cand.axis)
         add_ulysses_comms(comms, site, st, mc, cand.axis)
         return blocks.finish(st, cand, mc, compute=compute_s(st, mc.dp, mc.cluster), comms=comms,
-                             act=st.act_bytes / mc.dp)
+                             act=(st.saved_bytes + st.attn_out_bytes) / mc.dp)
+
+
+# Saved beyond what the graph says (`attribute_saved`): the output projection's input is the heads -> sequence
+# all-to-all's result, a new tensor the size of the attention's output, which the attention also keeps (its own
+# saved output): `st.attn_out_bytes` once more.
 
 
 def add_ulysses_comms(comms: blocks.Comms, site: AttentionSite, st, mc, axis: str, heads_split: int = 1) -> None:

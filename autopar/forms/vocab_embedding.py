@@ -53,7 +53,9 @@ class VocabEmbedding(Form):
         comms = blocks.Comms(mc, cand.axis)
         if st.summed_into is None:  # else reduced with the embedding it is added to
             comms.add("all_reduce", st.act_bytes / mc.dp, compute / 3)
-        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=st.act_bytes / mc.dp, param_split=t)
+        # saved beyond the graph's: the 1-byte mask of the ids outside this rank's rows (`vocab_parallel_embedding`)
+        act = (st.saved_bytes + st.index_numel) / mc.dp
+        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t)
 
     def add_constraints(self, view, site, cand, var):
         leader = view.stats(site).summed_into

@@ -22,6 +22,9 @@ from cost_model.analytical import compute_time_s, has_kernel_rates, kernel_time_
 # sum 1, normalise in place 2; backward: scale by the incoming gradient 2, zeros for the one-hot 1, the one-hot
 # term 2, the difference 3. (aten's fused cross_entropy_loss moves about 9 of the full logits: node_cost.)
 VOCAB_CE_PASSES = 16
+# Logit-sized fp32 buffers its backward holds besides the saved softmax: the scaled softmax, the one-hot, its scaled
+# copy, their difference (`_VocabParallelCrossEntropy.backward`); at the step's peak when the logits dominate.
+VOCAB_CE_BACKWARD_BUFFERS = 4
 
 
 def volume_bytes(tokens: int, t: int) -> float:
@@ -69,5 +72,9 @@ class VocabLoss(Form):
             comms.add("all_reduce", st.tokens / mc.dp * 4, fwd_s / 3)
         if st.logits_out:  # the model also returns its logits: gathered
             comms.add("all_gather", st.logits_bytes / mc.dp)
-        act = st.io_bytes / mc.dp + (st.act_bytes - st.io_bytes) / mc.dp / t
-        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t, backward_s=bwd_s)
+        # what it saves (log-probabilities) and its momentary logit gradients are split on the vocabulary; it also
+        # saves two 1-byte masks per token (targets outside this rank's columns, ignored targets) and its local
+        # targets in place of the targets the graph's cross-entropy saves (`_VocabParallelCrossEntropy`)
+        act = st.saved_bytes / mc.dp / t + 2 * st.tokens / mc.dp
+        return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t,
+                             backward_s=bwd_s, peak=VOCAB_CE_BACKWARD_BUFFERS * st.ce_logits_fp32_bytes / mc.dp / t)

@@ -1,0 +1,138 @@
+"""Memory, predicted vs measured, per rank, on real gloo ranks (issue #11 item 7, first two checks).
+
+(a) Saved activations: what autograd saves for backward during one training step of the rewritten program,
+    measured as the unique storages `saved_tensors_hooks` see (parameters excluded), against the estimate's
+    activations plus FSDP's gathered parameters (`Plan.estimate.sites`: the saved-tensor model per structure,
+    `autopar.estimate.attribute_saved`). Goal: every ratio within 0.9-1.1.
+(b) Peak memory of a training step (forward, backward, optimizer step) on CPU: allocator statistics are not
+    available there, so the peak of live tensor storages is tracked by a TorchDispatchMode
+    (`tests/memory_probe.py: LiveStorages`), starting from the parameters, the optimizer state (after one warm-up
+    step) and the inputs; against `Plan.estimate.memory_bytes_per_device` (parameters, gradients, optimizer state,
+    saved activations, FSDP's gathered parameters, the largest momentary buffer). Goal: within +-15%.
+
+Plans: dp, fsdp, megatron (TP), TP+SP (megatron with sequence norms), ulysses, ring, and expert parallelism
+(MoE Llama), on a GPT and a Llama-style model (fp32, Adam), 2 gloo ranks.
+
+    python benchmarks/memory_fidelity.py [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for _p in (ROOT, HERE, os.path.join(ROOT, "tests")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from common import launch  # noqa: E402
+
+W = 2
+B, S, V, H, L = 8, 128, 512, 64, 2
+# name -> (mesh axis, hand plan, overrides)
+PLANS = {
+    "dp": ("dp", "dp", None),
+    "fsdp": ("dp", "fsdp", None),
+    "tp": ("tp", "megatron", None),
+    "tp+sp": ("tp", "megatron", {"norm": "sequence"}),
+    "ulysses": ("sp", "dp", {"attention": "ulysses@sp"}),
+    "ring": ("cp", "dp", {"attention": "ring@cp"}),
+    "ep": ("ep", "dp", {"moe": "expert@ep"}),
+}
+# gpt-wide: few tokens, wide layers, so that the gradients at the end of backward outweigh the activations at its
+# start (the other end of the peak)
+CASES = [(m, p) for m in ("gpt", "llama") for p in PLANS if p != "ep"] + [("llama-moe", "ep")] + \
+    [("gpt-wide", p) for p in ("dp", "fsdp", "tp")]
+
+
+def model(name: str):
+    from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=H))
+    if name == "gpt-wide":
+        return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=8 * H))
+    moe = dict(moe_experts=4, moe_top_k=2, moe_style="grouped") if name == "llama-moe" else {}
+    return Llama(LlamaConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, num_kv_heads=2, hidden=H,
+                             ffn_hidden=2 * H, attention="sdpa", **moe))
+
+
+def inputs(batch: int = B):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (batch, S), generator=g)
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def measure(model_name: str, plan_name: str) -> dict:
+    """On every rank: one warm-up step (the optimizer's state exists), then a measured step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from memory_probe import LiveStorages, SavedStorages, local, optimizer_tensors, predicted_saved_bytes
+
+    axis, plan, overrides = PLANS[plan_name]
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=(axis,))
+    x = inputs(2 if model_name == "gpt-wide" else B)
+    pm = autopar.parallelize(model(model_name), mesh, x, plan=plan, overrides=overrides)
+    opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
+    pm(*x).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = [local(p) for p in pm.parameters()]
+    with LiveStorages(params + optimizer_tensors(opt) + list(x)) as live:
+        with SavedStorages(params) as saved:
+            loss = pm(*x)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    est = pm.plan.estimate
+    return dict(rank=dist.get_rank(), saved=saved.bytes, saved_est=predicted_saved_bytes(pm.plan), peak=live.peak,
+                peak_est=est.memory_bytes_per_device, base=live.base, at_peak=live.at_peak)
+
+
+def _worker(out_path: str, cases: list) -> None:
+    import torch.distributed as dist
+
+    rows = [measure(m, p) for m, p in cases]
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
+    cases = [c for c in CASES if (not quick or c[0] != "llama" or c[1] in ("tp+sp", "ring"))
+             and (only is None or only in (c[0], c[1], f"{c[0]}:{c[1]}"))]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        launch(_worker, W, out, cases)
+        with open(out) as f:
+            rows = json.load(f)
+    mib = 2**20
+    print(f"memory per rank (rank 0), {W} gloo ranks, b={B} s={S} h={H} layers={L} vocab={V}, fp32, Adam")
+    print(f"{'model':10s} {'plan':8s} {'saved meas':>11s} {'saved est':>10s} {'ratio':>6s}   "
+          f"{'peak meas':>10s} {'peak est':>9s} {'ratio':>6s}")
+    for (m, p), r in zip(cases, rows):
+        print(f"{m:10s} {p:8s} {r['saved'] / mib:9.3f}Mi {r['saved_est'] / mib:8.3f}Mi {r['saved_est'] / r['saved']:6.3f}"
+              f"   {r['peak'] / mib:8.3f}Mi {r['peak_est'] / mib:7.3f}Mi {r['peak_est'] / r['peak']:6.3f}")
+    if "--verbose" in sys.argv:
+        for (m, p), r in zip(cases, rows):
+            print(f"{m} {p}: base {r['base']}, peak after {r['at_peak']}")
+    for (m, p), r in zip(cases, rows):
+        print(f"RATIO memory_saved_{m}_{p} (predicted/measured): {r['saved_est'] / r['saved']:.3f}")
+    for (m, p), r in zip(cases, rows):
+        print(f"RATIO memory_peak_{m}_{p} (predicted/measured): {r['peak_est'] / r['peak']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
