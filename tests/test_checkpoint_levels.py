@@ -263,9 +263,11 @@ def test_solver_picks_none_when_memory_allows_and_recomputes_when_tight():
     tight = _plan(memory_limit=limit)
     assert set(dict(tight.checkpoint).values()) == {SELECTIVE}, tight.checkpoint
     assert tight.estimate.memory_bytes_per_device <= limit
-    tighter = _plan(memory_limit=(need[SELECTIVE] + need[FULL]) / 2)
+    # below the tight plan (hence below any plan without recompute): recomputing, at less memory
+    below = min((need[SELECTIVE] + need[FULL]) / 2, tight.estimate.memory_bytes_per_device - 1)
+    tighter = _plan(memory_limit=below)
     assert NONE not in set(dict(tighter.checkpoint).values()), tighter.checkpoint
-    assert tighter.estimate.memory_bytes_per_device <= (need[SELECTIVE] + need[FULL]) / 2
+    assert tighter.estimate.memory_bytes_per_device <= below
     explained = tight.explain()
     assert ckpt.KEY in explained and "the ILP" in explained
     with pytest.raises(InfeasibleError):
