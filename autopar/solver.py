@@ -209,10 +209,14 @@ def _signature(site: Site) -> str:
         return site.kind.value + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
 
 
-def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:
+def _classes(sites: list[Site], tied: set[str], stats=None) -> list[list[Site]]:
+    """Sites priced alike: the same graph, and their parameters in FSDP groups of the same bytes and resharding (a
+    parameter pays its share of its group's collective: a layer's norm and the final norm differ)."""
     groups: dict[str, list[Site]] = {}
     for s in sites:
         key = s.key if s.key in tied else _signature(s)
+        if stats is not None and s.key in stats:
+            key += repr(sorted(stats[s.key].fsdp_groups.values()))
         groups.setdefault(key, []).append(s)
     return list(groups.values())
 
@@ -359,7 +363,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     sites = ctx.planning_sites()
     pairs = _tied_pairs(sites)
     tied = {s.key for p in pairs for s in p}
-    classes = _classes(sites, tied)
+    classes = _classes(sites, tied, stats)
     forced = forced or {}
     groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint_forced or {})
     options = _role_options(ctx, mesh, batch, data_axes_options)
