@@ -5,7 +5,8 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
 1. **Candidates** (`candidates`, planned on rank 0 and broadcast): the ILP's `top_k` best distinct plans (each
    solved again with the assignments found so far excluded, `autopar.solver.no_good`, so they differ in some
    structure's form) and the named hand plans (`autopar.planner.PLANS`); a plan found twice is measured once,
-   under both names. Each is priced by the cost model as loaded (`predicted_s`) and broken into the parts a
+   under both names. Each is priced by the cost model as loaded (`predicted_s`: compute + communication, the
+   sum a calibration scales linearly, not the plan estimate's overlapped timeline) and broken into the parts a
    calibration scales (`components`: compute per op kind, collectives per mesh axis, the rest).
 2. **Measurement**: each candidate is lowered (as `autopar.parallelize` lowers a given plan), given an optimizer (AdamW on
    its parameters, or `optimizer(params)`), warmed up `warmup` steps and timed for `steps` training steps
@@ -322,7 +323,9 @@ def candidates(model: nn.Module, ctx, info, captured, cluster: Cluster, top_k: i
             continue
         if not why:
             seen[_signature(plan)] = len(out)
-        out.append(TuneCandidate(name=name, plan=plan, predicted_s=plan.estimate.step_time_s,
+        # priced as the sum of its parts (compute + communication, nothing overlapped: `solver.evaluate().time_s`),
+        # the quantity a calibration scales linearly; the plan's own estimate is the overlapped timeline
+        out.append(TuneCandidate(name=name, plan=plan, predicted_s=_evaluate(ctx, info, cluster, plan),
                                  components=components(ctx, info, cluster, plan), skipped=why))
     return out
 

@@ -6,14 +6,19 @@ shard of the global batch. Training steps alternate between the two in one run; 
 the median step times is printed (goal <= 1.0), after a check that both give the same loss. `--global` adds
 autopar with `inputs="global"` (every rank passes the whole batch, autopar slices it); `--one-bucket` adds
 autopar with every gradient in one bucket (the lowering before DDP-sized buckets: one all-reduce after the whole
-backward); `--profile` prints a torch.profiler table of a few steps of autopar and DDP on rank 0.
+backward); `--profile` prints a torch.profiler table of a few steps of autopar and DDP on rank 0; `--foreach` gives
+both AdamW(foreach=True) (one dispatch per op over all parameters: autopar's parameters are DTensors, whose per-op
+dispatch the default single-tensor AdamW on CPU pays once per parameter and op, DDP's plain tensors do not).
+The steps are cut into at least 5 rounds of consecutive steps; the median and the spread (min-max) of the per-round
+ratios of median wall and CPU times are printed under each RATIO line.
 
-    python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--only llama|gpt]
+    python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--only llama|gpt]
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
 
 import torch
@@ -24,25 +29,26 @@ from torch.nn.parallel import DistributedDataParallel
 import autopar
 from autopar.runtime import collectives
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from common import interleaved, launch, report, train_step
+from common import Timings, interleaved, launch, report, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
 
 
-def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None) -> None:
+def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None, foreach: bool) -> None:
     cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
     if only in (None, "llama"):
-        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile)
+        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile, foreach)
     cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
     torch.manual_seed(0)
     if only in (None, "gpt"):
-        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile)
+        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile, foreach)
 
 
-def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool) -> None:
+def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool,
+             foreach: bool) -> None:
     rank = dist.get_rank()
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
     batch = (tokens, torch.roll(tokens, -1, dims=1))
@@ -62,9 +68,13 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
               f"single-device {ref:.6f}  autopar {a:.6f}  DDP {b:.6f}")
     assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
     steps, losses = {}, {}
-    opt_a = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+    def adamw(params, lr):
+        return torch.optim.AdamW(params, lr=lr, foreach=foreach or None)
+
+    opt_a = adamw(pm.parameters(), lr=1e-4)
     steps["autopar"] = lambda: losses.__setitem__("autopar", train_step(pm, opt_a, local))
-    opt_b = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    opt_b = adamw(ddp.parameters(), lr=1e-4)
 
     def ddp_step():
         loss = train_step(ddp, opt_b, local)
@@ -74,7 +84,7 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
     steps["DDP"] = ddp_step
     if with_global:
         pg = autopar.parallelize(copy.deepcopy(model), mesh, batch, plan="dp")
-        opt_g = torch.optim.AdamW(pg.parameters(), lr=1e-4)
+        opt_g = adamw(pg.parameters(), lr=1e-4)
         steps["autopar_global"] = lambda: losses.__setitem__("autopar_global", train_step(pg, opt_g, batch))
     if one_bucket:
         size, collectives.GRAD_BUCKET_BYTES = collectives.GRAD_BUCKET_BYTES, 2**62
@@ -84,7 +94,7 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
                 p1(*local)  # lowered for these inputs now, with one bucket
         finally:
             collectives.GRAD_BUCKET_BYTES = size
-        opt_1 = torch.optim.AdamW(p1.parameters(), lr=1e-4)
+        opt_1 = adamw(p1.parameters(), lr=1e-4)
         steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
     if profile:
         _profile(lambda: train_step(pm, opt_a, local), lambda: train_step(ddp, opt_b, local))
@@ -92,12 +102,28 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
     if rank == 0:
         n = 3 + len(times.wall_s["autopar"])
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
-        report(f"dp_vs_ddp[{name}]", times, "autopar", "DDP")
+        label = f"{name}, AdamW foreach" if foreach else name
+        report(f"dp_vs_ddp[{label}]", times, "autopar", "DDP")
+        _rounds(times, "autopar", "DDP")
         if one_bucket:
-            report(f"dp_vs_ddp[{name}, one bucket]", times, "autopar_one_bucket", "DDP")
+            report(f"dp_vs_ddp[{label}, one bucket]", times, "autopar_one_bucket", "DDP")
+            _rounds(times, "autopar_one_bucket", "DDP")
         if with_global:
-            report(f"dp_vs_ddp[{name}, inputs=global]", times, "autopar_global", "DDP")
+            report(f"dp_vs_ddp[{label}, inputs=global]", times, "autopar_global", "DDP")
+            _rounds(times, "autopar_global", "DDP")
     assert abs(losses["autopar"].item() - losses["DDP"].item()) <= 1e-3 * max(1.0, abs(losses["DDP"].item())), losses
+
+
+def _rounds(t: Timings, a: str, b: str, rounds: int = 5) -> None:
+    """The a/b ratios of median wall and CPU times over rounds of consecutive interleaved steps: median [min, max]."""
+    n = len(t.wall_s[a])
+    k = max(1, n // rounds)
+    cut = range(0, n - k + 1, k)
+    text = []
+    for what, d in (("wall", t.wall_s), ("CPU", t.cpu_s)):
+        r = [statistics.median(d[a][i:i + k]) / statistics.median(d[b][i:i + k]) for i in cut]
+        text.append(f"{what} {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]")
+    print(f"  {a}/{b} over {len(cut)} rounds of {k} steps: " + "; ".join(text), flush=True)
 
 
 def _profile(step_a, step_b) -> None:
@@ -115,7 +141,8 @@ def _profile(step_a, step_b) -> None:
 
 def main() -> None:
     launch(run, WORLD_SIZE, "--quick" in sys.argv, "--global" in sys.argv, "--one-bucket" in sys.argv,
-           "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None)
+           "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None,
+           "--foreach" in sys.argv)
 
 
 if __name__ == "__main__":

@@ -658,8 +658,10 @@ def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModu
     several gradients (per axis and dtype), as DDP buckets them: parameters in reverse order of first use, each
     bucket holding at most `C.GRAD_BUCKET_BYTES` of gradient (a larger parameter alone). Each bucket goes right
     before the first use of any of its parameters, so autograd runs its backward (an asynchronous all-reduce) as soon
-    as their gradients are ready, while the backward of earlier layers still runs. An axis and dtype with a single
-    reduction keeps its `grad_all_reduce`.
+    as their gradients are ready, while the backward of earlier layers still runs. A bucket that alone consumes its
+    inputs is marked `exclusive=True`: its reduction is waited for only where the gradients flow on (for parameters,
+    at the end of the backward), not inside its own backward. An axis and dtype with a single reduction keeps its
+    `grad_all_reduce`.
 
     A parameter reduced over several data axes is a chain `grad_all_reduce(grad_all_reduce(w, a0), a1)`
     (its gradient flows through a1's reduction first, then a0's). Bucketing runs in rounds: the first
@@ -707,8 +709,11 @@ def _grad_buckets(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[list[
 def _bucket(gm: fx.GraphModule, axis, nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
     """Replace the reductions `nodes` by one `grad_sync_bucket` placed before their inputs' first use; its items."""
     first = min((u for n in nodes for u in n.args[0].users), key=order.__getitem__)
+    # the bucket alone consumes its inputs: its reduction need not be waited for before their gradients flow on
+    exclusive = all(len(n.args[0].users) == 1 for n in nodes)
     with gm.graph.inserting_before(first):
-        bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis))
+        bucket = gm.graph.call_function(C.grad_sync_bucket, (tuple(n.args[0] for n in nodes), axis),
+                                        {"exclusive": True} if exclusive else {})
         infos = [n.meta[M.COMM] for n in nodes]
         bucket.meta[M.COMM] = CommInfo("grad_sync_bucket", "-", "all_reduce", infos[0].axis, infos[0].axis_size,
                                        0, sum(i.bytes_backward for i in infos), "(gradient bucket)")

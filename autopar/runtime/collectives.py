@@ -26,13 +26,12 @@ the bytes each rank sends under ring algorithms, for tests and benchmarks.
 
 from __future__ import annotations
 
-import weakref
-
 import contextlib
+import functools
+import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import local_tensor_mode, maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
@@ -393,15 +392,26 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 class _GradSyncBucket(torch.autograd.Function):
     """Identity on several tensors; backward all-reduces all their gradients in one flat buffer.
 
-    On a real process group the all-reduce is issued asynchronously (as DDP does) and the backward returns views of
-    its result as `AsyncCollectiveTensor`s: any read of them waits for the collective first, and a callback at the end
-    of the backward waits for it too, so the reduction overlaps the rest of the backward and no gradient is ever read
-    before it is reduced. Under `LocalTensorMode` (simulated ranks) it is reduced synchronously."""
+    On a real process group the all-reduce is issued asynchronously and in place (as DDP does) and the backward
+    returns plain views of the flat buffer, so the reduction overlaps the rest of the backward and no gradient is
+    copied out. No gradient is read before it is reduced: when every input is `exclusive` (the bucket is its only
+    consumer in the program, so its gradient reaches the input's autograd node from this bucket alone), that node
+    waits for the all-reduce just before it runs (a pre-hook); for a parameter fed through `DTensor.to_local`, that
+    node is created before the program runs and so runs at the end of the backward, after everything the reduction
+    can overlap. Otherwise (an input with other consumers, a leaf, `create_graph=True`, a gradient cast back from
+    reduce_dtype) the backward waits before it returns. A callback at the end of the backward waits for every
+    reduction it issued. Under `LocalTensorMode` (simulated ranks) it is reduced synchronously."""
 
     @staticmethod
-    def forward(ctx, axis, mp, *xs):
+    def forward(ctx, axis, mp, exclusive, *xs):
         ctx.axis, ctx.mp = axis, mp
         ctx.shapes = [(x.shape, x.dtype) for x in xs]
+        ctx.pending = []  # the flat buffer in flight, once the backward issued it; the pre-hooks wait for it
+        nodes = {x.grad_fn for x in xs} if exclusive else {None}
+        ctx.hooked = None not in nodes
+        if ctx.hooked:
+            for node in nodes:
+                node.register_prehook(functools.partial(_wait_pending, ctx.pending))
         ys = [_to_param(x, mp) for x in xs]
         return tuple(y if y is not x else x.view_as(x) for x, y in zip(xs, ys))
 
@@ -412,17 +422,24 @@ class _GradSyncBucket(torch.autograd.Function):
         flat = torch.cat([g.reshape(-1) for g in grads])
         if local_tensor_mode() is None and type(flat) is torch.Tensor:
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
-            flat = funcol.all_reduce(flat, "sum", ctx.axis.group_name)
-            if isinstance(flat, funcol.AsyncCollectiveTensor):
-                torch.autograd.Variable._execution_engine.queue_callback(flat.wait)
+            flat = _c10d.all_reduce_(flat, "sum", ctx.axis.group_name)
+            cast = any(g.dtype != d for g, (_, d) in zip(grads, ctx.shapes))  # a cast back reads the buffer now
+            if ctx.hooked and not cast and not torch.is_grad_enabled():
+                ctx.pending.append(flat)
+                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_wait, flat))
                 torch.autograd.Variable._execution_engine.queue_callback(_after_backward)
+            else:
+                _wait(flat)
         else:
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
-        out, i = [], 0
-        for g, (_, dtype) in zip(grads, ctx.shapes):
-            out.append(_to_input(flat[i:i + g.numel()].view(g.shape), dtype))
-            i += g.numel()
-        return (None, None, *out)
+        views = (v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads))
+        return (None, None, None, *(_to_input(v, d) for v, (_, d) in zip(views, ctx.shapes)))
+
+
+def _wait_pending(pending: list, grad_inputs):
+    """Pre-hook of the autograd node a bucket's gradient flows to: its all-reduce is complete before the node runs."""
+    for flat in pending:
+        _wait(flat)  # idempotent: waits only the first time
 
 
 # Called once at the end of a backward that reduced gradients asynchronously (registered by `ParallelModule.forward`):
@@ -447,11 +464,13 @@ def _after_backward() -> None:
             fn()
 
 
-def grad_sync_bucket(xs: tuple, axis: AxisRef, mp=None) -> tuple:
+def grad_sync_bucket(xs: tuple, axis: AxisRef, mp=None, exclusive: bool = False) -> tuple:
     """Data-parallel gradient reduction of many parameters as one all-reduce (a DDP bucket), issued as soon as
     their gradients are ready and waited for by the end of the backward. `mp` as `grad_all_reduce`: the bucket is
-    reduced in reduce_dtype."""
-    return _GradSyncBucket.apply(resolve_axis(axis), mp, *xs)
+    reduced in reduce_dtype. `exclusive`: the bucket is the only consumer of every x in the program
+    (`bucket_gradients_pass` knows), so its reduction is waited for only where the gradients flow on, not before
+    the bucket's backward returns."""
+    return _GradSyncBucket.apply(resolve_axis(axis), mp, exclusive, *xs)
 
 
 # What each graph-callable collective moves, forward and backward (used to count and price them).
