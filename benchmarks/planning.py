@@ -132,7 +132,7 @@ def peak_terms(p) -> str:
             f"+ momentary {momentary / GIB:.1f} = {e.memory_bytes_per_device / GIB:.1f} GiB")
 
 
-def shape_row(name: str, hand_plans=HAND_PLANS) -> dict:
+def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS) -> dict:
     """Plan shape `name` with auto (timed) and every hand plan at every checkpoint level (module docstring)."""
     import autopar
     from autopar.solver import InfeasibleError
@@ -154,7 +154,7 @@ def shape_row(name: str, hand_plans=HAND_PLANS) -> dict:
                    terms=peak_terms(p), table_has_levels="checkpoint" in p.table().splitlines()[1])
     hands = []
     for hand in hand_plans:
-        for level in LEVELS:
+        for level in levels:
             h = autopar.plan(model, mesh, inputs, plan=hand, cluster="h100", overrides={"checkpoint": level})
             e = h.estimate
             hands.append({"plan": hand, "level": level, "fits": e.fits, "batch_ok": batch_split_ok(h),

@@ -25,11 +25,13 @@ WITHIN = {"8b_8k": 1.005, "8b_128k": 1.0}
 def test_auto_fits_and_matches_the_best_hand_plan(name):
     # the fsdp hand plan shards the batch over dp x tp ranks (16 or 64 > batch = dp): its input is replicated, so it
     # never counts as a fitting hand plan (the benchmark prices it and says so); the test compares megatron alone
-    r = planning.shape_row(name, hand_plans=("megatron",))
+    # at 128k only the level that needs the least memory (full <= selective <= none: tests/test_checkpoint_levels.py)
+    levels = ("full",) if name == "8b_128k" else planning.LEVELS
+    r = planning.shape_row(name, hand_plans=("megatron",), levels=levels)
     assert r["infeasible"] is None, r["infeasible"]
     assert r["fits"] and r["batch_ok"] and r["mem_gib"] * 2**30 <= 80e9, r["terms"]
     assert r["table_has_levels"]
-    assert [h["level"] for h in r["hands"]] == list(planning.LEVELS)
+    assert [h["level"] for h in r["hands"]] == list(levels)
     best = r["best_hand"]
     if best is not None:
         assert r["step_s"] <= WITHIN[name] * best["step_s"], (r["step_s"], best)
