@@ -293,6 +293,8 @@ class Plan:
         rows = [("module", "kind", "form", "placements", "collectives (fwd/bwd)", "bytes/step", "est. time",
                  "est. memory")]
         est = {k: (t, m) for k, t, m in self.estimate.per_site} if self.estimate else {}
+        if self.checkpoint:  # the activation checkpointing level of the layer holding each structure
+            rows[0] += ("checkpoint",)
         shown = set()
         for s in self.strategies:
             scopes = (s.key,) + s.members
@@ -303,14 +305,20 @@ class Plan:
             t_m = est.get(s.key)
             rows.append((s.key, s.kind, s.label, pls, _comm_summary(comms),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in comms)),
-                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
+                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-")
+                        + ((self.layer_level(s.key),) if self.checkpoint else ()))
         rest = [c for c in self.comms if id(c) not in shown]
         if rest or "(other)" in est:
             t_m = est.get("(other)")
             rows.append(("(other)", "", "", "", _comm_summary(rest),
                          _fmt_bytes(sum(c.bytes_forward + c.bytes_backward for c in rest)),
-                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-"))
+                         f"{t_m[0] * 1e3:.3f} ms" if t_m else "-", _fmt_bytes(t_m[1]) if t_m else "-")
+                        + (("-",) if self.checkpoint else ()))
         return rows
+
+    def layer_level(self, key: str) -> str:
+        """The checkpoint level of the layer holding structure `key` ('-': in no layer)."""
+        return next((level for path, level in self.checkpoint if key == path or key.startswith(path + ".")), "-")
 
     def checkpoint_summary(self) -> str:
         """The level per layer, layers of one level listed together: 'h.0, h.1: full; h.2: none'."""

@@ -7,8 +7,8 @@ One self-contained file (inline CSS and script, no network assets), searchable (
 - memory per device: parameters, gradients, optimizer state, activations saved for backward and FSDP's
   gathered copies (`Estimate.sites`), in all as a bar against the limit, then per structure;
 - the estimated step as a timeline: each structure's compute, then its communication on each mesh axis
-  (`SiteEstimate.comm_axes`) and the local copies around it, one after another: the cost model prices no
-  overlap, so the step is their sum;
+  (`SiteEstimate.comm_axes`) and the local copies around it, laid out one after another (their sum); the step
+  itself is the overlapped timeline's (`autopar.timeline`), and the exposed communication is stated;
 - every collective of the lowered program with its bytes (`Plan.comms`), and, given the rewritten graph
   (`pm.graph_module`), the graph per structure with every collective node highlighted;
 - why each form (`Plan.explain`).

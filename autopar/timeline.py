@@ -10,8 +10,9 @@ makespan - compute busy time (`Schedule.exposed_comm_s`).
 order; `piece` reads one from an `autopar.estimate.Cost`). Streams: "compute", and one per communicating mesh
 axis: the parameters' synchronisation on the data axes (`Piece.sync_stream`) and a structure's own
 collectives on its model axes (`Piece.critical_stream`). Forward, for each structure i:
-- `gather i` (sync stream): FSDP's all-gather of its parameters; it waits for the forward of structure i-2,
-  so the gather of the next structure runs while this one computes (FSDP2's prefetch, one ahead);
+- `gather i` (sync stream): FSDP's all-gather of its parameters; it waits for the forward of the structure two
+  gathering structures back, so the gather of the next gathering structure runs while this one computes (FSDP2's
+  prefetch, one unit ahead; structures that gather nothing, such as replicated norms between them, are not units);
 - `fwd i` (compute, a third of its compute: forward = 1/3 of forward + backward): waits for `gather i` and
   for the previous structure's forward collectives;
 - `fwd-comm i` (its critical stream, half its critical communication): tensor-parallel collectives, the loss'
@@ -126,12 +127,14 @@ def step_tasks(pieces: list[Piece]) -> list[Task]:
     """The tasks of one training step over `pieces` in forward order (module docstring)."""
     tasks: list[Task] = []
     prev: tuple[str, ...] = ()
-    for i, p in enumerate(pieces):
+    gathering: list[str] = []  # the structures that gather, in forward order: prefetch counts these, not the norms
+    for p in pieces:
         gather = ()
         if p.gather_s > 0:
-            wait = (f"fwd {pieces[i - 2].key}",) if i >= 2 else ()
+            wait = (f"fwd {gathering[-2]}",) if len(gathering) >= 2 else ()
             tasks.append(Task(f"gather {p.key}", p.sync_stream, p.gather_s, wait))
             gather = (f"gather {p.key}",)
+            gathering.append(p.key)
         tasks.append(Task(f"fwd {p.key}", COMPUTE, p.compute_s / 3, prev + gather))
         prev = (f"fwd {p.key}",)
         if p.critical_s > 0:

@@ -3,7 +3,7 @@ of issues #11, memory, and #12, step time). It measures what the cost model pred
 nothing and hides nothing.
 
     python benchmarks/published_runs.py [--quick] [--markdown]   # --quick: the 8-GPU torchtitan row only
-                                                                 # (its step time and memory; no auto, no planning)
+                                                                 # (its step time and memory; no auto)
 
 Every model is built whole (every layer) on the meta device in bf16 with its published shapes and planned
 with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster=<the run's preset>)`;
@@ -11,9 +11,12 @@ nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP
 reductions overlapped with the backward, tensor-parallel collectives exposed) at the presets' achieved rates
 (`cost_model.hardware`: matmul by size, flash attention by sequence length, NCCL ring/tree, mesh axes mapped to
 NVLink within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB
-HBM2e, 500 W H100 torchtitan measured on) with torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDPA) and add
-the recomputation of its per-op selective activation checkpointing, priced explicitly here (`sac_recompute_s`)
-until the `checkpoint` form prices it in the estimate. From `plan.estimate` (step time, memory per device):
+HBM2e, 500 W H100 torchtitan measured on) with torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDPA) as
+torchtitan trains it: fp32 parameters under `mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+(bf16 compute and gathers, fp32 gradient reductions, fp32 masters and AdamW states) and every layer at the
+`selective` checkpoint level (`{"checkpoint": "selective"}`: torchtitan's per-op SAC, every other matmul output
+and the attention outputs kept, the rest recomputed in backward, priced by the estimate). From `plan.estimate`
+(step time, memory per device):
 
 - predicted tokens/s/GPU = global batch x sequence / step time / GPUs;
 - torchtitan rows: TFLOP/s/GPU = tokens/s/GPU x (6 N + 12 L H s) (torchtitan's own count: N the parameters
@@ -26,9 +29,15 @@ until the `checkpoint` form prices it in the estimate. From `plan.estimate` (ste
 Each row prints `RATIO published_<row> predicted/published = x`. A hand plan whose estimate does not fit
 the device memory is still priced (and says DOES NOT FIT); `auto` raises InfeasibleError when no plan fits,
 and the row prints the least memory the planner says any plan needs. Then: the FSDP 8 -> 128 GPU scaling
-drop predicted vs published, the memory rows (predicted peak / published peak, and whether `auto` finds a
-plan under 80 GB and 95 GB), and the planning rows of issue #11 (fits? auto vs the best fitting hand plan,
-planning seconds in this process, imports warm).
+drop predicted vs published, and the memory rows: predicted peak / published peak, the peak's terms (model
+state, FSDP's gathered copies, saved activations at the start of the backward, the loss' momentary buffers), and
+whether `auto` (levels free) finds a plan under 80 GB and 95 GB. The published peak is torchtitan's logged
+`memory:` figure, `torch.cuda.max_memory_reserved` (the caching allocator's reserve, fragmentation included);
+the prediction is the live bytes of autopar's own plan, whose FSDP keeps every gathered parameter from the
+forward to the backward (FSDP2 reshards each block after its forward: about 12-14 GiB less) and holds no
+allocator slack (torchtitan's reserve above its allocation: not published, typically 10-15%). The two differ
+in opposite directions by similar amounts; see the report of issue #11. Issue #11's planning rows are in
+`benchmarks/planning.py`.
 
 Sources of the published figures:
 - torchtitan Llama-3.1-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), bf16,
@@ -49,11 +58,8 @@ Sources of the published figures:
 - torchtitan's 64-GPU run shards parameters over its 8 data-parallel ranks (FSDP 8 x TP 8); no hand plan
   does that (`megatron` is DP x TP), so that row prices `megatron` and says so in its forms.
 
-The runs used per-op selective activation checkpointing (torchtitan), which autopar cannot lower yet: its
-recomputation is priced here, but the cost model still keeps every activation, so the memory rows and the FSDP
-"DOES NOT FIT" are findings of this baseline, not bugs of the benchmark. Issue #11
-asks for the hand plans "with the checkpoint levels": autopar has no activation-checkpoint form yet, so the
-planning rows compare against megatron and fsdp without checkpointing and say so.
+torchtitan's 64-GPU run saves its sequence-parallel reduce-scatters' outputs under SAC; autopar's recomputing
+levels issue a layer's collectives again (`autopar.forms.checkpoint`), so that row pays them twice.
 """
 
 from __future__ import annotations
@@ -70,12 +76,10 @@ if ROOT not in sys.path:
 if os.path.dirname(ROOT) not in sys.path:
     sys.path.insert(0, os.path.dirname(ROOT))
 
-from planning import batch_split_ok, forms, llama_meta  # noqa: E402  (benchmarks/planning.py)
+from planning import LLAMA_8B, batch_split_ok, forms, llama_tt_meta, peak_terms  # noqa: E402  (benchmarks/planning.py)
 
 GIB = 2**30
 PEAK_BF16 = 989e12  # H100 SXM dense bf16, as the h100 preset
-LLAMA_8B = dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-LLAMA_70B = dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 GPT_VOCAB, GPT_SEQ = 131072, 4096
 GPT_SHAPES = {  # ASSUMED (see the module docstring): layers, hidden, heads
     "1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (36, 8192, 64),
@@ -99,7 +103,9 @@ class Run:
     published_mem_gib: float | None = None
     notes: tuple = field(default=())
     cluster: str = "h100"  # the hardware preset the run is priced on
-    ac: str = ""  # "selective": torchtitan's per-op selective activation checkpointing, priced explicitly here
+    ac: str = ""  # the activation checkpointing level of every layer (`{"checkpoint": ac}`), "" none
+    # torchtitan's mixed precision: fp32 parameters (the optimizer's masters), bf16 compute and gathers, fp32 reduce
+    mixed: bool = False
 
     @property
     def gpus(self) -> int:
@@ -109,13 +115,13 @@ class Run:
 RUNS = (
     Run("tt_8b_fsdp8", "torchtitan Llama-3.1-8B, 8 H100, FSDP 8, local batch 2, seq 8192", "llama", LLAMA_8B,
         {"dp": 8}, 16, 8192, "fsdp", 5762.0, "tok/s/GPU", 82.4, ("selective AC", "96 GB H100"),
-        cluster="h100_hbm2e", ac="selective"),
+        cluster="h100_hbm2e", ac="selective", mixed=True),
     Run("tt_8b_fsdp128", "same on 128 H100, FSDP 128", "llama", LLAMA_8B,
         {"dp": 128}, 256, 8192, "fsdp", 5605.0, "tok/s/GPU", 67.0, ("selective AC", "96 GB H100"),
-        cluster="h100_hbm2e", ac="selective"),
+        cluster="h100_hbm2e", ac="selective", mixed=True),
     Run("tt_8b_fsdp8_tp8", "torchtitan Llama-3.1-8B, 64 H100, FSDP 8 x TP 8, local batch 12, seq 8192, compile",
         "llama", LLAMA_8B, {"dp": 8, "tp": 8}, 96, 8192, "megatron", 4378.0, "tok/s/GPU",
-        cluster="h100_hbm2e", ac="selective"),
+        cluster="h100_hbm2e", ac="selective", mixed=True),
     Run("mlm_gpt_1.7b_tp1", "Megatron-LM GPT 1.7B, TP1 x DP48, 48 H100", "gpt", {"size": "1.7b"},
         {"dp": 48}, 192, GPT_SEQ, "dp", 408.8, "TFLOP/s/GPU"),
     Run("mlm_gpt_7.1b_tp2", "Megatron-LM GPT 7.1B, TP2 x DP48, 96 H100", "gpt", {"size": "7.1b"},
@@ -126,13 +132,6 @@ RUNS = (
         {"dp": 48, "tp": 8}, 192, GPT_SEQ, "megatron", 459.6, "TFLOP/s/GPU"),
 )
 PUBLISHED_SCALING = 5605.0 / 5762.0 - 1  # torchtitan FSDP 8 -> 128 GPUs: -2.7%
-
-PLANNING = (  # issue #11: (name, shape, seq, mesh, global batch = dp, goal seconds)
-    ("8b_8k", LLAMA_8B, 8192, {"dp": 8, "tp": 8}, 8, 10.0),
-    ("8b_128k", LLAMA_8B, 131072, {"dp": 2, "tp": 8}, 2, 10.0),
-    ("70b_8k", LLAMA_70B, 8192, {"dp": 64, "tp": 8}, 64, 30.0),
-)
-
 
 def gpt_meta(size: str, batch: int):
     """autopar.models.GPT (fused QKV, GELU MLP 4H, tied embeddings) on meta in bf16, and its meta inputs."""
@@ -147,61 +146,20 @@ def gpt_meta(size: str, batch: int):
     return model, (ids, ids)
 
 
-def llama_tt_meta(shape: dict, seq: int, batch: int, layers: int | None = None):
-    """torchtitan's Llama 3 as autopar.models.Llama (RMSNorm, RoPE, GQA, SwiGLU, untied output, fp32 loss) with
-    causal SDPA (torchtitan calls `F.scaled_dot_product_attention(..., is_causal=True)`: flash attention skips
-    the masked half; the HF model's explicit mask would price the full square), on meta in bf16."""
-    import torch
-    from autopar.models import Llama, LlamaConfig
-
-    cfg = LlamaConfig(vocab_size=shape["vocab"], seq_len=seq, num_layers=layers or shape["layers"],
-                      num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], hidden=shape["hidden"],
-                      ffn_hidden=shape["ffn"], rope_theta=500000.0, norm_eps=1e-5, attention="sdpa")
-    with torch.device("meta"):
-        model = Llama(cfg).to(torch.bfloat16)
-        ids = torch.zeros(batch, seq, dtype=torch.long)
-    return model, (ids, ids)
-
-
 def build(run: Run):
     if run.arch == "llama":
-        return llama_tt_meta(run.shape, run.seq, run.batch)
+        model, inputs = llama_tt_meta(run.shape, run.seq, run.batch)
+        return (model.float() if run.mixed else model), inputs  # mixed: the fp32 masters torchtitan holds
     return gpt_meta(run.shape["size"], run.batch)
 
 
-def sac_recompute_s(run: Run) -> float:
-    """Per GPU, the forward work torchtitan's per-op selective activation checkpointing runs again in backward
-    (`torchtitan/distributed/activation_checkpoint.py`: it saves the outputs of matmuls (every other one: "mm_count
-    % 2") and of SDPA, and recomputes everything else inside each transformer block), priced op by op at the
-    run's preset rates like the estimate's compute (`autopar.estimate.compute_s`, one forward instead of 3x):
-    half of the blocks' matmuls and all their elementwise ops (norms, RoPE, SwiGLU, residual adds), none of the
-    attention kernels. Counted on one layer and multiplied by the layers. Work split as the plan splits it: the
-    blocks' over every rank of the data and model axes, norms and the rest over the data axis only.
-    TEMPORARY: priced here until the `checkpoint` form (issue #11 item 3) prices recomputation in the estimate."""
-    import dataclasses as dc
-
-    from autopar.api import _prepare
-    from autopar.estimate import compute_dtype, gather_stats
-    from autopar.sites import Kind
-    from cost_model.analytical import kernel_time_s
-    from cost_model.hardware import PRESETS
-
-    cluster = PRESETS[run.cluster]
-    model, inputs = llama_tt_meta(run.shape, run.seq, run.batch, layers=1)
-    _, _, ctx = _prepare(model, run.mesh, inputs)
-    stats, other, _ = gather_stats(ctx)
-    dp, tp = run.mesh.get("dp", 1), run.mesh.get("tp", 1)
-    parts = [(stats[s.key], dp * tp) for s in ctx.planning_sites() if s.kind in (Kind.ATTENTION, Kind.MLP)]
-    parts += [(stats[s.key], dp) for s in ctx.planning_sites() if s.kind is Kind.NORM][:2]  # the layer's two norms
-    parts.append((dc.replace(other, work={k: w for k, w in other.work.items() if k[0] == "vector"}), dp))
-    t = 0.0
-    for st, div in parts:
-        for (kind, dtype, size), (flops, nbytes, ops) in st.work.items():
-            share = 0.5 if kind == "matmul" else 0.0 if kind == "sdpa" else 1.0
-            if share:
-                t += share * kernel_time_s(kind, flops / div, nbytes / div, compute_dtype(dtype, cluster), cluster,
-                                           num_ops=ops, flops_per_call=size / div if kind == "matmul" else None)
-    return t * run.shape["layers"]
+def mp_policy(run: Run):
+    """torchtitan's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` for a mixed run, else None."""
+    if not run.mixed:
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def flops_per_step(run: Run, model) -> float:
@@ -225,18 +183,20 @@ def price(run: Run, memory_limit=None) -> dict:
     out = {"run": run, "params": sum(p.numel() for p in model.parameters())}
     t0 = time.perf_counter()
     try:
-        p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit)
+        p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit,
+                         overrides={"checkpoint": run.ac} if run.ac and run.plan != "auto" else None,
+                         mp_policy=mp_policy(run))
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
         return out
     e = p.estimate
-    recompute = sac_recompute_s(run) if run.ac == "selective" else 0.0
-    step = e.step_time_s + recompute  # recomputation runs on the compute stream, in backward
+    step = e.step_time_s  # with the checkpoint level's recomputation (and re-issued collectives)
     tok_s_gpu = run.batch * run.seq / step / run.gpus
     tflops = flops_per_step(run, model) / step / run.gpus / 1e12
     predicted = tok_s_gpu if run.unit == "tok/s/GPU" else tflops
     out.update(plan_s=time.perf_counter() - t0, infeasible=None, step_s=step, compute_s=e.compute_time_s,
-               comm_s=e.comm_time_s, exposed_s=e.exposed_comm_s, recompute_s=recompute,
+               comm_s=e.comm_time_s, exposed_s=e.exposed_comm_s, terms=peak_terms(p),
+               levels=sorted({lv for _, lv in p.checkpoint}),
                mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
                limit_gib=e.memory_limit_bytes / GIB, tok_s_gpu=tok_s_gpu, tflops=tflops, mfu=tflops * 1e12 / PEAK_BF16,
                predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p))
@@ -249,23 +209,13 @@ def auto_fits(run: Run, limit_bytes: float) -> dict:
     return price(auto, memory_limit=limit_bytes)
 
 
-def planning_row(name, shape, seq, mesh, batch, goal) -> dict:
-    """Issue #11's planning rows at the default limit: auto (timed), and the megatron and fsdp hand plans."""
-    base = Run(name, "", "llama", shape, mesh, batch, seq, "auto", math.nan, "tok/s/GPU")
-    auto = price(base)
-    hands = {h: price(replace(base, plan=h)) for h in ("megatron", "fsdp")}
-    fitting = {h: r["step_s"] for h, r in hands.items() if r.get("fits") and r["batch_ok"]}
-    return {"name": name, "mesh": mesh, "batch": batch, "seq": seq, "goal": goal, "auto": auto, "hands": hands,
-            "best_hand": min(fitting.items(), key=lambda kv: kv[1]) if fitting else None}
-
-
 def fmt_row(r: dict) -> str:
     run = r["run"]
     if r["infeasible"]:
         return f"  {run.what} [{run.plan}]: INFEASIBLE: {r['infeasible']}"
     return (f"  {run.what} [{run.plan}, {run.cluster}, {r['params'] / 1e9:.2f} B params]: predicted "
             f"{r['step_s'] * 1e3:.0f} ms/step (compute {r['compute_s'] * 1e3:.0f}"
-            + (f" + selective-AC recompute {r['recompute_s'] * 1e3:.0f}" if r["recompute_s"] else "")
+            + (" with checkpoint level " + "/".join(r["levels"]) if r["levels"] else "")
             + f", comm {r['comm_s'] * 1e3:.0f} of which exposed {r['exposed_s'] * 1e3:.0f}), "
             f"{r['tok_s_gpu']:,.0f} tok/s/GPU, "
             f"{r['tflops']:.0f} TFLOP/s/GPU ({r['mfu']:.0%} of peak), {r['mem_gib']:.1f} GiB/device "
@@ -298,24 +248,8 @@ def main(argv=None) -> dict:
                          + (f"INFEASIBLE (least {a['least_gib']:.0f} GiB)" if a["infeasible"] else
                             f"plan at {a['mem_gib']:.1f} GiB, {a['tok_s_gpu']:,.0f} tok/s/GPU")
                          for gb, a in autos.items())
-        print(f"  {run.what}: predicted {r['mem_gib']:.1f} GiB vs published {run.published_mem_gib} GiB"
-              + (f"; {says}" if says else ""), flush=True)
-
-    plans = []
-    if not quick:
-        print("== planning (issue #11): H100 preset, default memory limit, global batch = dp")
-        for row in PLANNING:
-            pr = planning_row(*row)
-            plans.append(pr)
-            a = pr["auto"]
-            hands = ", ".join(f"{h} {r['step_s'] * 1e3:.0f} ms {r['mem_gib']:.0f} GiB"
-                              f"{'' if r['fits'] else ' (does not fit)'}"
-                              f"{'' if r['batch_ok'] else ' (batch does not divide: input replicated)'}"
-                              for h, r in pr["hands"].items())
-            auto = (f"auto INFEASIBLE in {a['plan_s']:.1f} s (least {a['least_gib']:.0f} GiB)" if a["infeasible"] else
-                    f"auto {a['step_s'] * 1e3:.0f} ms {a['mem_gib']:.0f} GiB in {a['plan_s']:.1f} s ({a['forms']})")
-            print(f"  {pr['name']} on {pr['mesh']}: {auto}; hand plans (no checkpoint levels exist yet): {hands}",
-                  flush=True)
+        print(f"  {run.what}: predicted {r['mem_gib']:.1f} GiB ({r['terms']}) vs published "
+              f"{run.published_mem_gib} GiB (torch.cuda max reserved)" + (f"; {says}" if says else ""), flush=True)
 
     print()
     for r in results:
@@ -335,13 +269,6 @@ def main(argv=None) -> dict:
         ok = "".join(f", auto@{gb}GB {'fits' if not a['infeasible'] else 'INFEASIBLE'}" for gb, a in autos.items())
         print(f"RATIO published_mem_{run.name} predicted/published = {r['mem_gib'] / run.published_mem_gib:.2f} "
               f"({r['mem_gib']:.1f} / {run.published_mem_gib} GiB{ok}; goal 0.80-1.20)")
-    for pr in plans:
-        a = pr["auto"]
-        best = pr["best_hand"]
-        vs = ("no hand plan fits" if best is None else
-              f"auto/best hand ({best[0]}) = {a['step_s'] / best[1]:.3f}" if not a["infeasible"] else "auto INFEASIBLE")
-        print(f"RATIO planning_{pr['name']} fits = {'no' if a['infeasible'] else 'yes'} ({vs}; planned in "
-              f"{a['plan_s']:.1f} s, goal {pr['goal']:.0f} s, {os.cpu_count()} CPU cores)")
 
     if markdown:
         print("\n| run | published | predicted | predicted / published | predicted memory |")
@@ -357,7 +284,7 @@ def main(argv=None) -> dict:
                 mem_s += f" (published {run.published_mem_gib})"
             print(f"| {run.what} (`{run.plan}`) | {run.published:,.1f} {run.unit} | {r['predicted']:,.1f} "
                   f"({r['mfu']:.0%} MFU) | **{r['ratio']:.2f}** | {mem_s} |")
-    return {"results": results, "memory": mem, "planning": plans}
+    return {"results": results, "memory": mem}
 
 
 if __name__ == "__main__":

@@ -3,9 +3,9 @@
 | level       | kept for backward                                   | recomputed in backward               |
 |-------------|-----------------------------------------------------|--------------------------------------|
 | `none`      | whatever autograd saves in the layer                | nothing                              |
-| `selective` | the layer's inputs and the outputs of its matmuls   | every other op of the layer, and its |
-|             | (mm, addmm, bmm, grouped mm), SDPA and the fused MoE| collectives (re-issued), MoE token   |
-|             | experts op (torchtitan's op-level SAC)              | all-to-alls and ring attention too   |
+| `selective` | the layer's inputs, the outputs of every other      | every other op of the layer, and its |
+|             | matmul (the 1st, 3rd, ...: mm, addmm, bmm), SDPA and| collectives (re-issued), MoE token   |
+|             | the fused MoE experts op (torchtitan's op-level SAC)| all-to-alls and ring attention too   |
 | `full`      | the layer's inputs                                  | the whole layer, its collectives too |
 
 A level is not a structure form: a layer holds several structures (its attention, MLP, norms), each with its
@@ -22,7 +22,8 @@ specific). A named plan gives every other layer `none`; `auto` lets the ILP choo
 
 Pricing (per layer, global bytes and forward work; the solver divides by the ranks the tokens are split over):
 - saved bytes: `none` what autograd saves in the layer (`cost_model.memory.saved_activations`, by the layer's
-  ops); `selective` the layer's inputs + its matmul / attention / experts outputs; `full` its inputs;
+  ops); `selective` the layer's inputs + every other matmul output + its attention / experts outputs; `full` its
+  inputs;
 - recompute: the forward work again of the recomputed ops (`full`: every op; `selective`: all but the saved
   ones), and the layer's forward collectives issued again (both levels recompute collectives: saving their
   outputs would keep a tensor per collective, and the re-issue is what the plan's `record_comms` shows);
@@ -54,7 +55,7 @@ class Level:
 
 
 NONE = Level("none", False, False, "autograd saves what it needs; nothing recomputed")
-SELECTIVE = Level("selective", True, True, "keeps matmul and attention outputs, recomputes the rest")
+SELECTIVE = Level("selective", True, True, "keeps every other matmul output and attention outputs, recomputes the rest")
 FULL = Level("full", True, False, "keeps the layer's inputs, recomputes the whole layer")
 LEVELS: dict[str, Level] = {lv.name: lv for lv in (NONE, SELECTIVE, FULL)}
 DEFAULT = NONE  # what a named plan gives a layer no override names
@@ -108,10 +109,23 @@ def parse_overrides(overrides: dict | None, layers: list[Layer], specificity) ->
 
 # ----------------------------------------------------------------------------- what the runtime keeps
 
+def matmul_ops() -> frozenset:
+    """The matmuls, of which `selective` keeps every other output (the 1st, 3rd, ... of a layer's forward)."""
+    return frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                      aten.linear.default, aten.matmul.default})
+
+
+def keeps_matmul(count: int) -> bool:
+    """Whether `selective` keeps the output of a layer's `count`-th matmul (from 1): torchtitan's op-level SAC
+    keeps every other one (`mm_count % 2`), recomputing the rest, which halves the matmul outputs kept for a
+    quarter of the matmul work again."""
+    return count % 2 == 1
+
+
 def saved_ops() -> frozenset:
-    """The ops whose outputs `selective` keeps (`autopar.runtime.checkpoint`'s policy, and `price`)."""
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
-           aten.matmul.default}
+    """The ops whose outputs `selective` keeps (`autopar.runtime.checkpoint`'s policy, and `price`): the matmuls
+    (every other one: `keeps_matmul`), SDPA and the fused MoE experts."""
+    ops = set(matmul_ops())
     from cost_model.analytical import _SDPA
     ops |= set(_SDPA)
     for name in ("_flash_attention_forward", "_efficient_attention_forward", "_grouped_mm"):
@@ -163,20 +177,28 @@ def price(gm: fx.GraphModule, layer: Layer) -> LayerPrice:
     inputs = {a for n in nodes for a in n.all_input_nodes
               if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)}
     in_bytes = sum(_bytes(a) for a in inputs)
-    keep = saved_ops()
-    kept = [n for n in nodes if n.target in keep]
+    keep, mms = saved_ops(), matmul_ops()
+    kept, count = [], 0
+    for n in nodes:  # the layer's forward order: the runtime's policy counts its matmuls as they run
+        if n.target in mms:
+            count += 1
+            if not keeps_matmul(count):
+                continue
+        if n.target in keep:
+            kept.append(n)
+    kept_set = set(kept)
     out = LayerPrice()
     out.saved[NONE.name] = float(sum(none.values()))
     out.saved[FULL.name] = float(in_bytes)
     out.saved[SELECTIVE.name] = float(in_bytes + sum(_bytes(n) for n in kept if n.target is not operator.getitem))
     out.recomputed[NONE.name] = []
     out.recomputed[FULL.name] = nodes
-    out.recomputed[SELECTIVE.name] = [n for n in nodes if n.target not in keep]
+    out.recomputed[SELECTIVE.name] = [n for n in nodes if n not in kept_set]
     return out
 
 
 __all__ = ["KEY", "Level", "LEVELS", "NONE", "SELECTIVE", "FULL", "DEFAULT", "level", "is_key", "parse_overrides",
-           "saved_ops", "LayerPrice", "price"]
+           "saved_ops", "matmul_ops", "keeps_matmul", "LayerPrice", "price"]
 
 
 # ----------------------------------------------------------------------------- the solver's terms
@@ -213,17 +235,18 @@ def groups(gm: fx.GraphModule, layers: list[Layer], forced: dict[str, Level]) ->
 def cost(group: Group, lv: Level, mc, model_degree: int):
     """What `lv` costs the group's layers together, per device (`autopar.estimate.Cost`): `compute_s` the forward
     of the recomputed ops again, `memory_bytes` = `act_bytes` the saved bytes it changes against `none`
-    (negative: saved), `transient_bytes` the recompute of one layer in backward. Saved bytes are divided by the
-    ranks the tokens are split over and by the model axes (`model_degree`: as if every structure split them; the
-    least the level saves), recompute time by the token split only (the most it costs). The collectives it
-    issues again are priced by the solver, which knows the forms."""
+    (negative: saved), `transient_bytes` the recompute of one layer in backward. Saved bytes and recompute time
+    are divided by the ranks the tokens are split over and by the model axes (`model_degree`: as if every
+    structure split them, as the tensor-parallel forms split the matmuls that hold most of both; a structure left
+    whole on a model axis saves more and recomputes slower than this). The collectives it issues again are
+    priced by the solver, which knows the forms."""
     from autopar.estimate import Cost, SiteStats, compute_s
     n = len(group.layers)
     st = SiteStats()
     for node in group.price.recomputed[lv.name]:
         st.add_node(node)
-    recompute = compute_s(st, mc.dp, mc.cluster) / 3 if lv.recomputes else 0.0  # compute_s is forward + backward
     split = mc.dp * model_degree
+    recompute = compute_s(st, split, mc.cluster) / 3 if lv.recomputes else 0.0  # compute_s is forward + backward
     delta = n * (group.price.saved[lv.name] - group.price.saved[NONE.name]) / split
     return Cost(compute_s=n * recompute, comm_s=0.0, comm_bytes=0.0, memory_bytes=delta, act_bytes=delta,
                 transient_bytes=group.price.transient(lv) / split)

@@ -5,9 +5,9 @@
   issued again: `record_comms` records them with pass "recompute") and uses what that recomputes. Early stop
   is off: the recompute runs the whole region (what `autopar.solver` prices), not only up to the last tensor
   backward needs (which would skip, e.g., a tensor-parallel layer's last all-reduce: a possible saving left).
-- `selective`: `create_selective_checkpoint_contexts` with `policy`: the outputs of the ops in
-  `autopar.forms.checkpoint.saved_ops()` (matmuls, SDPA, MoE experts) are kept, every other op (collectives
-  included) is recomputed. Ring attention (an autograd Function whose blocks' score matrices a matmul policy
+- `selective`: `create_selective_checkpoint_contexts` with `policy()`: the outputs of the ops in
+  `autopar.forms.checkpoint.saved_ops()` (every other matmul, SDPA, MoE experts) are kept, every other op
+  (collectives included) is recomputed. Ring attention (an autograd Function whose blocks' score matrices a matmul policy
   would keep, O(s^2) each) runs whole again in the recompute: nothing inside it is kept.
 - RNG: `preserve_rng_state=True` restores the global generators before the recompute, and autopar's dropout
   derives its masks from (stream, step, node), which do not change between a forward and its backward: every
@@ -25,7 +25,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
                                     set_checkpoint_early_stop)
 
-from autopar.forms.checkpoint import LEVELS, SELECTIVE, saved_ops
+from autopar.forms.checkpoint import LEVELS, SELECTIVE, keeps_matmul, matmul_ops, saved_ops
 from autopar.runtime import collectives as C
 
 _OPAQUE = [0]  # depth of whole-recomputed calls (ring attention) in progress
@@ -49,11 +49,26 @@ def _saved() -> frozenset:
     return saved_ops()
 
 
-def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-    """Selective checkpointing: keep matmul / attention / experts outputs, recompute the rest."""
-    if _OPAQUE[0] == 0 and func in _saved():
+@functools.lru_cache(maxsize=None)
+def _matmuls() -> frozenset:
+    return matmul_ops()
+
+
+def policy():
+    """Selective checkpointing of one region's forward: keep every other matmul output (`keeps_matmul`, counted in
+    the forward and again in the recompute, so both make the same choices) and the attention / experts outputs,
+    recompute the rest."""
+    counts = {False: 0, True: 0}
+
+    def decide(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        if _OPAQUE[0] or func not in _saved():
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if func in _matmuls():
+            counts[ctx.is_recompute] += 1
+            if not keeps_matmul(counts[ctx.is_recompute]):
+                return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    return decide
 
 
 class Checkpointed(nn.Module):
@@ -82,7 +97,7 @@ class Checkpointed(nn.Module):
 
         if self.level == SELECTIVE.name:
             def context():
-                fwd, rec = create_selective_checkpoint_contexts(policy)
+                fwd, rec = create_selective_checkpoint_contexts(policy())
                 self.last_storage = fwd.storage
                 return fwd, rec
         else:
