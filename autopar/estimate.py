@@ -47,6 +47,7 @@ from cost_model.analytical import _is_view, collective_time_s, compute_time_s, h
 from cost_model.hardware import Cluster, axis_link, dtype_name
 from cost_model.memory import OPTIMIZER_STATES, saved_activations
 from cost_model.memory import state_bytes_per_element as element_state_bytes
+from autopar.layers import find_layers
 from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes.patterns import TRANSPARENT
@@ -140,6 +141,8 @@ class SiteStats:
     # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
+    # placeholder -> (bytes of its FSDP gather group, gathered again in backward): `fsdp_groups`
+    fsdp_groups: dict[str, tuple[float, bool]] = field(default_factory=dict)
     saved_params: frozenset[str] = frozenset()  # parameters backward reads (FSDP keeps their gathered copies)
     # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
@@ -201,6 +204,7 @@ class SiteStats:
                 part.param_sizes.append(nbytes)
             if synced:
                 part.synced_param_sizes.append(nbytes)
+        parts[0].fsdp_groups = self.fsdp_groups
         return parts
 
     @property
@@ -512,8 +516,40 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
+    groups = fsdp_groups(gm, {p for st in (*stats.values(), other) for p, (_, used, sync) in st.param_facts.items()
+                                   if used and sync})
+    for st in (*stats.values(), other):
+        st.fsdp_groups = {p: groups[p] for p in st.param_facts if p in groups}
     attribute_saved(ctx, owner, stats, other)
     return stats, other, owned
+
+
+def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
+    """The FSDP gather groups of the parameters (placeholders) `params` whose gradients FSDP reduces, as lowering
+    makes them (`passes.lower.group_fsdp_gathers_pass`): those only one layer (`autopar.layers`) uses, per layer;
+    the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
+    in backward: a layer's group, some parameter of which an op other than an embedding lookup reads, so autograd
+    saves it; groups outside the layers stay gathered, as FSDP2's root)."""
+    layers = find_layers(gm, params)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    starts = [min(order[by_name[x]] for x in layer.nodes) for layer in layers]
+    owner = {p: layer.path for layer in layers for p in layer.params}
+    members: dict[str, list] = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph.name not in params or not ph.users:
+            continue
+        key = owner.get(ph.name)
+        if key is None:
+            first = min(order[u] for u in ph.users)
+            key = f"({sum(s <= first for s in starts)})"
+        members.setdefault(key, []).append(ph)
+    out = {}
+    for phs in members.values():
+        nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in phs)
+        again = phs[0].name in owner and any("embedding" not in str(u.target) for p in phs for u in p.users)
+        out.update({p.name: (float(nbytes), again) for p in phs})
+    return out
 
 
 def _reaches_output(node: fx.Node, outputs: set[fx.Node]) -> bool:

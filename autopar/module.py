@@ -41,6 +41,7 @@ from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
 from autopar.runtime.collectives import after_backward
+from autopar.runtime.fsdp import fsdp_step
 from autopar.runtime.ops import advance_rng_stream
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
 from autopar.weights import compute_buffers, init_weights, is_meta_model
@@ -204,7 +205,8 @@ class ParallelModule(nn.Module):
         advance_rng_stream(self._rng_stream)
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
-        outs = prog.gm(*feeds)
+        with fsdp_step(prog.gm):  # FSDP groups resharded after forward: their saved parameters re-gathered backward
+            outs = prog.gm(*feeds)
         return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
 
     def _plain_grads(self) -> None:

@@ -36,13 +36,18 @@ class DirectiveKind(str, enum.Enum):
     ROW_OUTPUT = "row_output"  # the row-parallel linear `node`'s output (before its bias) takes `value` on `axis`
     ATTENTION = "attention"  # attention `node` runs in mode `value` (an AttentionMode) over `axis`
     EXPERTS = "experts"  # MoE experts `node` has its experts sharded over `axis`
-    GATHER = "gather"  # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP)
+    # parameter `node` (its fqn) is all-gathered on `axis` before use (FSDP); `value` GATHER_KEEP: kept gathered
+    # from forward to backward, else ("") released after forward and gathered again in backward
+    GATHER = "gather"
     ZIGZAG = "zigzag"  # shards of a dim over `axis` use the zigzag layout (context parallelism)
     CAUSAL_MASK = "causal_mask"  # attention `node`'s mask is the causal mask: ring over `axis` drops it, is_causal
     # the fused projection `node` runs as one projection per feature block, on row blocks of its (replicated)
     # weight; `value` lists the blocks as `taker:first:end:heads,...` (the node taking each block of the output):
     # a block whose heads divide over `axis` is split over it, the others stay replicated
     PARTS = "parts"
+
+
+GATHER_KEEP = "keep"
 
 
 class AttentionMode(str, enum.Enum):

@@ -209,10 +209,14 @@ def _signature(site: Site) -> str:
         return site.kind.value + ":" + nx.weisfeiler_lehman_graph_hash(g, node_attr="label", iterations=3)
 
 
-def _classes(sites: list[Site], tied: set[str]) -> list[list[Site]]:
+def _classes(sites: list[Site], tied: set[str], stats=None) -> list[list[Site]]:
+    """Sites priced alike: the same graph, and their parameters in FSDP groups of the same bytes and resharding (a
+    parameter pays its share of its group's collective: a layer's norm and the final norm differ)."""
     groups: dict[str, list[Site]] = {}
     for s in sites:
         key = s.key if s.key in tied else _signature(s)
+        if stats is not None and s.key in stats:
+            key += repr(sorted(stats[s.key].fsdp_groups.values()))
         groups.setdefault(key, []).append(s)
     return list(groups.values())
 
@@ -359,7 +363,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     sites = ctx.planning_sites()
     pairs = _tied_pairs(sites)
     tied = {s.key for p in pairs for s in p}
-    classes = _classes(sites, tied)
+    classes = _classes(sites, tied, stats)
     forced = forced or {}
     groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint_forced or {})
     options = _role_options(ctx, mesh, batch, data_axes_options)
@@ -472,8 +476,9 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
     # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
     # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
-    # are issued before the layers (outside the recomputed region): an FSDP candidate re-issues what its
-    # candidate without FSDP does
+    # are issued before the layers' regions (`passes.checkpoint`: the recompute reads the full parameters through
+    # the backward re-gather the FSDP form prices with or without checkpointing): an FSDP candidate re-issues what
+    # its candidate without FSDP does
     own = [{(cand.form, cand.axes): c.comm_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
            for cs, cost in zip(cands, costs)]
     reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]

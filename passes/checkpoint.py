@@ -6,7 +6,12 @@ captured graph's node names, `LowerContext.checkpoint`), and the collectives rig
 for the layer (the all-reduce of a partial output the lowering carried through the residual add), so the
 collectives lowering inserted for the layer are in it and issued again with it (as `autopar.solver` prices). Gradient buckets (`grad_sync_bucket`: an identity forward on parameters,
 all-reduce in backward) placed inside are moved before the region: their backward must run once, and they
-depend on placeholders only. The region becomes `checkpoint_<i>` (a `Checkpointed` module) called with the
+depend on placeholders only. So are FSDP's per-layer gathers (`fsdp_gather`: the layer's, and the next layer's
+`fsdp_prefetch`, which lowering puts at the layer's start): the region starts after its layer's gather, whose
+full parameters are its inputs. Checkpoint saves its inputs through the saved-tensor hooks active outside it,
+so a resharded group's (`autopar.runtime.fsdp`) are replaced by handles: the recompute reads them through the
+ZeRO-3 re-gather in backward (one all-gather per group and axis, as without checkpointing), never a second
+gather; a kept group's stay held. The region becomes `checkpoint_<i>` (a `Checkpointed` module) called with the
 values it reads from outside and returning those read after it; its body is a GraphModule whose nodes keep
 their names and meta. `walk(gm)` yields the nodes of the graph and of its checkpointed bodies (what counts
 collectives or looks for ops in a lowered program must use it).
@@ -21,7 +26,12 @@ from torch import fx
 from autopar.runtime import collectives as C
 from passes import meta as M
 from autopar.runtime.checkpoint import Checkpointed, whole
+from autopar.runtime.fsdp import fsdp_gather, fsdp_prefetch
 from autopar.runtime.ring_attention import ring_attention
+
+
+# nodes on parameters only that run once, before the region: their backward is not a recompute
+_BEFORE = (C.grad_sync_bucket, fsdp_gather, fsdp_prefetch)
 
 
 def walk(gm: fx.GraphModule):
@@ -57,8 +67,8 @@ def _outline(gm: fx.GraphModule, name: str, path: str, level: str, names: set[st
         end += 1
     span = [n for n in order[idx[0]:end] if n.op == "call_function"]
     hoisted = set()
-    for n in span:  # gradient buckets (and their getitems) run before the region
-        if n.target is C.grad_sync_bucket or (n.target is operator.getitem and n.args[0] in hoisted):
+    for n in span:  # gradient buckets, FSDP gathers and prefetches (and their getitems) run before the region
+        if n.target in _BEFORE or (n.target is operator.getitem and n.args[0] in hoisted):
             hoisted.add(n)
             order[idx[0]].prepend(n)
     region = [n for n in span if n not in hoisted]

@@ -43,8 +43,9 @@ from torch.utils import _pytree as pytree
 
 from autopar.captured import Captured
 from autopar.mesh import MeshInfo
-from autopar.plan import AttentionMode, DirectiveKind, Plan
+from autopar.plan import GATHER_KEEP, AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
+from autopar.runtime import fsdp as F
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
@@ -77,6 +78,7 @@ class LowerContext:
     user_inputs: set[str]
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
     gathers: dict = field(default_factory=dict)  # parameter placeholder -> axis indices it is gathered on (FSDP)
+    keep_gathered: set = field(default_factory=set)  # FSDP parameter placeholders kept gathered for backward
     hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: AttentionMode}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
@@ -121,6 +123,11 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
                 raise ValueError(f"plan {plan.name!r} gathers parameter {d.node!r}, which this model does not have; "
                                  "re-plan for this model")
             ctx.gathers.setdefault(by_fqn[d.node], set()).add(ax)
+            if d.value == GATHER_KEEP:
+                ctx.keep_gathered.add(by_fqn[d.node])
+            elif d.value:
+                raise ValueError(f"plan {plan.name!r}: its gather directive for {d.node!r} has the value {d.value!r}; "
+                                 f"expected '' (reshard after forward) or {GATHER_KEEP!r}. Fix: re-plan.")
             continue
         if d.node not in nodes:
             raise ValueError(f"plan {plan.name!r} has a {d.kind.value} directive for graph node {d.node!r}, which "
@@ -578,6 +585,123 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
     return gm
 
 
+def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """FSDP parameters gathered per layer (`autopar.runtime.fsdp`): each FSDP parameter's chain of per-axis
+    all-gathers (and the data-axis gradient all-reduces that `propagate_pass` put after a plain all-gather) is
+    taken out; the parameters are grouped by the layer (`autopar.layers`) whose nodes alone use them, the others
+    by the layers they are used between (embeddings before the first, final norm and head after the last). Per
+    group, in order of first use: one `fsdp_gather` right before the group's first use (one all-gather per data
+    axis of a flat buffer of its shards, one reduce-scatter of its gradients backward), and the next group's
+    `fsdp_prefetch` right after it, so that gather overlaps this group's compute. A layer's group keeps its gathered
+    parameters for backward when every parameter's directive says so (`ctx.keep_gathered`), else re-gathers them
+    there; groups outside the layers keep them (as FSDP2 does not reshard its root after forward). A parameter whose chain is not that plain shape (split blocks, a gradient not reduced on every gathered
+    axis) keeps its own gathers."""
+    from autopar.layers import find_layers
+    graph = gm.graph
+    keys = {i: a.key for i, a in enumerate(ctx.mesh.axes)}
+    chains = []  # (placeholder, chain nodes, axis keys innermost first, dim)
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.name not in ctx.gathers or len(ph.users) != 1:
+            continue
+        nodes, x = [], ph
+        while len(x.users) == 1:
+            (u,) = x.users
+            if u.op != "call_function" or u.target not in (C.all_gather, C.all_gather_rs) or u.args[0] is not x \
+                    or u.args[3] != 1:
+                break
+            nodes.append(u)
+            x = u
+        axes = [n.args[2] for n in nodes]
+        if not nodes or sorted(axes) != sorted(keys[i] for i in ctx.gathers[ph.name]) \
+                or len({n.args[1] for n in nodes}) != 1:
+            continue
+        plain = [n.args[2] for n in nodes if n.target is C.all_gather]
+        absorbed, full = [], nodes[-1]
+        while plain:  # the gradient of a plain gather's value must be all-reduced on its axis by every user
+            users = list(full.users)
+            if not users or any(u.target is not C.grad_all_reduce or u.args[1] != users[0].args[1] for u in users) \
+                    or users[0].args[1] not in plain:
+                break
+            plain.remove(users[0].args[1])
+            absorbed += users
+        if plain:
+            continue
+        for u in absorbed:
+            u.replace_all_uses_with(full)
+            graph.erase_node(u)
+        chains.append((ph, nodes, tuple(axes), nodes[0].args[1]))
+    if not chains:
+        return gm
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    layers = find_layers(gm)
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    starts = [min(order[n] for n in graph.nodes if n.name in set(layer.nodes)) for layer in layers]
+    groups: dict[tuple, list] = {}
+    for ph, nodes, axes, dim in chains:
+        full = nodes[-1]
+        first = min(full.users, key=order.__getitem__)
+        owners = {layer_of.get(u.name) for u in full.users}
+        if len(owners) == 1 and None not in owners:
+            label = layers[owners.pop()].path
+        else:
+            k = sum(s <= order[first] for s in starts)
+            label = ("(model)" if not layers else f"(before {layers[0].path})" if k == 0 else
+                     f"(after {layers[k - 1].path})")
+        key = (label, axes, ph.meta["val"].dtype)
+        groups.setdefault(key, []).append((ph, nodes, dim, first))
+    ordered = sorted(groups.items(), key=lambda kv: min(order[f] for *_, f in kv[1]))
+    previous = None
+    for (label, axes, _), members in ordered:
+        first = min((f for *_, f in members), key=order.__getitem__)
+        # outside the layers (embeddings, final norm, head: FSDP2's root) kept, as FSDP2 keeps its root: the head's
+        # weights are used last in forward and first in backward
+        keep = label.startswith("(") or all(ph.name in ctx.keep_gathered for ph, *_ in members)
+        fulls = [nodes[-1] for _, nodes, _, _ in members]
+        shards = tuple(ph for ph, *_ in members)
+        with graph.inserting_before(first):
+            gather = graph.call_function(F.fsdp_gather, (shards, None, axes, tuple(d for _, _, d, _ in members), label,
+                                                         keep))
+        gather.meta["val"] = tuple(f.meta["val"] for f in fulls)
+        gather.meta[M.PLACEMENTS] = [f.meta[M.PLACEMENTS] for f in fulls]
+        gather.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+        gather.meta[M.COMM] = _group_comm(fulls, axes, keep, label, ctx.mesh.sizes)
+        cursor = gather
+        for i, f in enumerate(fulls):
+            with graph.inserting_after(cursor):
+                item = graph.call_function(operator.getitem, (gather, i))
+            item.meta.update({k: v for k, v in f.meta.items() if k != M.COMM})
+            cursor = item
+            f.replace_all_uses_with(item)
+        for _, nodes, _, _ in members:
+            for n in reversed(nodes):
+                graph.erase_node(n)
+        if previous is not None:  # issued right after the previous group's gather, before that group's compute
+            with graph.inserting_after(previous):
+                pending = graph.call_function(F.fsdp_prefetch, (shards, axes))
+            pending.meta["nn_module_stack"] = gather.meta["nn_module_stack"]
+            gather.args = (shards, pending, *gather.args[2:])
+        previous = cursor
+    return gm
+
+
+def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes) -> CommInfo:
+    """What one FSDP group's gather moves: per data axis (innermost first) an all-gather forward, and backward the
+    reduce-scatter (and, resharded, the all-gather again)."""
+    from autopar.mesh import resolve_axis
+    refs = [resolve_axis(a) for a in axes]
+    itemsize = fulls[0].meta["val"].element_size()
+    numel = sum(_local_numel(f, f.meta[M.PLACEMENTS], sizes) for f in fulls)  # local on the other axes, full on these
+    gathered = reduced = 0.0
+    n = numel // math.prod(a.size for a in refs)
+    for a in refs:  # innermost first: each gather's output is the next one's input
+        n *= a.size
+        gathered += send_bytes("all_gather", n * itemsize, a.size)
+        reduced += send_bytes("reduce_scatter", n * itemsize, a.size)
+    backward = "reduce_scatter" if keep else "all_gather+reduce_scatter"
+    return CommInfo("fsdp_gather", "all_gather", backward, ",".join(a.name for a in refs),
+                    math.prod(a.size for a in refs), round(gathered), round(reduced + (0 if keep else gathered)), label)
+
+
 def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """An activation's `all_gather_rs` whose every user is a linear (`linear`, `addmm`, `mm`) taking it as input
     (the sequence-sharded input of a column-parallel layer under Megatron SP) -> those become one
@@ -732,7 +856,7 @@ def _bucket(gm: fx.GraphModule, axis, nodes: list[fx.Node], order: dict[fx.Node,
 
 
 # the collectives a parameter meets before its compute: under mixed precision each casts (`C.all_gather_rs` & co, `mp=`)
-_PARAMETER_SIDE = (C.all_gather, C.all_gather_rs, C.grad_all_reduce, C.grad_sync_bucket)
+_PARAMETER_SIDE = (C.all_gather, C.all_gather_rs, C.grad_all_reduce, C.grad_sync_bucket, F.fsdp_gather, F.fsdp_prefetch)
 
 
 def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
@@ -747,7 +871,7 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
     (`mp=(.., .., True)`: a gather moves param_dtype bytes, exact) so that the last one casts, and a value computed
     by lookups and views from parameters is computed from the masters (`_in_master_dtype`); a reduction of any other
     value computed from the cast copies returns param_dtype (its sum rounded once). Backward bytes are re-priced at
-    reduce_dtype."""
+    reduce_dtype (an FSDP group's reduce-scatter; its backward re-gather stays at param_dtype)."""
     if ctx.precision is None:
         return gm
     param_dtype, reduce_dtype = ctx.precision.collective_dtypes
@@ -772,6 +896,15 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
             batch.add(n)
     casts = {n for n in graph.nodes if n.target is aten._to_copy.default and n.args[0] in params}
     for n in graph.nodes:
+        if n.op == "call_function" and n.target in (F.fsdp_gather, F.fsdp_prefetch):  # FSDP groups: dtypes as args
+            n.args = (*n.args[:6], *mp) if n.target is F.fsdp_gather else (*n.args[:2], param_dtype)
+            info = n.meta.get(M.COMM)
+            if info is not None and reduce_dtype is not None:  # the reduce-scatter in reduce_dtype, a re-gather not
+                regather = info.bytes_forward if "all_gather" in info.backward else 0
+                ratio = torch.empty((), dtype=reduce_dtype).element_size() / n.args[0][0].meta["val"].element_size()
+                n.meta[M.COMM] = dataclasses.replace(
+                    info, bytes_backward=regather + round((info.bytes_backward - regather) * ratio))
+            continue
         if n.op != "call_function" or n.target not in _PARAMETER_SIDE or n in batch:
             continue
         if n.target is not C.grad_sync_bucket:
@@ -1000,6 +1133,7 @@ LOWER = [
     insert_hints_pass,
     propagate_pass,
     fuse_gather_grad_reduce_pass,
+    group_fsdp_gathers_pass,
     regather_linear_inputs_pass,
     bucket_gradients_pass,
     mixed_precision_pass,

@@ -108,15 +108,16 @@ def test_auto_plan_sharded_on_dim1_matches_one_device(local_world, fp64):
     assert max(res.grad_err.values()) <= 1e-12, res.grad_err
     assert max(res.param_err.values()) <= 1e-12, res.param_err
     assert res.local_numel == {n: k if SHARDED[n] == "R" else k // 4 for n, k in numels.items()}, res.local_numel
-    # FSDP: each weight all-gathered whole on dp forward (gathered numel; a rank sends 3/4 of its fp64 bytes), its
-    # gradient reduce-scattered backward; the whole bias's gradient all-reduced (2·3/4); the loss all-reduced once
+    # FSDP: both weights (the model has no layers: one group, kept gathered for backward as FSDP2's root) all-gathered
+    # as one flat buffer on dp forward (gathered numel; a rank sends 3/4 of its fp64 bytes) and their gradients
+    # reduce-scattered as one; the whole bias's gradient all-reduced (2·3/4); the loss all-reduced once
     gathered = {"fc.weight": OUT * HIDDEN, "emb.weight": VOCAB * HIDDEN}
-    want = [("all_gather", "dp", "forward", n, 3 * n * 8 // 4) for n in gathered.values()] \
-        + [("reduce_scatter", "dp", "backward", n, 3 * n * 8 // 4) for n in gathered.values()] \
-        + [("all_reduce", "dp", "backward", OUT, 2 * 3 * OUT * 8 // 4), ("all_reduce", "dp", "forward", 1, 3 * 8 // 2)]
+    n = sum(gathered.values())
+    want = [("all_gather", "dp", "forward", n, 3 * n * 8 // 4), ("reduce_scatter", "dp", "backward", n, 3 * n * 8 // 4),
+            ("all_reduce", "dp", "backward", OUT, 2 * 3 * OUT * 8 // 4), ("all_reduce", "dp", "forward", 1, 3 * 8 // 2)]
     assert sorted(res.comms) == sorted(want), res.comms
-    rows = sorted((r.bytes_forward, r.bytes_backward) for r in res.plan.comms if r.fn == "all_gather_rs")
-    assert rows == sorted((3 * n * 8 // 4,) * 2 for n in gathered.values()), res.plan.comms
+    rows = [(r.bytes_forward, r.bytes_backward) for r in res.plan.comms if r.fn == "fsdp_gather"]
+    assert rows == [(3 * n * 8 // 4, 3 * n * 8 // 4)], res.plan.comms
     assert {(d.kind.value, d.node, d.axis) for d in res.plan.directives} >= {("gather", n, "dp") for n in gathered}
 
 

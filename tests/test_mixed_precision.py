@@ -135,10 +135,11 @@ def test_equivalence(local_world, plan):
 
 
 def test_fsdp_on_two_axes(local_world):
-    """fsdp over a (2, 2) mesh: each parameter gathered on one axis and then the other, its gradient all-reduced on the
-    second and reduce-scattered on the first. The first gather hands the second its result in fp32 (bf16 bytes on
-    the wire) so that no reduced gradient is rounded to bf16 on the way: the run equals the policy's one-device
-    reference on the batch in four shards, as on one axis."""
+    """fsdp over a (2, 2) mesh: each FSDP group (a layer's parameters, or those before / after the layers) is
+    gathered as one flat buffer on one axis and then the other, in bf16 both times (forward, and again in backward for
+    the resharded layers), and its gradients reduce-scattered as one fp32 buffer on both axes, so that no reduced
+    gradient is rounded to bf16 on the way: the run equals the policy's one-device reference on the batch in four
+    shards, as on one axis; the plan prices the bytes the run moves."""
     pm, loss, grads, after, recs, dtypes = run_policy(local_world, "fsdp", mesh_shape=(2, 2), names=("dp", "tp"))
     ref_loss, ref_grads, ref_after = policy_step(make_gpt(), gpt_inputs(), 4)
     assert all(d == (torch.float32,) * 3 for d in dtypes.values()), dtypes
@@ -146,7 +147,15 @@ def test_fsdp_on_two_axes(local_world):
         | {f"param {n}": _max_abs(p, ref_after[n]) for n, p in after.items()}
     assert max(errs.values()) <= 1e-6, sorted(errs.items(), key=lambda kv: -kv[1])[:5]
     assert {r.dtype for r in recs if r.kind == "all_gather"} == {"bfloat16"}
-    assert {r.dtype for r in recs if r.pass_ == "backward"} == {"float32"}
+    assert {r.dtype for r in recs if r.pass_ == "backward" and r.kind != "all_gather"} == {"float32"}
+    groups = [c for c in pm.plan.comms if c.fn == "fsdp_gather"]
+    assert [c.module for c in groups] == ["(before h.0)", "h.0", "h.1", "(after h.1)"]
+    assert [c.module for c in groups if "all_gather" in c.backward] == ["h.0", "h.1"]  # the layers, resharded
+    assert len(_by(recs, "all_gather", "backward")) == 2 * 2  # per resharded layer, one per axis
+    assert len(_by(recs, "reduce_scatter", "backward")) == 2 * len(groups)
+    assert sum(r.send_bytes for r in recs if r.kind == "all_gather" and r.pass_ == "forward") \
+        == sum(c.bytes_forward for c in pm.plan.comms if c.forward == "all_gather")
+    assert sum(r.send_bytes for r in recs if r.pass_ == "backward") == sum(c.bytes_backward for c in pm.plan.comms)
 
 
 def _by(recs, kind, pass_):
@@ -190,21 +199,31 @@ def test_reduce_dtype_bf16(local_world):
 
 
 def test_fsdp_collectives(local_world):
-    """fsdp: each parameter's shard is cast before its all-gather (bf16 bytes), its gradient reduce-scattered in
-    fp32; run and plan agree on the bytes."""
+    """fsdp: one all-gather per FSDP group (the embedding before the layers, each layer, the final norm after them),
+    its shards cast to bf16 before it (bf16 bytes); each layer (resharded after forward) gathered again in backward, in
+    bf16; one fp32 reduce-scatter per group; run and plan agree on the bytes."""
     pm, _, _, _, recs, _ = run_policy(local_world, "fsdp")
+    sizes = {n: p.numel() for n, p in pm.named_parameters()}
+    group = {label: sum(k for n, k in sizes.items() if n.startswith(prefix))
+             for label, prefix in [("(before h.0)", "wte."), ("h.0", "h.0."), ("h.1", "h.1."), ("(after h.1)", "ln_f.")]}
+    assert sum(group.values()) == sum(sizes.values()) - sizes["wpe.weight"]
     gathers, scatters = _by(recs, "all_gather", "forward"), _by(recs, "reduce_scatter", "backward")
-    assert gathers and all(r.dtype == "bfloat16" for r in gathers), gathers
-    assert scatters and all(r.dtype == "float32" for r in scatters), scatters
-    # every parameter's gradient but wpe's, which is reduced where its output meets the batch (fp32, 16x32)
-    assert sorted(r.numel for r in scatters) == sorted(p.numel() for n, p in pm.named_parameters() if n != "wpe.weight")
+    regathers = _by(recs, "all_gather", "backward")
+    assert all(r.dtype == "bfloat16" for r in gathers + regathers), gathers + regathers
+    assert all(r.dtype == "float32" for r in scatters), scatters
+    # every group's gather in forward order; wpe is gathered by itself (reduced where its output meets the batch)
+    assert [r.numel for r in gathers] == [sizes["wpe.weight"], *group.values()]
+    assert [r.numel for r in regathers] == [group["h.1"], group["h.0"]]  # backward order
+    assert [r.numel for r in scatters] == [group[k] for k in ("(after h.1)", "h.1", "h.0", "(before h.0)")]
     assert [(r.dtype, r.numel) for r in _by(recs, "all_reduce", "backward")] == [("float32", 16 * 32)]
     # ring all-gather: each rank sends (p-1)/p of the gathered tensor: 2 bytes per element at p=2, half of that
-    assert sum(r.send_bytes for r in gathers) == sum(2 * r.numel // 2 for r in gathers)
-    assert sum(r.send_bytes for r in scatters) == sum(4 * r.numel // 2 for r in scatters)
-    gather_rows = [c for c in pm.plan.comms if c.forward == "all_gather"]
-    assert sum(c.bytes_forward for c in gather_rows) == sum(r.send_bytes for r in gathers)
-    assert sum(c.bytes_backward for c in gather_rows if c.fn == "all_gather_rs") == sum(r.send_bytes for r in scatters)
+    assert all(r.send_bytes == 2 * r.numel // 2 for r in gathers + regathers)
+    assert all(r.send_bytes == 4 * r.numel // 2 for r in scatters)
+    rows = {c.module: c for c in pm.plan.comms if c.fn == "fsdp_gather"}
+    assert list(rows) == list(group)
+    assert all(rows[k].bytes_forward == group[k] for k in group)  # 2 bytes per element, half of it sent
+    assert all(rows[k].bytes_backward == 2 * group[k] + (group[k] if k.startswith("h.") else 0) for k in group)
+    assert sum(r.send_bytes for r in regathers + scatters) == sum(c.bytes_backward for c in rows.values())
 
 
 def test_megatron_collectives(local_world):

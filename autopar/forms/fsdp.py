@@ -4,29 +4,35 @@ Placement: each parameter is sharded over every data axis on one dim that tensor
 leaves whole (dim 0 if it divides, else dim 1: `shard_dim`, the one rule the named `fsdp` plan, the
 solver's FSDP candidates and their cost follow); a parameter with no such dim stays whole and data
 parallel (`whole`; the plan notes it). Lowering: a `GATHER` directive per
-parameter and axis all-gathers it at the start of the step (innermost axis first, where the tensor
-is still divided by the outer axes), and the gradient of the gathered value is reduce-scattered
-backward (`all_gather_rs`, the fused gather + partial-gradient pair).
+parameter and axis; `passes.lower.group_fsdp_gathers_pass` gathers them per layer (`autopar.layers`; the
+parameters outside the layers per stretch between layers): one all-gather per data axis of a flat buffer of the
+group's shards, right before its first use, the next group's issued before this group's compute (prefetch);
+by default (ZeRO-3) the gathered weights are released after forward and gathered again in backward (the previous
+group's prefetched), and each group's gradients are reduce-scattered as one flat buffer as soon as they are
+complete (`autopar.runtime.fsdp`). `keep_gathered` marks groups kept gathered from forward to backward
+(ZeRO-2-like: no re-gather, the gathered weights held).
 
-Cost (`sync`): per parameter, an all-gather forward on every data axis, back to back at the start;
-each gradient that has its own reduction is reduce-scattered on the outermost axis and all-reduced
-whole on the others, as backward produces it (per parameter, as the lowering issues them today; when
-gathers are grouped per block, as FSDP2 does, latency is paid per group). `gather_s` is the gathers'
-share (what a timeline prefetches ahead of the forward: `autopar.timeline`). On sequence axes gradients join the data-parallel
-bucket. State: parameters, gradients and optimizer state divided by the data-parallel degree, plus
-the gathered parameters backward reads (`SiteStats.saved_params`: weights, not biases or embedding
-tables), which live from forward to backward (not re-gathered in backward, as ZeRO-3 does to save
-that memory). Volume per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter).
+Cost (`sync`): per group an all-gather forward per data axis, again in backward when resharded
+(`regather_time_s`; a group only embedding lookups read is not saved, so not gathered again), and a
+reduce-scatter per data axis backward (`reduce_time_s`, in reduce_dtype bytes under mixed precision); each
+parameter pays its share of its group's collective (`autopar.estimate.fsdp_groups`). `gather_s` is the gathers' share (what a timeline prefetches ahead of the
+forward: `autopar.timeline`). On sequence axes gradients join the data-parallel bucket. State: parameters,
+gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters backward reads
+(`SiteStats.saved_params`: weights, not biases or embedding tables) of the groups kept gathered from forward to
+backward (`held_gathered_bytes`: a resharded group holds none, it is gathered again). Volume per step:
+`2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import math
 from typing import Iterable
 
 from autopar.estimate import MeshCosting, SiteStats
 from autopar.forms import dp
-from autopar.plan import Directive, DirectiveKind
+from autopar.plan import GATHER_KEEP, Directive, DirectiveKind, Plan
 from autopar.sites import Kind, Site
 from autopar.spec import Placement, is_shard
 from cost_model.analytical import collective_time_s, send_bytes
@@ -68,51 +74,124 @@ def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: It
     return next((d for d in range(min(2, len(shape))) if d not in taken and shape[d] % size == 0), None)
 
 
-def gather_directives(fqn: str, axes: list[str]) -> list[Directive]:
-    return [Directive(kind=DirectiveKind.GATHER, node=fqn, axis=a) for a in axes]
+def gather_directives(fqn: str, axes: list[str], keep: bool = False) -> list[Directive]:
+    """The parameter `fqn` all-gathered on `axes`: released after forward and gathered again in backward, or kept
+    gathered from forward to backward (`keep`)."""
+    return [Directive(kind=DirectiveKind.GATHER, node=fqn, axis=a, value=GATHER_KEEP if keep else "") for a in axes]
 
 
-def sync(mc: MeshCosting, gathered: list[float], reduced: list[float], backward_s: float = 0.0) -> tuple[float, float]:
-    """(time, bytes sent) of FSDP on the data axes, as lowering issues it (module docstring)."""
+def keep_gathered(plan: Plan, key: str = "*") -> Plan:
+    """`plan` with the FSDP parameters whose fqn matches the glob `key` (`"layers.3.*"`, `"*"`) kept gathered from
+    forward to backward (ZeRO-2-like: no re-gather in backward, the gathered weights held); a layer's group keeps
+    them when every one of its parameters does (lowering: `passes.lower.group_fsdp_gathers_pass`)."""
+    hit = [d for d in plan.directives if d.kind is DirectiveKind.GATHER and fnmatch.fnmatchcase(d.node, key)]
+    if not hit:
+        gathered = sorted({d.node for d in plan.directives if d.kind is DirectiveKind.GATHER})
+        raise ValueError(f"keep_gathered: no FSDP-gathered parameter of plan {plan.name!r} matches {key!r} (gathered: "
+                         f"{gathered[:6]}{'...' if len(gathered) > 6 else ''}). Fix: a glob over parameter names, "
+                         "e.g. 'layers.3.*', on a plan that FSDP-shards them (plan='fsdp').")
+    directives = tuple(dataclasses.replace(d, value=GATHER_KEEP) if d in hit else d for d in plan.directives)
+    return dataclasses.replace(plan, directives=directives)
+
+
+def sync(mc: MeshCosting, gathered: list[tuple[float, float, bool]], reduced: list[tuple[float, float]],
+         backward_s: float = 0.0) -> tuple[float, float]:
+    """(time, bytes sent) of FSDP on the data axes, as lowering issues it (module docstring). `gathered`: per
+    parameter (its bytes, its group's bytes, whether the group is gathered again in backward); `reduced`: per
+    parameter whose gradient FSDP reduces (its bytes, its group's bytes). A group's collective is priced once: each
+    parameter pays its share of the group's time (`gather_time_s`, `regather_time_s`, `reduce_time_s`)."""
     t = b = 0.0
-    axes = sorted(mc.data_axes, key=mc.names.index)
-    for nbytes in gathered:
-        for i, a in enumerate(axes):
-            p = mc.size(a)
-            n = nbytes / math.prod(mc.size(o) for o in axes[:i])  # the gathered tensor on this axis
-            t += collective_time_s("all_gather", int(n), p, mc.link(a), interval_s=0.0)
-            b += send_bytes("all_gather", n, p)
-    for nbytes in reduced:
-        nbytes *= mc.grad_bytes_factor  # mixed precision: reduced in reduce_dtype
-        for i, a in enumerate(axes):
-            p = mc.size(a)
-            kind = "reduce_scatter" if i == 0 else "all_reduce"
-            # backward reduces the innermost axis first (after the compute), the others back to back
-            interval = backward_s / len(reduced) if i == len(axes) - 1 else 0.0
-            t += collective_time_s(kind, int(nbytes), p, mc.link(a), interval_s=interval)
-            b += send_bytes(kind, nbytes, p)
-    t_seq, b_seq = dp.grad_sync(mc, sum(reduced), mc.seq_axes)
+    for nbytes, group, again in gathered:
+        gt, gb = gather_time_s(mc, nbytes, group)
+        t, b = t + gt, b + gb
+        if again:
+            rt, rb = regather_time_s(mc, nbytes, group)
+            t, b = t + rt, b + rb
+    site = sum(n for n, _ in reduced)
+    for nbytes, group in reduced:
+        # a group's reduce-scatter follows the group's backward: this structure's, scaled by bytes to the group
+        rt, rb = reduce_time_s(mc, nbytes * mc.grad_bytes_factor, group * mc.grad_bytes_factor,
+                               backward_s * group / site)  # mixed precision: reduced in reduce_dtype
+        t, b = t + rt, b + rb
+    t_seq, b_seq = dp.grad_sync(mc, sum(n for n, _ in reduced), mc.seq_axes)
     return t + t_seq, b + b_seq
+
+
+def _axes(mc: MeshCosting) -> list[str]:
+    return sorted(mc.data_axes, key=mc.names.index)  # outermost first
+
+
+def gather_time_s(mc: MeshCosting, nbytes: float, group: float) -> tuple[float, float]:
+    """(time, bytes sent) of a parameter of `nbytes` in its group's all-gather forward (one per data axis,
+    innermost first, on the group's flat buffer of `group` bytes): its share of the group's time."""
+    t = b = 0.0
+    axes = _axes(mc)
+    for i, a in enumerate(axes):
+        p = mc.size(a)
+        outer = math.prod(mc.size(o) for o in axes[:i])  # the gathered buffer on this axis
+        t += collective_time_s("all_gather", int(group / outer), p, mc.link(a), interval_s=0.0) * nbytes / group
+        b += send_bytes("all_gather", nbytes / outer, p)
+    return t, b
+
+
+def regather_time_s(mc: MeshCosting, nbytes: float, group: float) -> tuple[float, float]:
+    """(time, bytes sent) of gathering a resharded group again in backward (ZeRO-3): the forward gather again. A group
+    kept gathered (`keep_gathered`) saves this and holds `held_gathered_bytes` instead."""
+    return gather_time_s(mc, nbytes, group)
+
+
+def held_gathered_bytes(local_param_bytes: float, keep: bool) -> float:
+    """Bytes of a group's gathered parameters held from forward to backward: all of them when kept gathered, none
+    when resharded (then only while the group computes, and its prefetched successor: a transient)."""
+    return local_param_bytes if keep else 0.0
+
+
+def reduce_time_s(mc: MeshCosting, nbytes: float, group: float, interval_s: float = 0.0) -> tuple[float, float]:
+    """(time, bytes sent) of a parameter's gradient in its group's reduce-scatter (one per data axis, outermost
+    first, the flat buffer divided by the axes before): its share of the group's time."""
+    t = b = 0.0
+    axes = _axes(mc)
+    for i, a in enumerate(axes):
+        p = mc.size(a)
+        outer = math.prod(mc.size(o) for o in axes[:i])
+        interval = interval_s if i == len(axes) - 1 else 0.0
+        whole = collective_time_s("reduce_scatter", int(group / outer), p, mc.link(a), interval_s=interval)
+        t += whole * nbytes / group
+        b += send_bytes("reduce_scatter", nbytes / outer, p)
+    return t, b
 
 
 def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float) -> tuple[float, float, float, float]:
     """(time, bytes sent, state bytes, gathered bytes) of a structure's parameters, divided `split` ways by its form,
     under FSDP: those it shards (`sync`, `state_bytes`), and those it leaves whole (`st.fsdp_whole`) data parallel."""
     sharded, kept = st.fsdp_parts()
-    t, b = sync(mc, [x / split for x in sharded.param_sizes], [x / split for x in sharded.synced_param_sizes],
-                backward_s)
+    gathered, reduced = [], []
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
+        if used:
+            gathered.append((nbytes / split, group / split, again))
+        if synced:
+            reduced.append((nbytes / split, group / split))
+    t, b = sync(mc, gathered, reduced, backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
-    # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table)
-    gathered = sum(sharded.param_facts[p][0] for p in sharded.saved_params) / split
+    # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table) in a
+    # group kept gathered; a resharded group gathers them again in backward instead
+    gathered = sum(held_gathered_bytes(sharded.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
+                   for p in sharded.saved_params) / split
     return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
             + dp.state_bytes(mc, kept.param_bytes / split), gathered)
 
 
 def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
-    """The all-gathers' share of `params_cost`'s time (issued before the forward, prefetched)."""
+    """The forward all-gathers' share of `params_cost`'s time (issued before the layer's compute, prefetched)."""
     sharded, _ = st.fsdp_parts()
-    return sync(mc, [x / split for x in sharded.param_sizes], [])[0]
+    t = 0.0
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        group = sharded.fsdp_groups.get(name, (nbytes, False))[0] if synced else nbytes
+        if used:
+            t += gather_time_s(mc, nbytes / split, group / split)[0]
+    return t
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:

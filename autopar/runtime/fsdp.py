@@ -1,0 +1,268 @@
+"""FSDP's per-layer gathers at run time: one all-gather per group of parameters, prefetched, resharded after use.
+
+A *group* is the FSDP-sharded parameters of one layer (`autopar.layers`), or those outside the layers used
+between two of them (embeddings before the first, final norm and head after the last), as FSDP2 groups a
+`fully_shard` unit. Groups outside the layers are kept gathered (FSDP2's root is not resharded after forward). The lowering (`passes.lower.group_fsdp_gathers_pass`) emits per group, in graph order:
+
+    pending = fsdp_prefetch(shards, axes, param_dtype)        # the group's all-gather issued, not waited
+    fulls = fsdp_gather(shards, pending, axes, dims, label, keep, param_dtype, reduce_dtype)
+
+`fsdp_gather` sits right before the group's first use; the next group's `fsdp_prefetch` right after it, before
+this group's compute, so that gather overlaps it. The first group has no prefetch (`pending` None: gathered
+at its first use).
+
+Per group the local shards are copied into one flat buffer (cast to `param_dtype` when given), all-gathered
+once per data axis (innermost first: the result is rank-major, outermost axis leading), and copied out into
+one buffer holding every full parameter (views of it are the outputs). Backward copies the full gradients
+into one flat buffer (in `reduce_dtype` when given), reduce-scatters it once per data axis (outermost first;
+on a real process group asynchronously, waited for at the end of the backward, as `_GradSyncBucket` does) and
+returns views of the result (cast back to the shards' dtype).
+
+`keep=False` (ZeRO-3, the default): the full parameters are not kept for backward. While `fsdp_step()` is
+active (`ParallelModule.forward` enters it around the program), a `saved_tensors_hooks` pair replaces every
+saved tensor that is (a view of) a group's gathered buffer by a small handle; in backward the first unpack of
+a group gathers it again (one more all-gather per axis), and issues the previous group's re-gather (backward
+prefetch); the gathered buffer is dropped when the group's gradients are reduced. Any other saved tensor goes
+to the hooks that were active outside (so an outer counter of saved tensors still sees them). `keep=True`
+(ZeRO-2-like): autograd keeps the full parameters from forward to backward; no re-gather.
+
+`record_comms` sees one all-gather per group and axis forward, one per group and axis backward under reshard,
+one reduce-scatter per group and axis backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed._local_tensor import local_tensor_mode
+
+from autopar.mesh import AxisRef, resolve_axis
+from autopar.runtime import collectives as C
+
+
+@dataclass(frozen=True, eq=False)
+class _Spec:
+    axes: tuple[AxisRef, ...]  # innermost first
+    dims: tuple[int, ...]  # each parameter's shard dim
+    label: str
+    keep: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+
+def _copy_in(shards, dtype) -> torch.Tensor:
+    return torch.cat([s.reshape(-1).to(dtype) if dtype is not None else s.reshape(-1) for s in shards])
+
+
+def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool) -> torch.Tensor:
+    """The flat buffer of `shards` copied in, its all-gather on the innermost axis issued (not waited)."""
+    with torch.no_grad():
+        return C._issue_all_gather(_copy_in(shards, dtype), 0, axes[0], backward)
+
+
+def _finish(pending: torch.Tensor, shards, spec: _Spec, backward: bool) -> torch.Tensor:
+    """Wait for the innermost gather, gather on the other axes, copy out: one buffer of every full parameter."""
+    with torch.no_grad():
+        flat = C._wait(pending)
+        for axis in spec.axes[1:]:
+            flat = C._wait(C._issue_all_gather(flat, 0, axis, backward))
+        ns = [a.size for a in reversed(spec.axes)]  # outermost first, as the gathered buffer is laid out
+        world = math.prod(ns)
+        total = sum(s.numel() for s in shards)
+        rows = flat.view(world, total)
+        out = torch.empty(total * world, dtype=flat.dtype, device=flat.device)
+        off = foff = 0
+        for s, d in zip(shards, spec.dims):
+            k = s.numel()
+            g = rows[:, off:off + k].view(*ns, *s.shape).movedim(tuple(range(len(ns))), tuple(range(d, d + len(ns))))
+            out[foff:foff + k * world].view(*s.shape[:d], *ns, *s.shape[d:]).copy_(g)
+            off, foff = off + k, foff + k * world
+        return out
+
+
+def _full_views(buf: torch.Tensor, shards, spec: _Spec) -> list[torch.Tensor]:
+    world = math.prod(a.size for a in spec.axes)
+    out, off = [], 0
+    for s, d in zip(shards, spec.dims):
+        shape = list(s.shape)
+        shape[d] *= world
+        out.append(buf[off:off + s.numel() * world].view(shape))
+        off += s.numel() * world
+    return out
+
+
+def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _Spec) -> list[torch.Tensor]:
+    """The full gradients reduce-scattered over every data axis as one flat buffer: the gradients of the shards
+    (`shards`: their shapes and dtypes)."""
+    ns = [a.size for a in reversed(spec.axes)]
+    world = math.prod(ns)
+    total = sum(math.prod(shape) for shape, _ in shards)
+    like = next(g for g in grads if g is not None)
+    flat = like.new_empty((world, total), dtype=spec.reduce_dtype or like.dtype)
+    off = 0
+    for g, (shape, _), d in zip(grads, shards, spec.dims):
+        k = math.prod(shape)
+        dst = flat[:, off:off + k]
+        if g is None:
+            dst.zero_()
+        else:
+            src = g.view(*shape[:d], *ns, *shape[d:]).movedim(tuple(range(d, d + len(ns))), tuple(range(len(ns))))
+            dst.view(*ns, *shape).copy_(src)
+        off += k
+    flat = flat.view(-1)
+    real = local_tensor_mode() is None and type(flat) is torch.Tensor
+    for axis in reversed(spec.axes):  # outermost first
+        C._record("reduce_scatter", axis, flat, flat.numel(), True)
+        if real:
+            flat = funcol.reduce_scatter_single(flat, "sum", 0, axis.group_name)
+        else:
+            flat = C._wait(C._c10d.reduce_scatter_tensor(flat, "sum", axis.size, axis.group_name))
+    if isinstance(flat, funcol.AsyncCollectiveTensor):
+        torch.autograd.Variable._execution_engine.queue_callback(flat.wait)
+        torch.autograd.Variable._execution_engine.queue_callback(C._after_backward)
+    out, off = [], 0
+    for shape, dtype in shards:
+        g = flat[off:off + math.prod(shape)].view(shape)
+        out.append(g if g.dtype == dtype else g.to(dtype))
+        off += math.prod(shape)
+    return out
+
+
+class _Group:
+    """One group's gather in one step, for the backward's re-gather (reshard only)."""
+
+    def __init__(self, shards, spec: _Spec, prev: "_Group | None"):
+        self.shards, self.spec, self.prev = shards, spec, prev
+        self.buffer: torch.Tensor | None = None  # gathered again in backward, dropped once its gradients are reduced
+        self.pending: torch.Tensor | None = None  # the backward prefetch, issued by the next group's first unpack
+        self.packed = 0
+
+    def regathered(self) -> torch.Tensor:
+        if self.buffer is None:
+            pending = self.pending if self.pending is not None else _issue(self.shards, self.spec.axes,
+                                                                             self.spec.param_dtype, True)
+            self.pending = None
+            self.buffer = _finish(pending, self.shards, self.spec, True)
+            p = self.prev
+            if p is not None and p.packed and p.buffer is None and p.pending is None:  # backward prefetch
+                p.pending = _issue(p.shards, p.spec.axes, p.spec.param_dtype, True)
+        return self.buffer
+
+
+class _Step:
+    """The groups gathered in one forward under `fsdp_step`: their buffers, by identity, for the pack hook."""
+
+    def __init__(self):
+        self.buffers: dict[int, tuple[weakref.ref, _Group]] = {}
+        self.last: _Group | None = None
+
+    def add(self, buf: torch.Tensor, shards, spec: _Spec) -> None:
+        group = _Group(shards, spec, self.last)
+        self.last = group
+        self.buffers[id(buf)] = (weakref.ref(buf), group)
+
+    def group_of(self, t: torch.Tensor) -> _Group | None:
+        base = t._base if t._base is not None else t
+        hit = self.buffers.get(id(base))
+        if hit is None or hit[0]() is not base:
+            return None
+        return hit[1]
+
+
+@dataclass(frozen=True)
+class _Handle:
+    group: _Group
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+_STEPS: list[_Step] = []
+
+
+@contextlib.contextmanager
+def fsdp_step(gm: torch.fx.GraphModule):
+    """Around one run of a lowered program: the saved-tensor hooks that let resharded groups (`keep=False`) drop
+    their gathered parameters after forward (module docstring). No-op for a program without them."""
+    if not torch.is_grad_enabled() or not _reshards(gm):
+        yield
+        return
+    step = _Step()
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    outer_pack, outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(t):
+        group = step.group_of(t)
+        if group is None:
+            return (None, outer_pack(t)) if outer_pack is not None else (None, t)
+        group.packed += 1
+        return (_Handle(group, tuple(t.shape), tuple(t.stride()), t.storage_offset()), None)
+
+    def unpack(saved):
+        handle, value = saved
+        if handle is None:
+            return outer_unpack(value) if outer_unpack is not None else value
+        buf = handle.group.regathered()
+        return buf.as_strided(handle.size, handle.stride, handle.offset)
+
+    _STEPS.append(step)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _STEPS.remove(step)
+
+
+_RESHARDS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, bool]" = weakref.WeakKeyDictionary()
+
+
+def _reshards(gm) -> bool:
+    if gm not in _RESHARDS:
+        _RESHARDS[gm] = any(n.op == "call_function" and n.target is fsdp_gather and not n.args[5]
+                            for n in gm.graph.nodes)
+    return _RESHARDS[gm]
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, pending, spec: _Spec, *shards):
+        if pending is None:
+            pending = _issue(shards, spec.axes, spec.param_dtype, False)
+        buf = _finish(pending, shards, spec, False)
+        ctx.spec = spec
+        ctx.shards = [(s.shape, s.dtype) for s in shards]
+        ctx.group = None
+        if not spec.keep and _STEPS and any(s.requires_grad for s in shards):
+            detached = tuple(s.detach() for s in shards)
+            _STEPS[-1].add(buf, detached, spec)
+            ctx.group = _STEPS[-1].last
+        return tuple(_full_views(buf, shards, spec))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.group is not None:
+            ctx.group.buffer = ctx.group.pending = None
+        return (None, None, *_reduce_scatter(grads, ctx.shards, ctx.spec))
+
+
+def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None) -> torch.Tensor:
+    """Issue the all-gather of a group's flat buffer of shards on the innermost data axis; `fsdp_gather` waits."""
+    return _issue(shards, tuple(resolve_axis(a) for a in axes), param_dtype, False)
+
+
+def fsdp_gather(shards: tuple, pending, axes: tuple, dims: tuple, label: str, keep: bool, param_dtype=None,
+                reduce_dtype=None) -> tuple:
+    """The full parameters of one FSDP group (module docstring): all-gathered as one flat buffer (waiting for
+    `pending`, its prefetch, when given); backward reduce-scatters their gradients as one flat buffer."""
+    spec = _Spec(tuple(resolve_axis(a) for a in axes), tuple(dims), label, keep, param_dtype, reduce_dtype)
+    return _Gather.apply(pending, spec, *shards)
+
+
+C.COLLECTIVES[fsdp_gather] = ("all_gather", "reduce_scatter")
+
+__all__ = ["fsdp_gather", "fsdp_prefetch", "fsdp_step"]

@@ -1,0 +1,124 @@
+"""autopar's "fsdp" plan against torch's FSDP2 (`fully_shard` per block and on the root), on 2 gloo ranks.
+
+The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice:
+by `autopar.parallelize(..., plan="fsdp", inputs="local")` (per-layer gathers, the next one prefetched, resharded
+after forward and gathered again in backward, one reduce-scatter per layer) and by `fully_shard` on every block and
+then on the model, each rank passing its shard of the global batch. Training steps alternate between the two in one
+run; the ratio autopar/FSDP2 of the median step times is printed (goal <= 1.0), after a check that both give the
+same loss. `--keep` adds autopar with every layer kept gathered (`autopar.forms.fsdp.keep_gathered`); `--profile`
+prints a torch.profiler table of a few steps of each on rank 0.
+
+    python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import autopar
+from autopar.forms import fsdp as fsdp_form
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from common import interleaved, launch, report, train_step
+
+WORLD_SIZE = 2
+BATCH = 8  # sequences per step, global
+
+
+def run(quick: bool, keep: bool, profile: bool, only: str | None) -> None:
+    cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
+                      ffn_hidden=1536)
+    torch.manual_seed(0)  # same model and data on every rank
+    if only in (None, "llama"):
+        _compare("llama", Llama(cfg), lambda m: m.layers, cfg, quick, keep, profile)
+    cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
+    torch.manual_seed(0)
+    if only in (None, "gpt"):
+        _compare("gpt", GPT(cfg), lambda m: m.h, cfg, quick, keep, profile)
+
+
+def _compare(name: str, model, blocks, cfg, quick: bool, keep: bool, profile: bool) -> None:
+    rank = dist.get_rank()
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
+    batch = (tokens, torch.roll(tokens, -1, dims=1))
+    local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="fsdp", inputs="local")
+    fsdp2 = copy.deepcopy(model)
+    for block in blocks(fsdp2):
+        fully_shard(block, mesh=mesh)
+    fully_shard(fsdp2, mesh=mesh)
+    with torch.no_grad():
+        ref = model(*batch).item()
+        a = pm(*local).item()
+        b = fsdp2(*local)
+        fsdp2.reshard()  # a root left unsharded by a no-grad forward would train on stale weights
+        dist.all_reduce(b)  # FSDP2's loss is the local shard's: average over ranks for the global loss
+        b = b.item() / WORLD_SIZE
+    if rank == 0:
+        print(f"{name} (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
+              f"single-device {ref:.6f}  autopar {a:.6f}  FSDP2 {b:.6f}")
+    assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
+    steps, losses = {}, {}
+    opt_a = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    steps["autopar"] = lambda: losses.__setitem__("autopar", train_step(pm, opt_a, local))
+    opt_b = torch.optim.AdamW(fsdp2.parameters(), lr=1e-4)
+
+    def fsdp2_step():
+        loss = train_step(fsdp2, opt_b, local)
+        dist.all_reduce(loss)
+        losses["FSDP2"] = loss / WORLD_SIZE
+
+    steps["FSDP2"] = fsdp2_step
+    if keep:
+        plan = fsdp_form.keep_gathered(pm.plan)
+        pk = autopar.parallelize(copy.deepcopy(model), mesh, local, plan=plan, inputs="local")
+        opt_k = torch.optim.AdamW(pk.parameters(), lr=1e-4)
+        steps["autopar_keep"] = lambda: losses.__setitem__("autopar_keep", train_step(pk, opt_k, local))
+    if profile:
+        _profile(lambda: train_step(pm, opt_a, local), lambda: train_step(fsdp2, opt_b, local))
+    times = interleaved(steps, warmup=3, iters=6 if quick else 100, budget_s=20.0 if quick else 60.0)
+    if rank == 0:
+        n = 3 + len(times.wall_s["autopar"])
+        print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
+        for label, a in (("", "autopar"), (", keep gathered", "autopar_keep")) if keep else (("", "autopar"),):
+            report(f"fsdp_vs_fsdp2[{name}{label}]", times, a, "FSDP2")
+            _spread(times, a, "FSDP2")
+    assert abs(losses["autopar"].item() - losses["FSDP2"].item()) <= 1e-3 * max(1.0, abs(losses["FSDP2"].item())), \
+        losses
+
+
+def _spread(times, a: str, b: str) -> None:
+    """The spread of the ratio: quartiles of the ratios of steps run back to back."""
+    r = sorted(x / y for x, y in zip(times.wall_s[a], times.wall_s[b]))
+    q = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
+    print(f"  {a}/{b} paired-step ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
+          f"(min {r[0]:.3f}, max {r[-1]:.3f})")
+
+
+def _profile(step_a, step_b) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    for name, step in (("autopar", step_a), ("FSDP2", step_b)):
+        for _ in range(2):
+            step()
+        with prof(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(3):
+                step()
+        if dist.get_rank() == 0:
+            print(f"--- profile {name} (3 steps, rank 0)")
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def main() -> None:
+    launch(run, WORLD_SIZE, "--quick" in sys.argv, "--keep" in sys.argv, "--profile" in sys.argv,
+           sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None)
+
+
+if __name__ == "__main__":
+    main()
