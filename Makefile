@@ -21,7 +21,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q --durations=10
+	$(PY) -m pytest tests -q --durations=10 -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
