@@ -33,27 +33,17 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.utils import _pytree as pytree
 
-    from autopar.cli_verify import _load, _mesh_names, mesh_shape, world
+    from autopar.cli_verify import _load, _mesh_names, build, mesh_shape, on_device, world
     from autopar.tune import tune
 
     factory = _load(args.model, "--model")
     with world():
         shape = mesh_shape(args.mesh, dist.get_world_size())
         names = _mesh_names(args.mesh_names, len(shape))
-        built = factory()
-        if not (isinstance(built, tuple) and len(built) == 2):
-            raise SystemExit(f"--model {args.model!r}: the factory must return (model, example_inputs), got "
-                             f"{type(built).__name__}")
-        model, inputs = built
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            model = model.to(device)
-            inputs = pytree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, inputs)
+        model, inputs, device = on_device(*build(factory, args.model))
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
         try:
             result = tune(model, mesh, inputs, top_k=args.top_k, steps=args.steps, warmup=args.warmup,

@@ -110,6 +110,26 @@ def world():
         dist.destroy_process_group()
 
 
+def build(factory, spec: str):
+    """(model, example_inputs) from a `--model` factory, or exit saying what it returned instead."""
+    built = factory()
+    if not (isinstance(built, tuple) and len(built) == 2):
+        raise SystemExit(f"--model {spec!r}: the factory must return (model, example_inputs), got "
+                         f"{type(built).__name__}{f' of {len(built)} items' if isinstance(built, tuple) else ''}")
+    return built
+
+
+def on_device(model, inputs):
+    """The model and inputs on this rank's device (CUDA where there is one, else CPU), and that device's type."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        from torch.utils import _pytree as pytree
+        model = model.to(device)
+        inputs = pytree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, inputs)
+    return model, inputs, device
+
+
 def _cast(model, inputs, dtype_name: str):
     import torch
     from torch.utils import _pytree as pytree
@@ -121,7 +141,6 @@ def _cast(model, inputs, dtype_name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -132,18 +151,10 @@ def run(args: argparse.Namespace) -> int:
     with world():
         shape = mesh_shape(args.mesh, dist.get_world_size())
         names = _mesh_names(args.mesh_names, len(shape))
-        built = factory()
-        if not (isinstance(built, tuple) and len(built) == 2):
-            raise SystemExit(f"--model {args.model!r}: the factory must return (model, example_inputs), got "
-                             f"{type(built).__name__}{f' of {len(built)} items' if isinstance(built, tuple) else ''}")
-        model, inputs = built
+        model, inputs = build(factory, args.model)
         if args.dtype:
             model, inputs = _cast(model, inputs, args.dtype)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
-            from torch.utils import _pytree as pytree
-            model = model.to(device)
-            inputs = pytree.tree_map(lambda a: a.to(device) if isinstance(a, torch.Tensor) else a, inputs)
+        model, inputs, device = on_device(model, inputs)
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
         report = verify(model, mesh, inputs, plan=args.plan, overrides=_overrides(args.override), steps=args.steps, lr=args.lr, loss_fn=loss_fn,
                         rtol=args.rtol)
