@@ -76,24 +76,13 @@ def measure(model_name: str, plan_name: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopar
-    from memory_probe import LiveStorages, SavedStorages, local, optimizer_tensors, predicted_saved_bytes
+    from memory_probe import measured_step, predicted_saved_bytes
 
     axis, plan, overrides = PLANS[plan_name]
     mesh = init_device_mesh("cpu", (W,), mesh_dim_names=(axis,))
     x = inputs(2 if model_name == "gpt-wide" else B)
     pm = autopar.parallelize(model(model_name), mesh, x, plan=plan, overrides=overrides)
-    opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
-    pm(*x).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    params = [local(p) for p in pm.parameters()]
-    with LiveStorages(params + optimizer_tensors(opt) + list(x)) as live:
-        with SavedStorages(params) as saved:
-            loss = pm(*x)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    saved, live = measured_step(pm, x, torch.optim.Adam(pm.parameters(), lr=1e-3))
     est = pm.plan.estimate
     return dict(rank=dist.get_rank(), saved=saved.bytes, saved_est=predicted_saved_bytes(pm.plan), peak=live.peak,
                 peak_est=est.memory_bytes_per_device, base=live.base, at_peak=live.at_peak)

@@ -105,3 +105,20 @@ def predicted_saved_bytes(plan) -> float:
     """What the estimate says autograd saves on one rank: every structure's activations and FSDP's gathered
     parameters (kept from forward for backward)."""
     return sum(s.activations_bytes + s.transient_bytes for s in plan.estimate.sites)
+
+
+def measured_step(pm, x, opt: torch.optim.Optimizer) -> tuple[SavedStorages, LiveStorages]:
+    """One warm-up training step (so the optimizer's state exists), then a measured one: what autograd saved in its
+    forward (parameters excluded) and the peak of live storages over forward, backward and the optimizer step."""
+    pm(*x).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = [local(p) for p in pm.parameters()]
+    with LiveStorages(params + optimizer_tensors(opt) + list(x)) as live:
+        with SavedStorages(params) as saved:
+            loss = pm(*x)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return saved, live

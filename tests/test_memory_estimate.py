@@ -25,7 +25,7 @@ from autopar.solver import InfeasibleError
 from cost_model import hardware as H
 from cost_model.memory import model_state_bytes, state_bytes_per_element
 from dist_harness import gloo_pool
-from memory_probe import LiveStorages, SavedStorages, local, optimizer_tensors, predicted_saved_bytes
+from memory_probe import SavedStorages, measured_step, predicted_saved_bytes
 
 B, S, V, HID = 4, 32, 256, 32
 PLANS = {"dp": ("dp", "dp", None), "fsdp": ("dp", "fsdp", None), "tp": ("tp", "megatron", None),
@@ -76,18 +76,7 @@ def expert_parallel_saved_and_peak() -> tuple[float, float, float, float]:
     model, x = _model("moe"), _inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     pm = autopar.parallelize(model, mesh, x, plan="dp", overrides={"moe": "expert@ep"})
-    opt = torch.optim.Adam(pm.parameters())
-    pm(*x).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    params = [local(p) for p in pm.parameters()]
-    with LiveStorages(params + optimizer_tensors(opt) + list(x)) as live:
-        with SavedStorages(params) as saved:
-            loss = pm(*x)
-        loss.backward()
-        del loss
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    saved, live = measured_step(pm, x, torch.optim.Adam(pm.parameters()))
     return saved.bytes, predicted_saved_bytes(pm.plan), live.peak, pm.plan.estimate.memory_bytes_per_device
 
 
