@@ -438,9 +438,11 @@ class _GradSyncBucket(torch.autograd.Function):
 
 # On a CPU host each fresh bucket-sized buffer is new pages from the kernel (a 25 MiB allocation is mmapped and
 # returned on free), zero-filled on first touch: about twice the cost of the copy itself. DDP keeps its buckets; here
-# a flat buffer (a bucket's, FSDP's gathered and reduce-scattered ones) is reused once nothing holds it any more (the
-# gradients viewing it were set to None, the gathered weights released), up to `_POOL_BYTES` retained per process.
-# CUDA's caching allocator already reuses memory.
+# a bucket's flat buffer is reused at the next backward once nothing holds it any more (the gradients viewing it
+# were set to None), up to `_POOL_BYTES` retained per process: between steps the process keeps the gradients' bytes,
+# as DDP keeps its buckets. (FSDP's buffers are not pooled: its reduce-scatters are all in flight at the end of the
+# backward, so a pool would keep every full gradient, which FSDP exists not to hold.) CUDA's caching allocator
+# already reuses memory.
 _POOL: dict[tuple, list[torch.Tensor]] = {}
 _POOL_BYTES = 2**30
 

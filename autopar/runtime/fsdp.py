@@ -75,7 +75,7 @@ def _finish(pending: torch.Tensor, shards, spec: _Spec, backward: bool) -> torch
         world = math.prod(ns)
         total = sum(s.numel() for s in shards)
         rows = flat.view(world, total)
-        out = C.pooled_empty(total * world, flat.dtype, flat)
+        out = torch.empty(total * world, dtype=flat.dtype, device=flat.device)
         off = foff = 0
         for s, d in zip(shards, spec.dims):
             k = s.numel()
@@ -103,7 +103,7 @@ def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _
     world = math.prod(ns)
     total = sum(math.prod(shape) for shape, _ in shards)
     like = next(g for g in grads if g is not None)
-    flat = C.pooled_empty(world * total, spec.reduce_dtype or like.dtype, like).view(world, total)
+    flat = like.new_empty((world, total), dtype=spec.reduce_dtype or like.dtype)
     off = 0
     for g, (shape, _), d in zip(grads, shards, spec.dims):
         k = math.prod(shape)
