@@ -31,7 +31,10 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    least squares on the relative error of the measured candidates (pulled towards one global factor where the
    measurements do not tell the parts apart), saved beside the cluster profile
    (`cost_model.hardware.calibration_path`) with the measurements of every model tuned on this machine and mesh,
-   refitted on all of them, so later plans of other models are priced with it (`load_cluster`).
+   refitted on all of them, so later plans of other models are priced with it (`load_cluster`). The cost model
+   applies the compute and per-axis factors; the synchronisation and optimizer factors are applied by tune's
+   calibrated predictions (`apply_calibration`) only, as the plan estimate neither separates an axis'
+   synchronisation nor prices the optimizer step.
 5. **Cache**: the result is saved under `$XDG_CACHE_HOME/autopar/tune/<key>.json`, the key a digest of the
    captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
    call (and `parallelize(..., plan="tuned")`) returns it without measuring.
