@@ -5,16 +5,19 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
 1. **Candidates** (`candidates`, planned on rank 0 and broadcast): the ILP's `top_k` best distinct plans (each
    solved again with the assignments found so far excluded, `autopar.solver.no_good`, so they differ in some
    structure's form) and the named hand plans (`autopar.planner.PLANS`); a plan found twice is measured once,
-   under both names. Each is priced by the cost model as loaded (`predicted_s`: compute + communication, the
-   sum a calibration scales linearly, not the plan estimate's overlapped timeline) and broken into the parts a
-   calibration scales (`components`: compute per op kind, collectives per mesh axis, the rest).
+   under both names (so is a plan's mirror image, step 2). Each is priced by the cost model as loaded
+   (`predicted_s`: compute + communication + the optimizer step, the sum a calibration scales linearly, not the
+   plan estimate's overlapped timeline) and broken into the parts a calibration scales (`components`: compute per
+   op kind, the optimizer step, critical-path collectives and parameter synchronisation per mesh axis, the rest).
 2. **Measurement**: each candidate is lowered (as `autopar.parallelize` lowers a given plan), given an optimizer (AdamW on
    its parameters, or `optimizer(params)`), warmed up `warmup` steps and timed for `steps` training steps
    (forward, backward, optimizer step). Steps are interleaved: round r runs one step of every live candidate
    (the order rotated each round), so drift on the machine hits all alike. Each step's time is the slowest
    rank's; a candidate's time is the median of its steps. The 3 fastest and the fastest hand plan are then
-   timed `steps` more steps, interleaved, before the fastest is chosen (one set of rounds decides a near-tie by
-   noise). Peak memory per rank: the candidate's resident state
+   timed again, max(2 * steps, 8) fresh rounds interleaved among themselves, and the fastest of those rounds wins
+   (one set of rounds decides a near-tie by noise). A plan and its mirror image (the same forms with two mesh axes
+   of the same size swapped, on a mesh within one node: `_interchangeable`) run alike and are measured once, under
+   both names. Peak memory per rank: the candidate's resident state
    (parameters, gradients, optimizer state) plus the most allocated above it during a step (CUDA
    `max_memory_allocated`; on a CPU host the resident set's high-water mark, reset before each step).
 3. **Isolation**: after every phase (lowering, each step) the ranks agree (one all-gather of each rank's status,
@@ -22,11 +25,16 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    per rank is skipped on every rank with the first failing rank's reason, and the others go on. A failure
    between collectives (lowering, the optimizer, a rank-local check) is isolated this way; a rank failing inside
    a collective sequence while the others wait in it is only ended by the process group's timeout.
-4. **Calibration** (`fit_calibration`): factors per op kind of compute and per mesh axis of collectives, fitted by
+4. **Calibration** (`fit_calibration`): factors per op kind of compute, for the optimizer step, and per mesh axis
+   for its critical-path collectives and for its parameter synchronisation (which the timeline hides behind
+   compute, a CPU host does not), fitted by
    least squares on the relative error of the measured candidates (pulled towards one global factor where the
    measurements do not tell the parts apart), saved beside the cluster profile
    (`cost_model.hardware.calibration_path`) with the measurements of every model tuned on this machine and mesh,
-   refitted on all of them, so later plans of other models are priced with it (`load_cluster`).
+   refitted on all of them, so later plans of other models are priced with it (`load_cluster`). The cost model
+   applies the compute and per-axis factors; the synchronisation and optimizer factors are applied by tune's
+   calibrated predictions (`apply_calibration`) only, as the plan estimate neither separates an axis'
+   synchronisation nor prices the optimizer step.
 5. **Cache**: the result is saved under `$XDG_CACHE_HOME/autopar/tune/<key>.json`, the key a digest of the
    captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
    call (and `parallelize(..., plan="tuned")`) returns it without measuring.
@@ -69,6 +77,7 @@ __all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration
 _STREAMS = itertools.count()  # dropout streams of the candidates' programs
 REST = "rest"  # the part of a prediction no calibration factor scales
 _MAX_FITS = 400  # measurements kept beside a profile (the oldest dropped)
+_PARTS = 2  # what `components` splits a prediction into (saved fits split otherwise are not refitted)
 
 
 # ----------------------------------------------------------------------------- results
@@ -159,6 +168,7 @@ class TuneResult:
         cal = (f"; calibration of {self.calibration.samples} measurements: "
                + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.calibration.compute.items()))
                + "".join(f", axis {i} x{a:.2f}" for i, a in enumerate(self.calibration.axes))
+               + "".join(f", axis {i} sync x{a:.2f}" for i, a in enumerate(self.calibration.sync))
                if self.calibration is not None else "")
         return "\n".join(lines) + f"\n(step times in ms, slowest rank, median of the timed steps; {note}{cal})"
 
@@ -315,18 +325,46 @@ def candidates(model: nn.Module, ctx, info, captured, cluster: Cluster, top_k: i
         found.append((name, plan, ""))
     out: list[TuneCandidate] = []
     seen: dict[tuple, int] = {}
+    swaps = _interchangeable(info, cluster)
     for name, plan, why in found:
         plan = tie_placements(plan, model)
-        same = seen.get(_signature(plan))
+        same = next((seen[sig] for sig in _signatures(plan, swaps) if sig in seen), None)
         if same is not None and not why:
             out[same] = dataclasses.replace(out[same], name=f"{out[same].name}={name}")
             continue
         if not why:
             seen[_signature(plan)] = len(out)
-        # priced as the sum of its parts (compute + communication, nothing overlapped: `solver.evaluate().time_s`),
-        # the quantity a calibration scales linearly; the plan's own estimate is the overlapped timeline
-        out.append(TuneCandidate(name=name, plan=plan, predicted_s=_evaluate(ctx, info, cluster, plan),
-                                 components=components(ctx, info, cluster, plan), skipped=why))
+        # priced as the sum of its parts (compute, communication, the optimizer step; nothing overlapped:
+        # `solver.evaluate().time_s` + `optimizer_s`), the quantity a calibration scales linearly; the plan's own
+        # estimate is the overlapped timeline
+        parts = components(ctx, info, cluster, plan, model)
+        out.append(TuneCandidate(name=name, plan=plan, components=parts, skipped=why,
+                                 predicted_s=_evaluate(ctx, info, cluster, plan)
+                                 + apply_calibration({OPTIMIZER: dict(parts).get(OPTIMIZER, 0.0)},
+                                                     cluster.calibration)))
+    return out
+
+
+def _interchangeable(info, cluster: Cluster) -> list[dict[str, str]]:
+    """The renamings of mesh axes that leave the step's cost alone: swaps of two axes of the same size when the whole
+    mesh lies within one node (every axis on the same link, `cost_model.hardware`). A plan and its mirror image
+    (the same forms with such axes swapped) run alike; measured apart, they differ only by noise."""
+    if math.prod(info.sizes) > cluster.gpus_per_node:
+        return []
+    return [{a: b, b: a} for (a, x), (b, y) in itertools.combinations(zip(info.names, info.sizes), 2) if x == y]
+
+
+def _signatures(plan: Plan, swaps: list[dict[str, str]]) -> list[tuple]:
+    """The plan's signature and those of its mirror images under `swaps` (`_interchangeable`)."""
+    from autopar.spec import fmt_placements, placements_from_str
+    names = [n for n, _ in plan.mesh]
+    out = [_signature(plan)]
+    for swap in swaps:
+        order = [names.index(swap.get(n, n)) for n in names]
+        move = lambda pls: fmt_placements([placements_from_str(pls)[i] for i in order])  # noqa: E731
+        rename = lambda axis: "+".join(swap.get(a, a) for a in axis.split("+"))  # noqa: E731
+        out.append((tuple((k, move(v)) for k, v in plan.params), tuple((k, move(v)) for k, v in plan.inputs),
+                    tuple(sorted(repr(dataclasses.replace(d, axis=rename(d.axis))) for d in plan.directives))))
     return out
 
 
@@ -370,24 +408,57 @@ def _evaluate(ctx, info, cluster: Cluster, plan: Plan) -> float:
     return evaluate(ctx, info, cluster, choices, data, seq_axes=seq, other_fsdp=plan.name == "fsdp").time_s
 
 
-def components(ctx, info, cluster: Cluster, plan: Plan) -> tuple[tuple[str, float], ...]:
+def components(ctx, info, cluster: Cluster, plan: Plan, model: nn.Module | None = None
+               ) -> tuple[tuple[str, float], ...]:
     """The plan's predicted step on `cluster` (without calibration) split into the parts a `Calibration` scales:
-    each op kind's compute ('compute:<kind>'), each mesh axis' collectives ('axis:<i>'), and the rest. Each part
-    is the prediction with that factor at 2 less the prediction with every factor at 1 (the prediction is linear in
-    each factor)."""
+    each op kind's compute ('compute:<kind>'); each mesh axis' collectives on the critical path ('axis:<i>') and
+    its parameter synchronisation ('sync:<i>': FSDP's gathers and the gradient reductions, which the timeline
+    overlaps with compute, so a calibration learns how much of them a machine really hides: none where the
+    collectives' threads share the cores with compute, most on a GPU); the optimizer step ('optimizer',
+    `optimizer_s`, given the model); and the rest. Each part is the prediction with that factor at 2 less the
+    prediction with every factor at 1 (the prediction is linear in each factor)."""
+    from autopar.solver import evaluate
     base = dataclasses.replace(cluster, calibration=None)
     one = lambda **kw: dataclasses.replace(base, calibration=Calibration(  # noqa: E731
         mesh_shape=info.sizes, axes=kw.get("axes", (1.0,) * len(info.sizes)), compute=kw.get("compute", {}),
         of=base.name))
-    t1 = _evaluate(ctx, info, one(), plan)
-    parts = {f"compute:{k}": _evaluate(ctx, info, one(compute={k: 2.0}), plan) - t1 for k in KINDS}
+    choices, data, seq = plan_choices(plan)
+    run = lambda c: evaluate(ctx, info, c, choices, data, seq_axes=seq, other_fsdp=plan.name == "fsdp")  # noqa: E731
+    sync = lambda sol: sum(c.gather_s + c.reduce_s for c in [*sol.per_site.values(), sol.other])  # noqa: E731
+    sol1 = run(one())
+    t1, s1 = sol1.time_s, sync(sol1)
+    parts = {f"compute:{k}": run(one(compute={k: 2.0})).time_s - t1 for k in KINDS}
     for i, size in enumerate(info.sizes):
         if size > 1:
-            axes = tuple(2.0 if j == i else 1.0 for j in range(len(info.sizes)))
-            parts[f"axis:{i}"] = _evaluate(ctx, info, one(axes=axes), plan) - t1
+            sol = run(one(axes=tuple(2.0 if j == i else 1.0 for j in range(len(info.sizes)))))
+            parts[f"sync:{i}"] = sync(sol) - s1
+            parts[f"axis:{i}"] = sol.time_s - t1 - parts[f"sync:{i}"]
     parts = {k: v for k, v in parts.items() if abs(v) > 1e-15}
     parts[REST] = t1 - sum(parts.values())
+    if model is not None:
+        parts[OPTIMIZER] = optimizer_s(model, plan, info.sizes, base)
     return tuple(parts.items())
+
+
+OPTIMIZER = "optimizer"
+# AdamW per parameter element: reads and writes of the parameter, its gradient, two moments and the temporaries of
+# the update (torch's single-tensor step: 8 elementwise ops), in element sizes; and ops per parameter tensor
+_OPT_PASSES, _OPT_OPS = 20, 8
+
+
+def optimizer_s(model: nn.Module, plan: Plan, sizes, cluster: Cluster) -> float:
+    """The optimizer step's time on one rank under `plan` (left out of the plan's estimate): AdamW's elementwise
+    passes over this rank's part of every parameter at the memory rate, and its ops per parameter tensor at the
+    framework's per-op overhead. A calibration scales it (`Calibration.compute["optimizer"]`)."""
+    from autopar.spec import Shard, placements_from_str
+    where = dict(plan.params)
+    rate = cluster.memory_bytes_per_s * cluster.memory_efficiency
+    seconds = 0.0
+    for name, p in model.named_parameters():
+        pls = placements_from_str(where[name]) if name in where else ()
+        ranks = math.prod(n for n, pl in zip(sizes, pls) if isinstance(pl, Shard))
+        seconds += _OPT_PASSES * p.numel() * p.element_size() / ranks / rate + _OPT_OPS * (cluster.op_overhead_s or 0.0)
+    return seconds
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -405,13 +476,19 @@ def _factor(part: str, cal: Calibration) -> float:
         return cal.compute.get(name, 1.0)
     if what == "axis":
         return cal.axes[int(name)] if cal.axes else 1.0
+    if what == "sync":
+        return cal.sync_factor(cal.mesh_shape, int(name))
+    if what == OPTIMIZER:
+        return cal.compute.get(OPTIMIZER, 1.0)
     return 1.0
 
 
 def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tuple[int, ...], *, of: str,
                     ridge: float = 0.1, source: str = "") -> Calibration:
-    """Factors per op kind and per mesh axis such that the calibrated predictions of `fits` ([(components,
-    measured seconds)]) best match the measurements, in relative error (least squares). Every factor is pulled
+    """Factors per op kind (and the optimizer step), per mesh axis for its critical-path collectives and per mesh
+    axis for its parameter synchronisation (`components`), such that the calibrated predictions of `fits`
+    ([(components, measured seconds)]) best match the measurements, in relative error (linear least squares:
+    predicted = sum_k c_k compute_k + c_opt optimizer + sum_i (a_i axis_i + b_i sync_i) + rest). Every factor is pulled
     towards the one global factor that fits best (weight `ridge`), so parts the measurements cannot tell apart
     (always in the same proportion) share it; factors stay within 1/20 and 20 times that global factor."""
     if not fits:
@@ -430,8 +507,11 @@ def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tupl
     theta = np.clip(theta, glob / 20, glob * 20)
     factors = dict(zip(names, map(float, theta)))
     compute = {k.partition(":")[2]: f for k, f in factors.items() if k.startswith("compute:")}
+    if OPTIMIZER in factors:
+        compute[OPTIMIZER] = factors[OPTIMIZER]
     axes = tuple(factors.get(f"axis:{i}", glob) for i in range(len(mesh_shape)))
-    return Calibration(compute=compute, axes=axes, mesh_shape=tuple(mesh_shape), of=of, samples=len(fits),
+    sync = tuple(factors.get(f"sync:{i}", a) for i, a in enumerate(axes))
+    return Calibration(compute=compute, axes=axes, sync=sync, mesh_shape=tuple(mesh_shape), of=of, samples=len(fits),
                        source=source or f"autopar.tune: {len(fits)} measured steps fitted")
 
 
@@ -456,10 +536,10 @@ def _update_calibration(profile: Path | None, base: Cluster, mesh_shape, graph: 
         try:
             old = json.loads(path.read_text())
             if old.get("of") == base.name and tuple(old.get("mesh_shape", ())) == tuple(mesh_shape):
-                kept = [f for f in old.get("fits", []) if f["graph"] != graph]
+                kept = [f for f in old.get("fits", []) if f["graph"] != graph and f.get("parts") == _PARTS]
         except (OSError, ValueError):
             kept = []
-    mine = [{"graph": graph, "components": parts, "measured_s": m} for parts, m in fits]
+    mine = [{"graph": graph, "components": parts, "measured_s": m, "parts": _PARTS} for parts, m in fits]
     every = (kept + mine)[-_MAX_FITS:]
     cal = fit_calibration([(f["components"], f["measured_s"]) for f in every], tuple(mesh_shape), of=base.name,
                           source=f"autopar.tune on {len({f['graph'] for f in every})} model(s), "
@@ -508,6 +588,7 @@ class _Live:
     pm: nn.Module | None = None
     opt: object = None
     times: list[float] = field(default_factory=list)
+    first: list[float] = field(default_factory=list)  # a contender's times in the first rounds
     peaks: list[int] | None = None
     done: int = 0
 
@@ -544,7 +625,10 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
                     bars.update(lv.cand.name, lv.done)
 
     rounds(live, warmup + steps, warmup)
-    rounds(_contenders(live), steps, 0)
+    final = _contenders(live)
+    for lv in final:  # the contenders are measured again, in fresh rounds among themselves
+        lv.first, lv.times = lv.times, []
+    rounds(final, max(2 * steps, 8), 0)
     out = []
     for c in cands:
         lv = next((lv for lv in live if lv.cand.name == c.name), None)
@@ -552,14 +636,15 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
             out.append(lv.cand if lv is not None else c)
             continue
         out.append(dataclasses.replace(lv.cand, measured_s=statistics.median(lv.times),
-                                       step_times_s=tuple(lv.times), peak_bytes=tuple(lv.peaks or ())))
+                                       step_times_s=tuple(lv.first + lv.times), peak_bytes=tuple(lv.peaks or ())))
     bars.close()
     return out
 
 
 def _contenders(live: list[_Live]) -> list[_Live]:
-    """The candidates timed `steps` more steps before the winner is chosen: the 3 fastest so far and the fastest
-    hand plan (a near-tie is otherwise decided by the noise of one set of rounds)."""
+    """The candidates timed again before the winner is chosen: the 3 fastest so far and the fastest hand plan (a
+    near-tie is otherwise decided by the noise of one set of rounds). They run max(2 * steps, 8) fresh rounds among
+    themselves, and their measured time is the median of those alone."""
     from autopar.planner import PLANS
     alive = sorted((lv for lv in live if not lv.cand.skipped), key=lambda lv: statistics.median(lv.times))
     hand = [lv for lv in alive if set(lv.cand.name.split("=")) & set(PLANS)]

@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: interleaved step timing, gloo process launch, a medium MLP-stack model.
+"""Shared by the benchmarks: interleaved step timing (`interleaved`, `Timings.ratio`, `result`), gloo process launch,
+a medium MLP-stack model.
 
 Machines are noisy (DESIGN.md §5), so two implementations are never timed in separate runs: their
 training steps alternate within one run (A B, B A, A B, ...), each step timed on every rank between
@@ -11,7 +12,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -57,16 +58,44 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple) -> t
 
 @dataclass
 class Timings:
-    wall_s: dict[str, list[float]]  # per step: wall-clock seconds on the slowest rank
-    cpu_s: dict[str, list[float]]  # per step: CPU seconds of the busiest rank's process
+    """What `interleaved` measured: one entry per round (one timed step of each name per round)."""
+
+    wall_s: dict[str, list[float]]  # per round: wall-clock seconds on the slowest rank
+    cpu_s: dict[str, list[float]]  # per round: CPU seconds of the busiest rank's process
+    rank_wall_s: dict[str, list[list[float]]] = field(default_factory=dict)  # [rank][round]
+    rank_cpu_s: dict[str, list[list[float]]] = field(default_factory=dict)  # [rank][round]
+
+    @property
+    def rounds(self) -> int:
+        return len(next(iter(self.wall_s.values()), []))
+
+    def ratio(self, a: str, b: str, what: str = "wall", blocks: int = 5) -> tuple[float, float, float]:
+        """a/b of median step times (`what`: "wall" or "cpu"), with the spread: the lowest and highest ratio over
+        `blocks` runs of consecutive rounds (each the ratio of its medians). Returns (ratio, lowest, highest)."""
+        d = self.wall_s if what == "wall" else self.cpu_s
+        n = len(d[a])
+        k = max(1, n // blocks)
+        per = [statistics.median(d[a][i:i + k]) / statistics.median(d[b][i:i + k]) for i in range(0, n - k + 1, k)]
+        return statistics.median(d[a]) / statistics.median(d[b]), min(per), max(per)
 
 
-def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: int,
-                budget_s: float = 25.0) -> Timings:
-    """Time each step, alternating the order every round (A B, B A, ...).
+def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, rounds: int | None = None,
+                iters: int | None = None, budget_s: float = 25.0) -> Timings:
+    """Time named training steps against each other, interleaved: the one timing loop every benchmark uses.
 
-    Stops after `iters` rounds, or earlier once `budget_s` seconds are spent (at least 5 rounds).
+    `steps` maps a name to a callable running one step (forward, backward, optimizer). Each of `warmup` untimed
+    rounds, then each timed round, runs every step once, the order reversed every other round (A B, B A, A B, ...),
+    so drift on the machine hits all alike. Each step starts after a barrier (when a process group is up) and is
+    timed on every rank in wall-clock time (`time.perf_counter`) and in this process's CPU time
+    (`time.process_time`: what a busy, shared machine disturbs least). Stops after `rounds` timed rounds (`iters`
+    is the older name), or earlier once `budget_s` seconds are spent (at least 5 rounds); every rank runs the same
+    number. A step takes as long as its slowest rank: `Timings.wall_s` / `.cpu_s` hold, per round, the maximum
+    over ranks; `.rank_wall_s` / `.rank_cpu_s` every rank's own times. `Timings.ratio` gives a ratio with its
+    spread; `result` prints it as one `RESULT` line.
     """
+    rounds = rounds if rounds is not None else iters
+    if rounds is None:
+        raise TypeError("interleaved needs rounds=")
     names = list(steps)
     for _ in range(warmup):
         for n in names:
@@ -75,7 +104,7 @@ def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: i
     cpu: dict[str, list[float]] = {n: [] for n in names}
     multi = dist.is_initialized() and dist.get_world_size() > 1
     start = time.perf_counter()
-    for i in range(iters):
+    for i in range(rounds):
         for n in names if i % 2 == 0 else reversed(names):
             if multi:
                 dist.barrier()
@@ -88,13 +117,29 @@ def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, iters: i
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item():
             break
-    if multi:  # a step takes as long as its slowest rank
-        for d in (wall, cpu):
-            for n in names:
-                t = torch.tensor(d[n], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                d[n] = t.tolist()
-    return Timings(wall, cpu)
+    per_rank = {}
+    for key, d in (("wall", wall), ("cpu", cpu)):
+        per_rank[key] = {}
+        for n in names:
+            t = torch.tensor(d[n], dtype=torch.float64)
+            if multi:
+                out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+                dist.all_gather(out, t)
+            else:
+                out = [t]
+            per_rank[key][n] = [o.tolist() for o in out]
+            d[n] = torch.stack(out).amax(0).tolist()  # a step takes as long as its slowest rank
+    return Timings(wall, cpu, per_rank["wall"], per_rank["cpu"])
+
+
+def result(label: str, t: Timings, a: str, b: str, blocks: int = 5) -> float:
+    """Print the headline as one line, `RESULT <label> <ratio> (...)`: a/b of the median wall-clock step times of
+    the slowest rank, its spread over `blocks` runs of consecutive rounds, and the same for CPU time."""
+    r, lo, hi = t.ratio(a, b, "wall", blocks)
+    c, clo, chi = t.ratio(a, b, "cpu", blocks)
+    print(f"RESULT {label} {r:.3f} (wall, blocks of rounds {lo:.3f}-{hi:.3f}; CPU time {c:.3f}, {clo:.3f}-{chi:.3f}; "
+          f"{t.rounds} rounds)", flush=True)
+    return r
 
 
 def report(label: str, t: Timings, a: str, b: str) -> float:
@@ -108,6 +153,20 @@ def report(label: str, t: Timings, a: str, b: str) -> float:
     print(f"RATIO {label} {a}/{b} = {med[a] / med[b]:.3f} (median wall time of {len(t.wall_s[a])} interleaved "
           f"steps each; paired steps {paired:.3f}; CPU time {cpu:.3f})", flush=True)
     return med[a] / med[b]
+
+
+def profile_steps(steps: dict[str, Callable[[], object]], n: int = 3, rows: int = 25) -> None:
+    """rank 0 prints a torch.profiler table (self CPU time) of `n` steps of each named step, after 2 untimed."""
+    from torch.profiler import ProfilerActivity, profile
+    for name, step in steps.items():
+        for _ in range(2):
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(n):
+                step()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"--- profile {name} ({n} steps, rank 0)")
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple) -> None:

@@ -9,8 +9,8 @@ autopar with every gradient in one bucket (the lowering before DDP-sized buckets
 backward); `--profile` prints a torch.profiler table of a few steps of autopar and DDP on rank 0; `--foreach` gives
 both AdamW(foreach=True) (one dispatch per op over all parameters: autopar's parameters are DTensors, whose per-op
 dispatch the default single-tensor AdamW on CPU pays once per parameter and op, DDP's plain tensors do not).
-The steps are cut into at least 5 rounds of consecutive steps; the median and the spread (min-max) of the per-round
-ratios of median wall and CPU times are printed under each RATIO line.
+Each comparison ends with one headline line, `RESULT dp/DDP <model> <ratio> (...)`: the ratio of the slowest
+rank's median wall-clock step times, its spread over 5 blocks of consecutive rounds, and the same in CPU time.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--only llama|gpt]
 """
@@ -18,7 +18,6 @@ ratios of median wall and CPU times are printed under each RATIO line.
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
 
 import torch
@@ -29,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autopar
 from autopar.runtime import collectives
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from common import Timings, interleaved, launch, report, train_step
+from common import interleaved, launch, profile_steps, report, result, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
@@ -97,46 +96,17 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
         opt_1 = adamw(p1.parameters(), lr=1e-4)
         steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
     if profile:
-        _profile(lambda: train_step(pm, opt_a, local), lambda: train_step(ddp, opt_b, local))
-    times = interleaved(steps, warmup=3, iters=6 if quick else 100, budget_s=20.0 if quick else 60.0)
+        profile_steps({"autopar": lambda: train_step(pm, opt_a, local), "DDP": lambda: train_step(ddp, opt_b, local)})
+    times = interleaved(steps, warmup=3, rounds=10 if quick else 100, budget_s=40.0 if quick else 120.0)
     if rank == 0:
         n = 3 + len(times.wall_s["autopar"])
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         label = f"{name}, AdamW foreach" if foreach else name
-        report(f"dp_vs_ddp[{label}]", times, "autopar", "DDP")
-        _rounds(times, "autopar", "DDP")
-        if one_bucket:
-            report(f"dp_vs_ddp[{label}, one bucket]", times, "autopar_one_bucket", "DDP")
-            _rounds(times, "autopar_one_bucket", "DDP")
-        if with_global:
-            report(f"dp_vs_ddp[{label}, inputs=global]", times, "autopar_global", "DDP")
-            _rounds(times, "autopar_global", "DDP")
+        for what, a in (("", "autopar"), (", one bucket", "autopar_one_bucket"), (", inputs=global", "autopar_global")):
+            if a in times.wall_s:
+                report(f"dp_vs_ddp[{label}{what}]", times, a, "DDP")
+                result(f"dp/DDP {label}{what}", times, a, "DDP")
     assert abs(losses["autopar"].item() - losses["DDP"].item()) <= 1e-3 * max(1.0, abs(losses["DDP"].item())), losses
-
-
-def _rounds(t: Timings, a: str, b: str, rounds: int = 5) -> None:
-    """The a/b ratios of median wall and CPU times over rounds of consecutive interleaved steps: median [min, max]."""
-    n = len(t.wall_s[a])
-    k = max(1, n // rounds)
-    cut = range(0, n - k + 1, k)
-    text = []
-    for what, d in (("wall", t.wall_s), ("CPU", t.cpu_s)):
-        r = [statistics.median(d[a][i:i + k]) / statistics.median(d[b][i:i + k]) for i in cut]
-        text.append(f"{what} {statistics.median(r):.3f} [{min(r):.3f}, {max(r):.3f}]")
-    print(f"  {a}/{b} over {len(cut)} rounds of {k} steps: " + "; ".join(text), flush=True)
-
-
-def _profile(step_a, step_b) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
-    for name, step in (("autopar", step_a), ("DDP", step_b)):
-        for _ in range(2):
-            step()
-        with prof(activities=[ProfilerActivity.CPU]) as p:
-            for _ in range(3):
-                step()
-        if dist.get_rank() == 0:
-            print(f"--- profile {name} (3 steps, rank 0)")
-            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:

@@ -5,7 +5,8 @@ by `autopar.parallelize(..., plan="fsdp", inputs="local")` (per-layer gathers, t
 after forward and gathered again in backward, one reduce-scatter per layer) and by `fully_shard` on every block and
 then on the model, each rank passing its shard of the global batch. Training steps alternate between the two in one
 run; the ratio autopar/FSDP2 of the median step times is printed (goal <= 1.0), after a check that both give the
-same loss. `--keep` adds autopar with every layer kept gathered (`autopar.forms.fsdp.keep_gathered`); `--profile`
+same loss, ending with one headline line `RESULT fsdp/FSDP2 <model> <ratio> (...)` (the spread over 5 blocks of
+consecutive rounds, and CPU time beside). `--keep` adds autopar with every layer kept gathered (`autopar.forms.fsdp.keep_gathered`); `--profile`
 prints a torch.profiler table of a few steps of each on rank 0.
 
     python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt]
@@ -14,7 +15,6 @@ prints a torch.profiler table of a few steps of each on rank 0.
 from __future__ import annotations
 
 import copy
-import statistics
 import sys
 
 import torch
@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 import autopar
 from autopar.forms import fsdp as fsdp_form
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from common import interleaved, launch, report, train_step
+from common import interleaved, launch, profile_steps, report, result, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
@@ -82,37 +82,17 @@ def _compare(name: str, model, blocks, cfg, quick: bool, keep: bool, profile: bo
         opt_k = torch.optim.AdamW(pk.parameters(), lr=1e-4)
         steps["autopar_keep"] = lambda: losses.__setitem__("autopar_keep", train_step(pk, opt_k, local))
     if profile:
-        _profile(lambda: train_step(pm, opt_a, local), lambda: train_step(fsdp2, opt_b, local))
-    times = interleaved(steps, warmup=3, iters=6 if quick else 100, budget_s=20.0 if quick else 60.0)
+        profile_steps({"autopar": lambda: train_step(pm, opt_a, local),
+                       "FSDP2": lambda: train_step(fsdp2, opt_b, local)})
+    times = interleaved(steps, warmup=3, rounds=10 if quick else 100, budget_s=40.0 if quick else 120.0)
     if rank == 0:
         n = 3 + len(times.wall_s["autopar"])
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         for label, a in (("", "autopar"), (", keep gathered", "autopar_keep")) if keep else (("", "autopar"),):
             report(f"fsdp_vs_fsdp2[{name}{label}]", times, a, "FSDP2")
-            _spread(times, a, "FSDP2")
+            result(f"fsdp/FSDP2 {name}{label}", times, a, "FSDP2")
     assert abs(losses["autopar"].item() - losses["FSDP2"].item()) <= 1e-3 * max(1.0, abs(losses["FSDP2"].item())), \
         losses
-
-
-def _spread(times, a: str, b: str) -> None:
-    """The spread of the ratio: quartiles of the ratios of steps run back to back."""
-    r = sorted(x / y for x, y in zip(times.wall_s[a], times.wall_s[b]))
-    q = statistics.quantiles(r, n=4) if len(r) >= 2 else [r[0]] * 3
-    print(f"  {a}/{b} paired-step ratio quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f} "
-          f"(min {r[0]:.3f}, max {r[-1]:.3f})")
-
-
-def _profile(step_a, step_b) -> None:
-    from torch.profiler import ProfilerActivity, profile as prof
-    for name, step in (("autopar", step_a), ("FSDP2", step_b)):
-        for _ in range(2):
-            step()
-        with prof(activities=[ProfilerActivity.CPU]) as p:
-            for _ in range(3):
-                step()
-        if dist.get_rank() == 0:
-            print(f"--- profile {name} (3 steps, rank 0)")
-            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:

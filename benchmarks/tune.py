@@ -5,9 +5,9 @@ vocab 4096, 8 x 64 tokens, AdamW).
 1. Tune (the ILP's 5 best distinct plans and the hand plans megatron, dp, fsdp; interleaved rounds) and print the
    table (predicted before and after calibration, measured, peak memory per rank).
 2. Measure again, in fresh interleaved rounds, the tuned plan against the best measured hand plan:
-   `RATIO tune_vs_best_hand = tuned / best hand` (goal <= 1.02).
+   `RESULT tuned/best hand <ratio> (...)` (goal <= 1.02).
 3. Calibration on held-aside candidates, two folds: fit the calibration on every other measured candidate and
-   predict the rest, then the other way round; `RATIO tune_calibrated_median_error` is the median relative error
+   predict the rest, then the other way round; `RESULT tune calibrated median error` is the median relative error
    of the held-aside predictions (goal <= 0.10), with the uncalibrated error beside it.
 
 Within tune's own measurement the tuned plan cannot be slower than a hand plan (the hand plans are candidates and
@@ -41,7 +41,7 @@ def run(quick: bool, cache_dir: str) -> None:
     import autopar
     from autopar.models import GPT, GPTConfig
     from autopar.tune import apply_calibration, fit_calibration, _lower
-    from common import interleaved, report, train_step
+    from common import interleaved, report, result as result_line, train_step
 
     rank = dist.get_rank()
     cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, num_heads=8, hidden=256)
@@ -74,7 +74,7 @@ def run(quick: bool, cache_dir: str) -> None:
         pm = _lower(model, mesh, inputs, plan, f"bench-{name}")
         pms[name] = (pm, torch.optim.AdamW(pm.parameters(), lr=1e-4))
     t = interleaved({n: (lambda pm=pm, opt=opt: train_step(pm, opt, inputs)) for n, (pm, opt) in pms.items()},
-                    warmup=2, iters=6 if quick else 24)
+                    warmup=2, rounds=10 if quick else 30, budget_s=60.0 if quick else 180.0)
     # held aside, two folds: fit on every other measured candidate, predict the rest, then the other way round
     err = lambda p, m: abs(p - m) / m  # noqa: E731
     calibrated, before, held_names = [], [], []
@@ -88,11 +88,15 @@ def run(quick: bool, cache_dir: str) -> None:
     if rank == 0:
         print(f"tuned plan: {tuned.name} ({tuned.forms}); best hand plan: {best_hand.name} ({best_hand.forms})")
         report("tune_vs_best_hand", t, "tuned", "best hand")
+        result_line("tuned/best hand", t, "tuned", "best hand")
         print("held aside (each fitted on the other half): " + ", ".join(
             f"{n} {c:.1%} (uncalibrated {b:.1%})" for n, c, b in zip(held_names, calibrated, before)))
         print(f"RATIO tune_calibrated_median_error = {statistics.median(calibrated):.3f} (uncalibrated "
               f"{statistics.median(before):.3f}; {len(held_names)} candidates, each held aside once: two folds)",
               flush=True)
+        print(f"RESULT tune calibrated median error {statistics.median(calibrated):.3f} (held aside, two folds: "
+              f"{min(calibrated):.3f}-{max(calibrated):.3f} over {len(held_names)} candidates; uncalibrated "
+              f"{statistics.median(before):.3f})", flush=True)
 
 
 def main() -> None:

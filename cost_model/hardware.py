@@ -153,12 +153,16 @@ class Link:
 
 @dataclass(frozen=True, kw_only=True)
 class Calibration:
-    """Measured / predicted time factors (`autopar.tune`): `compute[kind]` per op kind, `axes[i]` for the
-    collectives on axis i of `mesh_shape` (other mesh shapes take their geometric mean). `of` names the cluster
-    they correct (`Cluster.name`); `samples` counts the measurements fitted."""
+    """Measured / predicted time factors (`autopar.tune`): `compute[kind]` per op kind (and "optimizer", the
+    optimizer step), `axes[i]` for the collectives on axis i of `mesh_shape` (other mesh shapes take their
+    geometric mean), `sync[i]` for its parameter synchronisation, which the timeline overlaps with compute (FSDP's
+    gathers, gradient reductions: how much of it a machine really hides; empty: as `axes`; applied by
+    `autopar.tune`'s calibrated predictions). `of` names the cluster they correct (`Cluster.name`); `samples`
+    counts the measurements fitted."""
 
     compute: dict[str, float] = field(default_factory=dict, hash=False)
     axes: tuple[float, ...] = ()
+    sync: tuple[float, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     of: str = ""
     samples: int = 0
@@ -166,20 +170,23 @@ class Calibration:
 
     def __post_init__(self):
         object.__setattr__(self, "axes", tuple(float(a) for a in self.axes))
+        object.__setattr__(self, "sync", tuple(float(a) for a in self.sync))
         object.__setattr__(self, "mesh_shape", tuple(int(d) for d in self.mesh_shape))
-        for what, f in [*self.compute.items(), *enumerate(self.axes)]:
+        for what, f in [*self.compute.items(), *enumerate(self.axes), *(("sync", f) for f in self.sync)]:
             if not (f > 0 and math.isfinite(f)):
                 raise ValueError(f"Calibration factor {what!r} must be a finite number > 0, got {f}")
-        if self.axes and len(self.axes) != len(self.mesh_shape):
-            raise ValueError(f"Calibration.axes has {len(self.axes)} factors for mesh {self.mesh_shape}; give one "
-                             "per mesh axis")
+        for what, fs in (("axes", self.axes), ("sync", self.sync)):
+            if fs and len(fs) != len(self.mesh_shape):
+                raise ValueError(f"Calibration.{what} has {len(fs)} factors for mesh {self.mesh_shape}; give one "
+                                 "per mesh axis")
 
     def axis_factor(self, mesh_shape: tuple[int, ...], axis_index: int) -> float:
-        if not self.axes:
-            return 1.0
-        if tuple(mesh_shape) == self.mesh_shape:
-            return self.axes[axis_index]
-        return math.exp(sum(math.log(a) for a in self.axes) / len(self.axes))
+        return _per_axis(self.axes, self.mesh_shape, mesh_shape, axis_index)
+
+    def sync_factor(self, mesh_shape: tuple[int, ...], axis_index: int) -> float:
+        if not self.sync:
+            return self.axis_factor(mesh_shape, axis_index)
+        return _per_axis(self.sync, self.mesh_shape, mesh_shape, axis_index)
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "format": _CAL_FORMAT}, indent=2, sort_keys=True)
@@ -191,6 +198,14 @@ class Calibration:
             raise ValueError(f"not an autopar calibration: expected format {_CAL_FORMAT!r}")
         data.pop("fits", None)  # the measurements it was fitted on (`autopar.tune` keeps them to refit)
         return cls(**data)
+
+
+def _per_axis(factors: tuple[float, ...], fitted: tuple[int, ...], mesh_shape: tuple[int, ...], i: int) -> float:
+    if not factors:
+        return 1.0
+    if tuple(mesh_shape) == fitted:
+        return factors[i]
+    return math.exp(sum(math.log(a) for a in factors) / len(factors))
 
 
 _CAL_FORMAT = "autopar.calibration/1"

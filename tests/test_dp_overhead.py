@@ -9,6 +9,7 @@ against one device: several AdamW steps with `zero_grad(set_to_none=True)` and `
 accumulated over two backward passes, the parameter also used outside the program in the same loss (its gradients
 meet in autograd's input buffer), a tensor hook on a parameter (it sees the reduced gradient), and a parameter with a
 second, replicated consumer in the program (a non-exclusive bucket). The lowering marks which buckets are exclusive.
+On the CPU a bucket's buffer is reused at the next backward once nothing views it (`collectives._POOL`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def steps_worker(set_to_none: bool) -> dict:
     ref, pm = _setup()
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_p = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    out = {"grad_err": 0.0, "param_err": 0.0, "loss_err": 0.0, "plain": True, "shared": True}
+    out = {"grad_err": 0.0, "param_err": 0.0, "loss_err": 0.0, "plain": True, "shared": True, "buffers": []}
     for step in range(3):
         inputs = _inputs(step)
         with record_comms() as comms:
@@ -113,7 +114,9 @@ def steps_worker(set_to_none: bool) -> dict:
         for i in range(LAYERS):
             w, b = locals_[f"layers.{i}.weight"], locals_[f"layers.{i}.bias"]
             out["shared"] &= w.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and w._base is not None
+        out["buffers"].append({locals_[f"layers.{i}.weight"].untyped_storage().data_ptr() for i in range(LAYERS)})
         out["comms"] = [(r.kind, r.pass_, r.numel) for r in comms]
+        del locals_, w, b  # (views of the buffers)
         opt_r.step()
         opt_p.step()
         opt_r.zero_grad(set_to_none=set_to_none)
@@ -132,6 +135,11 @@ def test_gradients_are_bucket_views_and_exact_over_steps():
             assert sorted(res["comms"]) == sorted([("all_reduce", "forward", 1)]
                                                   + [("all_reduce", "backward", DIM * DIM + DIM)] * LAYERS), res
             assert res["loss_err"] <= 1e-12 and res["grad_err"] <= 1e-12 and res["param_err"] <= 1e-12, res
+            # the CPU buffer pool: set to None, the gradients of the next backward are views of the same buffers
+            # (reused); kept (zeroed in place), they stay views of the first buffers and are added to, while the next
+            # backward reduces into other buffers (a reused buffer under them would make grad_err above non-zero)
+            first, *later = res["buffers"]
+            assert len(first) == LAYERS and all(b == first for b in later), res["buffers"]
 
 
 def readers_worker() -> dict:

@@ -6,6 +6,7 @@ profile, applied when pricing) and the command line under torchrun on 4 gloo ran
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import json
 import math
@@ -20,12 +21,13 @@ import torch
 import autopar
 from autopar.api import _prepare
 from autopar.models import GPT, GPTConfig
-from autopar.tune import (REST, _evaluate, apply_calibration, cache_key, candidates, components, fit_calibration, plan_choices,
+from autopar.tune import (OPTIMIZER, REST, _evaluate, apply_calibration, cache_key, candidates, components, fit_calibration, plan_choices,
                           _update_calibration)
 from cost_model.analytical import collective_time_s
 from cost_model.hardware import PRESETS, Calibration, Link, calibration_path, load_cluster
 from dist_harness import gloo_pool
 
+tune_mod = importlib.import_module("autopar.tune")  # (`autopar.tune` is also the function)
 ROOT = Path(__file__).resolve().parents[1]
 MESH = {"dp": 2, "tp": 2}
 
@@ -46,29 +48,60 @@ def _enumerate(model, inputs, mesh, top_k, cluster="cpu"):
 
 # ----------------------------------------------------------------------------- candidates
 
-def test_k_best_distinct_plans_in_order_with_the_hand_plans():
+def test_k_best_distinct_plans_in_order_with_the_hand_plans(monkeypatch):
     model, inputs = tiny()
-    cands, (info, _, ctx) = _enumerate(model, inputs, MESH, top_k=4)
-    ilp = [c for c in cands if c.name.startswith("auto#")]
+    info, captured, ctx = _prepare(model, MESH, inputs)
+    cpu = load_cluster("cpu", info.sizes)
+    assert tune_mod._interchangeable(info, dataclasses.replace(cpu, gpus_per_node=2)) == []  # axes on other links
+    with monkeypatch.context() as m:  # every plan its own candidate, mirror images too
+        m.setattr(tune_mod, "_interchangeable", lambda info, cluster: [])
+        apart = candidates(model, ctx, info, captured, cpu, 4)
+    ilp = [c for c in apart if c.name.startswith("auto#")]
     assert [c.name.split("=")[0] for c in ilp] == ["auto#1", "auto#2", "auto#3", "auto#4"]
+    # within one node a plan and its mirror image (the same forms, dp and tp swapped) run alike: measured once, under
+    # both names
+    cands = candidates(model, ctx, info, captured, cpu, 4)
+    names = [n for c in cands for n in c.name.split("=")]
+    assert sorted(n for n in names if n.startswith("auto#")) == ["auto#1", "auto#2", "auto#3", "auto#4"]
+    merged = [c for c in cands if c.name.count("auto#") > 1]
+    assert merged, [c.name for c in cands]  # this GPT's k best hold mirror images on the uniform 2 x 2 CPU mesh
+    swaps = tune_mod._interchangeable(info, cpu)
+    assert swaps == [{"dp": "tp", "tp": "dp"}]
+    for c in merged:
+        first, *mirrors = [n for n in c.name.split("=") if n.startswith("auto#")]
+        for m in mirrors:
+            other = next(x for x in apart if m in x.name.split("="))
+            assert tune_mod._signature(other.plan) != tune_mod._signature(c.plan)
+            assert tune_mod._signature(other.plan) in tune_mod._signatures(c.plan, swaps)
+            assert other.predicted_s == pytest.approx(c.predicted_s, rel=1e-9)
     assignments = [plan_choices(c.plan) for c in ilp]
     for a, b in itertools.combinations(assignments, 2):
         assert a[0] != b[0]  # distinct in the forms, not only in cost
     from autopar.solver import evaluate
-    objective = [evaluate(ctx, info, load_cluster("cpu", info.sizes), plan_choices(c.plan)[0], plan_choices(c.plan)[1],
+    objective = [evaluate(ctx, info, cpu, plan_choices(c.plan)[0], plan_choices(c.plan)[1],
                           seq_axes=plan_choices(c.plan)[2]).objective_s for c in ilp]
     assert objective == sorted(objective)  # the k best by what the ILP minimises, best first
     names = " ".join(c.name for c in cands)
     for hand in ("megatron", "dp", "fsdp"):
         assert hand in names
-    # each plan's assignment (read off its decisions) prices exactly as its estimate; its parts add up to the
-    # prediction with every calibration factor 1 (each op kind priced apart)
+    # each plan's assignment (read off its decisions) prices exactly as its estimate, plus the optimizer step; its
+    # parts add up to the prediction with every calibration factor 1 (each op kind priced apart)
     cluster = load_cluster("cpu", info.sizes)
     identity = dataclasses.replace(cluster, calibration=Calibration(axes=(1.0, 1.0), mesh_shape=(2, 2), of="cpu"))
     for c in cands:
-        assert math.isclose(_evaluate(ctx, info, cluster, c.plan), c.predicted_s, rel_tol=1e-9), c.name
-        assert math.isclose(sum(v for _, v in c.components), _evaluate(ctx, info, identity, c.plan),
+        parts = dict(c.components)
+        assert math.isclose(_evaluate(ctx, info, cluster, c.plan) + parts[OPTIMIZER], c.predicted_s,
                             rel_tol=1e-9), c.name
+        assert math.isclose(sum(parts.values()), _evaluate(ctx, info, identity, c.plan) + parts[OPTIMIZER],
+                            rel_tol=1e-9), c.name
+    # data parallel (over both axes): its gradient reductions are synchronisation, and its optimizer updates whole
+    # parameters; FSDP's synchronisation (gathers, gathered again in backward, reduce-scatters) is more, its optimizer
+    # updates a shard of each parameter
+    by = {n: c for c in cands for n in c.name.split("=")}
+    dp, fsdp = dict(by["dp"].components), dict(by["fsdp"].components)
+    sync = lambda parts: sum(v for k, v in parts.items() if k.startswith("sync:"))  # noqa: E731
+    assert 0 < sync(dp) < sync(fsdp), (dp, fsdp)
+    assert fsdp[OPTIMIZER] < dp[OPTIMIZER] / 2  # (FSDP over both axes: a quarter of each parameter)
     # a plan found twice is measured once: no two candidates lower alike
     sigs = [(c.plan.params, c.plan.inputs, tuple(sorted(map(repr, c.plan.directives)))) for c in cands]
     assert len(set(sigs)) == len(sigs)
@@ -102,6 +135,33 @@ def _synthetic(truth: dict[str, float], n: int, seed: int = 0):
     return out
 
 
+def test_fit_learns_how_much_synchronisation_is_hidden():
+    """Where the collectives' threads share the cores with compute (a CPU host), the synchronisation the timeline
+    hides is not hidden: measured steps pay it in full and more, while the critical-path collectives cost what was
+    predicted. The fit tells the two apart per axis, and the optimizer step's factor, from the measurements."""
+    truth = {"compute:matmul": 1.2, "axis:0": 1.0, "sync:0": 2.5, "axis:1": 0.8, "sync:1": 0.1, OPTIMIZER: 3.0}
+    fits = _synthetic(truth, 16, seed=3)
+    cal = fit_calibration(fits[:12], (2, 2), of="cpu", ridge=1e-4)
+    assert cal.sync_factor((2, 2), 0) == pytest.approx(2.5, rel=0.05)
+    assert cal.sync_factor((2, 2), 1) == pytest.approx(0.1, abs=0.05)
+    assert cal.axes[0] == pytest.approx(1.0, rel=0.05) and cal.compute[OPTIMIZER] == pytest.approx(3.0, rel=0.05)
+    for parts, measured in fits[12:]:  # held aside
+        assert apply_calibration(parts, cal) == pytest.approx(measured, rel=0.02)
+    # one factor per axis (the calibration before) cannot: its held-aside error stays large
+    merged = [({k.replace("sync:", "axis:"): 0.0 for k in p} | {f"axis:{i}": p.get(f"axis:{i}", 0) + p.get(f"sync:{i}", 0)
+                for i in (0, 1)} | {k: v for k, v in p.items() if not k.startswith(("axis:", "sync:"))}, m)
+              for p, m in fits]
+    old = fit_calibration(merged[:12], (2, 2), of="cpu", ridge=1e-4)
+    assert max(abs(apply_calibration(p, old) - m) / m for p, m in merged[12:]) > 0.05
+    # round trip; a calibration saved before `sync` existed prices synchronisation as its axis
+    again = Calibration.from_json(cal.to_json())
+    assert again == cal and again.sync == cal.sync
+    legacy = Calibration(axes=(2.0, 3.0), mesh_shape=(2, 2), of="cpu")
+    assert legacy.sync_factor((2, 2), 1) == 3.0
+    with pytest.raises(ValueError, match="sync"):
+        Calibration(axes=(1.0, 1.0), sync=(1.0,), mesh_shape=(2, 2), of="cpu")
+
+
 def test_fit_recovers_factors_and_predicts_held_aside():
     truth = {"compute:matmul": 3.0, "compute:vector": 1.5, "axis:0": 2.0, "axis:1": 6.0}
     fits = _synthetic(truth, 12)
@@ -132,11 +192,13 @@ def test_calibration_saved_beside_the_profile_round_trips_and_prices(tmp_path, m
     for name in ("megatron", "fsdp"):
         plain = autopar.plan(model, MESH, inputs, plan=name, cluster=base)
         calibrated = autopar.plan(model, MESH, inputs, plan=name)
-        # the calibrated sum of parts is what the loaded cluster prices; the plan's own (overlapped) estimate
-        # follows it
+        # the calibrated sum of parts is what the loaded cluster prices (the cost model scales an axis' collectives
+        # by its factor, synchronisation included, and leaves the optimizer step out); the plan's own (overlapped)
+        # estimate follows it
         priced = _evaluate(ctx, info, loaded, calibrated)
         parts = dict(next(c for c in cands if name in c.name).components)
-        assert priced == pytest.approx(apply_calibration(parts, cal), rel=1e-9)
+        parts.pop(OPTIMIZER)
+        assert priced == pytest.approx(apply_calibration(parts, dataclasses.replace(cal, sync=())), rel=1e-9)
         assert priced > 2 * _evaluate(ctx, info, base, plain)
         assert calibrated.estimate.step_time_s > 2 * plain.estimate.step_time_s
     # a second model's measurements are fitted with the first's, which are kept

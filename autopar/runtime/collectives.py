@@ -419,7 +419,7 @@ class _GradSyncBucket(torch.autograd.Function):
     def backward(ctx, *grads):
         grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
                  for g, (s, d) in zip(grads, ctx.shapes)]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _flat_cat(grads)
         if local_tensor_mode() is None and type(flat) is torch.Tensor:
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
             flat = _c10d.all_reduce_(flat, "sum", ctx.axis.group_name)
@@ -434,6 +434,43 @@ class _GradSyncBucket(torch.autograd.Function):
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
         views = (v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads))
         return (None, None, None, *(_to_input(v, d) for v, (_, d) in zip(views, ctx.shapes)))
+
+
+# On a CPU host each fresh bucket-sized buffer is new pages from the kernel (a 25 MiB allocation is mmapped and
+# returned on free), zero-filled on first touch: about twice the cost of the copy itself. DDP keeps its buckets; here
+# a bucket's flat buffer is reused at the next backward once nothing holds it any more (the gradients viewing it
+# were set to None), up to `_POOL_BYTES` retained per process: between steps the process keeps the gradients' bytes,
+# as DDP keeps its buckets. (FSDP's buffers are not pooled: its reduce-scatters are all in flight at the end of the
+# backward, so a pool would keep every full gradient, which FSDP exists not to hold.) CUDA's caching allocator
+# already reuses memory.
+_POOL: dict[tuple, list[torch.Tensor]] = {}
+_POOL_BYTES = 2**30
+
+
+def pooled_empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised flat buffer on `like`'s device: on the CPU one of `_POOL`'s that nothing else holds if there
+    is one; else (another device, a tensor subclass, simulated ranks) `like.new_empty`."""
+    if like.device.type != "cpu" or type(like) is not torch.Tensor or local_tensor_mode() is not None:
+        return like.new_empty(numel, dtype=dtype)
+    device = like.device
+    free = _POOL.setdefault((numel, dtype), [])
+    for buf in free:
+        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2:  # the pool's tensor and this call's
+            return buf
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    held = sum(b.numel() * b.element_size() for bufs in _POOL.values() for b in bufs)
+    if held + buf.numel() * buf.element_size() <= _POOL_BYTES:  # as many per size as were in use at once
+        free.append(buf)
+    return buf
+
+
+def _flat_cat(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients concatenated into one flat buffer (`pooled_empty`)."""
+    parts = [g.reshape(-1) for g in grads]
+    first = parts[0]
+    if any(type(p) is not torch.Tensor or p.dtype != first.dtype for p in parts) or first.device.type != "cpu":
+        return torch.cat(parts)
+    return torch.cat(parts, out=pooled_empty(sum(p.numel() for p in parts), first.dtype, first))
 
 
 def _wait_pending(pending: list, grad_inputs):
