@@ -8,7 +8,10 @@ Named plans:
 - `dp`: every parameter replicated, the batch sharded over all axes.
 - `fsdp`: the batch sharded over all axes and every parameter sharded over them (ZeRO-3 / FSDP2),
   gathered before use.
-- `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes.
+- `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes, with each layer
+  class's checkpoint level and FSDP keep-or-reshard; its best few distinct solutions and the hand plans that fit
+  (`megatron`, `fsdp` at each checkpoint level) re-ranked by the plan's own estimate, the step's timeline
+  (`_reranked`): the fastest is the plan, and its notes and '(re-ranked)' decision say which and by how much.
 
 A form whose precondition fails is not chosen by a named plan (the structure stays replicated and the
 plan notes why); forcing it through `overrides` raises a ValueError that says what to change. Where

@@ -18,6 +18,10 @@ Sets
 Variables
   x[k,c] in {0,1}: class k takes candidate c.
   y[g,l] in {0,1}: layer group g takes checkpoint level l.
+  kept[g] in {0,1}: layer group g's FSDP groups keep their gathered weights from forward to backward (ZeRO-2-like;
+      else resharded after forward and gathered again in backward, ZeRO-3). `_keep_terms`, `_keep_vars`
+  u[k,g], v[k,g] >= 0: the time class k's sites in g's layers save by keeping (no backward re-gather), the bytes they
+      hold by keeping (their gathered weights).
   w[k,g] >= 0: the forward collectives class k's sites in g's layers issue again (re-issued by recomputation).
   T >= 0: the recompute transient (one layer's recomputed tensors in its backward), the largest.
 Constraints
@@ -30,15 +34,18 @@ Constraints
   sum_l y[g,l] = 1 for every g                                                 (one level per group)
   w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
   T >= transient[g,l] y[g,l]
+  u[k,g] <= sum_c saved[k,c] x[k,c], u[k,g] <= M kept[g]; v[k,g] >= sum_c held[k,c] x[k,c] - M (1 - kept[g])
   held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
-      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
+      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers)
+             + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
                 + sum_g,l dmem[g,l] y[g,l] + T                                 (start of backward),
       peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
                                                                           (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g] + time_other:
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g]
+           - sum_k,g n_kg u[k,g] + time_other:
   estimated step time, in integer nanoseconds for CP-SAT. time[k,c] = `timeline.overlapped_s`: compute +
   critical communication (tensor-parallel collectives, exposed) + the part of the parameters' synchronisation
   (FSDP gathers, gradient reductions) the structure's own forward / backward does not cover (each form's `cost`,
@@ -49,6 +56,11 @@ Resharding edges: every form of this release takes and returns activations repli
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
 (e[u,v,c,c'] >= x[u,c] + x[v,c'] - 1).
+
+Re-ranking (`solve(top=, rank=)`, `_ranked`): the objective sums each structure's overlapped time, while the
+plan's estimate is the step's timeline, which pools the data stream's slack across structures; so the ILP's `top`
+best distinct solutions (the best of each role assignment, and the next best of the two best by no-good cuts) are
+priced by `rank` (the timeline) and the least wins (`autopar.planner` adds the hand plans).
 
 Determinism: CP-SAT runs single-threaded with a fixed seed; ties break by candidate order. A time
 limit bounds each solve; the gap between the best bound and the objective is reported.

@@ -9,7 +9,10 @@ the meta device in bf16, global batch = dp.
 
 Shapes: Llama-3-8B at 8k on {"dp": 8, "tp": 8}; 8B at 128k on {"dp": 2, "tp": 8}; 70B at 8k on {"dp": 64, "tp": 8}.
 The table: shape, does auto fit, its peak (GiB), its step (ms), the best fitting hand plan and its level, its step,
-auto / best hand, planning seconds, and auto's checkpoint level per layer class. A hand plan whose batch does not
+auto / best hand, planning seconds, and auto's checkpoint level per layer class. Every step is the plan's own estimate
+(`Plan.estimate.step_time_s`: the step's timeline), the one `auto` ranks its candidates by (its '(re-ranked)'
+decision, printed per shape: the ILP's best distinct solutions and the hand plans, each at that estimate). The hand
+plans are planned on one capture of the model (the same plans `autopar.plan` gives, without capturing each again). A hand plan whose batch does not
 divide over its data axes (fsdp shards over dp x tp = 64 ranks, batch 8) replicates its input, so it is not the
 plan its estimate prices: it is listed, not compared. When nothing fits, the peak's breakdown says why.
 
@@ -132,9 +135,12 @@ def peak_terms(p) -> str:
             f"+ momentary {momentary / GIB:.1f} = {e.memory_bytes_per_device / GIB:.1f} GiB")
 
 
-def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS) -> dict:
-    """Plan shape `name` with auto (timed) and every hand plan at every checkpoint level (module docstring)."""
+def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS, *, capture_once: bool = False) -> dict:
+    """Plan shape `name` with auto (timed: `autopar.plan`, capture included) and every hand plan at every checkpoint
+    level (module docstring). `capture_once` (the tests): auto planned on the hand plans' capture, its seconds
+    the capture's and the plan's."""
     import autopar
+    from autopar.api import _prepare, _resolve_plan
     from autopar.solver import InfeasibleError
 
     shape, seq, mesh, batch, goal = SHAPES[name]
@@ -142,8 +148,11 @@ def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS) -> dict:
     out = {"name": name, "mesh": mesh, "batch": batch, "seq": seq, "goal": goal,
            "params": sum(v.numel() for v in model.parameters())}
     t0 = time.perf_counter()
+    if capture_once:
+        info, captured, ctx = _prepare(model, mesh, inputs)
     try:
-        p = autopar.plan(model, mesh, inputs, plan="auto", cluster="h100")
+        p = (_resolve_plan("auto", ctx, info, None, captured, "h100") if capture_once else
+             autopar.plan(model, mesh, inputs, plan="auto", cluster="h100"))
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
         p = None
@@ -153,16 +162,32 @@ def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS) -> dict:
                    step_s=e.step_time_s, forms=forms(p), levels=levels_by_class(p), batch_ok=batch_split_ok(p),
                    terms=peak_terms(p), table_has_levels="checkpoint" in p.table().splitlines()[1])
     hands = []
+    # the hand plans on one capture of the same model (`autopar.plan` captures each time; the plans are the same)
+    if not capture_once:
+        info, captured, ctx = _prepare(model, mesh, inputs)
     for hand in hand_plans:
         for level in levels:
-            h = autopar.plan(model, mesh, inputs, plan=hand, cluster="h100", overrides={"checkpoint": level})
+            h = _resolve_plan(hand, ctx, info, {"checkpoint": level}, captured, "h100")
             e = h.estimate
             hands.append({"plan": hand, "level": level, "fits": e.fits, "batch_ok": batch_split_ok(h),
                           "step_s": e.step_time_s, "mem_gib": e.memory_bytes_per_device / GIB, "terms": peak_terms(h)})
     out["hands"] = hands
+    if p is not None:  # what auto was ranked against (its '(re-ranked)' decision): each hand plan's own estimate
+        out["ranked"] = reranked(p)
     fitting = [h for h in hands if h["fits"] and h["batch_ok"]]
     out["best_hand"] = min(fitting, key=lambda h: h["step_s"]) if fitting else None
     return out
+
+
+def reranked(p) -> dict:
+    """auto's '(re-ranked)' decision: the candidate it took, and every candidate's estimated step (ms; None where it
+    was excluded: over the memory limit, or a batch that does not divide)."""
+    from autopar.planner import RERANKED_KEY
+    d = next((d for d in p.decisions if d.keys == (RERANKED_KEY,)), None)
+    if d is None:
+        return {"chosen": None, "steps": {}}
+    return {"chosen": d.chosen, "by": d.decided_by,
+            "steps": {r.label: None if r.excluded else (r.compute_s + r.comm_s) * 1e3 for r in d.candidates}}
 
 
 def fmt_table(rows: list[dict]) -> list[str]:
@@ -214,6 +239,10 @@ def main() -> None:
             why = "" if h["batch_ok"] else " (batch does not divide over its data axes: input replicated, not compared)"
             print(f"  {h['plan']} + {h['level']}: {h['step_s'] * 1e3:.0f} ms, {h['terms']} "
                   f"({'fits' if h['fits'] else 'DOES NOT FIT'}){why}")
+        if r.get("ranked", {}).get("chosen"):
+            rk = r["ranked"]
+            print(f"  auto re-ranked: took {rk['chosen']} ({rk['by']}); candidates (ms): "
+                  + ", ".join(f"{k} {'-' if v is None else f'{v:.1f}'}" for k, v in rk["steps"].items()))
     print()
     for line in fmt_table(rows):
         print(line)
