@@ -509,11 +509,13 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     model = math.prod(s for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes)
     ck_costs = [[ckpt.cost(g, lv, mc, model) for lv in g.levels] for g in groups]
     reissue = []
+    where = _group_index(groups, [s for cls in classes for s in cls])
     for k, cls in enumerate(classes):
-        for gi, g in enumerate(groups):
-            n = sum(1 for s in cls if g.holds(s.key))
-            if n:
-                reissue.append((k, gi, n))
+        counts: dict[int, int] = {}
+        for s in cls:
+            if s.key in where:
+                counts[where[s.key]] = counts.get(where[s.key], 0) + 1
+        reissue += [(k, gi, n) for gi, n in sorted(counts.items())]
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
     # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
     # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
@@ -525,6 +527,18 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
                  for cs, cost, mine in zip(cands, costs, own)]
     return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model)
+
+
+def _group_index(groups, sites) -> dict[str, int]:
+    """Site key -> the layer group holding it (`ckpt.Group.holds`: the site is a layer or inside one), by path."""
+    paths = {la.path: gi for gi, g in enumerate(groups) for la in g.layers}
+    out = {}
+    for s in sites:
+        parts = s.key.split(".")
+        gi = next((paths[p] for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in paths), None)
+        if gi is not None:
+            out[s.key] = gi
+    return out
 
 
 def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
@@ -575,7 +589,7 @@ class KeepTerms:
 def _keep_terms(ck: CheckpointTerms | None, classes, cands, costs, stats, mc: MeshCosting) -> KeepTerms | None:
     if ck is None or not ck.groups:
         return None
-    group_of = {s.key: gi for cls in classes for s in cls for gi, g in enumerate(ck.groups) if g.holds(s.key)}
+    group_of = _group_index(ck.groups, [s for cls in classes for s in cls])
     kept, saved, held = [], [], []
     for cls, cs, cost in zip(classes, cands, costs):
         site = cls[0]

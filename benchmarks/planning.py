@@ -9,7 +9,8 @@ the meta device in bf16, global batch = dp.
 
 Shapes: Llama-3-8B at 8k on {"dp": 8, "tp": 8}; 8B at 128k on {"dp": 2, "tp": 8}; 70B at 8k on {"dp": 64, "tp": 8}.
 The table: shape, does auto fit, its peak (GiB), its step (ms), the best fitting hand plan and its level, its step,
-auto / best hand, planning seconds, and auto's checkpoint level per layer class. Every step is the plan's own estimate
+auto / best hand, planning seconds (wall clock, and the process' CPU seconds: on a shared machine the wall clock
+waits for a core), and auto's checkpoint level per layer class. Every step is the plan's own estimate
 (`Plan.estimate.step_time_s`: the step's timeline), the one `auto` ranks its candidates by (its '(re-ranked)'
 decision, printed per shape: the ILP's best distinct solutions and the hand plans, each at that estimate). The hand
 plans are planned on one capture of the model (the same plans `autopar.plan` gives, without capturing each again). A hand plan whose batch does not
@@ -147,18 +148,20 @@ def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS, *, capture_once: 
     model, inputs = llama_tt_meta(shape, seq, batch)
     out = {"name": name, "mesh": mesh, "batch": batch, "seq": seq, "goal": goal,
            "params": sum(v.numel() for v in model.parameters())}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if capture_once:
         info, captured, ctx = _prepare(model, mesh, inputs)
     try:
         p = (_resolve_plan("auto", ctx, info, None, captured, "h100") if capture_once else
              autopar.plan(model, mesh, inputs, plan="auto", cluster="h100"))
     except InfeasibleError as e:
-        out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
+        out.update(plan_s=time.perf_counter() - t0, plan_cpu_s=time.process_time() - c0, infeasible=str(e),
+                   least_gib=e.least_bytes / GIB)
         p = None
     else:
         e = p.estimate
-        out.update(plan_s=time.perf_counter() - t0, infeasible=None, fits=e.fits, mem_gib=e.memory_bytes_per_device / GIB,
+        out.update(plan_s=time.perf_counter() - t0, plan_cpu_s=time.process_time() - c0, infeasible=None, fits=e.fits,
+                   mem_gib=e.memory_bytes_per_device / GIB,
                    step_s=e.step_time_s, forms=forms(p), levels=levels_by_class(p), batch_ok=batch_split_ok(p),
                    terms=peak_terms(p), table_has_levels="checkpoint" in p.table().splitlines()[1])
     hands = []
@@ -172,6 +175,7 @@ def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS, *, capture_once: 
             hands.append({"plan": hand, "level": level, "fits": e.fits, "batch_ok": batch_split_ok(h),
                           "step_s": e.step_time_s, "mem_gib": e.memory_bytes_per_device / GIB, "terms": peak_terms(h)})
     out["hands"] = hands
+    out["load"] = os.getloadavg()[0]
     if p is not None:  # what auto was ranked against (its '(re-ranked)' decision): each hand plan's own estimate
         out["ranked"] = reranked(p)
     fitting = [h for h in hands if h["fits"] and h["batch_ok"]]
@@ -192,7 +196,7 @@ def reranked(p) -> dict:
 
 def fmt_table(rows: list[dict]) -> list[str]:
     head = ("shape", "auto fits?", "auto peak GiB", "auto step ms", "best hand plan", "its step ms", "auto/best",
-            "planned s", "auto's checkpoint levels")
+            "planned s (CPU s)", "auto's checkpoint levels")
     body = []
     for r in rows:
         b = r["best_hand"]
@@ -203,7 +207,7 @@ def fmt_table(rows: list[dict]) -> list[str]:
                      f"{b['plan']} + {b['level']}" if b else "none fits",
                      f"{b['step_s'] * 1e3:.0f}" if b else "-",
                      f"{r['step_s'] / b['step_s']:.3f}" if b and not r["infeasible"] else "-",
-                     f"{r['plan_s']:.1f}", r.get("levels", "-")))
+                     f"{r['plan_s']:.1f} ({r['plan_cpu_s']:.1f})", r.get("levels", "-")))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     return ["| " + " | ".join(c.ljust(w) for c, w in zip(x, widths)) + " |" for x in [head] + body]
 
@@ -253,7 +257,8 @@ def main() -> None:
         vs = ("no hand plan fits" if b is None else "auto INFEASIBLE" if r["infeasible"] else
               f"auto/best hand ({b['plan']} + {b['level']}) = {r['step_s'] / b['step_s']:.3f}, goal <= 1.0")
         print(f"RATIO planning_{r['name']} fits = {'yes' if fits else 'no'} ({vs}; planned in {r['plan_s']:.1f} s, "
-              f"goal {r['goal']:.0f} s, {os.cpu_count()} CPU cores)")
+              f"{r['plan_cpu_s']:.1f} s of CPU, goal {r['goal']:.0f} s, {os.cpu_count()} CPU cores, load average "
+              f"{r['load']:.1f})")
 
 
 if __name__ == "__main__":
