@@ -514,6 +514,7 @@ def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) 
     (`auto`: every level priced: recompute time and the bytes kept per device; a named plan: its level's)."""
     from autopar.plan import CandidateRow
     terms = solution.priced.checkpoint if solution is not None else priced.checkpoint_terms
+    choices = solution.choices if solution is not None else priced.choices
     out: dict[tuple, list[str]] = {}
     for la in layers:
         out.setdefault((la.cls, levels[la.path].name, la.path in forced), []).append(la.path)
@@ -530,12 +531,11 @@ def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) 
             by = (f"the ILP, memory limit binding: {ckpt.NONE.name} takes less time (no recompute), but with the "
                   "structures' forms this plan chose it does not fit the memory limit")
         group = next((g for g in (terms.groups if terms else []) if paths[0] in {la.path for la in g.layers}), None)
-        if group is not None:
-            costs = terms.costs[terms.groups.index(group)]
-            none = group.price.saved[ckpt.NONE.name]
+        if group is not None:  # each level's recompute time and what the layers save per device under it
+            gi = terms.groups.index(group)
             rows = tuple(CandidateRow(label=lv.name, compute_s=c.compute_s,
-                                      memory_bytes=int(len(group.layers) * none / terms.split + c.memory_bytes))
-                         for lv, c in zip(group.levels, costs))
+                                      memory_bytes=int(terms.saved_bytes(gi, lv, choices)))
+                         for lv, c in zip(group.levels, terms.costs[gi]))
         decisions.append(Decision(keys=tuple(paths), kind=f"{ckpt.KEY} ({cls})", chosen=chosen, decided_by=by,
                                   candidates=rows))
     return tuple(decisions)

@@ -34,12 +34,15 @@ Constraints
   sum_l y[g,l] = 1 for every g                                                 (one level per group)
   w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
   T >= transient[g,l] y[g,l]
+  z[g] >= inputs[g,c] x[norm_g,c] - M (1 - recomputes[g]); r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g]
+      (`_saved_vars`: a recomputing level frees what g's structures save and keeps the layers' inputs, divided as
+      the norms' form divides the residual stream, and its kept outputs)
   u[k,g] <= sum_c saved[k,c] x[k,c], u[k,g] <= M kept[g]; v[k,g] >= sum_c held[k,c] x[k,c] - M (1 - kept[g])
   held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
       held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers)
              + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
-                + sum_g,l dmem[g,l] y[g,l] + T                                 (start of backward),
+                + sum_g,l kept[g,l] y[g,l] + sum_g z[g] - sum_k,g n_kg r[k,g] + T        (start of backward),
       peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
                                                                           (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
@@ -50,8 +53,9 @@ Objective
   critical communication (tensor-parallel collectives, exposed) + the part of the parameters' synchronisation
   (FSDP gathers, gradient reductions) the structure's own forward / backward does not cover (each form's `cost`,
   `site_cost`; the rest `other_cost`); the levels' recompute and re-issued collectives (`ckpt.cost`; fwd[k,c] =
-  half the candidate's communication, its forward collectives). dmem[g,l]: what level l keeps less than none
-  (negative), per device. The plan's estimate simulates the chosen plan's whole step (`autopar.timeline`).
+  half the candidate's communication, its forward collectives). kept[g,l]: what level l keeps beyond the layers'
+  inputs (selective: matmul and attention outputs), per device. The plan's estimate simulates the chosen plan's whole
+  step (`autopar.timeline`).
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
@@ -79,8 +83,8 @@ from typing import Callable
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing, \
-    peak_bytes
+from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
+    mesh_costing, peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
@@ -422,7 +426,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
-        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         kp = _keep_terms(ck, classes, cands, costs, stats, mc)
         try:
             sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude,
@@ -502,10 +506,41 @@ class CheckpointTerms:
     reissue: list[tuple[int, int, int]]
     reissue_s: list[list[float]]  # per class and candidate: its forward collectives' time (what a recompute re-issues)
     split: float = 1.0  # what saved bytes are divided by (`ckpt.cost`)
+    # the saved bytes per device a recomputing level leaves (`saved_under`): per class and candidate, what one site
+    # saves without recompute (its form's `Cost.act_bytes`: freed); per group and level, the kept tensors beyond the
+    # layers' inputs (matmul and attention outputs, divided as `ckpt.cost` divides them); per group, the class of its
+    # norms (None: none) and per candidate of it the layers' inputs per device (the residual stream: divided by the
+    # model axes only where the norms' form splits it, sequence parallelism)
+    act: list[list[float]] = field(default_factory=list)
+    kept: list[list[float]] = field(default_factory=list)
+    inputs: list[tuple[int | None, list[float]]] = field(default_factory=list)  # (norm class, per device per byte)
+    stream: list[list[float]] = field(default_factory=list)  # per group and level: kept stream bytes, global
+    cands: list[list[Candidate]] = field(default_factory=list)  # per class, as `reissue` and `act` index them
+    keys: list[str] = field(default_factory=list)  # per class, one site's key
+
+    def choice(self, choices: dict[str, Candidate]) -> dict[int, int]:
+        """The candidate index of every class under `choices` (site key -> Candidate)."""
+        return {k: cs.index(choices[key]) for k, (cs, key) in enumerate(zip(self.cands, self.keys))}
+
+    def saved_bytes(self, g: int, level, choices: dict[str, Candidate]) -> float:
+        """What group g's layers save per device at `level` (without recompute: their structures' saved bytes)."""
+        choice = self.choice(choices)
+        return (sum(n * self.act[k][choice[k]] for k, gi, n in self.reissue if gi == g)
+                + self.saved_under(g, level, choice))
+
+    def saved_under(self, g: int, level, choice: dict[int, int]) -> float:
+        """What group g's layers save per device at `level` less what they save without recompute (negative: freed),
+        given the candidate index of every class (`choice`)."""
+        if not level.recomputes:
+            return 0.0
+        norm, factor = self.inputs[g]
+        i = self.groups[g].levels.index(level)
+        out = self.kept[g][i] + self.stream[g][i] * factor[choice[norm] if norm is not None else 0]
+        return out - sum(n * self.act[k][choice[k]] for k, gi, n in self.reissue if gi == g)
 
 
 def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: MeshInfo, data_axes,
-                      seq_axes) -> CheckpointTerms:
+                      seq_axes, stats=None) -> CheckpointTerms:
     model = math.prod(s for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes)
     ck_costs = [[ckpt.cost(g, lv, mc, model) for lv in g.levels] for g in groups]
     reissue = []
@@ -526,7 +561,34 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
            for cs, cost in zip(cands, costs)]
     reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
                  for cs, cost, mine in zip(cands, costs, own)]
-    return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model)
+    # saved bytes under recompute (`CheckpointTerms.saved_under`): each structure's own saved bytes are freed, the
+    # level keeps the layers' inputs and (selective) some outputs
+    act = [[c.act_bytes for c in cost] for cost in costs]
+    # what a level keeps on the residual stream: the layers' inputs and the row-parallel outputs it saves (their
+    # all-reduced sums: whole on the model axes, as the stream, `estimate.attribute_saved`); the rest of what it keeps
+    # (column-parallel and attention outputs) divided by the model axes
+    rows = {lin.node for cls in classes for site in cls for lin in _row_linears(site)}
+    kept, inputs, stream = [], [], []
+    for gi, g in enumerate(groups):
+        n = len(g.layers)
+        every = g.price.recomputed[ckpt.FULL.name]
+        on_stream = []
+        for lv in g.levels:
+            again = set(g.price.recomputed[lv.name])
+            row_bytes = sum(ckpt._bytes(x) for x in every if x in rows and x not in again) if lv.recomputes else 0.0
+            on_stream.append(n * (g.price.saved[ckpt.FULL.name] + row_bytes) if lv.recomputes else 0.0)
+        stream.append(on_stream)
+        kept.append([max(0.0, n * g.price.saved[lv.name] - s_) / (mc.dp * model) if lv.recomputes else 0.0
+                     for lv, s_ in zip(g.levels, on_stream)])
+        norm = next((k for k, gk, _ in reissue if gk == gi and classes[k][0].kind is Kind.NORM), None)
+        if norm is None or stats is None:
+            inputs.append((None, [1 / mc.dp]))
+            continue
+        site = classes[norm][0]
+        whole = site_cost(site, stats[site.key], Candidate(form=Replicate.name), mc).act_bytes
+        inputs.append((norm, [(min(1.0, a / whole) if whole > 0 else 1.0) / mc.dp for a in act[norm]]))
+    return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model, act, kept, inputs, stream, cands,
+                           [cls[0].key for cls in classes])
 
 
 def _group_index(groups, sites) -> dict[str, int]:
@@ -552,7 +614,7 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
     for ys in y:
         model.AddExactlyOne(ys)
     time = sum(ns(c.compute_s) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
-    mem = sum(-kib(-c.memory_bytes) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
+    mem, mem_min = _saved_vars(model, ck, x, y, kib)
     for k, g, n in ck.reissue:
         per = [ns(t) for t in ck.reissue_s[k]]
         top = max(per, default=0)
@@ -568,7 +630,42 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
         for c, v in zip(cs, ys):
             if c.transient_bytes:
                 model.Add(transient >= kib(c.transient_bytes) * v)
-    return y, time, mem + transient, sum(min(-kib(-c.memory_bytes) for c in cs) for cs in ck.costs)
+    return y, time, mem + transient, mem_min
+
+
+def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
+    """The saved bytes the levels change (`CheckpointTerms.saved_under`), linear in KiB: per group, the kept bytes of
+    its recomputing level, z[g] >= the layers' inputs under the norms' candidate - M (1 - recomputes[g]), less
+    r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g] per class with sites in the group (what they no longer
+    save). And a lower bound of it for any choice (the least memory any plan needs)."""
+    mem, least = 0, 0
+    for g, (group, ys) in enumerate(zip(ck.groups, y)):
+        recomputing = sum(v for lv, v in zip(group.levels, ys) if lv.recomputes)
+        if not any(lv.recomputes for lv in group.levels):
+            continue
+        mem += sum(kib(b) * v for b, v in zip(ck.kept[g], ys))
+        norm, factor = ck.inputs[g]
+        top = max(kib(b * f) for b in ck.stream[g] for f in factor)
+        z = model.NewIntVar(0, top, f"ck_inputs{g}")
+        for lv, b, v in zip(group.levels, ck.stream[g], ys):  # the stream the level keeps, as the norms divide it
+            if lv.recomputes:
+                picked = sum(kib(b * f) * u for f, u in zip(factor, x[norm])) if norm is not None else kib(b * factor[0])
+                model.Add(z >= picked - top * (1 - v))
+        mem += z
+        freed = 0
+        for k, gi, n in ck.reissue:
+            if gi != g:
+                continue
+            per = [kib(a) for a in ck.act[k]]
+            if max(per, default=0) <= 0:
+                continue
+            r = model.NewIntVar(0, max(per), f"ck_freed{k}_{g}")
+            model.Add(r <= sum(a * v for a, v in zip(per, x[k])))
+            model.Add(r <= max(per) * recomputing)
+            mem -= n * r
+            freed += n * max(per)
+        least += min(0, min(kib(b) for b in ck.kept[g]) + min(kib(b * min(factor)) for b in ck.stream[g]) - freed)
+    return mem, least
 
 
 @dataclass
@@ -758,10 +855,12 @@ def checkpoint_cost(levels: dict, choices: dict[str, Candidate], ck: CheckpointT
     if not levels:
         return None
     compute = comm = act = transient = 0.0
+    choice = ck.choice(choices)
     for gi, g in enumerate(ck.groups):
         lv = levels[g]
         c = ck.costs[gi][g.levels.index(lv)]
-        compute, act, transient = compute + c.compute_s, act + c.memory_bytes, max(transient, c.transient_bytes)
+        compute, transient = compute + c.compute_s, max(transient, c.transient_bytes)
+        act += ck.saved_under(gi, lv, choice)
     for k, gi, n in ck.reissue:
         if levels[ck.groups[gi]].recomputes:
             i = cands[k].index(choices[classes[k][0].key])
@@ -833,7 +932,7 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
             if cs[0].fsdp:
                 cs.append(Candidate(form=cs[0].form, axes=cs[0].axes))
                 cost.append(price(s, stats[s.key], cs[1]))
-        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
                                 classes, cands)
     sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra)

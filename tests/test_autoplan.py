@@ -167,3 +167,29 @@ def test_the_ilps_kept_plan_matches_one_device(local_world, fp64):
     gathers = [c for c in res.comms if c[0] == "all_gather" and c[3] == layer_numel]
     assert sum(c[2] == "forward" for c in gathers) == CFG.num_layers
     assert sum(c[2] == "backward" for c in gathers) == (0 if kept else CFG.num_layers)
+
+
+# ----------------------------------------------------------------------------- checkpoint pricing per placement
+
+def test_full_keeps_the_layers_inputs_divided_only_where_the_norms_split_them():
+    """Under `full` a layer keeps its inputs (the residual stream) and frees what its structures save: per device the
+    inputs are divided by the data degree, and by the model degree only where the norms are sequence parallel (before,
+    every structure's saved bytes were divided by the model degree: megatron without SP at 128k was priced 223 GiB)."""
+    from autopar.forms import checkpoint as ckpt
+    from autopar.layers import find_layers
+    from test_solver import _meta_llama
+    model, inputs = _meta_llama(layers=4)
+    info, captured, ctx = _prepare(model, MESH, inputs)
+    gm = captured.gm
+    layer = find_layers(gm, set(captured.param_fqns) | set(captured.buffer_fqns))[0]
+    stream = ckpt.price(gm, layer).saved[ckpt.FULL.name]  # one layer's inputs, global
+    kept = {}
+    for norm, split in ((None, 1), ("sequence", MESH["tp"])):
+        overrides = {"checkpoint": "full"} | ({"norm": norm} if norm else {})
+        plan = _resolve_plan("megatron", ctx, info, overrides, captured, "h100")
+        d = next(d for d in plan.decisions if d.kind.startswith(ckpt.KEY))
+        kept[norm] = next(r for r in d.candidates if r.label == "full").memory_bytes
+        assert kept[norm] == pytest.approx(4 * stream / (MESH["dp"] * split), rel=1e-6), (norm, kept[norm])
+        # `none` keeps what each structure's form saves; `full` less, and the plan's peak follows
+        none = _resolve_plan("megatron", ctx, info, overrides | {"checkpoint": "none"}, captured, "h100")
+        assert plan.estimate.memory_bytes_per_device < none.estimate.memory_bytes_per_device

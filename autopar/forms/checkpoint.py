@@ -243,8 +243,10 @@ def cost(group: Group, lv: Level, mc, model_degree: int):
     (negative: saved), `transient_bytes` the recompute of one layer in backward. Saved bytes and recompute time
     are divided by the ranks the tokens are split over and by the model axes (`model_degree`: as if every
     structure split them, as the tensor-parallel forms split the matmuls that hold most of both; a structure left
-    whole on a model axis saves more and recomputes slower than this). The collectives it issues again are
-    priced by the solver, which knows the forms."""
+    whole on a model axis saves more and recomputes slower than this). The solver prices the saved bytes per
+    placement instead (`autopar.solver.CheckpointTerms.saved_under`: the structures' own saved bytes freed, the
+    layers' inputs kept, divided as the norms' form divides them), and the collectives it issues again, knowing the
+    forms."""
     from autopar.estimate import Cost, SiteStats, compute_s
     n = len(group.layers)
     st = group.price.work.get(lv.name)
