@@ -125,15 +125,18 @@ def levels_by_class(p) -> str:
 
 
 def peak_terms(p) -> str:
-    """The peak's breakdown per device (GiB): model state (parameters, gradients, optimizer), FSDP's gathered copies,
-    the saved activations at the start of the backward (after the checkpoint levels) and the loss' momentary buffers."""
+    """The peak's breakdown per device (GiB, `autopar.estimate.peak_bytes`): what is held all step (parameters and
+    optimizer state, FSDP's kept gathers) plus the larger end of the backward: its start (saved activations after the
+    checkpoint levels, the loss' momentary buffers) or its end (gradients and a bucket being reduced); the rest of the
+    peak is that end."""
     e = p.estimate
-    state = sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes for s in e.sites)
+    held = sum(s.parameters_bytes + s.optimizer_bytes for s in e.sites)
     gathered = sum(s.transient_bytes for s in e.sites)
+    grads = sum(s.gradients_bytes for s in e.sites)
     momentary = max((s.momentary_bytes for s in e.sites), default=0)
-    act = e.memory_bytes_per_device - state - gathered - momentary
-    return (f"state {state / GIB:.1f} + FSDP gathered {gathered / GIB:.1f} + activations {act / GIB:.1f} "
-            f"+ momentary {momentary / GIB:.1f} = {e.memory_bytes_per_device / GIB:.1f} GiB")
+    rest = e.memory_bytes_per_device - held - gathered
+    return (f"held {held / GIB:.1f} + FSDP gathered {gathered / GIB:.1f} + the backward's larger end {rest / GIB:.1f} "
+            f"(momentary {momentary / GIB:.1f}, gradients {grads / GIB:.1f}) = {e.memory_bytes_per_device / GIB:.1f} GiB")
 
 
 def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS, *, capture_once: bool = False) -> dict:
