@@ -61,6 +61,19 @@ def _no_kv_cache(model: nn.Module):
             c.use_cache = True
 
 
+@contextlib.contextmanager
+def _no_stack_traces():
+    """Trace without recording each node's Python stack (`node.meta["stack_trace"]`, which autopar does not read):
+    extracting it per op is about a fifth of tracing a large model."""
+    import torch.fx.config as fx_config
+    old = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = old
+
+
 def _failing_submodule(model: nn.Module, error: BaseException) -> str | None:
     """The innermost proper submodule whose forward is on the failing trace's stack."""
     names = {id(m): n for n, m in model.named_modules() if n}
@@ -182,7 +195,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         functions: list[tuple[str, str]] = []  # (opaque key, why) of custom autograd.Functions kept whole
         try:
             with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe), \
-                    custom_functions(functions):
+                    custom_functions(functions), _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context

@@ -169,7 +169,7 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
     """Each structure's estimated compute and communication (split by mesh axis: the communication time less
     the same priced with that axis' links free) and its memory by part (`Cost.act_bytes`, `transient_bytes`;
     the rest is parameters, gradients and optimizer state, 1 : 1 : the optimizer's states)."""
-    from autopar.solver import other_cost, site_cost
+    from autopar.solver import _signature, other_cost, site_cost
 
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
@@ -177,14 +177,20 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
     free = {a: _FreeAxis(**{f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}, free=a)
             for a, s in zip(mesh.names, mesh.sizes) if s > 1}
     sites = {s.key: s for s in ctx.planning_sites()}
+    kept = getattr(solution, "keep_gathered", frozenset())  # layers whose FSDP gathers are kept (`solver.KeepTerms`)
     out = []
+    done: dict[tuple, tuple] = {}  # structures priced alike (one class, one candidate, one cost) split alike
     for key, cost in solution.per_site.items():
         site, cand, st = sites[key], priced[key], stats[key]
         if st.summed_into and (priced.get(st.summed_into) or cand).axes != cand.axes:
             st = dataclasses.replace(st, summed_into=None)  # as `solver.evaluate` prices it
-        full = site_cost(site, st, cand, mc).comm_s
-        axes = tuple((a, max(0.0, full - site_cost(site, st, cand, m).comm_s)) for a, m in free.items())
-        out.append(_site_estimate(key, cost, axes, mc))
+        if kept and any(key.startswith(p + ".") for p in kept):
+            st = dataclasses.replace(st, fsdp_groups={p: (b, False) for p, (b, _) in st.fsdp_groups.items()})
+        same = (_signature(site), cand, cost, st.summed_into, repr(sorted(st.fsdp_groups.values())))
+        if same not in done:
+            full = site_cost(site, st, cand, mc).comm_s
+            done[same] = tuple((a, max(0.0, full - site_cost(site, st, cand, m).comm_s)) for a, m in free.items())
+        out.append(_site_estimate(key, cost, done[same], mc))
     if solution.other is not None:
         full = other_cost(other, mc, fsdp=other_fsdp).comm_s
         axes = tuple((a, max(0.0, full - other_cost(other, m, fsdp=other_fsdp).comm_s)) for a, m in free.items())

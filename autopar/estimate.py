@@ -456,7 +456,18 @@ def summed_embeddings(ctx: PassContext) -> dict[str, str]:
 
 
 def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set[str]]:
-    """Stats per composite site (by key), stats of everything else, and the params sites own."""
+    """Stats per composite site (by key), stats of everything else, and the params sites own. Read once per graph
+    and set of sites (cached on `ctx`: planning prices several plans of one capture); callers do not mutate them."""
+    gm = ctx.captured.gm
+    key = (id(gm), len(gm.graph.nodes), tuple(s.key for s in ctx.sites))
+    cached = getattr(ctx, "_gathered_stats", None)
+    if cached is None or cached[0] != key:
+        cached = (key, _gather_stats(ctx))
+        ctx._gathered_stats = cached
+    return cached[1]
+
+
+def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set[str]]:
     gm = ctx.captured.gm
     ph = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     boundaries = _gradient_boundaries(gm, set(ctx.captured.user_inputs), set(ctx.captured.param_fqns))

@@ -8,7 +8,10 @@ Named plans:
 - `dp`: every parameter replicated, the batch sharded over all axes.
 - `fsdp`: the batch sharded over all axes and every parameter sharded over them (ZeRO-3 / FSDP2),
   gathered before use.
-- `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes.
+- `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes, with each layer
+  class's checkpoint level and FSDP keep-or-reshard; its best few distinct solutions and the hand plans that fit
+  (`megatron`, `fsdp` at each checkpoint level) re-ranked by the plan's own estimate, the step's timeline
+  (`_reranked`): the fastest is the plan, and its notes and '(re-ranked)' decision say which and by how much.
 
 A form whose precondition fails is not chosen by a named plan (the structure stays replicated and the
 plan notes why); forcing it through `overrides` raises a ValueError that says what to change. Where
@@ -38,7 +41,7 @@ from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.decide import auto_decisions, hand_decisions, site_estimates
 from autopar.layers import find_layers
-from autopar.plan import Decision, Directive, Estimate, Plan, Strategy
+from autopar.plan import GATHER_KEEP, Decision, Directive, DirectiveKind, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
 from autopar.units import fmt_bytes
@@ -221,12 +224,10 @@ def _tied_choices(ctx: PassContext, mesh: MeshInfo, choices: dict[str, Candidate
     """Structures that share a parameter (an embedding tied to its LM head) take compatible forms: the side an
     override forced leads (the other takes its kind's form that places the weight alike); when neither is
     forced and they disagree, the weight stays replicated on both."""
-    sites = ctx.planning_sites()
+    from autopar.solver import _tied_pairs
     probe = _Placements(ctx, mesh)
-    for a, b in itertools.combinations(sites, 2):
+    for a, b in _tied_pairs(ctx.planning_sites()):
         shared = a.all_params() & b.all_params()
-        if not shared:
-            continue
         pa = {ph: v for ph, v in probe.of(a, choices[a.key]).items() if ph in shared}
         pb = {ph: v for ph, v in probe.of(b, choices[b.key]).items() if ph in shared}
         if pa == pb:
@@ -269,7 +270,7 @@ def _roles_used(site: Site, cand: Candidate) -> list[tuple[str, frozenset[Role]]
 def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None,
                input_batch: dict[str, int], *, cluster=None, memory_limit: float | None = None,
                optimizer: str = "adam", input_shapes: dict[str, tuple] | None = None,
-               data_axes: tuple[str, ...] | None = None, exclude=()) -> Plan:
+               data_axes: tuple[str, ...] | None = None, exclude=(), rerank: bool = True) -> Plan:
     """The plan `name` for the recognised sites, with overrides applied and its cost estimated.
 
     "auto" asks the ILP (`autopar.solver`); the named plans take each kind's form for that plan and are then
@@ -277,16 +278,121 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     fixes the axes the batch is sharded over instead of the plan's own choice (re-lowering a plan for new
     shapes keeps its data axes, `autopar.relower`). `exclude` ("auto" only): assignments the ILP's plan must
     differ from (`autopar.solver.no_good`; `autopar.tune` asks for the k best distinct plans).
-    """
-    from autopar import solver as ilp
-    from cost_model.hardware import load_cluster
 
+    "auto" with `rerank` (`_reranked`): the ILP's objective sums each structure's overlapped time
+    (`timeline.overlapped_s`), the plan's estimate is the step's timeline; so the ILP's `RERANK_TOP` best distinct
+    solutions and the hand plans that fit (`megatron`, `fsdp` at each checkpoint level) are priced by that one
+    estimate and the fastest is the plan: auto is never slower than a fitting hand plan by its own estimate.
+    """
     if name not in PLANS:
         raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or a path to a saved plan; "
                          f"got {name!r}")
+    kw = dict(cluster=cluster, memory_limit=memory_limit, optimizer=optimizer, input_shapes=input_shapes)
+    if name == "auto" and rerank:
+        return _reranked(ctx, mesh, overrides, input_batch, exclude, kw)
+    return _build(ctx, mesh, name, overrides, input_batch, data_axes=data_axes, exclude=exclude, **kw)[0]
+
+
+RERANK_TOP = 3  # the ILP's best distinct solutions `auto` prices on the timeline (`solver.solve(top=)`)
+RERANKED_KEY = "(re-ranked)"  # the decision that says which candidate `auto` took
+
+
+def _hand_variants(overrides: dict | None) -> list[tuple[str, str, dict]]:
+    """The hand plans `auto` is ranked against: (label, plan name, overrides). Without form overrides, `megatron` and
+    `fsdp` at every checkpoint level (the user's level where an override gives one); with form overrides, none (a
+    hand plan with forced forms is the ILP's with those forms)."""
+    overrides = dict(overrides or {})
+    if any(not ckpt.is_key(k) for k in overrides):
+        return []
+    named = [n for n in PLANS if n in ("megatron", "fsdp")]
+    if overrides:
+        return [(f"{n} (checkpoint as overridden)", n, overrides) for n in named]
+    return [(f"{n} + checkpoint {lv}", n, {ckpt.KEY: lv}) for n in named for lv in ckpt.LEVELS]
+
+
+def _unfit(plan: Plan) -> str:
+    """Why a hand plan cannot be `auto`'s: over the memory limit, or its batch does not divide (its estimate would
+    price a split its input does not have)."""
+    est = plan.estimate
+    if not est.fits:
+        return f"does not fit: {fmt_bytes(est.memory_bytes_per_device)} over {fmt_bytes(est.memory_limit_bytes)}"
+    if any(BATCH_NOTE_RE.match(n) for n in plan.notes):
+        return "its batch does not divide over its data axes"
+    return ""
+
+
+def _reranked(ctx: PassContext, mesh: MeshInfo, overrides, input_batch, exclude, kw) -> Plan:
+    """`auto`: the ILP's best distinct solutions re-ranked on the step's timeline (`solver.solve(top=, rank=)`),
+    then the fitting hand plans: the least estimated step wins (ties: the ILP's). Every candidate is priced by the
+    plan's own estimate (`_estimate`), deterministically (no wall clock decides), so every rank plans alike; rank 0
+    plans and broadcasts anyway (`autopar.agree.solve_on_rank0`). The plan's notes and its '(re-ranked)' decision
+    (`Plan.explain`) say which won and by how much."""
+    from autopar.plan import CandidateRow
+    plan, sol = _build(ctx, mesh, "auto", overrides, input_batch, exclude=exclude, top=RERANK_TOP, **kw)
+    rows = [(f"ILP solution {i + 1}", s.compute_s, t, s.memory_bytes, "")
+            for i, (_, t, s) in enumerate(sol.ranking or [(sol.objective_s, plan.estimate.step_time_s, sol)])]
+    first = rows[0][2]
+    ilp_label = rows[sol.ranked_index][0]
+    best, best_t = None, plan.estimate.step_time_s
+    for label, hand, hov in ([] if exclude else _hand_variants(overrides)):
+        try:
+            h = _build(ctx, mesh, hand, hov, input_batch, explain=False, **kw)[0]
+        except ValueError as e:  # noqa: PERF203 - a hand plan this model cannot take is no candidate
+            rows.append((label, 0.0, 0.0, 0.0, f"not possible: {e}"))
+            continue
+        why = _unfit(h)
+        e = h.estimate
+        rows.append((label, e.compute_time_s, e.step_time_s, e.memory_bytes_per_device, why))
+        if not why and e.step_time_s < best_t * (1 - 1e-9):
+            best, best_t = (label, hand, hov), e.step_time_s
+    chosen = best[0] if best else ilp_label
+    others = [(t, label) for label, _, t, _, why in rows if not why and label != chosen]
+    if chosen != rows[0][0]:
+        by = f"{first / best_t - 1:.2%} faster than ILP solution 1 ({best_t * 1e3:.3f} vs {first * 1e3:.3f} ms)"
+    elif others:
+        t, label = min(others)
+        by = (f"ILP solution 1 stays: {t / best_t - 1:.2%} faster than the next, {label} ({best_t * 1e3:.3f} vs "
+              f"{t * 1e3:.3f} ms)")
+    else:
+        by = "ILP solution 1 stays: the only candidate"
+    fit = len(rows) - sum(bool(r[4]) for r in rows)
+    text = (f"auto: {chosen} re-ranked on the step's timeline ({by}) among {fit} candidates that fit: the ILP's "
+            f"{len(sol.ranking) or 1} best distinct solutions and the hand plans megatron, fsdp at each checkpoint "
+            "level")
+    if best is not None:  # a hand plan is the plan: built as itself, explained as such
+        plan = _build(ctx, mesh, best[1], best[2], input_batch, **kw)[0]
+        plan = dataclasses.replace(plan, name="auto", estimate=dataclasses.replace(
+            plan.estimate, solver=f"{plan.estimate.solver or ''}{'; ' if plan.estimate.solver else ''}"
+                                  f"ILP {sol.status}, data axes {_data_axes_of(plan, mesh) or '()'}; {text}"))
+    else:
+        plan = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate,
+                                                                      solver=f"{plan.estimate.solver}; {text}"))
+    cands = tuple(CandidateRow(label=label, compute_s=c, comm_s=max(0.0, t - c), memory_bytes=int(m), excluded=why)
+                  for label, c, t, m, why in rows)
+    decision = Decision(keys=(RERANKED_KEY,), kind="plan", chosen=chosen,
+                        decided_by=f"the least estimated step (the timeline): {by}", candidates=cands)
+    return dataclasses.replace(plan, notes=plan.notes + (text,), decisions=plan.decisions + (decision,))
+
+
+def _data_axes_of(plan: Plan, mesh: MeshInfo) -> tuple[str, ...]:
+    """The axes a plan splits its batch over (dim 0 of its inputs)."""
+    axes = {a for _, pls in plan.inputs for a, p in zip(mesh.names, placements_from_str(pls)) if p == Shard(0)}
+    return tuple(a for a in mesh.names if a in axes)
+
+
+def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, input_batch: dict[str, int], *,
+           cluster=None, memory_limit: float | None = None, optimizer: str = "adam",
+           input_shapes: dict[str, tuple] | None = None, data_axes: tuple[str, ...] | None = None, exclude=(),
+           top: int = 1, explain: bool = True):
+    """`build_plan` without re-ranking: (the plan, the ILP's solution or None). `top` ("auto"): the ILP's best
+    distinct solutions re-ranked on the timeline (`solver.solve`); `explain=False`: without the decisions and the
+    per-structure breakdown (a candidate `_reranked` only compares)."""
+    from autopar import solver as ilp
+    from cost_model.hardware import load_cluster
+
     clus = load_cluster(cluster, mesh.sizes)
     notes: list[str] = []
-    layers = find_layers(ctx.captured.gm, set(ctx.captured.param_fqns) | set(ctx.captured.buffer_fqns))
+    layers = _layers(ctx)
     ck_forced: dict[str, ckpt.Level] = {}
     if isinstance(overrides, dict):  # activation checkpointing: the `checkpoint` keys (autopar.forms.checkpoint)
         ck_forced = ckpt.parse_overrides(overrides, layers, specificity)
@@ -305,10 +411,11 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
                    if not model_axes & set(c)]
         batch = max(input_batch.values(), default=0)
         # lone linears are priced replicated whatever their form: the ILP plans the rest, their overrides apply after
+        rank = lambda sol: step_timeline(ctx, sol, sol.choices, sol.data_axes, sol.seq_axes).makespan_s  # noqa: E731
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit,
                              forced={k: c for k, c in forced.items() if planning[k].kind is not Kind.LINEAR},
                              optimizer=optimizer, data_axes_options=options, batch=batch, layers=layers,
-                             checkpoint_forced=ck_forced, exclude=exclude)
+                             checkpoint_forced=ck_forced, exclude=exclude, top=top, rank=rank)
         choices = {s.key: solution.choices[s.key] for s in ctx.planning_sites()}
         levels = {la.path: ckpt.LEVELS[solution.checkpoint[la.path]] for la in layers}
         choices.update({k: c for k, c in forced.items() if planning[k].kind is Kind.LINEAR})
@@ -343,6 +450,8 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
         fsdp_phs |= set(ctx.captured.param_fqns) - owned
     if fsdp_phs and data_axes:
         directives += pls.shard_fsdp(fsdp_phs, data_axes, notes)
+    if solution is not None and solution.keep_gathered:  # the ILP keeps these layers' gathered weights (ZeRO-2-like)
+        directives = _keep_gathered(ctx, layers, solution.keep_gathered, directives, notes)
     # lowering directives
     for site, form, cand in chosen:
         directives += form.directives(site, cand.axes)
@@ -352,20 +461,52 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     strategies = _strategies(ctx, chosen, forced_linears, pls)
     inputs = _input_placements(ctx, mesh, chosen, data_axes, seq_axes, input_batch, input_shapes or {}, notes)
     estimate, priced = _estimate(ctx, mesh, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-                                 memory_limit, layers, levels)
-    if solution is not None:
+                                 memory_limit, layers, levels, explain=explain)
+    decisions: tuple = ()
+    if not explain:
+        pass
+    elif solution is not None:
         decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
     else:
         decisions = hand_decisions(ctx, mesh, clus, name, choices, data_axes, seq_axes, optimizer, forced, notes)
-    decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced to "
-                                f"{c.label} (a layer inside a structure: not priced on its own)")
-                       for s, c in forced_linears)
-    decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
+    if explain:
+        decisions += tuple(Decision(keys=(s.key,), kind=s.kind.value, chosen=c.label, decided_by=f"override: forced "
+                                    f"to {c.label} (a layer inside a structure: not priced on its own)")
+                           for s, c in forced_linears)
+        decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
-                graph=ctx.captured.fingerprint(), notes=tuple(notes), estimate=estimate, decisions=decisions,
-                checkpoint=tuple((la.path, levels[la.path].name) for la in layers))
+                graph=ctx.captured.fingerprint() if explain else "", notes=tuple(notes), estimate=estimate,
+                decisions=decisions,
+                checkpoint=tuple((la.path, levels[la.path].name) for la in layers)), solution
+
+
+def _layers(ctx: PassContext):
+    """`find_layers` of the captured graph (cached on `ctx` for the graph as it is: `auto` builds several plans)."""
+    gm = ctx.captured.gm
+    key = (id(gm), len(gm.graph.nodes))
+    cached = getattr(ctx, "_layers", None)
+    if cached is None or cached[0] != key:
+        cached = (key, find_layers(gm, set(ctx.captured.param_fqns) | set(ctx.captured.buffer_fqns)))
+        ctx._layers = cached
+    return cached[1]
+
+
+def _keep_gathered(ctx: PassContext, layers, kept: frozenset[str], directives: list[Directive], notes: list[str]
+                   ) -> list[Directive]:
+    """The gather directives of the parameters of the `kept` layers marked kept gathered from forward to backward
+    (`fsdp.keep_gathered`: lowering keeps a layer's group when all its parameters say so), with a note."""
+    fqns = {ctx.captured.param_fqns[p] for la in layers if la.path in kept for p in la.params
+            if p in ctx.captured.param_fqns}
+    out = [dataclasses.replace(d, value=GATHER_KEEP) if d.kind is DirectiveKind.GATHER and d.node in fqns else d
+           for d in directives]
+    if out != directives:
+        paths = [la.path for la in layers if la.path in kept]
+        notes.append(f"FSDP keeps the gathered weights of {len(paths)} layer(s) ({paths[0]}"
+                     f"{', ...' if len(paths) > 1 else ''}) from forward to backward (ZeRO-2-like): the ILP found the "
+                     "backward re-gather it saves worth the memory it holds")
+    return out
 
 
 def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) -> tuple[Decision, ...]:
@@ -373,6 +514,7 @@ def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) 
     (`auto`: every level priced: recompute time and the bytes kept per device; a named plan: its level's)."""
     from autopar.plan import CandidateRow
     terms = solution.priced.checkpoint if solution is not None else priced.checkpoint_terms
+    choices = solution.choices if solution is not None else priced.choices
     out: dict[tuple, list[str]] = {}
     for la in layers:
         out.setdefault((la.cls, levels[la.path].name, la.path in forced), []).append(la.path)
@@ -389,12 +531,11 @@ def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) 
             by = (f"the ILP, memory limit binding: {ckpt.NONE.name} takes less time (no recompute), but with the "
                   "structures' forms this plan chose it does not fit the memory limit")
         group = next((g for g in (terms.groups if terms else []) if paths[0] in {la.path for la in g.layers}), None)
-        if group is not None:
-            costs = terms.costs[terms.groups.index(group)]
-            none = group.price.saved[ckpt.NONE.name]
+        if group is not None:  # each level's recompute time and what the layers save per device under it
+            gi = terms.groups.index(group)
             rows = tuple(CandidateRow(label=lv.name, compute_s=c.compute_s,
-                                      memory_bytes=int(len(group.layers) * none / terms.split + c.memory_bytes))
-                         for lv, c in zip(group.levels, costs))
+                                      memory_bytes=int(terms.saved_bytes(gi, lv, choices)))
+                         for lv, c in zip(group.levels, terms.costs[gi]))
         decisions.append(Decision(keys=tuple(paths), kind=f"{ckpt.KEY} ({cls})", chosen=chosen, decided_by=by,
                                   candidates=rows))
     return tuple(decisions)
@@ -444,7 +585,7 @@ def _input_placements(ctx, mesh: MeshInfo, chosen, data_axes, seq_axes, input_ba
 
 
 def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq_axes, inputs, optimizer,
-              memory_limit, layers=(), levels=None):
+              memory_limit, layers=(), levels=None, *, explain: bool = True):
     from autopar import solver as ilp
     priced = solution.choices if solution is not None else {}
     if solution is None:
@@ -470,7 +611,7 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                         fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
                         per_site=per_site, solver=solver_note,
                         sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
-                                             other_fsdp=name == "fsdp"))
+                                             other_fsdp=name == "fsdp") if explain else ())
     return estimate, solution  # the solution: what explain reads of the checkpoint levels
 
 

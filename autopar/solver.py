@@ -18,6 +18,10 @@ Sets
 Variables
   x[k,c] in {0,1}: class k takes candidate c.
   y[g,l] in {0,1}: layer group g takes checkpoint level l.
+  kept[g] in {0,1}: layer group g's FSDP groups keep their gathered weights from forward to backward (ZeRO-2-like;
+      else resharded after forward and gathered again in backward, ZeRO-3). `_keep_terms`, `_keep_vars`
+  u[k,g], v[k,g] >= 0: the time class k's sites in g's layers save by keeping (no backward re-gather), the bytes they
+      hold by keeping (their gathered weights).
   w[k,g] >= 0: the forward collectives class k's sites in g's layers issue again (re-issued by recomputation).
   T >= 0: the recompute transient (one layer's recomputed tensors in its backward), the largest.
 Constraints
@@ -30,25 +34,37 @@ Constraints
   sum_l y[g,l] = 1 for every g                                                 (one level per group)
   w[k,g] >= sum_c fwd[k,c] x[k,c] - M_k (1 - sum_{l recomputes} y[g,l])        (Alpa-style x * y)
   T >= transient[g,l] y[g,l]
+  z[g] >= inputs[g,c] x[norm_g,c] - M (1 - recomputes[g]); r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g]
+      (`_saved_vars`: a recomputing level frees what g's structures save and keeps the layers' inputs, divided as
+      the norms' form divides the residual stream, and its kept outputs)
+  u[k,g] <= sum_c saved[k,c] x[k,c], u[k,g] <= M kept[g]; v[k,g] >= sum_c held[k,c] x[k,c] - M (1 - kept[g])
   held + peak <= memory limit, the step's peak per device (`autopar.estimate.peak_bytes`):   (`_solve_one`)
-      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers),
+      held = sum_k n_k sum_c held[k,c] x[k,c] + held_other (parameters, optimizer state, FSDP gathers)
+             + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
-                + sum_g,l dmem[g,l] y[g,l] + T                                 (start of backward),
+                + sum_g,l kept[g,l] y[g,l] + sum_g z[g] - sum_k,g n_kg r[k,g] + T        (start of backward),
       peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
                                                                           (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
 Objective
-  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g] + time_other:
+  minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g]
+           - sum_k,g n_kg u[k,g] + time_other:
   estimated step time, in integer nanoseconds for CP-SAT. time[k,c] = `timeline.overlapped_s`: compute +
   critical communication (tensor-parallel collectives, exposed) + the part of the parameters' synchronisation
   (FSDP gathers, gradient reductions) the structure's own forward / backward does not cover (each form's `cost`,
   `site_cost`; the rest `other_cost`); the levels' recompute and re-issued collectives (`ckpt.cost`; fwd[k,c] =
-  half the candidate's communication, its forward collectives). dmem[g,l]: what level l keeps less than none
-  (negative), per device. The plan's estimate simulates the chosen plan's whole step (`autopar.timeline`).
+  half the candidate's communication, its forward collectives). kept[g,l]: what level l keeps beyond the layers'
+  inputs (selective: matmul and attention outputs), per device. The plan's estimate simulates the chosen plan's whole
+  step (`autopar.timeline`).
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
 (e[u,v,c,c'] >= x[u,c] + x[v,c'] - 1).
+
+Re-ranking (`solve(top=, rank=)`, `_ranked`): the objective sums each structure's overlapped time, while the
+plan's estimate is the step's timeline, which pools the data stream's slack across structures; so the ILP's `top`
+best distinct solutions (the best of each role assignment, and the next best of the two best by no-good cuts) are
+priced by `rank` (the timeline) and the least wins (`autopar.planner` adds the hand plans).
 
 Determinism: CP-SAT runs single-threaded with a fixed seed; ties break by candidate order. A time
 limit bounds each solve; the gap between the best bound and the objective is reported.
@@ -67,8 +83,8 @@ from typing import Callable
 import networkx as nx
 from ortools.sat.python import cp_model
 
-from autopar.estimate import Cost, MeshCosting, SiteStats, block_nodes, compute_s, gather_stats, mesh_costing, \
-    peak_bytes
+from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
+    mesh_costing, peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
@@ -117,6 +133,11 @@ class Solution:
     checkpoint: dict[str, str] = field(default_factory=dict)  # layer path -> activation checkpointing level
     checkpoint_cost: Cost | None = None  # what the levels add (recompute, re-issued collectives, saved bytes)
     checkpoint_terms: "CheckpointTerms | None" = None  # evaluate: the given levels priced (explain)
+    keep_gathered: frozenset[str] = frozenset()  # layer paths whose FSDP gathered weights are kept for backward
+    # re-ranked (`solve(top=, rank=)`): per ILP solution in the ILP's order, (its objective, its rank, its solution),
+    # and the index of the one that won
+    ranking: list = field(default_factory=list)
+    ranked_index: int = 0
 
 
 @dataclass
@@ -193,6 +214,17 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
 # ----------------------------------------------------------------------------- classes and candidates
 
 def _signature(site: Site) -> str:
+    """A Weisfeiler-Lehman hash of the site's subgraph (op and shape labels), kept in its anchor node's meta (for
+    this graph as it is: planning asks for it once per plan)."""
+    graph = site.node.graph
+    key = (site.kind.value, site.key, id(graph), len(graph.nodes))
+    memo = site.node.meta.setdefault("autopar_signature", {})
+    if key not in memo:
+        memo[key] = _wl_hash(site)
+    return memo[key]
+
+
+def _wl_hash(site: Site) -> str:
     nodes = block_nodes(site)
     g = nx.DiGraph()
     for n in nodes:
@@ -289,7 +321,13 @@ def _roles_text(roles: dict[str, Role]) -> str:
 
 
 def _tied_pairs(sites: list[Site]) -> list[tuple[Site, Site]]:
-    return [(a, b) for a, b in itertools.combinations(sites, 2) if a.all_params() & b.all_params()]
+    """The pairs of sites (in `sites` order) that share a parameter (a tied embedding and LM head)."""
+    by_param: dict[str, list[int]] = {}
+    for i, s in enumerate(sites):
+        for p in s.all_params():
+            by_param.setdefault(p, []).append(i)
+    pairs = {pair for idx in by_param.values() for pair in itertools.combinations(idx, 2)}
+    return [(sites[i], sites[j]) for i, j in sorted(pairs)]
 
 
 def _role_options(ctx: PassContext, mesh: MeshInfo, batch: int, data_axes_options):
@@ -352,11 +390,15 @@ class ConstraintView:
 def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: float | None = None,
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
           time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0, layers=(),
-          checkpoint_forced: dict | None = None, exclude=()) -> Solution:
+          checkpoint_forced: dict | None = None, exclude=(), top: int = 1,
+          rank: Callable[[Solution], float] | None = None) -> Solution:
     """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs).
     `layers` (`autopar.layers.find_layers`) take an activation checkpointing level each, per layer class
-    (`checkpoint_forced`: layer path -> the level an override forces). `exclude`: assignments ({site key:
-    Candidate}) the plan must differ from in some structure's form (`no_good`)."""
+    (`checkpoint_forced`: layer path -> the level an override forces), and FSDP's gathered weights kept or resharded
+    per layer class (`_keep_terms`). `exclude`: assignments ({site key: Candidate}) the plan must differ from in some
+    structure's form (`no_good`). `top` > 1 with `rank` (a solution's full estimate, e.g. its timeline's step): the
+    ILP's `top` best distinct solutions (`_alternatives`) are ranked by `rank` and the least wins (ties: the ILP's
+    order); `Solution.ranking` records them."""
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
@@ -384,10 +426,11 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
         base = other_cost(other, mc)
-        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
+        kp = _keep_terms(ck, classes, cands, costs, stats, mc)
         try:
             sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude,
-                                      grad_share=mc.grad_share())
+                                      grad_share=mc.grad_share(), kp=kp)
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
@@ -395,14 +438,14 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         least_memory = min(least_memory, mem_min)
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
             free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
-                                  grad_share=mc.grad_share())
+                                  grad_share=mc.grad_share(), kp=kp)
             tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
                                                      f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
             continue
         sol.data_axes = tuple(data_axes)
         sol.seq_axes = tuple(seq_axes)
-        sol.priced = (mc, cands, costs, base, ck)  # replaced by a Priced for the best solution below
+        sol.priced = (mc, cands, costs, base, ck, kp)  # replaced by a Priced for the best solution below
         tried.append((data_axes, seq_axes, sol, ""))
         if best is None or sol.objective_s < best.objective_s - 1e-12:
             best = sol
@@ -419,6 +462,8 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             "activations). Fix: raise memory_limit, use more devices, a smaller batch, or an optimizer with less "
             "state.",
             limit_bytes=limit, least_bytes=least_memory)
+    if top > 1 and rank is not None:
+        best = _ranked(best, tried, classes, pairs, stats, limit, time_limit_s, exclude, top, rank)
     best.priced = _priced(best, classes, pairs, stats, mesh, forced, limit, time_limit_s, tried)
     best.solve_s = time.perf_counter() - t0
     best.classes = len(classes)
@@ -428,7 +473,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
 def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit, time_limit_s, tried) -> Priced:
     """Every candidate of the best role assignment priced (those the ILP left out too), and, when some class did
     not take its cheapest candidate, the ILP's choices without the memory limit (to tell memory from coupling)."""
-    mc, cands, costs, base, ck = best.priced
+    mc, cands, costs, base, ck, kp = best.priced
     for _, _, sol, _ in tried:
         if sol is not None and sol is not best:
             sol.priced = None
@@ -444,7 +489,7 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
     cheapest = [min(overlapped_s(c) for c in cost) for cost in costs]
     if any(overlapped_s(best.per_site[cls[0].key]) > t + 1e-12 for cls, t in zip(classes, cheapest)):
         free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
-                             grad_share=mc.grad_share())
+                             grad_share=mc.grad_share(), kp=kp)
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
     out.checkpoint = ck
     return out
@@ -461,18 +506,51 @@ class CheckpointTerms:
     reissue: list[tuple[int, int, int]]
     reissue_s: list[list[float]]  # per class and candidate: its forward collectives' time (what a recompute re-issues)
     split: float = 1.0  # what saved bytes are divided by (`ckpt.cost`)
+    # the saved bytes per device a recomputing level leaves (`saved_under`): per class and candidate, what one site
+    # saves without recompute (its form's `Cost.act_bytes`: freed); per group and level, the kept tensors beyond the
+    # layers' inputs (matmul and attention outputs, divided as `ckpt.cost` divides them); per group, the class of its
+    # norms (None: none) and per candidate of it the layers' inputs per device (the residual stream: divided by the
+    # model axes only where the norms' form splits it, sequence parallelism)
+    act: list[list[float]] = field(default_factory=list)
+    kept: list[list[float]] = field(default_factory=list)
+    inputs: list[tuple[int | None, list[float]]] = field(default_factory=list)  # (norm class, per device per byte)
+    stream: list[list[float]] = field(default_factory=list)  # per group and level: kept stream bytes, global
+    cands: list[list[Candidate]] = field(default_factory=list)  # per class, as `reissue` and `act` index them
+    keys: list[str] = field(default_factory=list)  # per class, one site's key
+
+    def choice(self, choices: dict[str, Candidate]) -> dict[int, int]:
+        """The candidate index of every class under `choices` (site key -> Candidate)."""
+        return {k: cs.index(choices[key]) for k, (cs, key) in enumerate(zip(self.cands, self.keys))}
+
+    def saved_bytes(self, g: int, level, choices: dict[str, Candidate]) -> float:
+        """What group g's layers save per device at `level` (without recompute: their structures' saved bytes)."""
+        choice = self.choice(choices)
+        return (sum(n * self.act[k][choice[k]] for k, gi, n in self.reissue if gi == g)
+                + self.saved_under(g, level, choice))
+
+    def saved_under(self, g: int, level, choice: dict[int, int]) -> float:
+        """What group g's layers save per device at `level` less what they save without recompute (negative: freed),
+        given the candidate index of every class (`choice`)."""
+        if not level.recomputes:
+            return 0.0
+        norm, factor = self.inputs[g]
+        i = self.groups[g].levels.index(level)
+        out = self.kept[g][i] + self.stream[g][i] * factor[choice[norm] if norm is not None else 0]
+        return out - sum(n * self.act[k][choice[k]] for k, gi, n in self.reissue if gi == g)
 
 
 def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: MeshInfo, data_axes,
-                      seq_axes) -> CheckpointTerms:
+                      seq_axes, stats=None) -> CheckpointTerms:
     model = math.prod(s for n, s in zip(mesh.names, mesh.sizes) if n not in data_axes and n not in seq_axes)
     ck_costs = [[ckpt.cost(g, lv, mc, model) for lv in g.levels] for g in groups]
     reissue = []
+    where = _group_index(groups, [s for cls in classes for s in cls])
     for k, cls in enumerate(classes):
-        for gi, g in enumerate(groups):
-            n = sum(1 for s in cls if g.holds(s.key))
-            if n:
-                reissue.append((k, gi, n))
+        counts: dict[int, int] = {}
+        for s in cls:
+            if s.key in where:
+                counts[where[s.key]] = counts.get(where[s.key], 0) + 1
+        reissue += [(k, gi, n) for gi, n in sorted(counts.items())]
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
     # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
     # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
@@ -483,7 +561,46 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
            for cs, cost in zip(cands, costs)]
     reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
                  for cs, cost, mine in zip(cands, costs, own)]
-    return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model)
+    # saved bytes under recompute (`CheckpointTerms.saved_under`): each structure's own saved bytes are freed, the
+    # level keeps the layers' inputs and (selective) some outputs
+    act = [[c.act_bytes for c in cost] for cost in costs]
+    # what a level keeps on the residual stream: the layers' inputs and the row-parallel outputs it saves (their
+    # all-reduced sums: whole on the model axes, as the stream, `estimate.attribute_saved`); the rest of what it keeps
+    # (column-parallel and attention outputs) divided by the model axes
+    rows = {lin.node for cls in classes for site in cls for lin in _row_linears(site)}
+    kept, inputs, stream = [], [], []
+    for gi, g in enumerate(groups):
+        n = len(g.layers)
+        every = g.price.recomputed[ckpt.FULL.name]
+        on_stream = []
+        for lv in g.levels:
+            again = set(g.price.recomputed[lv.name])
+            row_bytes = sum(ckpt._bytes(x) for x in every if x in rows and x not in again) if lv.recomputes else 0.0
+            on_stream.append(n * (g.price.saved[ckpt.FULL.name] + row_bytes) if lv.recomputes else 0.0)
+        stream.append(on_stream)
+        kept.append([max(0.0, n * g.price.saved[lv.name] - s_) / (mc.dp * model) if lv.recomputes else 0.0
+                     for lv, s_ in zip(g.levels, on_stream)])
+        norm = next((k for k, gk, _ in reissue if gk == gi and classes[k][0].kind is Kind.NORM), None)
+        if norm is None or stats is None:
+            inputs.append((None, [1 / mc.dp]))
+            continue
+        site = classes[norm][0]
+        whole = site_cost(site, stats[site.key], Candidate(form=Replicate.name), mc).act_bytes
+        inputs.append((norm, [(min(1.0, a / whole) if whole > 0 else 1.0) / mc.dp for a in act[norm]]))
+    return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model, act, kept, inputs, stream, cands,
+                           [cls[0].key for cls in classes])
+
+
+def _group_index(groups, sites) -> dict[str, int]:
+    """Site key -> the layer group holding it (`ckpt.Group.holds`: the site is a layer or inside one), by path."""
+    paths = {la.path: gi for gi, g in enumerate(groups) for la in g.layers}
+    out = {}
+    for s in sites:
+        parts = s.key.split(".")
+        gi = next((paths[p] for p in (".".join(parts[:i]) for i in range(1, len(parts) + 1)) if p in paths), None)
+        if gi is not None:
+            out[s.key] = gi
+    return out
 
 
 def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
@@ -497,7 +614,7 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
     for ys in y:
         model.AddExactlyOne(ys)
     time = sum(ns(c.compute_s) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
-    mem = sum(-kib(-c.memory_bytes) * v for cs, ys in zip(ck.costs, y) for c, v in zip(cs, ys))
+    mem, mem_min = _saved_vars(model, ck, x, y, kib)
     for k, g, n in ck.reissue:
         per = [ns(t) for t in ck.reissue_s[k]]
         top = max(per, default=0)
@@ -513,11 +630,136 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
         for c, v in zip(cs, ys):
             if c.transient_bytes:
                 model.Add(transient >= kib(c.transient_bytes) * v)
-    return y, time, mem + transient, sum(min(-kib(-c.memory_bytes) for c in cs) for cs in ck.costs)
+    return y, time, mem + transient, mem_min
+
+
+def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
+    """The saved bytes the levels change (`CheckpointTerms.saved_under`), linear in KiB: per group, the kept bytes of
+    its recomputing level, z[g] >= the layers' inputs under the norms' candidate - M (1 - recomputes[g]), less
+    r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g] per class with sites in the group (what they no longer
+    save). And a lower bound of it for any choice (the least memory any plan needs)."""
+    mem, least = 0, 0
+    for g, (group, ys) in enumerate(zip(ck.groups, y)):
+        recomputing = sum(v for lv, v in zip(group.levels, ys) if lv.recomputes)
+        if not any(lv.recomputes for lv in group.levels):
+            continue
+        mem += sum(kib(b) * v for b, v in zip(ck.kept[g], ys))
+        norm, factor = ck.inputs[g]
+        top = max(kib(b * f) for b in ck.stream[g] for f in factor)
+        z = model.NewIntVar(0, top, f"ck_inputs{g}")
+        for lv, b, v in zip(group.levels, ck.stream[g], ys):  # the stream the level keeps, as the norms divide it
+            if lv.recomputes:
+                picked = sum(kib(b * f) * u for f, u in zip(factor, x[norm])) if norm is not None else kib(b * factor[0])
+                model.Add(z >= picked - top * (1 - v))
+        mem += z
+        freed = 0
+        for k, gi, n in ck.reissue:
+            if gi != g:
+                continue
+            per = [kib(a) for a in ck.act[k]]
+            if max(per, default=0) <= 0:
+                continue
+            r = model.NewIntVar(0, max(per), f"ck_freed{k}_{g}")
+            model.Add(r <= sum(a * v for a, v in zip(per, x[k])))
+            model.Add(r <= max(per) * recomputing)
+            mem -= n * r
+            freed += n * max(per)
+        least += min(0, min(kib(b) for b in ck.kept[g]) + min(kib(b * min(factor)) for b in ck.stream[g]) - freed)
+    return mem, least
+
+
+@dataclass
+class KeepTerms:
+    """FSDP's gathered weights kept from forward to backward per layer group (`ckpt.Group`, as the checkpoint levels):
+    ZeRO-2-like, saving the backward re-gather (`fsdp.regather_time_s`) and holding the gathered weights
+    (`fsdp.held_gathered_bytes`). Per class and candidate: its cost with its layer groups kept (`kept`: None where
+    keeping changes nothing: not FSDP, or no resharded group), the time that saves (`saved_s`, on the ILP's
+    objective, `timeline.overlapped_s`) and the bytes it holds more (`held_bytes`); `group_of`: site key -> its
+    layer group."""
+
+    kept: list[list[Cost | None]]
+    saved_s: list[list[float]]
+    held_bytes: list[list[float]]
+    group_of: dict[str, int]
+
+
+def _keep_terms(ck: CheckpointTerms | None, classes, cands, costs, stats, mc: MeshCosting) -> KeepTerms | None:
+    if ck is None or not ck.groups:
+        return None
+    group_of = _group_index(ck.groups, [s for cls in classes for s in cls])
+    kept, saved, held = [], [], []
+    for cls, cs, cost in zip(classes, cands, costs):
+        site = cls[0]
+        st = stats[site.key]
+        again = any(a for _, a in st.fsdp_groups.values())
+        keep_st = dataclasses.replace(st, fsdp_groups={p: (b, False) for p, (b, _) in st.fsdp_groups.items()})
+        row = [site_cost(site, keep_st, c, mc) if c.fsdp and again and site.key in group_of else None for c in cs]
+        kept.append(row)
+        saved.append([max(0.0, overlapped_s(c) - overlapped_s(k)) if k is not None else 0.0 for c, k in zip(cost, row)])
+        held.append([max(0.0, k.memory_bytes - c.memory_bytes) if k is not None else 0.0 for c, k in zip(cost, row)])
+    if not any(k is not None for row in kept for k in row):
+        return None
+    return KeepTerms(kept, saved, held, group_of)
+
+
+def _keep_vars(model, ck: CheckpointTerms | None, kp: KeepTerms | None, x, kib, ns):
+    """One boolean per layer group, kept[g]: its FSDP groups keep their gathered weights for backward. Linearised as
+    the re-issued collectives (`_checkpoint_vars`): u[k,g] <= sum_c saved[k,c] x[k,c], u[k,g] <= M kept[g] (the time
+    saved, subtracted); v[k,g] >= sum_c held[k,c] x[k,c] - M (1 - kept[g]) (the bytes held, added to what the step
+    holds). A kept group with nothing to keep costs 1 ns, so it is chosen only where it saves time."""
+    if kp is None:
+        return [], 0, 0
+    kept = [model.NewBoolVar(f"keep{g}") for g in range(len(ck.groups))]
+    time, held = sum(kept), 0
+    for k, g, n in ck.reissue:
+        saved = [ns(t) for t in kp.saved_s[k]]
+        nbytes = [kib(b) for b in kp.held_bytes[k]]
+        if max(saved, default=0) > 0:
+            u = model.NewIntVar(0, max(saved), f"keep_saved{k}_{g}")
+            model.Add(u <= sum(t * v for t, v in zip(saved, x[k])))
+            model.Add(u <= max(saved) * kept[g])
+            time -= n * u
+        if max(nbytes, default=0) > 0:
+            v_ = model.NewIntVar(0, max(nbytes), f"keep_held{k}_{g}")
+            model.Add(v_ >= sum(b * v for b, v in zip(nbytes, x[k])) - max(nbytes) * (1 - kept[g]))
+            held += n * v_
+    return kept, time, held
+
+
+def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, exclude, top: int,
+            rank: Callable[[Solution], float]) -> Solution:
+    """The ILP's `top` best distinct solutions, in the ILP's order (its objective), re-ranked by `rank` (the full
+    estimate): the least wins, ties to the ILP's order. The candidates: the best solution of every role assignment
+    that fits, and the next best of the best role assignments (`no_good` cuts: they differ in some structure's form),
+    each solved on its role assignment's prices."""
+    found = [sol for _, _, sol, why in tried if sol is not None and not why]
+    found.sort(key=lambda s: s.objective_s)
+    for first in list(found[:2]):  # the next best of the two best role assignments
+        mc, cands, costs, base, ck, kp = first.priced
+        seen = [first.choices]
+        for _ in range(top - 1):
+            try:
+                sol, _ = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck,
+                                    list(exclude) + seen, grad_share=mc.grad_share(), kp=kp)
+            except _Conflict:  # every assignment of this role assignment has been found
+                break
+            if sol is None:
+                break
+            sol.data_axes, sol.seq_axes, sol.priced = first.data_axes, first.seq_axes, first.priced
+            seen.append(sol.choices)
+            found.append(sol)
+    found.sort(key=lambda s: s.objective_s)  # stable: the role assignments' order breaks ties
+    found = found[:top]
+    scores = [rank(s) for s in found]
+    i = min(range(len(found)), key=lambda j: (scores[j], j))
+    winner = found[i]
+    winner.ranking = [(s.objective_s, t, s) for s, t in zip(found, scores)]
+    winner.ranked_index = i
+    return winner
 
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
-               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float):
+               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float, kp: "KeepTerms | None" = None):
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:
@@ -556,6 +798,7 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
                 model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
     peak = model.NewIntVar(0, 2**62 // 1024, "peak")
     y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
+    kept, keep_time, keep_held = _keep_vars(model, ck, kp, x, kib, ns)
     model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
     # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
@@ -568,11 +811,11 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
                              least[2])
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
-    model.Add(total(0) + peak <= top).OnlyEnforceIf(memory_on)
+    model.Add(total(0) + keep_held + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
     # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`)
     model.Minimize(sum(len(cls) * ns(overlapped_s(c)) * v for cls, cs, xs in zip(classes, costs, x)
-                       for c, v in zip(cs, xs)) + ck_time)
+                       for c, v in zip(cs, xs)) + ck_time + keep_time)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -584,11 +827,13 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
             raise _Conflict(sorted(view.whys))
         return None, mem_min * 1024
     choices, per_site = {}, {}
-    for cls, cs, cost, xs in zip(classes, cands, costs, x):
+    keep = [bool(solver.Value(v)) for v in kept]  # per layer group: FSDP's gathered weights kept for backward
+    for k, (cls, cs, cost, xs) in enumerate(zip(classes, cands, costs, x)):
         i = next(i for i, v in enumerate(xs) if solver.Value(v))
         for s in cls:
             choices[s.key] = cs[i]
-            per_site[s.key] = cost[i]
+            g = kp.group_of.get(s.key) if kp is not None else None
+            per_site[s.key] = kp.kept[k][i] if g is not None and keep[g] and kp.kept[k][i] is not None else cost[i]
     obj, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
     gap = 0.0 if obj == 0 else max(0.0, (obj - bound) / obj)
     name = "optimal" if status == cp_model.OPTIMAL else "feasible (time limit)"
@@ -599,6 +844,7 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     extra = checkpoint_cost(levels, {k: c for k, c in choices.items()}, ck, classes, cands) if ck else None
     sol = _total((), choices, per_site, base, gap, name, grad_share, extra)
     sol.checkpoint = {la.path: lv.name for g, lv in levels.items() for la in g.layers}
+    sol.keep_gathered = frozenset(la.path for g, on in zip(ck.groups if kept else [], keep) if on for la in g.layers)
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
 
@@ -609,10 +855,12 @@ def checkpoint_cost(levels: dict, choices: dict[str, Candidate], ck: CheckpointT
     if not levels:
         return None
     compute = comm = act = transient = 0.0
+    choice = ck.choice(choices)
     for gi, g in enumerate(ck.groups):
         lv = levels[g]
         c = ck.costs[gi][g.levels.index(lv)]
-        compute, act, transient = compute + c.compute_s, act + c.memory_bytes, max(transient, c.transient_bytes)
+        compute, transient = compute + c.compute_s, max(transient, c.transient_bytes)
+        act += ck.saved_under(gi, lv, choice)
     for k, gi, n in ck.reissue:
         if levels[ck.groups[gi]].recomputes:
             i = cands[k].index(choices[classes[k][0].key])
@@ -655,13 +903,24 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
                       seq_axes=seq_axes)
     base = other_cost(other, mc, fsdp=other_fsdp and bool(data_axes))
     per_site = {}
-    for site in ctx.planning_sites():
+    sites = ctx.planning_sites()
+    tied = {s.key for p in _tied_pairs(sites) for s in p}
+    memo: dict[tuple, Cost] = {}
+
+    def price(site, st, cand):  # sites of one class (`_classes`) cost alike: priced once
+        key = (site.key if site.key in tied else _signature(site), repr(sorted(st.fsdp_groups.values())),
+               st.summed_into, cand)
+        if key not in memo:
+            memo[key] = site_cost(site, st, cand, mc)
+        return memo[key]
+
+    for site in sites:
         cand = choices.get(site.key, Candidate(form=Replicate.name))
         st = stats[site.key]
         leader = choices.get(st.summed_into) if st.summed_into else None
         if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
-        per_site[site.key] = site_cost(site, st, cand, mc)
+        per_site[site.key] = price(site, st, cand)
     extra = ck = None
     if checkpoint:
         groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint)
@@ -672,8 +931,8 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         for s, cs, cost in zip(sites, cands, costs):  # an FSDP choice re-issues what it does without FSDP
             if cs[0].fsdp:
                 cs.append(Candidate(form=cs[0].form, axes=cs[0].axes))
-                cost.append(site_cost(s, stats[s.key], cs[1], mc))
-        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes)
+                cost.append(price(s, stats[s.key], cs[1]))
+        ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
                                 classes, cands)
     sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra)

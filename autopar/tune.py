@@ -297,7 +297,7 @@ def candidates(model: nn.Module, ctx, info, captured, cluster: Cluster, top_k: i
     batch = dict(zip(captured.user_inputs, batch_dims(shapes)))
     build = lambda name, exclude=(): build_plan(ctx, info, name, None, batch, cluster=cluster,  # noqa: E731
                                                 input_shapes=dict(zip(captured.user_inputs, shapes)),
-                                                exclude=exclude)
+                                                exclude=exclude, rerank=False)
     found: list[tuple[str, Plan | None, str]] = []
     exclude: list[dict[str, Candidate]] = []
     for i in range(top_k):

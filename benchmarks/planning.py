@@ -9,7 +9,11 @@ the meta device in bf16, global batch = dp.
 
 Shapes: Llama-3-8B at 8k on {"dp": 8, "tp": 8}; 8B at 128k on {"dp": 2, "tp": 8}; 70B at 8k on {"dp": 64, "tp": 8}.
 The table: shape, does auto fit, its peak (GiB), its step (ms), the best fitting hand plan and its level, its step,
-auto / best hand, planning seconds, and auto's checkpoint level per layer class. A hand plan whose batch does not
+auto / best hand, planning seconds (wall clock, and the process' CPU seconds: on a shared machine the wall clock
+waits for a core), and auto's checkpoint level per layer class. Every step is the plan's own estimate
+(`Plan.estimate.step_time_s`: the step's timeline), the one `auto` ranks its candidates by (its '(re-ranked)'
+decision, printed per shape: the ILP's best distinct solutions and the hand plans, each at that estimate). The hand
+plans are planned on one capture of the model (the same plans `autopar.plan` gives, without capturing each again). A hand plan whose batch does not
 divide over its data axes (fsdp shards over dp x tp = 64 ranks, batch 8) replicates its input, so it is not the
 plan its estimate prices: it is listed, not compared. When nothing fits, the peak's breakdown says why.
 
@@ -121,53 +125,81 @@ def levels_by_class(p) -> str:
 
 
 def peak_terms(p) -> str:
-    """The peak's breakdown per device (GiB): model state (parameters, gradients, optimizer), FSDP's gathered copies,
-    the saved activations at the start of the backward (after the checkpoint levels) and the loss' momentary buffers."""
+    """The peak's breakdown per device (GiB, `autopar.estimate.peak_bytes`): what is held all step (parameters and
+    optimizer state, FSDP's kept gathers) plus the larger end of the backward: its start (saved activations after the
+    checkpoint levels, the loss' momentary buffers) or its end (gradients and a bucket being reduced); the rest of the
+    peak is that end."""
     e = p.estimate
-    state = sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes for s in e.sites)
+    held = sum(s.parameters_bytes + s.optimizer_bytes for s in e.sites)
     gathered = sum(s.transient_bytes for s in e.sites)
+    grads = sum(s.gradients_bytes for s in e.sites)
     momentary = max((s.momentary_bytes for s in e.sites), default=0)
-    act = e.memory_bytes_per_device - state - gathered - momentary
-    return (f"state {state / GIB:.1f} + FSDP gathered {gathered / GIB:.1f} + activations {act / GIB:.1f} "
-            f"+ momentary {momentary / GIB:.1f} = {e.memory_bytes_per_device / GIB:.1f} GiB")
+    rest = e.memory_bytes_per_device - held - gathered
+    return (f"held {held / GIB:.1f} + FSDP gathered {gathered / GIB:.1f} + the backward's larger end {rest / GIB:.1f} "
+            f"(momentary {momentary / GIB:.1f}, gradients {grads / GIB:.1f}) = {e.memory_bytes_per_device / GIB:.1f} GiB")
 
 
-def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS) -> dict:
-    """Plan shape `name` with auto (timed) and every hand plan at every checkpoint level (module docstring)."""
+def shape_row(name: str, hand_plans=HAND_PLANS, levels=LEVELS, *, capture_once: bool = False) -> dict:
+    """Plan shape `name` with auto (timed: `autopar.plan`, capture included) and every hand plan at every checkpoint
+    level (module docstring). `capture_once` (the tests): auto planned on the hand plans' capture, its seconds
+    the capture's and the plan's."""
     import autopar
+    from autopar.api import _prepare, _resolve_plan
     from autopar.solver import InfeasibleError
 
     shape, seq, mesh, batch, goal = SHAPES[name]
     model, inputs = llama_tt_meta(shape, seq, batch)
     out = {"name": name, "mesh": mesh, "batch": batch, "seq": seq, "goal": goal,
            "params": sum(v.numel() for v in model.parameters())}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
+    if capture_once:
+        info, captured, ctx = _prepare(model, mesh, inputs)
     try:
-        p = autopar.plan(model, mesh, inputs, plan="auto", cluster="h100")
+        p = (_resolve_plan("auto", ctx, info, None, captured, "h100") if capture_once else
+             autopar.plan(model, mesh, inputs, plan="auto", cluster="h100"))
     except InfeasibleError as e:
-        out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
+        out.update(plan_s=time.perf_counter() - t0, plan_cpu_s=time.process_time() - c0, infeasible=str(e),
+                   least_gib=e.least_bytes / GIB)
         p = None
     else:
         e = p.estimate
-        out.update(plan_s=time.perf_counter() - t0, infeasible=None, fits=e.fits, mem_gib=e.memory_bytes_per_device / GIB,
+        out.update(plan_s=time.perf_counter() - t0, plan_cpu_s=time.process_time() - c0, infeasible=None, fits=e.fits,
+                   mem_gib=e.memory_bytes_per_device / GIB,
                    step_s=e.step_time_s, forms=forms(p), levels=levels_by_class(p), batch_ok=batch_split_ok(p),
                    terms=peak_terms(p), table_has_levels="checkpoint" in p.table().splitlines()[1])
     hands = []
+    # the hand plans on one capture of the same model (`autopar.plan` captures each time; the plans are the same)
+    if not capture_once:
+        info, captured, ctx = _prepare(model, mesh, inputs)
     for hand in hand_plans:
         for level in levels:
-            h = autopar.plan(model, mesh, inputs, plan=hand, cluster="h100", overrides={"checkpoint": level})
+            h = _resolve_plan(hand, ctx, info, {"checkpoint": level}, captured, "h100")
             e = h.estimate
             hands.append({"plan": hand, "level": level, "fits": e.fits, "batch_ok": batch_split_ok(h),
                           "step_s": e.step_time_s, "mem_gib": e.memory_bytes_per_device / GIB, "terms": peak_terms(h)})
     out["hands"] = hands
+    out["load"] = os.getloadavg()[0]
+    if p is not None:  # what auto was ranked against (its '(re-ranked)' decision): each hand plan's own estimate
+        out["ranked"] = reranked(p)
     fitting = [h for h in hands if h["fits"] and h["batch_ok"]]
     out["best_hand"] = min(fitting, key=lambda h: h["step_s"]) if fitting else None
     return out
 
 
+def reranked(p) -> dict:
+    """auto's '(re-ranked)' decision: the candidate it took, and every candidate's estimated step (ms; None where it
+    was excluded: over the memory limit, or a batch that does not divide)."""
+    from autopar.planner import RERANKED_KEY
+    d = next((d for d in p.decisions if d.keys == (RERANKED_KEY,)), None)
+    if d is None:
+        return {"chosen": None, "steps": {}}
+    return {"chosen": d.chosen, "by": d.decided_by,
+            "steps": {r.label: None if r.excluded else (r.compute_s + r.comm_s) * 1e3 for r in d.candidates}}
+
+
 def fmt_table(rows: list[dict]) -> list[str]:
     head = ("shape", "auto fits?", "auto peak GiB", "auto step ms", "best hand plan", "its step ms", "auto/best",
-            "planned s", "auto's checkpoint levels")
+            "planned s (CPU s)", "auto's checkpoint levels")
     body = []
     for r in rows:
         b = r["best_hand"]
@@ -178,7 +210,7 @@ def fmt_table(rows: list[dict]) -> list[str]:
                      f"{b['plan']} + {b['level']}" if b else "none fits",
                      f"{b['step_s'] * 1e3:.0f}" if b else "-",
                      f"{r['step_s'] / b['step_s']:.3f}" if b and not r["infeasible"] else "-",
-                     f"{r['plan_s']:.1f}", r.get("levels", "-")))
+                     f"{r['plan_s']:.1f} ({r['plan_cpu_s']:.1f})", r.get("levels", "-")))
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
     return ["| " + " | ".join(c.ljust(w) for c, w in zip(x, widths)) + " |" for x in [head] + body]
 
@@ -214,6 +246,10 @@ def main() -> None:
             why = "" if h["batch_ok"] else " (batch does not divide over its data axes: input replicated, not compared)"
             print(f"  {h['plan']} + {h['level']}: {h['step_s'] * 1e3:.0f} ms, {h['terms']} "
                   f"({'fits' if h['fits'] else 'DOES NOT FIT'}){why}")
+        if r.get("ranked", {}).get("chosen"):
+            rk = r["ranked"]
+            print(f"  auto re-ranked: took {rk['chosen']} ({rk['by']}); candidates (ms): "
+                  + ", ".join(f"{k} {'-' if v is None else f'{v:.1f}'}" for k, v in rk["steps"].items()))
     print()
     for line in fmt_table(rows):
         print(line)
@@ -224,7 +260,8 @@ def main() -> None:
         vs = ("no hand plan fits" if b is None else "auto INFEASIBLE" if r["infeasible"] else
               f"auto/best hand ({b['plan']} + {b['level']}) = {r['step_s'] / b['step_s']:.3f}, goal <= 1.0")
         print(f"RATIO planning_{r['name']} fits = {'yes' if fits else 'no'} ({vs}; planned in {r['plan_s']:.1f} s, "
-              f"goal {r['goal']:.0f} s, {os.cpu_count()} CPU cores)")
+              f"{r['plan_cpu_s']:.1f} s of CPU, goal {r['goal']:.0f} s, {os.cpu_count()} CPU cores, load average "
+              f"{r['load']:.1f})")
 
 
 if __name__ == "__main__":

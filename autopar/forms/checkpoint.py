@@ -144,6 +144,7 @@ class LayerPrice:
 
     saved: dict[str, float] = field(default_factory=dict)  # level -> bytes kept
     recomputed: dict[str, list[fx.Node]] = field(default_factory=dict)  # level -> nodes run again in backward
+    work: dict = field(default_factory=dict)  # level -> `SiteStats` of its recomputed nodes (`cost`, read once)
 
     def transient(self, lv: Level) -> float:
         """What recomputing the layer holds again during its backward (beyond what the level keeps)."""
@@ -223,11 +224,15 @@ class Group:
 def groups(gm: fx.GraphModule, layers: list[Layer], forced: dict[str, Level]) -> list[Group]:
     """The layers grouped by class and forced level, each priced once (layers of a class are alike)."""
     out: dict[tuple, Group] = {}
+    prices = gm.meta.setdefault("autopar_layer_prices", {})  # priced once per graph as it is (plans share them)
     for la in layers:
         lv = forced.get(la.path)
         key = (la.cls, lv.name if lv else None)
         if key not in out:
-            out[key] = Group(cls=la.cls, layers=[], price=price(gm, la), forced=lv)
+            at = (la.path, la.nodes, len(gm.graph.nodes))
+            if at not in prices:
+                prices[at] = price(gm, la)
+            out[key] = Group(cls=la.cls, layers=[], price=prices[at], forced=lv)
         out[key].layers.append(la)
     return list(out.values())
 
@@ -238,13 +243,17 @@ def cost(group: Group, lv: Level, mc, model_degree: int):
     (negative: saved), `transient_bytes` the recompute of one layer in backward. Saved bytes and recompute time
     are divided by the ranks the tokens are split over and by the model axes (`model_degree`: as if every
     structure split them, as the tensor-parallel forms split the matmuls that hold most of both; a structure left
-    whole on a model axis saves more and recomputes slower than this). The collectives it issues again are
-    priced by the solver, which knows the forms."""
+    whole on a model axis saves more and recomputes slower than this). The solver prices the saved bytes per
+    placement instead (`autopar.solver.CheckpointTerms.saved_under`: the structures' own saved bytes freed, the
+    layers' inputs kept, divided as the norms' form divides them), and the collectives it issues again, knowing the
+    forms."""
     from autopar.estimate import Cost, SiteStats, compute_s
     n = len(group.layers)
-    st = SiteStats()
-    for node in group.price.recomputed[lv.name]:
-        st.add_node(node)
+    st = group.price.work.get(lv.name)
+    if st is None:
+        st = group.price.work[lv.name] = SiteStats()
+        for node in group.price.recomputed[lv.name]:
+            st.add_node(node)
     split = mc.dp * model_degree
     recompute = compute_s(st, split, mc.cluster) / 3 if lv.recomputes else 0.0  # compute_s is forward + backward
     delta = n * (group.price.saved[lv.name] - group.price.saved[NONE.name]) / split
