@@ -164,11 +164,13 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
         gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
+        regather = min(comm_s - gather, fsdp_form.regather_s(mc, st, 1))
+        compute += fsdp_form.copy_s(mc, st, 1)
     else:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
-        gather = 0.0
+        gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
@@ -187,7 +189,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
                 act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
                 bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
-                reduce_s=sync_s - gather)
+                reduce_s=sync_s - gather - regather, regather_s=regather)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
