@@ -9,12 +9,16 @@ nothing and hides nothing.
 
 Every model is built whole (every layer) on the meta device in bf16 with its published shapes and planned
 with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster=<the run's preset>)`;
-nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP gathers prefetched, gradient
-reductions overlapped with the backward, tensor-parallel collectives exposed) at the presets' achieved rates
-(`cost_model.hardware`: matmul by size, flash attention by sequence length, NCCL ring/tree, mesh axes mapped to
-NVLink within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB
-HBM2e, 500 W H100 torchtitan measured on) with torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDPA) as
-torchtitan trains it: fp32 parameters under `mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP gathers prefetched, ZeRO-3's
+backward re-gathers prefetched one layer ahead, gradient reductions overlapped with the backward, tensor-parallel
+collectives exposed, the optimizer step after the last reduction, compute slowed where communication overlaps it)
+at the presets' achieved rates (`cost_model.hardware`: matmul by size, flash attention by sequence length,
+elementwise and copy kernels at the measured fraction of HBM bandwidth, NCCL ring/tree, mesh axes mapped to NVLink
+within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB HBM2e,
+500 W H100 torchtitan measured on) with torchtitan's Llama 3 as torchtitan trains it: the eager FSDP rows with its
+fp32 RMSNorm and complex-fp32 RoPE (`llama_tt_eager_meta`: each upcast an eager kernel the estimate prices by its
+bytes), the torch.compile row as `llama_tt_meta` (causal flash SDPA, bf16 elementwise: Inductor fuses the casts);
+fp32 parameters under `mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
 (bf16 compute and gathers, fp32 gradient reductions, fp32 masters and AdamW states) and every layer at the
 `selective` checkpoint level (`{"checkpoint": "selective"}`: torchtitan's per-op SAC, every other matmul output
 and the attention outputs kept, the rest recomputed in backward, priced by the estimate). From `plan.estimate`
@@ -28,7 +32,8 @@ and the attention outputs kept, the rest recomputed in backward, priced by the e
   large-scale language model training on GPU clusters", §5.1, with the recomputation pass taken out: their
   model TFLOP/s are 41-48% MFU of the 989 TFLOP/s bf16 peak, as the Megatron-LM README says).
 
-Each row prints `RATIO published_<row> predicted/published = x`. A hand plan whose estimate does not fit
+Each row prints `RATIO published_<row> predicted/published = x`; `--breakdown` prints each row's predicted step by
+category (`breakdown`) beside the published step. A hand plan whose estimate does not fit
 the device memory is still priced (and says DOES NOT FIT); `auto` raises InfeasibleError when no plan fits,
 and the row prints the least memory the planner says any plan needs. Then: the FSDP 8 -> 128 GPU scaling
 drop predicted vs published, and the memory rows: predicted peak / published peak, the peak's terms (model
@@ -58,7 +63,8 @@ Sources of the published figures:
   sizes. Megatron ran DP with its distributed optimizer; the TP1 row is priced with autopar's `dp` plan
   (replicated optimizer state), the others with `megatron` (TP on "tp", DP on "dp").
 - torchtitan's 64-GPU run shards parameters over its 8 data-parallel ranks (FSDP 8 x TP 8); no hand plan
-  does that (`megatron` is DP x TP), so that row prices `megatron` and says so in its forms.
+  does that (`megatron` is DP x TP), so that row prices `megatron` with torchtitan's sequence-parallel norms
+  (`{"norm": "sequence@tp"}`) and says so in its forms.
 
 torchtitan's 64-GPU run saves its sequence-parallel reduce-scatters' outputs under SAC; autopar's recomputing
 levels issue a layer's collectives again (`autopar.forms.checkpoint`), so that row pays them twice.
@@ -109,6 +115,7 @@ class Run:
     # torchtitan's mixed precision: fp32 parameters (the optimizer's masters), bf16 compute and gathers, fp32 reduce
     mixed: bool = False
     compiled: bool = False  # torch.compile: elementwise ops fused (`llama_tt_meta`), else eager (`llama_tt_eager_meta`)
+    overrides: tuple = ()  # (key, form) the plan takes beyond the named plan (the run's own layout)
 
     @property
     def gpus(self) -> int:
@@ -124,7 +131,8 @@ RUNS = (
         cluster="h100_hbm2e", ac="selective", mixed=True),
     Run("tt_8b_fsdp8_tp8", "torchtitan Llama-3.1-8B, 64 H100, FSDP 8 x TP 8, local batch 12, seq 8192, compile",
         "llama", LLAMA_8B, {"dp": 8, "tp": 8}, 96, 8192, "megatron", 4378.0, "tok/s/GPU",
-        cluster="h100_hbm2e", ac="selective", mixed=True, compiled=True),
+        cluster="h100_hbm2e", ac="selective", mixed=True, compiled=True,
+        overrides=(("norm", "sequence@tp"),)),  # torchtitan's TP plan: SequenceParallel on every RMSNorm
     Run("mlm_gpt_1.7b_tp1", "Megatron-LM GPT 1.7B, TP1 x DP48, 48 H100", "gpt", {"size": "1.7b"},
         {"dp": 48}, 192, GPT_SEQ, "dp", 408.8, "TFLOP/s/GPU"),
     Run("mlm_gpt_7.1b_tp2", "Megatron-LM GPT 7.1B, TP2 x DP48, 96 H100", "gpt", {"size": "7.1b"},
@@ -223,6 +231,12 @@ def mp_policy(run: Run):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def plan_overrides(run: Run) -> dict | None:
+    """The run's checkpoint level and own layout as `autopar.plan` overrides."""
+    out = {"checkpoint": run.ac} if run.ac else {}
+    return {**out, **dict(run.overrides)} or None
+
+
 def flops_per_step(run: Run, model) -> float:
     """The FLOPs of one step as the publisher counts them (see the module docstring)."""
     tokens = run.batch * run.seq
@@ -245,7 +259,7 @@ def price(run: Run, memory_limit=None) -> dict:
     t0 = time.perf_counter()
     try:
         p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit,
-                         overrides={"checkpoint": run.ac} if run.ac and run.plan != "auto" else None,
+                         overrides=plan_overrides(run) if run.plan != "auto" else None,
                          mp_policy=mp_policy(run))
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
@@ -268,21 +282,24 @@ def breakdown(run: Run) -> dict[str, float]:
     """The predicted step of `run` by category, ms per device (`--breakdown`): each op of the captured graph priced by
     its kind at the preset's rate (`cost_model.analytical.kernel_time_s`), forward + backward (3x forward), divided
     over the ranks its structure's form splits it (the data axes, times the form's own axes); the optimizer step
-    (`autopar.estimate.optimizer_step_s` over the plan's model state); the compute the timeline adds where
+    (`autopar.estimate.optimizer_step_s` over the plan's model state); FSDP's copies into and out of its flat
+    buffers (`autopar.forms.fsdp.copy_s`); the compute the timeline adds where
     communication overlaps it (the same plan priced with `overlap_slowdown=0`); the selective level's recompute
-    (what remains of the estimate's compute time); the exposed communication; and the step published, for the MFU
+    and the rest (what remains of the estimate's compute time: with no level, what the per-op split over ranks
+    approximates); the exposed communication; and the step published, for the MFU
     it implies."""
     import dataclasses
 
     import autopar
     from autopar.api import _prepare
-    from autopar.estimate import OPTIMIZER_ACCESSES, gather_stats
+    from autopar.estimate import OPTIMIZER_ACCESSES, gather_stats, mesh_costing
+    from autopar.forms import fsdp
     from autopar.precision import precision_of
     from cost_model.analytical import kernel_time_s
     from cost_model.hardware import PRESETS
 
     model, inputs = build(run)
-    kw = dict(plan=run.plan, overrides={"checkpoint": run.ac} if run.ac else None, mp_policy=mp_policy(run))
+    kw = dict(plan=run.plan, overrides=plan_overrides(run), mp_policy=mp_policy(run))
     cluster = PRESETS[run.cluster]
     p = autopar.plan(model, run.mesh, inputs, cluster=cluster, **kw)
     quiet = autopar.plan(model, run.mesh, inputs, cluster=dataclasses.replace(cluster, overlap_slowdown=0.0), **kw)
@@ -303,8 +320,11 @@ def breakdown(run: Run) -> dict[str, float]:
     e, q = p.estimate, quiet.estimate
     state = sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes for s in e.sites)
     out["optimizer step"] = kernel_time_s("vector", 0.0, OPTIMIZER_ACCESSES["adam"] * state, "float32", cluster) * 1e3
+    if run.plan == "fsdp":  # every structure FSDP-sharded over dp: its flat buffers' copies (`fsdp.copy_s`)
+        mc = mesh_costing(ctx, stats, other, tuple(run.mesh), tuple(run.mesh.values()), ("dp",), cluster)
+        out["fsdp copies"] = sum(fsdp.copy_s(mc, st, 1) for st in (*stats.values(), other)) * 1e3
     out["overlap contention"] = (e.compute_time_s - q.compute_time_s) * 1e3
-    out["recompute"] = q.compute_time_s * 1e3 - sum(v for k, v in out.items() if k != "overlap contention")
+    out["recompute and rest"] = q.compute_time_s * 1e3 - sum(v for k, v in out.items() if k != "overlap contention")
     out["exposed comm"] = e.exposed_comm_s * 1e3
     out["step"] = e.step_time_s * 1e3
     tokens = run.batch * run.seq / run.gpus
