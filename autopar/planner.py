@@ -464,8 +464,10 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                        f"data axes {solution.data_axes or '()'}, solved in {solution.solve_s:.2f} s")
     per_site = tuple((k, c.time_s, int(c.memory_bytes)) for k, c in solution.per_site.items())
     schedule = step_timeline(ctx, solution, priced, data_axes, seq_axes, clus, optimizer)
+    optimizer_s = schedule.end["optimizer"] - schedule.start["optimizer"] if "optimizer" in schedule.end else 0.0
     estimate = Estimate(step_time_s=schedule.makespan_s, exposed_comm_s=schedule.exposed_comm_s,
-                        compute_time_s=schedule.compute_s, comm_time_s=solution.comm_s,
+                        compute_time_s=schedule.compute_s, comm_time_s=solution.comm_s, optimizer_s=optimizer_s,
+                        contention_s=max(0.0, schedule.compute_s - optimizer_s - solution.compute_s),
                         memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
                         fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
                         per_site=per_site, solver=solver_note,

@@ -282,17 +282,14 @@ def breakdown(run: Run) -> dict[str, float]:
     """The predicted step of `run` by category, ms per device (`--breakdown`): each op of the captured graph priced by
     its kind at the preset's rate (`cost_model.analytical.kernel_time_s`), forward + backward (3x forward), divided
     over the ranks its structure's form splits it (the data axes, times the form's own axes); the optimizer step
-    (`autopar.estimate.optimizer_step_s` over the plan's model state); FSDP's copies into and out of its flat
-    buffers (`autopar.forms.fsdp.copy_s`); the compute the timeline adds where
-    communication overlaps it (the same plan priced with `overlap_slowdown=0`); the selective level's recompute
+    (`Estimate.optimizer_s`); FSDP's copies into and out of its flat buffers (`autopar.forms.fsdp.copy_s`); the
+    compute the timeline adds where communication overlaps it (`Estimate.contention_s`); the selective level's recompute
     and the rest (what remains of the estimate's compute time: with no level, what the per-op split over ranks
     approximates); the exposed communication; and the step published, for the MFU
     it implies."""
-    import dataclasses
-
     import autopar
     from autopar.api import _prepare
-    from autopar.estimate import OPTIMIZER_ACCESSES, gather_stats, mesh_costing
+    from autopar.estimate import gather_stats, mesh_costing
     from autopar.forms import fsdp
     from autopar.precision import precision_of
     from cost_model.analytical import kernel_time_s
@@ -302,7 +299,6 @@ def breakdown(run: Run) -> dict[str, float]:
     kw = dict(plan=run.plan, overrides=plan_overrides(run), mp_policy=mp_policy(run))
     cluster = PRESETS[run.cluster]
     p = autopar.plan(model, run.mesh, inputs, cluster=cluster, **kw)
-    quiet = autopar.plan(model, run.mesh, inputs, cluster=dataclasses.replace(cluster, overlap_slowdown=0.0), **kw)
     _, _, ctx = _prepare(model, run.mesh, inputs, precision=precision_of(mp_policy(run)))
     stats, other, _ = gather_stats(ctx)
     axes = {s.key: s.axes for s in p.strategies}
@@ -317,14 +313,13 @@ def breakdown(run: Run) -> dict[str, float]:
                               seq_len=size if size and kind == "sdpa" else None)
             if t:
                 out[label] = out.get(label, 0.0) + t * 1e3
-    e, q = p.estimate, quiet.estimate
-    state = sum(s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes for s in e.sites)
-    out["optimizer step"] = kernel_time_s("vector", 0.0, OPTIMIZER_ACCESSES["adam"] * state, "float32", cluster) * 1e3
+    e = p.estimate
+    out["optimizer step"] = e.optimizer_s * 1e3
     if run.plan == "fsdp":  # every structure FSDP-sharded over dp: its flat buffers' copies (`fsdp.copy_s`)
         mc = mesh_costing(ctx, stats, other, tuple(run.mesh), tuple(run.mesh.values()), ("dp",), cluster)
         out["fsdp copies"] = sum(fsdp.copy_s(mc, st, 1) for st in (*stats.values(), other)) * 1e3
-    out["overlap contention"] = (e.compute_time_s - q.compute_time_s) * 1e3
-    out["recompute and rest"] = q.compute_time_s * 1e3 - sum(v for k, v in out.items() if k != "overlap contention")
+    out["overlap contention"] = e.contention_s * 1e3
+    out["recompute and rest"] = e.compute_time_s * 1e3 - sum(out.values())
     out["exposed comm"] = e.exposed_comm_s * 1e3
     out["step"] = e.step_time_s * 1e3
     tokens = run.batch * run.seq / run.gpus
