@@ -81,6 +81,10 @@ class Cost:
     gather_s: float = 0.0
     reduce_s: float = 0.0
     regather_s: float = 0.0  # of comm_s: ZeRO-3's re-gather of FSDP's released parameters, before its backward
+    # not in compute_s: its share of the optimizer step (`optimizer_step_s`), and the slowdown of its compute while
+    # its parameters' synchronisation overlaps it (`Cluster.overlap_slowdown`): the timeline's terms, for the ILP
+    optimizer_s: float = 0.0
+    overlap_slowdown: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -35,7 +35,8 @@ and simulated again (one fixed-point step: stretching moves the overlap little).
 
 `overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
 structures, linear in the choices): compute + critical communication + the part of its gathers its forward
-does not cover + the part of its reductions and re-gathers its backward does not cover. (In the timeline a gather hides
+does not cover + the part of its reductions and re-gathers its backward does not cover + its share of the
+optimizer step + the slowdown of the compute its synchronisation overlaps. (In the timeline a gather hides
 behind the previous structure's forward and a reduction behind the next-earlier backward; per structure,
 its own compute stands for that neighbour's: identical layers make them equal.)
 
@@ -216,5 +217,6 @@ def overlapped_s(cost) -> float:
     """What one structure adds to the step with its parameter synchronisation overlapped (module docstring):
     the ILP's objective per candidate."""
     fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
+    behind = min(cost.gather_s, fwd) + min(cost.reduce_s + cost.regather_s, bwd)  # compute communication overlaps
     return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd)
-            + max(0.0, cost.reduce_s + cost.regather_s - bwd))
+            + max(0.0, cost.reduce_s + cost.regather_s - bwd) + cost.optimizer_s + cost.overlap_slowdown * behind)
