@@ -80,6 +80,11 @@ class Cost:
     # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
     gather_s: float = 0.0
     reduce_s: float = 0.0
+    regather_s: float = 0.0  # of comm_s: ZeRO-3's re-gather of FSDP's released parameters, before its backward
+    # not in compute_s: its share of the optimizer step (`optimizer_step_s`), and the slowdown of its compute while
+    # its parameters' synchronisation overlaps it (`Cluster.overlap_slowdown`): the timeline's terms, for the ILP
+    optimizer_s: float = 0.0
+    overlap_slowdown: float = 0.0
 
     @property
     def time_s(self) -> float:
@@ -89,7 +94,7 @@ class Cost:
     @property
     def critical_s(self) -> float:
         """Communication on the critical path: what no compute hides."""
-        return max(0.0, self.comm_s - self.gather_s - self.reduce_s)
+        return max(0.0, self.comm_s - self.gather_s - self.reduce_s - self.regather_s)
 
     def live_parts(self, grad_share: float) -> tuple[float, float, float]:
         """(held all step: parameters, optimizer state, FSDP's gathered copies; saved activations; gradients), with
@@ -701,6 +706,27 @@ class MeshCosting:
             return 1 / (2 + OPTIMIZER_STATES[self.optimizer])
         per = element_state_bytes(self.param_dtype, optimizer=self.optimizer, master_weights=False)
         return per.grad / per.total
+
+
+# Tensor accesses per element of one optimizer step, as `torch.optim`'s multi-tensor ("foreach", the default on CUDA,
+# and torchtitan's: `fused=False, foreach=True`) implementations run it, each `_foreach_*` op reading and writing whole
+# tensors: AdamW (`torch/optim/adamw.py`, `_multi_tensor_adamw`) decays the parameters (mul_: 2), updates the first
+# moment (lerp_: m, g -> m, 3) and the second (mul_ 2, addcmul_ v, g, g -> v 4), takes sqrt (2), divides by the bias
+# correction (2), adds eps (2) and updates the parameters (addcdiv_: p, m, denom -> p, 4): 21 accesses over its 4
+# tensors (parameter, gradient, 2 moments); SGD add_(p, g -> p): 3 over 2; with momentum mul_ 2 + add_ 3 + add_ 3
+# = 8 over 3.
+OPTIMIZER_ACCESSES = {"adam": 21 / 4, "adamw": 21 / 4, "sgd": 3 / 2, "sgd_momentum": 8 / 3}
+
+
+def optimizer_step_s(costs, optimizer: str, cluster: Cluster) -> float:
+    """The optimizer step on this device (`autopar.timeline`: on the compute stream after the last reduction):
+    memory-bound elementwise passes over what the structures hold of parameters, gradients and optimizer state
+    (`Cost.memory_bytes` less activations and FSDP's gathered copies: its local shard), `OPTIMIZER_ACCESSES` times
+    their bytes at the cluster's elementwise rate (`kernel_time_s`, "vector")."""
+    state = sum(max(0.0, c.memory_bytes - c.act_bytes - c.transient_bytes) for c in costs)
+    if state <= 0 or optimizer not in OPTIMIZER_ACCESSES:
+        return 0.0
+    return kernel_time_s("vector", 0.0, OPTIMIZER_ACCESSES[optimizer] * state, "float32", cluster)
 
 
 def compute_s(st: SiteStats, divisor: float, cluster: Cluster) -> float:

@@ -142,6 +142,10 @@ class Estimate:
     sites: tuple[SiteEstimate, ...] = ()  # per structure, in plan order: time and memory broken down
     # of comm_time_s, what the step's timeline leaves uncovered by compute (`autopar.timeline`): step = compute + this
     exposed_comm_s: float | None = None
+    # of compute_time_s, beyond the structures' compute (`sites`): the optimizer step, and the slowdown of compute that
+    # communication overlaps (`autopar.timeline`)
+    optimizer_s: float = 0.0
+    contention_s: float = 0.0
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"

@@ -604,9 +604,11 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         solver_note = (f"ILP {solution.status}, gap {solution.gap:.2%}, {solution.classes} site classes, "
                        f"data axes {solution.data_axes or '()'}, solved in {solution.solve_s:.2f} s")
     per_site = tuple((k, c.time_s, int(c.memory_bytes)) for k, c in solution.per_site.items())
-    schedule = step_timeline(ctx, solution, priced, data_axes, seq_axes)
+    schedule = step_timeline(ctx, solution, priced, data_axes, seq_axes, clus, optimizer)
+    optimizer_s = schedule.end["optimizer"] - schedule.start["optimizer"] if "optimizer" in schedule.end else 0.0
     estimate = Estimate(step_time_s=schedule.makespan_s, exposed_comm_s=schedule.exposed_comm_s,
-                        compute_time_s=solution.compute_s, comm_time_s=solution.comm_s,
+                        compute_time_s=schedule.compute_s, comm_time_s=solution.comm_s, optimizer_s=optimizer_s,
+                        contention_s=max(0.0, schedule.compute_s - optimizer_s - solution.compute_s),
                         memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
                         fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
                         per_site=per_site, solver=solver_note,
@@ -615,11 +617,14 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
     return estimate, solution  # the solution: what explain reads of the checkpoint levels
 
 
-def step_timeline(ctx, solution, priced, data_axes, seq_axes) -> "timeline.Schedule":
+def step_timeline(ctx, solution, priced, data_axes, seq_axes, cluster=None, optimizer="adam") -> "timeline.Schedule":
     """The step's timeline (`autopar.timeline`): the structures in forward order (their anchors' graph order), what
     no structure holds ("other": norms, residuals between them) spread evenly over them; parameter synchronisation
-    on the data axes' stream, each structure's own collectives on its axes' stream."""
+    on the data axes' stream, each structure's own collectives on its axes' stream; then the optimizer step
+    (`estimate.optimizer_step_s`), and compute slowed where communication overlaps it (`Cluster.overlap_slowdown`)
+    when `cluster` is given (its compute busy time is the estimate's compute time)."""
     from autopar import timeline
+    from autopar.estimate import optimizer_step_s
     order = {n: i for i, n in enumerate(ctx.captured.gm.graph.nodes)}
     sites = sorted((s for s in ctx.planning_sites() if s.key in solution.per_site), key=lambda s: order.get(s.node, 0))
     other = solution.other
@@ -634,11 +639,14 @@ def step_timeline(ctx, solution, priced, data_axes, seq_axes) -> "timeline.Sched
         c, cand = solution.per_site[s.key], priced.get(s.key)
         pieces.append(timeline.Piece(
             key=s.key, compute_s=share(c, "compute_s"), critical_s=share(c, "critical_s"),
-            gather_s=share(c, "gather_s"), reduce_s=share(c, "reduce_s"), sync_stream=sync,
-            critical_stream="+".join(cand.axes) if cand is not None and cand.axes else "model"))
+            gather_s=share(c, "gather_s"), reduce_s=share(c, "reduce_s"), regather_s=share(c, "regather_s"),
+            sync_stream=sync, critical_stream="+".join(cand.axes) if cand is not None and cand.axes else "model"))
     if not pieces and other is not None:
         pieces.append(timeline.piece("(other)", other, sync))
-    return timeline.step_schedule(pieces)
+    if cluster is None:
+        return timeline.step_schedule(pieces)
+    held = [*solution.per_site.values(), *([other] if other is not None else [])]
+    return timeline.step_schedule(pieces, optimizer_step_s(held, optimizer, cluster), cluster.overlap_slowdown)
 
 
 def tie_placements(plan: Plan, model: nn.Module, from_user: bool = False) -> Plan:

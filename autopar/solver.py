@@ -84,7 +84,7 @@ import networkx as nx
 from ortools.sat.python import cp_model
 
 from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
-    mesh_costing, peak_bytes
+    mesh_costing, optimizer_step_s, peak_bytes
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
@@ -163,7 +163,15 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
     if cand.fsdp:
         model = model_placements(site, form, cand.axes, mc.names, [mc.size(a) for a in cand.axes])
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), model))
-    return form.cost(site, st, cand, mc)
+    return step_terms(form.cost(site, st, cand, mc), mc)
+
+
+def step_terms(cost: Cost, mc: MeshCosting) -> Cost:
+    """`cost` with what the step's timeline adds to it (`autopar.timeline`): its share of the optimizer step (linear in
+    the state it holds: `estimate.optimizer_step_s`) and the cluster's slowdown of compute under overlapped
+    communication (`Cluster.overlap_slowdown`), which `timeline.overlapped_s` prices for the ILP."""
+    return dataclasses.replace(cost, optimizer_s=optimizer_step_s([cost], mc.optimizer, mc.cluster),
+                               overlap_slowdown=mc.cluster.overlap_slowdown)
 
 
 def model_placements(site: Site, form: Form, axes: tuple[str, ...], names, sizes) -> dict:
@@ -185,11 +193,13 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
         gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
+        regather = min(comm_s - gather, fsdp_form.regather_s(mc, st, 1))
+        compute += fsdp_form.copy_s(mc, st, 1)
     else:
         comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
-        gather = 0.0
+        gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in mc.data_axes + mc.seq_axes:
@@ -205,10 +215,10 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     # over the sequence axes, where they hold the sequence (`attribute_saved`)
     act = (st.saved_bytes / mc.dp + st.saved_unbatched_seq_bytes / seq
            + st.saved_unbatched_bytes - st.saved_unbatched_seq_bytes)
-    return Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
-                act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
-                bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
-                reduce_s=sync_s - gather)
+    return step_terms(Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
+                           act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
+                           bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
+                           reduce_s=sync_s - gather - regather, regather_s=regather), mc)
 
 
 # ----------------------------------------------------------------------------- classes and candidates

@@ -17,27 +17,40 @@ collectives on its model axes (`Piece.critical_stream`). Forward, for each struc
   for the previous structure's forward collectives;
 - `fwd-comm i` (its critical stream, half its critical communication): tensor-parallel collectives, the loss'
   reductions; the next compute waits for them, so they are exposed.
-Backward, last structure first: `bwd i` (compute, two thirds) after the later structure's `bwd-comm`;
-`bwd-comm i` (the other half); `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket
-share, FSDP's reduce-scatter), which waits only for `bwd i`, so it overlaps the backward of the structures
-before it. The optimizer step waits for every reduction: the last ones are exposed.
+Backward, last structure first:
+- `regather i` (sync stream): ZeRO-3's all-gather of the parameters FSDP released after the forward, issued as
+  FSDP2 issues it: the first one when the backward starts, then each regathering structure's in the pre-backward
+  of the regathering structure after it in backward order (the next layer's prefetched while this one computes);
+- `bwd i` (compute, two thirds) after the later structure's `bwd-comm` and its own `regather`;
+- `bwd-comm i` (the other half);
+- `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket share, FSDP's reduce-scatter),
+  which waits only for `bwd i`, so it overlaps the backward of the structures before it.
+`optimizer` (compute, `optimizer_s`: `autopar.estimate.optimizer_step_s`) waits for every reduction: the last
+ones are exposed. On one sync stream the tasks run in issue order, as NCCL runs a process group's collectives.
+
+Contention (`contended`): a collective's NCCL kernels run on SMs the compute kernels then lack, so compute that
+overlaps communication runs slower (`Cluster.overlap_slowdown`, measured: `cost_model.hardware`). The step is
+simulated once, each compute task is stretched by `slowdown x` the fraction of it some communication overlapped,
+and simulated again (one fixed-point step: stretching moves the overlap little).
 
 `overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
 structures, linear in the choices): compute + critical communication + the part of its gathers its forward
-does not cover + the part of its reductions its backward does not cover. (In the timeline a gather hides
+does not cover + the part of its reductions and re-gathers its backward does not cover + its share of the
+optimizer step + the slowdown of the compute its synchronisation overlaps. (In the timeline a gather hides
 behind the previous structure's forward and a reduction behind the next-earlier backward; per structure,
 its own compute stands for that neighbour's: identical layers make them equal.)
 
-What the timeline leaves out: the compute slowdown while NCCL kernels share the SMs, the optimizer step's own
-time, ZeRO-3's backward re-gather (priced by the FSDP form when it issues one), bucket boundaries inside a
-structure, and the pipeline bubble of pipeline parallelism (which autopar does not do).
+What the timeline leaves out: bucket boundaries inside a structure, the host (Python dispatch and kernel launches,
+assumed to run ahead of the GPU: large kernels), and the pipeline bubble of pipeline parallelism (which autopar does
+not do).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Task", "Schedule", "simulate", "Piece", "piece", "step_tasks", "step_schedule", "overlapped_s"]
+__all__ = ["Task", "Schedule", "simulate", "Piece", "piece", "step_tasks", "step_schedule", "contended",
+           "overlapped_s"]
 
 COMPUTE = "compute"
 
@@ -113,6 +126,7 @@ class Piece:
     critical_s: float = 0.0
     gather_s: float = 0.0
     reduce_s: float = 0.0
+    regather_s: float = 0.0  # ZeRO-3: the parameters gathered again before its backward
     sync_stream: str = "data"
     critical_stream: str = "model"
 
@@ -120,11 +134,12 @@ class Piece:
 def piece(key: str, cost, sync_stream: str = "data", critical_stream: str = "model") -> Piece:
     """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s` and the rest of `comm_s`)."""
     return Piece(key=key, compute_s=cost.compute_s, critical_s=cost.critical_s, gather_s=cost.gather_s,
-                 reduce_s=cost.reduce_s, sync_stream=sync_stream, critical_stream=critical_stream)
+                 reduce_s=cost.reduce_s, regather_s=cost.regather_s, sync_stream=sync_stream,
+                 critical_stream=critical_stream)
 
 
-def step_tasks(pieces: list[Piece]) -> list[Task]:
-    """The tasks of one training step over `pieces` in forward order (module docstring)."""
+def step_tasks(pieces: list[Piece], optimizer_s: float = 0.0) -> list[Task]:
+    """The tasks of one training step over `pieces` in forward order, then the optimizer step (module docstring)."""
     tasks: list[Task] = []
     prev: tuple[str, ...] = ()
     gathering: list[str] = []  # the structures that gather, in forward order: prefetch counts these, not the norms
@@ -140,24 +155,68 @@ def step_tasks(pieces: list[Piece]) -> list[Task]:
         if p.critical_s > 0:
             tasks.append(Task(f"fwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
             prev = (f"fwd-comm {p.key}",)
-    for p in reversed(pieces):
-        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3, prev))
+    backward = pieces[::-1]
+    regathering = [p for p in backward if p.regather_s > 0]  # FSDP2's prefetch counts these, in backward order
+    issued: set[str] = set()
+
+    def regather(p: Piece, wait: tuple[str, ...]) -> None:
+        if p.key not in issued:
+            issued.add(p.key)
+            tasks.append(Task(f"regather {p.key}", p.sync_stream, p.regather_s, wait))
+
+    reduces = []
+    for p in backward:
+        if p.regather_s > 0:
+            regather(p, prev)  # the first one (not prefetched): when the backward reaches it
+            k = regathering.index(p)
+            if k + 1 < len(regathering):  # prefetch the next one while this one computes
+                regather(regathering[k + 1], prev)
+        own = (f"regather {p.key}",) if p.regather_s > 0 else ()
+        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3, prev + own))
         prev = (f"bwd {p.key}",)
         if p.reduce_s > 0:
             tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, prev))
+            reduces.append(f"reduce {p.key}")
         if p.critical_s > 0:
             tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
             prev = (f"bwd-comm {p.key}",)
+    if optimizer_s > 0:
+        tasks.append(Task("optimizer", COMPUTE, optimizer_s, prev + tuple(reduces)))
     return tasks
 
 
-def step_schedule(pieces: list[Piece]) -> Schedule:
-    """`simulate(step_tasks(pieces))`."""
-    return simulate(step_tasks(pieces))
+def step_schedule(pieces: list[Piece], optimizer_s: float = 0.0, overlap_slowdown: float = 0.0) -> Schedule:
+    """The step's schedule: `simulate(step_tasks(pieces, optimizer_s))`, compute contended by the communication
+    it overlaps (`contended`) when `overlap_slowdown` > 0."""
+    tasks = step_tasks(pieces, optimizer_s)
+    sched = simulate(tasks)
+    return simulate(contended(tasks, sched, overlap_slowdown)) if overlap_slowdown > 0 else sched
+
+
+def contended(tasks: list[Task], sched: Schedule, slowdown: float) -> list[Task]:
+    """`tasks` with each compute task stretched by `slowdown` x the fraction of it that communication (any other
+    stream) overlapped in `sched` (module docstring)."""
+    comm = sorted((sched.start[t.name], sched.end[t.name]) for t in tasks if t.stream != COMPUTE and t.duration_s > 0)
+    busy: list[list[float]] = []  # the union of the communication intervals
+    for a, b in comm:
+        if busy and a <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], b)
+        else:
+            busy.append([a, b])
+    out = []
+    for t in tasks:
+        if t.stream == COMPUTE and t.duration_s > 0:
+            a, b = sched.start[t.name], sched.end[t.name]
+            covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in busy)
+            t = Task(t.name, t.stream, t.duration_s * (1 + slowdown * covered / t.duration_s), t.after)
+        out.append(t)
+    return out
 
 
 def overlapped_s(cost) -> float:
     """What one structure adds to the step with its parameter synchronisation overlapped (module docstring):
     the ILP's objective per candidate."""
     fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
-    return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd) + max(0.0, cost.reduce_s - bwd))
+    behind = min(cost.gather_s, fwd) + min(cost.reduce_s + cost.regather_s, bwd)  # compute communication overlaps
+    return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd)
+            + max(0.0, cost.reduce_s + cost.regather_s - bwd) + cost.optimizer_s + cost.overlap_slowdown * behind)

@@ -2,17 +2,23 @@
 of issues #11, memory, and #12, step time). It measures what the cost model predicts today; it changes
 nothing and hides nothing.
 
-    python benchmarks/published_runs.py [--quick] [--markdown]   # --quick: the 8-GPU torchtitan row only
-                                                                 # (its step time and memory; no auto)
+    python benchmarks/published_runs.py [--quick] [--markdown] [--breakdown]
+        # --quick: the 8-GPU torchtitan row only (its step time and memory; no auto)
+        # --breakdown: each row's predicted step by category (matmul, attention, elementwise by dtype, copies,
+        #   optimizer step, overlap contention, recompute, exposed communication) beside the published step
 
 Every model is built whole (every layer) on the meta device in bf16 with its published shapes and planned
 with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster=<the run's preset>)`;
-nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP gathers prefetched, gradient
-reductions overlapped with the backward, tensor-parallel collectives exposed) at the presets' achieved rates
-(`cost_model.hardware`: matmul by size, flash attention by sequence length, NCCL ring/tree, mesh axes mapped to
-NVLink within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB
-HBM2e, 500 W H100 torchtitan measured on) with torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDPA) as
-torchtitan trains it: fp32 parameters under `mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
+nothing runs. The step time is the estimate's timeline (`autopar.timeline`: FSDP gathers prefetched, ZeRO-3's
+backward re-gathers prefetched one layer ahead, gradient reductions overlapped with the backward, tensor-parallel
+collectives exposed, the optimizer step after the last reduction, compute slowed where communication overlaps it)
+at the presets' achieved rates (`cost_model.hardware`: matmul by size, flash attention by sequence length,
+elementwise and copy kernels at the measured fraction of HBM bandwidth, NCCL ring/tree, mesh axes mapped to NVLink
+within a node and the NICs across nodes). The torchtitan rows run on the `h100_hbm2e` preset (the 96 GB HBM2e,
+500 W H100 torchtitan measured on) with torchtitan's Llama 3 as torchtitan trains it: the eager FSDP rows with its
+fp32 RMSNorm and complex-fp32 RoPE (`llama_tt_eager_meta`: each upcast an eager kernel the estimate prices by its
+bytes), the torch.compile row as `llama_tt_meta` (causal flash SDPA, bf16 elementwise: Inductor fuses the casts);
+fp32 parameters under `mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`
 (bf16 compute and gathers, fp32 gradient reductions, fp32 masters and AdamW states) and every layer at the
 `selective` checkpoint level (`{"checkpoint": "selective"}`: torchtitan's per-op SAC, every other matmul output
 and the attention outputs kept, the rest recomputed in backward, priced by the estimate). From `plan.estimate`
@@ -26,7 +32,8 @@ and the attention outputs kept, the rest recomputed in backward, priced by the e
   large-scale language model training on GPU clusters", §5.1, with the recomputation pass taken out: their
   model TFLOP/s are 41-48% MFU of the 989 TFLOP/s bf16 peak, as the Megatron-LM README says).
 
-Each row prints `RATIO published_<row> predicted/published = x`. A hand plan whose estimate does not fit
+Each row prints `RATIO published_<row> predicted/published = x`; `--breakdown` prints each row's predicted step by
+category (`breakdown`) beside the published step. A hand plan whose estimate does not fit
 the device memory is still priced (and says DOES NOT FIT); `auto` raises InfeasibleError when no plan fits,
 and the row prints the least memory the planner says any plan needs. Then: the FSDP 8 -> 128 GPU scaling
 drop predicted vs published, and the memory rows: predicted peak / published peak, the peak's terms (model
@@ -56,7 +63,8 @@ Sources of the published figures:
   sizes. Megatron ran DP with its distributed optimizer; the TP1 row is priced with autopar's `dp` plan
   (replicated optimizer state), the others with `megatron` (TP on "tp", DP on "dp").
 - torchtitan's 64-GPU run shards parameters over its 8 data-parallel ranks (FSDP 8 x TP 8); no hand plan
-  does that (`megatron` is DP x TP), so that row prices `megatron` and says so in its forms.
+  does that (`megatron` is DP x TP), so that row prices `megatron` with torchtitan's sequence-parallel norms
+  (`{"norm": "sequence@tp"}`) and says so in its forms.
 
 torchtitan's 64-GPU run saves its sequence-parallel reduce-scatters' outputs under SAC; autopar's recomputing
 levels issue a layer's collectives again (`autopar.forms.checkpoint`), so that row pays them twice.
@@ -106,6 +114,8 @@ class Run:
     ac: str = ""  # the activation checkpointing level of every layer (`{"checkpoint": ac}`), "" none
     # torchtitan's mixed precision: fp32 parameters (the optimizer's masters), bf16 compute and gathers, fp32 reduce
     mixed: bool = False
+    compiled: bool = False  # torch.compile: elementwise ops fused (`llama_tt_meta`), else eager (`llama_tt_eager_meta`)
+    overrides: tuple = ()  # (key, form) the plan takes beyond the named plan (the run's own layout)
 
     @property
     def gpus(self) -> int:
@@ -121,7 +131,8 @@ RUNS = (
         cluster="h100_hbm2e", ac="selective", mixed=True),
     Run("tt_8b_fsdp8_tp8", "torchtitan Llama-3.1-8B, 64 H100, FSDP 8 x TP 8, local batch 12, seq 8192, compile",
         "llama", LLAMA_8B, {"dp": 8, "tp": 8}, 96, 8192, "megatron", 4378.0, "tok/s/GPU",
-        cluster="h100_hbm2e", ac="selective", mixed=True),
+        cluster="h100_hbm2e", ac="selective", mixed=True, compiled=True,
+        overrides=(("norm", "sequence@tp"),)),  # torchtitan's TP plan: SequenceParallel on every RMSNorm
     Run("mlm_gpt_1.7b_tp1", "Megatron-LM GPT 1.7B, TP1 x DP48, 48 H100", "gpt", {"size": "1.7b"},
         {"dp": 48}, 192, GPT_SEQ, "dp", 408.8, "TFLOP/s/GPU"),
     Run("mlm_gpt_7.1b_tp2", "Megatron-LM GPT 7.1B, TP2 x DP48, 96 H100", "gpt", {"size": "7.1b"},
@@ -132,6 +143,63 @@ RUNS = (
         {"dp": 48, "tp": 8}, 192, GPT_SEQ, "megatron", 459.6, "TFLOP/s/GPU"),
 )
 PUBLISHED_SCALING = 5605.0 / 5762.0 - 1  # torchtitan FSDP 8 -> 128 GPUs: -2.7%
+
+def llama_tt_eager_meta(shape: dict, seq: int, batch: int):
+    """torchtitan's Llama 3 as its eager FSDP runs execute it (torchtitan `torchtitan/models/llama/model.py` and
+    `models/norms.py`, Dec 2024, `norm_type = "rmsnorm"`): `llama_tt_meta` with its fp32 upcasts, each an eager
+    kernel of its own that the estimate prices by its bytes: RMSNorm computes in fp32 (`self._norm(x.float())
+    .type_as(x) * self.weight`) and RoPE multiplies complex fp32 (`view_as_complex(xq.float()...) * freqs_cis`,
+    complex64 frequencies; the loss' logits `.float()` as in `llama_tt_meta`). The torch.compile row keeps
+    `llama_tt_meta`: Inductor fuses these casts into the neighbouring kernels."""
+    import torch
+    import torch.nn.functional as F
+    from autopar.models import Llama, LlamaAttention, LlamaConfig, RMSNorm
+
+    class Norm(RMSNorm):
+        def forward(self, x):
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+    class Attention(LlamaAttention):
+        def forward(self, x, _, freqs_cis):
+            b, s, _h = x.shape
+            q = self.wq(x).view(b, s, self.num_heads, self.head_dim)
+            k = self.wk(x).view(b, s, self.num_kv_heads, self.head_dim)
+            v = self.wv(x).view(b, s, self.num_kv_heads, self.head_dim)
+            f = freqs_cis.view(1, s, 1, self.head_dim // 2)
+            q = torch.view_as_real(torch.view_as_complex(q.float().reshape(b, s, self.num_heads, -1, 2)) * f)
+            k = torch.view_as_real(torch.view_as_complex(k.float().reshape(b, s, self.num_kv_heads, -1, 2)) * f)
+            q, k = q.flatten(3).type_as(x), k.flatten(3).type_as(x)
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+            return self.wo(y.transpose(1, 2).reshape(b, s, -1))
+
+    class TorchtitanLlama(Llama):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            for layer in self.layers:
+                layer.attn_norm, layer.mlp_norm = Norm(cfg.hidden, cfg.norm_eps), Norm(cfg.hidden, cfg.norm_eps)
+                layer.attn = Attention(cfg)
+            self.norm = Norm(cfg.hidden, cfg.norm_eps)
+
+        def forward(self, tokens, labels):
+            s = tokens.shape[1]
+            freqs = torch.outer(torch.arange(s, device=tokens.device).float(), self.inv_freq)
+            freqs_cis = torch.polar(torch.ones_like(freqs), freqs)
+            x = self.embed(tokens)
+            for layer in self.layers:
+                x, _ = layer(x, None, freqs_cis)
+            logits = self.output(self.norm(x)).flatten(0, 1).float()
+            return F.cross_entropy(logits, labels.flatten(), ignore_index=-100)
+
+    cfg = LlamaConfig(vocab_size=shape["vocab"], seq_len=seq, num_layers=shape["layers"], num_heads=shape["heads"],
+                      num_kv_heads=shape["kv_heads"], hidden=shape["hidden"], ffn_hidden=shape["ffn"],
+                      rope_theta=500000.0, norm_eps=1e-5, attention="sdpa")
+    with torch.device("meta"):
+        model = TorchtitanLlama(cfg).to(torch.bfloat16)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
 
 def gpt_meta(size: str, batch: int):
     """autopar.models.GPT (fused QKV, GELU MLP 4H, tied embeddings) on meta in bf16, and its meta inputs."""
@@ -148,7 +216,8 @@ def gpt_meta(size: str, batch: int):
 
 def build(run: Run):
     if run.arch == "llama":
-        model, inputs = llama_tt_meta(run.shape, run.seq, run.batch)
+        build_llama = llama_tt_meta if run.compiled else llama_tt_eager_meta
+        model, inputs = build_llama(run.shape, run.seq, run.batch)
         return (model.float() if run.mixed else model), inputs  # mixed: the fp32 masters torchtitan holds
     return gpt_meta(run.shape["size"], run.batch)
 
@@ -160,6 +229,12 @@ def mp_policy(run: Run):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def plan_overrides(run: Run) -> dict | None:
+    """The run's checkpoint level and own layout as `autopar.plan` overrides."""
+    out = {"checkpoint": run.ac} if run.ac else {}
+    return {**out, **dict(run.overrides)} or None
 
 
 def flops_per_step(run: Run, model) -> float:
@@ -184,7 +259,7 @@ def price(run: Run, memory_limit=None) -> dict:
     t0 = time.perf_counter()
     try:
         p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit,
-                         overrides={"checkpoint": run.ac} if run.ac and run.plan != "auto" else None,
+                         overrides=plan_overrides(run) if run.plan != "auto" else None,
                          mp_policy=mp_policy(run))
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
@@ -200,6 +275,56 @@ def price(run: Run, memory_limit=None) -> dict:
                mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
                limit_gib=e.memory_limit_bytes / GIB, tok_s_gpu=tok_s_gpu, tflops=tflops, mfu=tflops * 1e12 / PEAK_BF16,
                predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p))
+    return out
+
+
+def breakdown(run: Run) -> dict[str, float]:
+    """The predicted step of `run` by category, ms per device (`--breakdown`): each op of the captured graph priced by
+    its kind at the preset's rate (`cost_model.analytical.kernel_time_s`), forward + backward (3x forward), divided
+    over the ranks its structure's form splits it (the data axes, times the form's own axes); the optimizer step
+    (`Estimate.optimizer_s`); FSDP's copies into and out of its flat buffers (`autopar.forms.fsdp.copy_s`); the
+    compute the timeline adds where communication overlaps it (`Estimate.contention_s`); the selective level's recompute
+    and the rest (what remains of the estimate's compute time: with no level, what the per-op split over ranks
+    approximates); the exposed communication; and the step published, for the MFU
+    it implies."""
+    import autopar
+    from autopar.api import _prepare
+    from autopar.estimate import gather_stats, mesh_costing
+    from autopar.forms import fsdp
+    from autopar.precision import precision_of
+    from cost_model.analytical import kernel_time_s
+    from cost_model.hardware import PRESETS
+
+    model, inputs = build(run)
+    kw = dict(plan=run.plan, overrides=plan_overrides(run), mp_policy=mp_policy(run))
+    cluster = PRESETS[run.cluster]
+    p = autopar.plan(model, run.mesh, inputs, cluster=cluster, **kw)
+    _, _, ctx = _prepare(model, run.mesh, inputs, precision=precision_of(mp_policy(run)))
+    stats, other, _ = gather_stats(ctx)
+    axes = {s.key: s.axes for s in p.strategies}
+    out: dict[str, float] = {}
+    for key, st in [*stats.items(), ("", other)]:
+        div = run.mesh["dp"] * math.prod(run.mesh[a] for a in axes.get(key, ()))
+        for (kind, dtype, size), (flops, nbytes, ops) in st.work.items():
+            label = {"matmul": "matmul", "sdpa": "attention"}.get(kind, f"{'elementwise' if kind == 'vector' else 'copies'}"
+                                                                         f" {dtype.replace('bfloat16', 'bf16').replace('float32', 'fp32')}")
+            t = kernel_time_s(kind, 3 * flops / div, 3 * nbytes / div, dtype, cluster, 3 * ops,
+                              flops_per_call=size / div if size and kind == "matmul" else None,
+                              seq_len=size if size and kind == "sdpa" else None)
+            if t:
+                out[label] = out.get(label, 0.0) + t * 1e3
+    e = p.estimate
+    out["optimizer step"] = e.optimizer_s * 1e3
+    if run.plan == "fsdp":  # every structure FSDP-sharded over dp: its flat buffers' copies (`fsdp.copy_s`)
+        mc = mesh_costing(ctx, stats, other, tuple(run.mesh), tuple(run.mesh.values()), ("dp",), cluster)
+        out["fsdp copies"] = sum(fsdp.copy_s(mc, st, 1) for st in (*stats.values(), other)) * 1e3
+    out["overlap contention"] = e.contention_s * 1e3
+    out["recompute and rest"] = e.compute_time_s * 1e3 - sum(out.values())
+    out["exposed comm"] = e.exposed_comm_s * 1e3
+    out["step"] = e.step_time_s * 1e3
+    tokens = run.batch * run.seq / run.gpus
+    out["published step"] = (tokens / run.published if run.unit == "tok/s/GPU"
+                             else flops_per_step(run, model) / run.gpus / (run.published * 1e12)) * 1e3
     return out
 
 
@@ -224,14 +349,15 @@ def fmt_row(r: dict) -> str:
             + ("" if r["batch_ok"] else "\n    the batch does not divide over the plan's data axes: input replicated"))
 
 
-def main(argv=None) -> dict:
+def main(argv=None, priced: dict | None = None) -> dict:
+    """The benchmark; `priced`: rows already priced (`price`) by run name, reused (tests share them)."""
     argv = sys.argv[1:] if argv is None else argv
-    quick, markdown = "--quick" in argv, "--markdown" in argv
+    quick, markdown, parts = "--quick" in argv, "--markdown" in argv, "--breakdown" in argv
     runs = RUNS[:1] if quick else RUNS
     results = []
     print("== throughput: predicted (cost model, h100 preset) vs published")
     for run in runs:
-        r = price(run)
+        r = (priced or {}).get(run.name) or price(run)
         results.append(r)
         print(fmt_row(r), flush=True)
     by = {r["run"].name: r for r in results}
@@ -270,6 +396,11 @@ def main(argv=None) -> dict:
         print(f"RATIO published_mem_{run.name} predicted/published = {r['mem_gib'] / run.published_mem_gib:.2f} "
               f"({r['mem_gib']:.1f} / {run.published_mem_gib} GiB{ok}; goal 0.80-1.20)")
 
+    if parts:
+        print("\n== the predicted step by category, ms per device (`breakdown`)")
+        for run in runs:
+            b = breakdown(run)
+            print(f"  {run.name}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items()), flush=True)
     if markdown:
         print("\n| run | published | predicted | predicted / published | predicted memory |")
         print("|---|---|---|---|---|")

@@ -236,6 +236,8 @@ class Cluster:
     copy_bytes_per_s: float | None = None  # pure data movement ops: bytes read + written per second
     op_overhead_s: float | None = None  # framework time per op dispatched
     calibration: Calibration | None = None  # measured / predicted corrections (`autopar.tune`)
+    # compute overlapped by communication runs this much slower (NCCL's kernels take SMs: `autopar.timeline`)
+    overlap_slowdown: float = 0.0
 
     def __post_init__(self):
         if self.gpus_per_node < 1:
@@ -249,6 +251,8 @@ class Cluster:
         if not self.memory_bytes_per_s > 0 or not self.device_memory_bytes > 0:
             raise ValueError(f"cluster {self.name!r}: memory_bytes_per_s and device_memory_bytes must be > 0, "
                              f"got {self.memory_bytes_per_s} and {self.device_memory_bytes}")
+        if not 0 <= self.overlap_slowdown < 10:
+            raise ValueError(f"cluster {self.name!r}: overlap_slowdown must be in [0, 10), got {self.overlap_slowdown}")
         for name in ("flops_efficiency", "memory_efficiency"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"cluster {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)}")
@@ -379,7 +383,18 @@ _H100_FLOPS = {
 #   ring per NIC), a group with one GPU per node a NIC's 50 GB/s (`axis_link` maps a mesh axis to this).
 #   All-reduce latency is NCCL's ring or double binary tree, whichever is shorter (NCCL 2.4 "Massively scale
 #   your deep learning training with NCCL 2.4", NVIDIA blog 2019: trees give logarithmic latency).
+# - Elementwise and copy kernels (`vector_bytes_per_s`, `copy_bytes_per_s`: eager PyTorch runs each pointwise op,
+#   reduction and cast as its own kernel, priced by the bytes it reads and writes): a device-to-device copy on H100
+#   SXM moves 2,903 GB/s, 86.7% of the 3,350 GB/s HBM3 peak (Voltage Park / Georgia Tech H100 cluster benchmark,
+#   github.com/aigatech/vpbenchmarking: "GPU D2D (HBM3) 2,903 GB/s, 86.7% of HBM3 peak"); the presets take that fraction of their datasheet bandwidth.
+# - Communication slowing compute (`overlap_slowdown`): overlapping collectives with compute slowed the compute by
+#   18.9% on average (40% at most) against the same compute alone, measured on H100 and A100 with GPT and Llama
+#   training (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+#   Learning: Performance and Power Implications", arXiv 2507.03114): NCCL's kernels occupy SMs (and power) the
+#   compute kernels then lack.
 _T0_S = 8e-6  # assumed fixed time of one matmul kernel (see above)
+_HBM_ACHIEVED = 2903 / 3350  # D2D copy / datasheet HBM bandwidth, H100 SXM (see above)
+_OVERLAP_SLOWDOWN = 0.189  # compute slowdown under overlapped communication (Lee et al. 2025, see above)
 
 
 def _matmul_table(peak: dict[str, float], mamf: float) -> dict[str, tuple[tuple[float, float], ...]]:
@@ -413,7 +428,11 @@ def _h100_like(name: str, *, peak: dict[str, float], mamf: float, memory_bytes_p
         inter_node=Link(alpha_s=_IB_ALPHA_S, bytes_per_s=50 * GB, tree_all_reduce=True),
         source=source,
         matmul_table=_matmul_table(peak, mamf),
-        sdpa_table=_sdpa_table(335e12),  # FlashAttention-2 on H100 (see above)
+        # FlashAttention-2 on H100 SXM (see above), at the same fraction of a part's bf16 peak
+        sdpa_table=_sdpa_table(335e12 * peak["bfloat16"] / _H100_FLOPS["bfloat16"]),
+        vector_bytes_per_s=memory_bytes_per_s * _HBM_ACHIEVED,
+        copy_bytes_per_s=memory_bytes_per_s * _HBM_ACHIEVED,
+        overlap_slowdown=_OVERLAP_SLOWDOWN,
     )
 
 
@@ -463,6 +482,9 @@ PRESETS: dict[str, Cluster] = {
         matmul_table=_matmul_table({"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12, "float64": 19.5e12},
                                    271.2 / 312),
         sdpa_table=_sdpa_table(0.73 * 312e12),  # FlashAttention-2 paper: up to 73% of A100 peak
+        vector_bytes_per_s=2.039e12 * _HBM_ACHIEVED,  # the H100's achieved fraction of HBM (see above)
+        copy_bytes_per_s=2.039e12 * _HBM_ACHIEVED,
+        overlap_slowdown=_OVERLAP_SLOWDOWN,  # measured on A100 and H100 (see above)
     ),
     # A small CPU host running one gloo rank per core (OMP_NUM_THREADS=1). The numbers are about
     # half of what `torchrun --nproc-per-node 2 -m autopar profile` measured on a 2-core AMD EPYC VM

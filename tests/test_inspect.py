@@ -253,7 +253,9 @@ def test_plan_to_html(tmp_path):
     ends = (sum(s.activations_bytes for s in e.sites) + max(s.momentary_bytes for s in e.sites),
             sum(s.gradients_bytes for s in e.sites))
     assert held + max(ends) == pytest.approx(e.memory_bytes_per_device, abs=len(e.sites) * 4)
-    assert sum(s.compute_s + s.comm_s for s in e.sites) == pytest.approx(e.compute_time_s + e.comm_time_s)
+    assert sum(s.compute_s + s.comm_s for s in e.sites) + e.optimizer_s + e.contention_s == \
+        pytest.approx(e.compute_time_s + e.comm_time_s)
+    assert e.optimizer_s > 0  # the optimizer step: on the compute stream after the last reduction
     assert e.step_time_s == pytest.approx(e.compute_time_s + e.exposed_comm_s)  # the step's timeline
     assert all(sum(t for _, t in s.comm_axes) <= s.comm_s + 1e-15 for s in e.sites)
 

@@ -78,12 +78,68 @@ def test_tensor_parallel_collectives_are_exposed():
     assert s.start["fwd l1"] == pytest.approx(s.end["fwd-comm l0"])
 
 
+def test_zero3_regathers_run_on_the_data_stream_one_layer_ahead_of_the_backward():
+    # 4 layers of 3 s compute (2 s backward each), re-gathers of 0.5 s and reduce-scatters of 1 s on one data stream
+    s = T.step_schedule(_layers(4, 3.0, regather_s=0.5, reduce_s=1.0))
+    fwd_end = s.end["fwd l3"]
+    # the first re-gather is not prefetched: the last layer's backward waits for it
+    assert s.start["regather l3"] == pytest.approx(fwd_end) and s.start["bwd l3"] == pytest.approx(fwd_end + 0.5)
+    # the next layer's is issued with it (prefetch), so it is ready before that layer's backward starts
+    assert s.start["regather l2"] == pytest.approx(fwd_end + 0.5) and s.end["regather l2"] <= s.start["bwd l2"]
+    for i in (1, 0):  # each later one is issued when the backward of the layer two later ends (FSDP2's order) ...
+        assert s.start[f"regather l{i}"] >= s.end[f"bwd l{i + 2}"]
+        assert s.start[f"bwd l{i}"] >= s.end[f"regather l{i}"]  # ... and its layer's backward waits for it
+    # issue order on the one stream: a layer's reduce-scatter before the re-gather prefetched after its backward
+    assert s.start["regather l1"] >= s.end["reduce l3"]
+    # only the first re-gather and the last reduce-scatter are exposed
+    assert s.exposed_comm_s == pytest.approx(0.5 + 1.0)
+    # re-gathers longer than a layer's backward: the backward waits on each
+    slow = T.step_schedule(_layers(4, 3.0, regather_s=3.0))
+    assert slow.start["bwd l0"] == pytest.approx(slow.end["regather l0"])
+    assert slow.exposed_comm_s == pytest.approx(3.0 + 3 * (3.0 - 2.0))  # the first, then 1 s more than each backward
+
+
+def test_the_optimizer_step_follows_the_last_reduction_on_the_compute_stream():
+    s = T.step_schedule(_layers(3, 3.0, reduce_s=1.5), optimizer_s=0.25)
+    assert s.start["optimizer"] == pytest.approx(max(s.end[f"reduce l{i}"] for i in range(3)))
+    assert s.compute_s == pytest.approx(9.25) and s.makespan_s == pytest.approx(s.end["optimizer"])
+    assert s.exposed_comm_s == pytest.approx(1.5)  # the last reduction, before the optimizer step
+
+
+def test_compute_overlapped_by_communication_runs_slower():
+    pieces = _layers(4, 3.0, reduce_s=1.0)
+    quiet, busy = T.step_schedule(pieces), T.step_schedule(pieces, overlap_slowdown=0.2)
+    # reductions of l3, l2, l1 overlap the backward of l2, l1, l0 (1 s of each 2 s): each stretched by 0.2 x 1 s
+    assert busy.compute_s == pytest.approx(quiet.compute_s + 3 * 0.2)
+    assert busy.end["bwd l0"] == pytest.approx(quiet.end["bwd l0"] + 3 * 0.2)
+    # compute nothing overlaps is not stretched: the forward, and everything without communication
+    assert busy.end["fwd l3"] == pytest.approx(quiet.end["fwd l3"])
+    alone = _layers(4, 3.0)
+    assert T.step_schedule(alone, overlap_slowdown=0.2).makespan_s == pytest.approx(12.0)
+    # exposed (waited-for) communication overlaps no compute: nothing to stretch
+    tp = _layers(2, 3.0, critical_s=1.0)
+    assert T.step_schedule(tp, overlap_slowdown=0.5).compute_s == pytest.approx(6.0)
+
+
 def test_overlapped_s_per_structure():
     c = Cost(compute_s=3.0, comm_s=2.5, comm_bytes=0, memory_bytes=0, gather_s=0.5, reduce_s=1.5)
     assert c.critical_s == pytest.approx(0.5) and c.time_s == pytest.approx(5.5)
     assert T.overlapped_s(c) == pytest.approx(3.5)  # gather under 1 s fwd, reduction under 2 s bwd: hidden
     big = dataclasses.replace(c, comm_s=6.0, gather_s=2.0, reduce_s=3.5)
     assert T.overlapped_s(big) == pytest.approx(3.0 + 0.5 + 1.0 + 1.5)
+    # a re-gather shares the backward with the reductions: the same overlapped time as when reduce_s held it
+    split = dataclasses.replace(big, reduce_s=2.5, regather_s=1.0)
+    assert split.critical_s == pytest.approx(big.critical_s) and T.overlapped_s(split) == pytest.approx(T.overlapped_s(big))
+
+
+def test_optimizer_step_is_memory_bound_over_the_local_state():
+    from autopar.estimate import OPTIMIZER_ACCESSES, optimizer_step_s
+    h100 = H.PRESETS["h100"]
+    held = Cost(compute_s=1.0, comm_s=0.0, comm_bytes=0, memory_bytes=16e9 + 5e9, act_bytes=4e9, transient_bytes=1e9)
+    # 1e9 fp32 parameters with AdamW: 16 GB of state, foreach AdamW's 21 accesses of 4 bytes each per element
+    assert OPTIMIZER_ACCESSES["adamw"] * 16 == 84
+    assert optimizer_step_s([held], "adamw", h100) == pytest.approx(84e9 / h100.vector_bytes_per_s)
+    assert optimizer_step_s([held], "sgd", h100) < optimizer_step_s([held], "adam", h100)
 
 
 # ----------------------------------------------------------------------------- achieved rates
@@ -98,6 +154,9 @@ def test_preset_rates_rise_with_size_below_the_peak(name):
         attn = [A.sdpa_flops_per_s(c, dtype, s) for s in (256, 1024, 4096, 16384, 131072)]
         assert all(b > a for a, b in zip(attn, attn[1:])) and attn[-1] < rates[-1], attn
     assert A.matmul_flops_per_s(c, "bfloat16", 1e6) < 0.2 * c.peak_flops["bfloat16"]  # a tiny matmul is latency
+    # elementwise kernels at the measured D2D-copy fraction of HBM; compute slowed under overlapped communication
+    assert c.vector_bytes_per_s == pytest.approx(c.memory_bytes_per_s * 2903 / 3350) == c.copy_bytes_per_s
+    assert c.overlap_slowdown == pytest.approx(0.189)
 
 
 def test_h100_matmul_and_attention_sources():
@@ -105,6 +164,9 @@ def test_h100_matmul_and_attention_sources():
     assert A.matmul_flops_per_s(h100, "bfloat16", 1e16) == pytest.approx(794.5e12, rel=1e-3)  # MAMF
     # FlashAttention-2's 335 TFLOP/s (its count: backward 2.5x forward) in autopar's (2x) count
     assert A.sdpa_flops_per_s(h100, "bfloat16", 2**20) == pytest.approx(335e12 * 3 / 3.5, rel=1e-3)
+    # the 96 GB HBM2e part: FlashAttention at the same fraction of its (lower) bf16 peak as the matmuls
+    hbm2e = H.PRESETS["h100_hbm2e"]
+    assert A.sdpa_flops_per_s(hbm2e, "bfloat16", 2**20) == pytest.approx(335e12 * 912 / 989 * 3 / 3.5, rel=1e-3)
     # a profile's single measured attention rate wins over no table; a table by length over nothing
     prof = dataclasses.replace(H.PRESETS["cpu"], sdpa_flops={"float32": 3e10})
     assert A.sdpa_flops_per_s(prof, "float32", 4096) == 3e10 and A.sdpa_flops_per_s(H.PRESETS["cpu"], "float32") is None

@@ -31,10 +31,12 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     holds only while it runs (`Cost.peak_bytes`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
-    gather = 0.0
+    gather = regather = 0.0
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
         gather = min(t, fsdp.gather_s(mc, st, param_split))
+        regather = min(t - gather, fsdp.regather_s(mc, st, param_split))
+        compute += fsdp.copy_s(mc, st, param_split)
     else:
         t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
         state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
@@ -43,7 +45,7 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
-                reduce_s=t - gather)
+                reduce_s=t - gather - regather, regather_s=regather)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

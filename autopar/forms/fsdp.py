@@ -14,7 +14,8 @@ complete (`autopar.runtime.fsdp`). `keep_gathered` marks groups kept gathered fr
 
 Cost (`sync`): per group an all-gather forward per data axis, again in backward when resharded
 (`regather_time_s`; a group only embedding lookups read is not saved, so not gathered again), and a
-reduce-scatter per data axis backward (`reduce_time_s`, in reduce_dtype bytes under mixed precision); each
+reduce-scatter per data axis backward (`reduce_time_s`, in reduce_dtype bytes under mixed precision), and the copies
+into and out of their flat buffers on the compute stream (`copy_s`, added to the structure's compute); each
 parameter pays its share of its group's collective (`autopar.estimate.fsdp_groups`). `gather_s` is the gathers' share (what a timeline prefetches ahead of the
 forward: `autopar.timeline`). On sequence axes gradients join the data-parallel bucket. State: parameters,
 gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters backward reads
@@ -35,7 +36,7 @@ from autopar.forms import dp
 from autopar.plan import GATHER_KEEP, Directive, DirectiveKind, Plan
 from autopar.sites import Kind, Site
 from autopar.spec import Placement, is_shard
-from cost_model.analytical import collective_time_s, send_bytes
+from cost_model.analytical import collective_time_s, kernel_time_s, send_bytes
 
 NAME = "fsdp"
 
@@ -192,6 +193,36 @@ def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
         if used:
             t += gather_time_s(mc, nbytes / split, group / split)[0]
     return t
+
+
+def regather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
+    """The backward re-gathers' share of `params_cost`'s time (ZeRO-3: issued before the layer's backward)."""
+    sharded, _ = st.fsdp_parts()
+    t = 0.0
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
+        if used and again:
+            t += regather_time_s(mc, nbytes / split, group / split)[0]
+    return t
+
+
+def copy_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
+    """The compute stream's copies around FSDP's collectives (`autopar.runtime.fsdp`, as FSDP2's
+    `foreach_all_gather` copy-in, `foreach_all_gather_copy_out` and `foreach_reduce`'s `chunk_cat`), memory-bound at
+    the cluster's copy rate: per gather (forward, and again in backward when resharded) the local shards copied into
+    the flat buffer (read + write, cast to param_dtype) and the gathered buffer copied out into the full parameters
+    (read + write); per reduction the full gradients copied into the flat buffer in reduce_dtype (read, and write
+    `grad_bytes_factor` times their bytes)."""
+    sharded, _ = st.fsdp_parts()
+    moved = 0.0
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        full = nbytes / split
+        again = sharded.fsdp_groups.get(name, (nbytes, False))[1] if synced else False
+        if used:
+            moved += (1 + again) * (2 * full / mc.dp + 2 * full)
+        if synced:
+            moved += full * (1 + mc.grad_bytes_factor)
+    return kernel_time_s("memory", 0.0, moved, mc.param_dtype, mc.cluster) if moved else 0.0
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
