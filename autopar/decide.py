@@ -40,7 +40,7 @@ def _row(c: Candidate, cost: Cost | None, why: str) -> CandidateRow:
     if cost is None:
         return CandidateRow(label=c.label, excluded=why or "not priced")
     return CandidateRow(label=c.label, compute_s=cost.compute_s, comm_s=cost.comm_s,
-                        memory_bytes=int(cost.memory_bytes))
+                        memory_bytes=int(cost.memory_bytes), time_s=overlapped_s(cost))
 
 
 def _cheapest_text(rows, chosen: Candidate) -> str:

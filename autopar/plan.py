@@ -166,6 +166,13 @@ class CandidateRow:
     comm_s: float = 0.0
     memory_bytes: int = 0
     excluded: str = ""
+    # what it adds to the step as the planner weighs it (communication overlapped, its share of the optimizer step:
+    # `autopar.timeline.overlapped_s`); 0.0: compute_s + comm_s
+    time_s: float = 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.time_s or self.compute_s + self.comm_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -417,7 +424,7 @@ def _explain_one(d: Decision, key: str | None) -> str:
     for r in d.candidates:
         mark = "  * " if r.label == d.chosen else "    "
         priced = not r.excluded or r.compute_s or r.comm_s or r.memory_bytes  # a role assignment over the limit
-        cells = (_fmt_time(r.compute_s), _fmt_time(r.comm_s), _fmt_time(r.compute_s + r.comm_s),
+        cells = (_fmt_time(r.compute_s), _fmt_time(r.comm_s), _fmt_time(r.step_s),
                  _fmt_bytes(r.memory_bytes)) if priced else ()
         line = mark + r.label.ljust(width) + "".join("  " + c.ljust(10) for c in cells)
         lines.append((line + ("  excluded: " + r.excluded if r.excluded else "")).rstrip())

@@ -367,7 +367,8 @@ def _reranked(ctx: PassContext, mesh: MeshInfo, overrides, input_batch, exclude,
     else:
         plan = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate,
                                                                       solver=f"{plan.estimate.solver}; {text}"))
-    cands = tuple(CandidateRow(label=label, compute_s=c, comm_s=max(0.0, t - c), memory_bytes=int(m), excluded=why)
+    cands = tuple(CandidateRow(label=label, compute_s=c, comm_s=max(0.0, t - c), memory_bytes=int(m), excluded=why,
+                               time_s=t)
                   for label, c, t, m, why in rows)
     decision = Decision(keys=(RERANKED_KEY,), kind="plan", chosen=chosen,
                         decided_by=f"the least estimated step (the timeline): {by}", candidates=cands)
@@ -411,7 +412,8 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
                    if not model_axes & set(c)]
         batch = max(input_batch.values(), default=0)
         # lone linears are priced replicated whatever their form: the ILP plans the rest, their overrides apply after
-        rank = lambda sol: step_timeline(ctx, sol, sol.choices, sol.data_axes, sol.seq_axes).makespan_s  # noqa: E731
+        rank = lambda sol: step_timeline(ctx, sol, sol.choices, sol.data_axes, sol.seq_axes, clus,  # noqa: E731
+                                          optimizer).makespan_s
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit,
                              forced={k: c for k, c in forced.items() if planning[k].kind is not Kind.LINEAR},
                              optimizer=optimizer, data_axes_options=options, batch=batch, layers=layers,

@@ -19,7 +19,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar import planner
+from autopar import planner, solver
+from autopar.forms import checkpoint as ckpt
 from autopar.api import _prepare, _resolve_plan
 from autopar.models import Llama, LlamaConfig
 from autopar.plan import GATHER_KEEP, DirectiveKind
@@ -87,7 +88,14 @@ def test_planning_is_deterministic_and_the_tune_path_is_not_re_ranked(gpt):
 
 def test_a_hand_plan_that_wins_is_the_plan(gpt, monkeypatch):
     plan, _, _ = gpt
-    monkeypatch.setattr(planner, "RERANK_TOP", 1)  # only the ILP's first: here fsdp (no checkpoint) beats it
+    # only the ILP's first, made to recompute every layer (`full`): here fsdp without checkpointing beats it
+    monkeypatch.setattr(planner, "RERANK_TOP", 1)
+    solve = solver.solve
+
+    def recomputing(*args, **kw):
+        return solve(*args, **{**kw, "checkpoint_forced": {la.path: ckpt.LEVELS["full"] for la in kw["layers"]}})
+
+    monkeypatch.setattr(solver, "solve", recomputing)
     auto = plan()
     d, rows = _rows(auto)
     assert d.chosen == "fsdp + checkpoint none" and list(rows)[0] == "ILP solution 1" and len(rows) == 7
