@@ -80,6 +80,9 @@ class Cost:
     # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
     gather_s: float = 0.0
     reduce_s: float = 0.0
+    # of the critical communication: the backward collective of column-parallel linears' input gradient that runs
+    # under their weight gradients (Megatron's async communication, `blocks.weight_grad_cover_s`; `autopar.timeline`)
+    hidden_s: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -17,16 +17,19 @@ collectives on its model axes (`Piece.critical_stream`). Forward, for each struc
   for the previous structure's forward collectives;
 - `fwd-comm i` (its critical stream, half its critical communication): tensor-parallel collectives, the loss'
   reductions; the next compute waits for them, so they are exposed.
-Backward, last structure first: `bwd i` (compute, two thirds) after the later structure's `bwd-comm`;
-`bwd-comm i` (the other half); `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket
-share, FSDP's reduce-scatter), which waits only for `bwd i`, so it overlaps the backward of the structures
-before it. The optimizer step waits for every reduction: the last ones are exposed.
+Backward, last structure first: `bwd i` (compute, two thirds, less `Piece.hidden_s`) after the later structure's
+`bwd-comm`; `bwd-comm i` (the other half), after `bwd i`; `wgrad i` (compute, `hidden_s`): the weight gradients of
+its column-parallel linears, which run while their input gradient's reduction (part of `bwd-comm i`) is in flight
+(Megatron's async communication, `autopar.runtime.collectives.grad_all_reduce_linears`), so `hidden_s` of it is
+covered; `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket share, FSDP's
+reduce-scatter), which waits only for its backward compute, so it overlaps the backward of the structures before it.
+The optimizer step waits for every reduction: the last ones are exposed.
 
 `overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
-structures, linear in the choices): compute + critical communication + the part of its gathers its forward
-does not cover + the part of its reductions its backward does not cover. (In the timeline a gather hides
-behind the previous structure's forward and a reduction behind the next-earlier backward; per structure,
-its own compute stands for that neighbour's: identical layers make them equal.)
+structures, linear in the choices): compute + critical communication - what its weight gradients cover + the part
+of its gathers its forward does not cover + the part of its reductions its backward does not cover. (In the timeline
+a gather hides behind the previous structure's forward and a reduction behind the next-earlier backward; per
+structure, its own compute stands for that neighbour's: identical layers make them equal.)
 
 What the timeline leaves out: the compute slowdown while NCCL kernels share the SMs, the optimizer step's own
 time, ZeRO-3's backward re-gather (priced by the FSDP form when it issues one), bucket boundaries inside a
@@ -115,12 +118,19 @@ class Piece:
     reduce_s: float = 0.0
     sync_stream: str = "data"
     critical_stream: str = "model"
+    hidden_s: float = 0.0  # of critical_s' backward half: what its weight gradients cover (`Cost.hidden_s`)
+
+    def __post_init__(self):
+        if not 0.0 <= self.hidden_s <= min(self.critical_s / 2, 2 * self.compute_s / 3) + 1e-15:
+            raise ValueError(f"piece {self.key!r}: hidden_s must be within its backward communication and compute, "
+                             f"got {self.hidden_s} (critical {self.critical_s}, compute {self.compute_s})")
 
 
 def piece(key: str, cost, sync_stream: str = "data", critical_stream: str = "model") -> Piece:
-    """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s` and the rest of `comm_s`)."""
+    """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s`, `hidden_s` and the rest of `comm_s`)."""
     return Piece(key=key, compute_s=cost.compute_s, critical_s=cost.critical_s, gather_s=cost.gather_s,
-                 reduce_s=cost.reduce_s, sync_stream=sync_stream, critical_stream=critical_stream)
+                 reduce_s=cost.reduce_s, sync_stream=sync_stream, critical_stream=critical_stream,
+                 hidden_s=cost.hidden_s)
 
 
 def step_tasks(pieces: list[Piece]) -> list[Task]:
@@ -141,13 +151,18 @@ def step_tasks(pieces: list[Piece]) -> list[Task]:
             tasks.append(Task(f"fwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
             prev = (f"fwd-comm {p.key}",)
     for p in reversed(pieces):
-        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3, prev))
-        prev = (f"bwd {p.key}",)
+        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3 - p.hidden_s, prev))
+        bwd = (f"bwd {p.key}",)
+        computed = bwd  # the end of its backward compute
+        if p.hidden_s > 0:  # the weight gradients, while the input gradient's reduction (bwd-comm) runs
+            tasks.append(Task(f"wgrad {p.key}", COMPUTE, p.hidden_s, bwd))
+            computed = (f"wgrad {p.key}",)
         if p.reduce_s > 0:
-            tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, prev))
+            tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, computed))
+        prev = computed
         if p.critical_s > 0:
-            tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
-            prev = (f"bwd-comm {p.key}",)
+            tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, bwd))
+            prev = computed + (f"bwd-comm {p.key}",)
     return tasks
 
 
@@ -160,4 +175,5 @@ def overlapped_s(cost) -> float:
     """What one structure adds to the step with its parameter synchronisation overlapped (module docstring):
     the ILP's objective per candidate."""
     fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
-    return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd) + max(0.0, cost.reduce_s - bwd))
+    return (cost.compute_s + cost.critical_s - cost.hidden_s + max(0.0, cost.gather_s - fwd)
+            + max(0.0, cost.reduce_s - bwd))
