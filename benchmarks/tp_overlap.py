@@ -84,9 +84,10 @@ def run(quick: bool) -> None:
             losses["torch"] = train_step(hand, opt_h, inputs)
 
     steps["torch"] = hand_step
-    times = interleaved(steps, warmup=3, iters=6 if quick else 100, budget_s=30.0 if quick else 150.0)
+    warmup = 2 if quick else 3
+    times = interleaved(steps, warmup=warmup, iters=6 if quick else 100, budget_s=30.0 if quick else 300.0)
     if rank == 0:
-        print(f"  after {3 + len(times.wall_s['tp'])} training steps: "
+        print(f"  after {warmup + len(times.wall_s['tp'])} training steps: "
               + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         for a, b in (("tp", "tp_seq"), ("sp", "sp_seq"), ("tp", "torch"), ("tp_seq", "torch"), ("sp", "torch")):
             report(f"tp_overlap[{a}/{b}]", times, a, b)

@@ -121,6 +121,30 @@ def test_unfused_lowering_records_the_same_collectives_in_order(local_runs, monk
     assert res.loss == fused.loss and res.grad_err.keys() == fused.grad_err.keys()
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_autocast_runs_the_fused_backward_in_the_forward_dtype(local_world, sp):
+    """Under autocast the fused linears' backward matmuls run in bf16 as autocast's would, and the input gradient is
+    reduced in the input's dtype (fp32), as the unfused graph reduced it: the model under autocast, to bf16
+    tolerance."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+    from equivalence import compare_step
+
+    torch.manual_seed(0)
+    ref, x = Llama(LlamaConfig()), _tokens()
+    with local_world(T):
+        pm = autopar.parallelize(Llama(LlamaConfig()), init_device_mesh("cpu", (T,), mesh_dim_names=("tp",)), x,
+                                 plan="megatron", overrides=SP if sp else None)
+        pm.load_state_dict(ref.state_dict())
+        with C.record_comms() as recs:
+            errs = compare_step(pm, ref, x, lr=0.01, context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    scale = max(float(p.detach().abs().max()) for p in ref.parameters())
+    assert max(errs.values()) < 3e-2 * max(1.0, scale), {k: v for k, v in errs.items() if v > 3e-2}
+    reduced = [r for r in recs if r.pass_ == "backward" and r.kind == ("reduce_scatter" if sp else "all_reduce")
+               and r.numel == B * S * H]
+    assert len(reduced) == 2 * L + 1 and {r.dtype for r in reduced} == {"float32"}, reduced
+
+
 def _gloo_cases() -> list:
     out = []
     for name in MODELS:

@@ -307,11 +307,16 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, in_out: b
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
-def _input_grad(grads, ws, in_out) -> torch.Tensor:
-    """The gradient of the input the linears share: the sum of g_i @ w_i (w_i^T where `in_out`)."""
+# The linears' backward matmuls run in the dtype of their output gradient: the dtype autocast ran the forward in
+# (operands cast as autocast does), else the operands' own. Autograd casts each returned gradient to its input's
+# dtype; the input gradient is cast to it before it is summed and reduced, as autocast's casts would in the graph.
+
+def _input_grad(grads, ws, in_out, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of the input the linears share, in `dtype` (the input's): the sum of g_i @ w_i (w_i^T where
+    `in_out`)."""
     gx = None
     for g, w, t in zip(grads, ws, in_out):
-        gi = g.matmul(w.t() if t else w)
+        gi = _to_input(g.matmul((w.t() if t else w).to(g.dtype)), dtype)
         gx = gi if gx is None else gx + gi
     return gx
 
@@ -322,7 +327,7 @@ def _param_grads(x: torch.Tensor | None, grads, need_w, need_b, in_out) -> list:
     for g, nw, nb, t in zip(grads, need_w, need_b, in_out):
         g2 = g.reshape(-1, g.shape[-1])
         if nw:
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)
             out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
         else:
             out.append(None)
@@ -355,7 +360,7 @@ class _AllReduceLinears(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3::2], ctx.needs_input_grad[4::2]
         pending = None
         if need_x:
-            gx = _input_grad(grads, ws, ctx.in_out).contiguous()
+            gx = _input_grad(grads, ws, ctx.in_out, x.dtype).contiguous()
             _record("all_reduce", ctx.axis, gx, gx.numel(), True)
             pending = _c10d.all_reduce(gx, "sum", ctx.axis.group_name)
             if not OVERLAP[0]:
@@ -385,7 +390,7 @@ class _RegatherLinears(torch.autograd.Function):
         shard, *ws = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[5::2], ctx.needs_input_grad[6::2]
         pending = _issue_all_gather(shard, dim, axis, backward=True) if any(need_w) else None
-        gx = _input_grad(grads, ws, in_out) if need_x else None
+        gx = _input_grad(grads, ws, in_out, shard.dtype) if need_x else None
         x = _finish_all_gather(pending, dim, axis, split_factor) if pending is not None else None
         if gx is not None:
             gx = _issue_reduce_scatter(gx, dim, axis, split_factor, backward=True)
