@@ -8,7 +8,8 @@ collectives and numbers, each waited for before the weight gradients); and torch
 `parallelize_module` ColwiseParallel/RowwiseParallel plan (`tp_vs_parallelize_module.llama_hand_plan`). Training steps
 of all five alternate in one run (interleaved rounds, the slowest rank counting), after a check that each gives the
 single-device loss. Printed: RATIO lines (median wall time, paired steps, CPU time) and the median and spread
-(min-max) of the per-round ratios.
+(min-max) of the per-round ratios; then the time each variant's backward spends blocked waiting for collectives
+(what the overlap hides, measured directly).
 
     python benchmarks/tp_overlap.py [--quick]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,39 @@ def _sequential(step):
         finally:
             collectives.OVERLAP[0] = True
     return run
+
+
+def _blocked_in_backward_waits(steps: dict, names: tuple, n: int) -> dict:
+    """Seconds per step this rank spends blocked in waits for collectives inside the backward (where the tensor-
+    parallel input-gradient reductions are waited for), over `n` more steps of each of `names`: what the overlap
+    hides, measured directly (wall-clock step ratios on 2 shared cores are noisier than the gain)."""
+    wait, spent = collectives._wait, {name: 0.0 for name in names}
+    current = [None]
+
+    def timed(t):
+        if current[0] is None or torch._C._current_graph_task_id() == -1:  # forward: not counted
+            return wait(t)
+        t0 = time.perf_counter()
+        out = wait(t)
+        spent[current[0]] += time.perf_counter() - t0
+        return out
+
+    collectives._wait = timed
+    try:
+        for _ in range(n):
+            for name in names:
+                current[0] = name
+                dist.barrier()
+                steps[name]()
+        current[0] = None
+    finally:
+        collectives._wait = wait
+    out = {}
+    for name in names:  # the slowest rank
+        t = torch.tensor([spent[name] / n])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = t.item()
+    return out
 
 
 def run(quick: bool) -> None:
@@ -92,6 +127,10 @@ def run(quick: bool) -> None:
         for a, b in (("tp", "tp_seq"), ("sp", "sp_seq"), ("tp", "torch"), ("tp_seq", "torch"), ("sp", "torch")):
             report(f"tp_overlap[{a}/{b}]", times, a, b)
             _rounds(times, a, b)
+    blocked = _blocked_in_backward_waits(steps, ("tp", "tp_seq", "sp", "sp_seq"), 3 if quick else 6)
+    if rank == 0:
+        print("  blocked in backward collective waits per step (slowest rank): "
+              + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in blocked.items()), flush=True)
     first = losses["tp"].item()
     assert all(abs(v.item() - first) <= 1e-3 * max(1.0, abs(first)) for v in losses.values()), losses
 
