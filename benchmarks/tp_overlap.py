@@ -127,12 +127,12 @@ def run(quick: bool) -> None:
         for a, b in (("tp", "tp_seq"), ("sp", "sp_seq"), ("tp", "torch"), ("tp_seq", "torch"), ("sp", "torch")):
             report(f"tp_overlap[{a}/{b}]", times, a, b)
             _rounds(times, a, b)
+    first = losses["tp"].item()
+    assert all(abs(v.item() - first) <= 1e-3 * max(1.0, abs(first)) for v in losses.values()), losses
     blocked = _blocked_in_backward_waits(steps, ("tp", "tp_seq", "sp", "sp_seq"), 3 if quick else 6)
     if rank == 0:
         print("  blocked in backward collective waits per step (slowest rank): "
               + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in blocked.items()), flush=True)
-    first = losses["tp"].item()
-    assert all(abs(v.item() - first) <= 1e-3 * max(1.0, abs(first)) for v in losses.values()), losses
 
 
 def main() -> None:
