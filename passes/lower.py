@@ -752,7 +752,7 @@ def _fuse_input_collective(gm: fx.GraphModule, ctx: LowerContext, target, fuse) 
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(users, key=order.__getitem__)
         in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
-        weights = tuple(u.args[2] if t else u.args[1] for u, t in zip(users, in_out))
+        weights = tuple(u.args[2] if u.target is aten.addmm.default else u.args[1] for u in users)
         biases = tuple((u.args[0] if u.target is aten.addmm.default else None) if t else
                        (u.args[2] if len(u.args) > 2 else None) for u, t in zip(users, in_out))
         if any(a is not None and order[a] > order[first] for a in weights + biases):

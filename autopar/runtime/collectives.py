@@ -321,17 +321,18 @@ def _input_grad(grads, ws, in_out, dtype: torch.dtype) -> torch.Tensor:
     return gx
 
 
-def _param_grads(x: torch.Tensor | None, grads, need_w, need_b, in_out) -> list:
-    """(grad w_i, grad b_i) interleaved, None where not needed; `x` the linears' (full) input."""
+def _param_grads(x: torch.Tensor | None, grads, need_w, need_b, in_out, bias_shapes) -> list:
+    """(grad w_i, grad b_i) interleaved, None where not needed; `x` the linears' (full) input; a bias' gradient is
+    the output gradient summed to the bias' shape (addmm broadcasts a (n,), (1, n) or (m, n) bias)."""
     out = []
-    for g, nw, nb, t in zip(grads, need_w, need_b, in_out):
+    for g, nw, nb, t, shape in zip(grads, need_w, need_b, in_out, bias_shapes):
         g2 = g.reshape(-1, g.shape[-1])
         if nw:
             x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)
             out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
         else:
             out.append(None)
-        out.append(g2.sum(0) if nb else None)
+        out.append(g.sum_to_size(shape) if nb else None)
     return out
 
 
@@ -351,6 +352,7 @@ class _AllReduceLinears(torch.autograd.Function):
     def forward(ctx, x, axis, in_out, *weights_and_biases):
         ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.axis, ctx.in_out = axis, in_out
+        ctx.bias_shapes = tuple(None if b is None else b.shape for b in bs)
         ctx.save_for_backward(x, *ws)
         return tuple(_project(x, w, b, t) for w, b, t in zip(ws, bs, in_out))
 
@@ -365,7 +367,7 @@ class _AllReduceLinears(torch.autograd.Function):
             pending = _c10d.all_reduce(gx, "sum", ctx.axis.group_name)
             if not OVERLAP[0]:
                 pending = _wait(pending)
-        out = _param_grads(x, grads, need_w, need_b, ctx.in_out)
+        out = _param_grads(x, grads, need_w, need_b, ctx.in_out, ctx.bias_shapes)
         return (_wait(pending) if pending is not None else None, None, None, *out)
 
 
@@ -380,6 +382,7 @@ class _RegatherLinears(torch.autograd.Function):
     def forward(ctx, shard, dim, axis, split_factor, in_out, *weights_and_biases):
         ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.args = (dim, axis, split_factor, in_out)
+        ctx.bias_shapes = tuple(None if b is None else b.shape for b in bs)
         ctx.save_for_backward(shard, *ws)
         full = _raw_all_gather(shard, dim, axis, split_factor)
         return tuple(_project(full, w, b, t) for w, b, t in zip(ws, bs, in_out))
@@ -396,7 +399,7 @@ class _RegatherLinears(torch.autograd.Function):
             gx = _issue_reduce_scatter(gx, dim, axis, split_factor, backward=True)
             if not OVERLAP[0]:
                 gx = _wait(gx)
-        out = _param_grads(x, grads, need_w, need_b, in_out)
+        out = _param_grads(x, grads, need_w, need_b, in_out, ctx.bias_shapes)
         gshard = _finish_reduce_scatter(gx, dim) if gx is not None else None
         return (gshard, None, None, None, None, *out)
 
