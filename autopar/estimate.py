@@ -85,6 +85,9 @@ class Cost:
     # its parameters' synchronisation overlaps it (`Cluster.overlap_slowdown`): the timeline's terms, for the ILP
     optimizer_s: float = 0.0
     overlap_slowdown: float = 0.0
+    # of the critical communication: the backward collective of column-parallel linears' input gradient that runs
+    # under their weight gradients (Megatron's async communication, `blocks.weight_grad_cover_s`; `autopar.timeline`)
+    hidden_s: float = 0.0
 
     @property
     def time_s(self) -> float:

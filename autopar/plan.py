@@ -268,10 +268,10 @@ class Plan:
         """Collectives executed per step, by kind and pass, e.g. {'all_reduce.forward': 4}."""
         out: dict[str, int] = defaultdict(int)
         for c in self.comms:
-            if c.forward != "-":
-                out[f"{c.forward}.forward"] += 1
-            if c.backward != "-":
-                out[f"{c.backward}.backward"] += 1
+            for kinds, pass_ in ((c.forward, "forward"), (c.backward, "backward")):
+                for kind in kinds.split("+"):  # a fused row, e.g. "reduce_scatter+all_gather"
+                    if kind != "-":
+                        out[f"{kind}.{pass_}"] += 1
         return dict(out)
 
     def table(self) -> str:

@@ -21,10 +21,13 @@ Backward, last structure first:
 - `regather i` (sync stream): ZeRO-3's all-gather of the parameters FSDP released after the forward, issued as
   FSDP2 issues it: the first one when the backward starts, then each regathering structure's in the pre-backward
   of the regathering structure after it in backward order (the next layer's prefetched while this one computes);
-- `bwd i` (compute, two thirds) after the later structure's `bwd-comm` and its own `regather`;
-- `bwd-comm i` (the other half);
+- `bwd i` (compute, two thirds, less `Piece.hidden_s`) after the later structure's `bwd-comm` and its own `regather`;
+- `bwd-comm i` (the other half), after `bwd i`;
+- `wgrad i` (compute, `hidden_s`): the weight gradients of its column-parallel linears, which run while their input
+  gradient's reduction (part of `bwd-comm i`) is in flight (Megatron's async communication,
+  `autopar.runtime.collectives.grad_all_reduce_linears`), so `hidden_s` of it is covered;
 - `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket share, FSDP's reduce-scatter),
-  which waits only for `bwd i`, so it overlaps the backward of the structures before it.
+  which waits only for its backward compute, so it overlaps the backward of the structures before it.
 `optimizer` (compute, `optimizer_s`: `autopar.estimate.optimizer_step_s`) waits for every reduction: the last
 ones are exposed. On one sync stream the tasks run in issue order, as NCCL runs a process group's collectives.
 
@@ -34,11 +37,11 @@ simulated once, each compute task is stretched by `slowdown x` the fraction of i
 and simulated again (one fixed-point step: stretching moves the overlap little).
 
 `overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
-structures, linear in the choices): compute + critical communication + the part of its gathers its forward
-does not cover + the part of its reductions and re-gathers its backward does not cover + its share of the
-optimizer step + the slowdown of the compute its synchronisation overlaps. (In the timeline a gather hides
-behind the previous structure's forward and a reduction behind the next-earlier backward; per structure,
-its own compute stands for that neighbour's: identical layers make them equal.)
+structures, linear in the choices): compute + critical communication - what its weight gradients cover + the part
+of its gathers its forward does not cover + the part of its reductions and re-gathers its backward does not cover
++ its share of the optimizer step + the slowdown of the compute its synchronisation overlaps. (In the timeline a
+gather hides behind the previous structure's forward and a reduction behind the next-earlier backward; per
+structure, its own compute stands for that neighbour's: identical layers make them equal.)
 
 What the timeline leaves out: bucket boundaries inside a structure, the host (Python dispatch and kernel launches,
 assumed to run ahead of the GPU: large kernels), and the pipeline bubble of pipeline parallelism (which autopar does
@@ -129,13 +132,19 @@ class Piece:
     regather_s: float = 0.0  # ZeRO-3: the parameters gathered again before its backward
     sync_stream: str = "data"
     critical_stream: str = "model"
+    hidden_s: float = 0.0  # of critical_s' backward half: what its weight gradients cover (`Cost.hidden_s`)
+
+    def __post_init__(self):
+        if not 0.0 <= self.hidden_s <= min(self.critical_s / 2, 2 * self.compute_s / 3) + 1e-15:
+            raise ValueError(f"piece {self.key!r}: hidden_s must be within its backward communication and compute, "
+                             f"got {self.hidden_s} (critical {self.critical_s}, compute {self.compute_s})")
 
 
 def piece(key: str, cost, sync_stream: str = "data", critical_stream: str = "model") -> Piece:
-    """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s` and the rest of `comm_s`)."""
+    """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s`, `hidden_s` and the rest of `comm_s`)."""
     return Piece(key=key, compute_s=cost.compute_s, critical_s=cost.critical_s, gather_s=cost.gather_s,
                  reduce_s=cost.reduce_s, regather_s=cost.regather_s, sync_stream=sync_stream,
-                 critical_stream=critical_stream)
+                 critical_stream=critical_stream, hidden_s=cost.hidden_s)
 
 
 def step_tasks(pieces: list[Piece], optimizer_s: float = 0.0) -> list[Task]:
@@ -172,14 +181,19 @@ def step_tasks(pieces: list[Piece], optimizer_s: float = 0.0) -> list[Task]:
             if k + 1 < len(regathering):  # prefetch the next one while this one computes
                 regather(regathering[k + 1], prev)
         own = (f"regather {p.key}",) if p.regather_s > 0 else ()
-        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3, prev + own))
-        prev = (f"bwd {p.key}",)
+        tasks.append(Task(f"bwd {p.key}", COMPUTE, 2 * p.compute_s / 3 - p.hidden_s, prev + own))
+        bwd = (f"bwd {p.key}",)
+        computed = bwd  # the end of its backward compute
+        if p.hidden_s > 0:  # the weight gradients, while the input gradient's reduction (bwd-comm) runs
+            tasks.append(Task(f"wgrad {p.key}", COMPUTE, p.hidden_s, bwd))
+            computed = (f"wgrad {p.key}",)
         if p.reduce_s > 0:
-            tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, prev))
+            tasks.append(Task(f"reduce {p.key}", p.sync_stream, p.reduce_s, computed))
             reduces.append(f"reduce {p.key}")
+        prev = computed
         if p.critical_s > 0:
-            tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, prev))
-            prev = (f"bwd-comm {p.key}",)
+            tasks.append(Task(f"bwd-comm {p.key}", p.critical_stream, p.critical_s / 2, bwd))
+            prev = computed + (f"bwd-comm {p.key}",)
     if optimizer_s > 0:
         tasks.append(Task("optimizer", COMPUTE, optimizer_s, prev + tuple(reduces)))
     return tasks
@@ -218,5 +232,5 @@ def overlapped_s(cost) -> float:
     the ILP's objective per candidate."""
     fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
     behind = min(cost.gather_s, fwd) + min(cost.reduce_s + cost.regather_s, bwd)  # compute communication overlaps
-    return (cost.compute_s + cost.critical_s + max(0.0, cost.gather_s - fwd)
+    return (cost.compute_s + cost.critical_s - cost.hidden_s + max(0.0, cost.gather_s - fwd)
             + max(0.0, cost.reduce_s + cost.regather_s - bwd) + cost.optimizer_s + cost.overlap_slowdown * behind)

@@ -84,6 +84,13 @@ def llama(quick: bool) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
     inputs = (tokens, torch.roll(tokens, -1, dims=1))
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("tp",))
+    _compare("llama", f"hidden={cfg.hidden} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
+             f"seq={cfg.seq_len} batch={BATCH}", model, inputs, mesh, llama_hand_plan(cfg),
+             warmup=3, iters=6 if quick else 100, after_hand=local_heads, hand_ctx=loss_parallel)
+
+
+def llama_hand_plan(cfg: LlamaConfig) -> dict:
+    """torch's tensor-parallel plan for `autopar.models.Llama`, as torchtitan writes it (no sequence parallelism)."""
     plan = {}
     for i in range(cfg.num_layers):
         plan.update({f"layers.{i}.attn.{n}": ColwiseParallel() for n in ("wq", "wk", "wv")})
@@ -93,16 +100,14 @@ def llama(quick: bool) -> None:
     # Megatron's vocabulary-parallel embedding, LM head and cross-entropy, as torchtitan writes them
     plan["embed"] = RowwiseParallel(input_layouts=Replicate())
     plan["output"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return plan
 
-    def local_heads(hand):
-        # the model's views use its global head counts; the hand plan needs the per-rank counts
-        for layer in hand.layers:
-            layer.attn.num_heads //= WORLD_SIZE
-            layer.attn.num_kv_heads //= WORLD_SIZE
 
-    _compare("llama", f"hidden={cfg.hidden} layers={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} "
-             f"seq={cfg.seq_len} batch={BATCH}", model, inputs, mesh, plan,
-             warmup=3, iters=6 if quick else 100, after_hand=local_heads, hand_ctx=loss_parallel)
+def local_heads(hand) -> None:
+    """The model's views use its global head counts; the hand plan needs the per-rank counts."""
+    for layer in hand.layers:
+        layer.attn.num_heads //= WORLD_SIZE
+        layer.attn.num_kv_heads //= WORLD_SIZE
 
 
 def run(quick: bool) -> None:

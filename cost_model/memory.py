@@ -31,8 +31,8 @@ form decides its placement and models the step's peak: `autopar.estimate`). Rule
   size); dropout with p > 0 in training saves a 1-byte mask per element; masked_fill/where
   save the mask; `SAVES_NOTHING` ops (add, sub, neg, sum, mean, cat, casts, copies, views, the
   collectives autopar's lowering inserts, ...) save nothing; `regather_linears` (linears on an
-  all-gathered input) saves the input's shard (and the weights); any other op conservatively saves
-  all its tensor inputs.
+  all-gathered input) saves the input's shard (and the weights), `grad_all_reduce_linears` its input;
+  any other op conservatively saves all its tensor inputs.
 - a saved view is charged to its storage root (the node whose output it aliases), once: q, k
   and v split out of one fused QKV projection cost the projection's output, once. `ALIASES`
   (autopar's `grad_all_reduce` and `placement_hint`, identity forward) are views too, and so are the
@@ -202,6 +202,8 @@ SAVES_NOTHING = {"add", "sub", "rsub", "neg", "sum", "mean", "cat", "stack", "to
                  "repeat", "repeat_interleave", "triu", "tril", "_assert_tensor_metadata", "type_as",
                  # autopar.runtime.collectives inserted by the lowering (their outputs are new tensors)
                  "all_reduce", "all_gather", "all_gather_rs", "reduce_scatter", "all_to_all"}
+# autopar's column-parallel linears fused with their input's collective -> the position of their weights (a tuple)
+_FUSED_LINEARS = {"regather_linears": 4, "grad_all_reduce_linears": 2}
 # functions whose forward returns an alias of their first input (identity forward)
 ALIASES = {"grad_all_reduce", "placement_hint"}
 # functions whose forward returns aliases of the tensors of their first argument, a tuple (item i of its input i)
@@ -274,10 +276,11 @@ def _saved_by(node: fx.Node, needs: set[fx.Node]) -> list[tuple[fx.Node, int | N
             if any(o in needs for o in others):
                 out.append((a, None))
         return out
-    if name == "regather_linears":  # linears on an all-gather of `shard`: they keep the shard (re-gathered backward)
-        full, shard, weights = node.args[0], node.args[1], node.args[5]
-        return ([(shard, None)] if any(w in needs for w in weights) else []) + \
-            ([(w, None) for w in weights] if full in needs else [])
+    if name in _FUSED_LINEARS:  # linears fused with their input's collective: they keep the input (regather_linears:
+        # its shard, all-gathered again backward) for the weight gradients, the weights for the input gradient
+        x, weights = node.args[0], node.args[_FUSED_LINEARS[name]]
+        return ([(x, None)] if any(w in needs for w in weights) else []) + \
+            ([(w, None) for w in weights] if x in needs else [])
     if node.target in _SDPA:
         a = _bound_args(node)
         q = a["query"].meta["val"]

@@ -11,7 +11,9 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
   forward/backward pair); where the rule consumes an `R` input into a sharded or partial output,
   the input is wrapped in `grad_all_reduce` (its gradient is partial). An all-gather followed by
   `grad_all_reduce` is fused into `all_gather_rs` (backward reduce-scatter); linears consuming such a gathered
-  activation become one `regather_linears` node, which saves the shard and all-gathers it again in backward.
+  activation become one `regather_linears` node with it, which saves the shard and all-gathers it again in
+  backward, and linears consuming an activation's `grad_all_reduce` one `grad_all_reduce_linears` node: both
+  overlap the input gradient's reduction with the weight gradients (Megatron's async communication).
 - Shape literals are rewritten to local shapes (`view(b, s, heads, d)` -> `view(b, s, heads/t, d)`)
   and ops whose sharded form differs are replaced by their parallel form
   (`autopar.runtime.ops`: vocab-parallel embedding and cross-entropy, global-count means, GQA).
@@ -704,37 +706,62 @@ def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes
 
 def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """An activation's `all_gather_rs` whose every user is a linear (`linear`, `addmm`, `mm`) taking it as input
-    (the sequence-sharded input of a column-parallel layer under Megatron SP) -> those become one
-    `regather_linears` node: it keeps the shard for backward and all-gathers it again there for the weight
-    gradients, where each linear would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2). Per such
-    gather: one more all-gather backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
+    (the sequence-sharded input of a column-parallel layer under Megatron SP) -> the gather and those linears become
+    one `regather_linears` node: it keeps the shard for backward and all-gathers it again there for the weight
+    gradients, where each linear would keep the gathered copy (Korthikanti et al. 2205.05198 §4.2.2), and
+    overlaps the reduce-scatter of the input gradient with the weight gradients (Megatron's async communication).
+    Per such gather: one more all-gather backward, and (t-1)/t of the gathered input fewer bytes saved for backward."""
+    def fuse(graph, gather, users, weights, biases, in_out):
+        shard, dim, axis, split_factor = gather.args
+        info = gather.meta[M.COMM]
+        fused = graph.call_function(C.regather_linears, (shard, dim, axis, split_factor, weights, biases, in_out))
+        fused.meta[M.COMM] = CommInfo("regather_linears", "all_gather", "reduce_scatter+all_gather", info.axis,
+                                      info.axis_size, info.bytes_forward, info.bytes_backward + info.bytes_forward,
+                                      info.module)
+        return fused
+    return _fuse_input_collective(gm, ctx, C.all_gather_rs, fuse)
+
+
+def async_column_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """An activation's `grad_all_reduce` (Megatron's f: a replicated input of column-parallel work) whose every user
+    is a linear taking it as input (q/k/v, gate/up) -> one `grad_all_reduce_linears` node: backward sums the
+    linears' input gradients, issues their one all-reduce, and computes the weight gradients while it runs (Megatron's
+    async communication)."""
+    def fuse(graph, f, users, weights, biases, in_out):
+        x, axis = f.args
+        fused = graph.call_function(C.grad_all_reduce_linears, (x, axis, weights, biases, in_out))
+        info = f.meta[M.COMM]
+        fused.meta[M.COMM] = dataclasses.replace(info, fn="grad_all_reduce_linears")
+        return fused
+    return _fuse_input_collective(gm, ctx, C.grad_all_reduce, fuse)
+
+
+def _fuse_input_collective(gm: fx.GraphModule, ctx: LowerContext, target, fuse) -> fx.GraphModule:
+    """Each `target` node of an activation whose every user is a linear taking it as input, with some weight
+    gradient to compute and every weight made before the first linear: `fuse(graph, node, users, weights, biases,
+    in_out)` makes one node (inserted before the first linear) returning the linears' outputs, which replace them."""
     graph = gm.graph
     needs = _depends_on_parameters(graph, ctx)
-    for gather in list(graph.nodes):
-        if gather.op != "call_function" or gather.target is not C.all_gather_rs:
+    for coll in list(graph.nodes):
+        if coll.op != "call_function" or coll.target is not target or coll.kwargs:
             continue
-        shard, dim, axis, split_factor = gather.args
-        users = list(gather.users)
-        if shard.op == "placeholder" or not users or not all(_takes_as_input(u, gather) for u in users) \
-                or not any(a in needs for u in users for a in u.args if a is not gather):
+        users = list(coll.users)
+        if coll.args[0].op == "placeholder" or not users or not all(_takes_as_input(u, coll) for u in users) \
+                or not any(a in needs for u in users for a in u.args if a is not coll):
             continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(users, key=order.__getitem__)
         in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
-        weights = tuple(u.args[2] if t else u.args[1] for u, t in zip(users, in_out))
+        weights = tuple(u.args[2] if u.target is aten.addmm.default else u.args[1] for u in users)
         biases = tuple((u.args[0] if u.target is aten.addmm.default else None) if t else
                        (u.args[2] if len(u.args) > 2 else None) for u, t in zip(users, in_out))
         if any(a is not None and order[a] > order[first] for a in weights + biases):
             continue  # a weight made after the first linear (`fused_parts_pass`' row blocks): kept as it is
-        info = gather.meta[M.COMM]
         with graph.inserting_before(first):
-            fused = graph.call_function(C.regather_linears, (gather, shard, dim, axis, split_factor, weights, biases,
-                                                          in_out))
+            fused = fuse(graph, coll, users, weights, biases, in_out)
         fused.meta["val"] = tuple(u.meta["val"] for u in users)
         fused.meta[M.PLACEMENTS] = [u.meta[M.PLACEMENTS] for u in users]
         fused.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
-        fused.meta[M.COMM] = CommInfo("regather_linears", "-", "all_gather", info.axis, info.axis_size, 0,
-                                      info.bytes_forward, info.module)
         cursor = fused
         for i, u in enumerate(users):
             with graph.inserting_after(cursor):
@@ -743,6 +770,7 @@ def regather_linear_inputs_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gra
             cursor = item
             u.replace_all_uses_with(item)
             graph.erase_node(u)
+        graph.erase_node(coll)
     return gm
 
 
@@ -1135,6 +1163,7 @@ LOWER = [
     fuse_gather_grad_reduce_pass,
     group_fsdp_gathers_pass,
     regather_linear_inputs_pass,
+    async_column_linears_pass,
     bucket_gradients_pass,
     mixed_precision_pass,
     dead_code_pass,

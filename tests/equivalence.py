@@ -52,17 +52,18 @@ def loss_of(out) -> torch.Tensor:
 
 
 def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="megatron", overrides=None,
-                    steps: int = 1, lr: float = 0.1, cluster=None, memory_limit=None) -> Result:
-    """Parallelise a deepcopy of `ref` on a mesh of `mesh_shape`, train `steps` steps with SGD next to
-    `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo).
+                    steps: int = 1, lr: float = 0.1, cluster=None, memory_limit=None,
+                    optimizer=torch.optim.SGD) -> Result:
+    """Parallelise a deepcopy of `ref` on a mesh of `mesh_shape`, train `steps` steps with `optimizer` (SGD) next
+    to `ref`, return the errors. Must run with a process group (fake under LocalTensorMode, or gloo).
     `cluster` and `memory_limit` go to `autopar.parallelize` (what the `auto` plan is solved for)."""
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
     pm = autopar.parallelize(model, mesh, inputs, plan=plan, overrides=overrides, cluster=cluster,
                              memory_limit=memory_limit)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    ref_opt = optimizer(ref.parameters(), lr=lr)
+    opt = optimizer(pm.parameters(), lr=lr)
     res = Result(0.0, 0.0, plan=pm.plan)
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     for _ in range(steps):
@@ -113,14 +114,16 @@ def run_equivalence(ref: torch.nn.Module, inputs, mesh_shape, names, *, plan="me
     return res
 
 
-def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", overrides=None, steps=1):
+def gloo_equivalence(make_ref, inputs_fn, mesh_shape, names, plan="megatron", overrides=None, steps=1,
+                     optimizer=torch.optim.SGD):
     """Run inside a gloo worker: build the same reference on every rank (seeded), compare."""
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
         ref = make_ref()
         inputs = inputs_fn()
-        res = run_equivalence(ref, inputs, mesh_shape, names, plan=plan, overrides=overrides, steps=steps)
+        res = run_equivalence(ref, inputs, mesh_shape, names, plan=plan, overrides=overrides, steps=steps,
+                              optimizer=optimizer)
     finally:
         torch.set_default_dtype(torch.float32)
     res.plan = res.graph_module = None  # not sent back from the worker

@@ -3,8 +3,9 @@
 Expected numbers are derived here from the forms in DESIGN.md §3, never copied from output:
 
 * row-parallel linear: its Partial output is all-reduced forward (identity backward);
-* column-parallel linear: its replicated input's gradient is all-reduced backward (`grad_all_reduce`),
-  only when that input depends on a parameter (a user input has no gradient, so nothing to reduce);
+* column-parallel linear: its replicated input's gradient is all-reduced backward (`grad_all_reduce`, fused with
+  the linears into `grad_all_reduce_linears`), only when that input depends on a parameter (a user input has no
+  gradient, so nothing to reduce);
 * a Megatron layer (attention heads + MLP) therefore moves 2 all-reduces forward and 2 backward of
   b*s*h activations each;
 * vocab-parallel embedding: one forward all-reduce of its b*s*h Partial output, nothing backward;
@@ -143,9 +144,9 @@ def test_mlp_tp2_with_a_parameter_dependent_input_reduces_its_gradient(local_wor
     and 1 backward (the gradient of fc1's replicated input, which flows on into the norm's weights)."""
     b, d, t = 8, 16, 2
     run = parallel_run(local_world, _fp64(NormMLP), _dense(b, d), (t,), ("tp",))
-    assert run.graph_counts() == {"all_reduce": 1, "grad_all_reduce": 1}, run.plan
+    assert run.graph_counts() == {"all_reduce": 1, "grad_all_reduce_linears": 1}, run.plan
     fwd_row = run.rows(fn="all_reduce")[0]
-    bwd_row = run.rows(fn="grad_all_reduce")[0]
+    bwd_row = run.rows(fn="grad_all_reduce_linears")[0]
     assert (fwd_row.module, fwd_row.bytes_forward, fwd_row.bytes_backward) == ("fc2", ar_bytes(b * d, t), 0)
     assert (bwd_row.module, bwd_row.bytes_forward, bwd_row.bytes_backward) == ("fc1", 0, ar_bytes(b * d, t))
     assert run.runtime_counts() == {"all_reduce.forward": 1, "all_reduce.backward": 1}
@@ -187,7 +188,7 @@ def test_gpt_tp4_totals_graph_and_runtime(gpt_tp4):
     from ln_f); cross-entropy's 3 in-op all-reduces of b*s values. Nothing else."""
     t = 4
     run = gpt_tp4
-    assert run.graph_counts() == {"all_reduce": 2 * L + 1, "grad_all_reduce": 2 * L + 1}, run.plan
+    assert run.graph_counts() == {"all_reduce": 2 * L + 1, "grad_all_reduce_linears": 2 * L + 1}, run.plan
     assert run.plan.comm_counts() == {"all_reduce.forward": 2 * L + 1, "all_reduce.backward": 2 * L + 1}
     assert run.plan.comm_bytes_per_step() == (4 * L + 2) * ar_bytes(B * S * H, t)
     assert {r.axis for r in run.fwd + run.bwd} == {"tp"}
@@ -195,7 +196,7 @@ def test_gpt_tp4_totals_graph_and_runtime(gpt_tp4):
     assert Counter(r.numel for r in run.bwd) == {B * S * H: 2 * L + 1}
     assert {r.kind for r in run.fwd + run.bwd} == {"all_reduce"}
     head = run.rows(prefix="lm_head")
-    assert [(r.fn, r.backward) for r in head] == [("grad_all_reduce", "all_reduce")], head
+    assert [(r.fn, r.backward) for r in head] == [("grad_all_reduce_linears", "all_reduce")], head
 
 
 def test_gpt_embedding_all_reduce_belongs_to_the_embeddings(gpt_tp4):

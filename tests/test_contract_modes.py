@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
 from autopar.models import GPT, GPTConfig
+from autopar.runtime.collectives import grad_all_reduce_linears
 from autopar.runtime.ops import parallel_dropout
 from equivalence import compare_step
 
@@ -186,8 +187,9 @@ def test_autocast_around_pm_matches_the_model_under_autocast(local_world):
         pm = autopar.parallelize(copy.deepcopy(ref), mesh, x, plan="megatron")
         assert _max(compare_step(pm, ref, x, lr=0.01)) < 1e-5  # fp32, autocast off
         errs = compare_step(pm, ref, x, lr=0.01, context=bf16)
-        linear = next(n for n in pm.graph_module.graph.nodes if n.target is torch.ops.aten.linear.default)
-        assert linear.meta["val"].dtype == torch.bfloat16, "captured under autocast"
+        # the column-parallel linears (fused with their input's collective, `grad_all_reduce_linears`)
+        linear = next(n for n in pm.graph_module.graph.nodes if n.target is grad_all_reduce_linears)
+        assert linear.meta["val"][0].dtype == torch.bfloat16, "captured under autocast"
         assert errs["loss"] < 2e-2 * 5
         _bf16_close(errs, ref)
         assert any("autocast(cpu, torch.bfloat16)" in p for p in pm.programs()), pm.programs()

@@ -89,19 +89,30 @@ def test_hf_llama_passes_at_the_fp32_tolerance(local_world):
 
 
 def test_dropped_gradient_all_reduce_fails_upstream(local_world, monkeypatch):
-    """One Megatron `f` (identity forward, all-reduce backward) loses its all-reduce: the second one backward
-    reaches, at the input of the last block's MLP (the first is the vocab-parallel loss's). The gradient that
-    leaves that MLP is partial, so every parameter upstream of it is wrong and the ones after it are right."""
+    """One Megatron `f` (identity forward, all-reduce backward; fused with its column-parallel linears) loses its
+    all-reduce: the second one backward reaches, at the input of the last block's MLP (the first is the
+    vocab-parallel loss's). The gradient that leaves that MLP is partial, so every parameter upstream of it is wrong
+    and the ones after it are right."""
     from autopar.runtime import collectives
 
-    backward = collectives._GradAllReduce.backward
+    backward, real = collectives._AllReduceLinears.backward, collectives._c10d
     calls = []
 
-    def drops_the_second(ctx, g):
-        calls.append(g.shape)
-        return (g, None) if len(calls) == 2 else backward(ctx, g)
+    class NoAllReduce:  # the functional collectives, the all-reduce an identity
+        def __getattr__(self, op):
+            return (lambda t, *args: t) if op == "all_reduce" else getattr(real, op)
 
-    monkeypatch.setattr(collectives._GradAllReduce, "backward", staticmethod(drops_the_second))
+    def drops_the_second(ctx, *grads):
+        calls.append(grads[0].shape)
+        if len(calls) != 2:
+            return backward(ctx, *grads)
+        monkeypatch.setattr(collectives, "_c10d", NoAllReduce())
+        try:
+            return backward(ctx, *grads)
+        finally:
+            monkeypatch.setattr(collectives, "_c10d", real)
+
+    monkeypatch.setattr(collectives._AllReduceLinears, "backward", staticmethod(drops_the_second))
     model, inputs = _gpt()
     with local_world(2):
         report = autopar.verify(model, _tp2(local_world), inputs, plan="megatron")

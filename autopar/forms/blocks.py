@@ -24,11 +24,12 @@ class Comms:
 
 
 def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, comms: Comms | None, act: float,
-           param_split: int = 1, backward_s: float | None = None, peak: float = 0.0) -> Cost:
+           param_split: int = 1, backward_s: float | None = None, peak: float = 0.0, hidden: float = 0.0) -> Cost:
     """A structure's cost: its compute and collectives, plus its parameters over the data axes (FSDP or the
     data-parallel bucket, their state) and the loss' scalar reductions. `param_split`: the ranks its
     parameters are divided over by the form itself; `act`: its saved activations on this rank; `peak`: what it
-    holds only while it runs (`Cost.peak_bytes`)."""
+    holds only while it runs (`Cost.peak_bytes`); `hidden`: of its collectives, what its weight gradients cover
+    (`Cost.hidden_s`, `weight_grad_cover_s`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     gather = regather = 0.0
@@ -43,9 +44,10 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
         bucket = dp.bucket_bytes(mc, st.param_bytes / param_split)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
+    hidden = min(hidden, (own_t + lr_t) / 2, backward_s)  # within the timeline's backward half (`autopar.timeline`)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
-                reduce_s=t - gather - regather, regather_s=regather)
+                reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
@@ -60,17 +62,36 @@ def tensor_parallel_volume_bytes(block_input_bytes: float, t: int) -> float:
     return 2 * send_bytes("all_reduce", block_input_bytes, t)
 
 
-def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
+def weight_grad_cover_s(st: SiteStats, columns, compute: float, comm_s: float) -> float:
+    """Of `comm_s`, the backward collective of the input gradient of the column-parallel linears `columns`
+    (LinearSites sharing one input), what runs under their weight gradients: the runtime issues it once their input
+    gradient is computed and computes the weight gradients meanwhile (Megatron's async communication,
+    `autopar.runtime.collectives.grad_all_reduce_linears`, `regather_linears`). A weight gradient is a matmul of its
+    linear's forward FLOPs; of the structure's `compute` (forward + backward, 3x its forward), the linears' share of
+    its forward FLOPs / 3. Under sequence parallelism the collective is a reduce-scatter (half the all-reduce), and
+    the re-gather (priced by the norm) runs under the input gradient's matmuls: this prices both as one all-reduce
+    under the weight gradients."""
+    flops = sum(2 * lin.node.meta["val"].numel() * lin.in_features for lin in {id(c): c for c in columns}.values())
+    if not flops or not st.flops:
+        return 0.0
+    return min(comm_s, compute / 3 * min(1.0, flops / st.flops))
+
+
+def tensor_parallel(st: SiteStats, cand: Candidate, mc: MeshCosting, columns=()) -> Cost:
     """A Megatron block (attention by heads, MLP colwise -> rowwise) on `cand.axis` of size t: work and
     parameters / t; one all-reduce of the block's output forward (the row-parallel sum) and one of its
-    input's gradient backward (the column-parallel f), each the size of the block input; activations
-    inside the block / t (what it saves is produced inside it: its input is the norm's, `attribute_saved`)."""
+    input's gradient backward (the column-parallel f), each the size of the block input, the latter under the
+    weight gradients of its column-parallel linears `columns` (`weight_grad_cover_s`); activations inside the
+    block / t (what it saves is produced inside it: its input is the norm's, `attribute_saved`)."""
     t = mc.size(cand.axis)
     compute = compute_s(st, mc.dp * t, mc.cluster)
     comms = Comms(mc, cand.axis)
     comms.add("all_reduce", st.io_bytes / mc.dp, compute / 3)
+    forward_s = comms.time_s
     comms.add("all_reduce", st.io_bytes / mc.dp, 2 * compute / 3)
-    return finish(st, cand, mc, compute=compute, comms=comms, act=st.saved_bytes / mc.dp / t, param_split=t)
+    hidden = weight_grad_cover_s(st, columns, compute, comms.time_s - forward_s)
+    return finish(st, cand, mc, compute=compute, comms=comms, act=st.saved_bytes / mc.dp / t, param_split=t,
+                  hidden=hidden)
 
 
 def moe(site: MoeSite, st: SiteStats, cand: Candidate, mc: MeshCosting, *, split: int, on_data: bool) -> Cost:

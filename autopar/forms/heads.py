@@ -111,7 +111,7 @@ class Heads(Form):
         return list(site.out)
 
     def cost(self, site, st, cand, mc):
-        cost = blocks.tensor_parallel(st, cand, mc)
+        cost = blocks.tensor_parallel(st, cand, mc, site.q + site.k + site.v)
         t = mc.size(cand.axis)
         for lin in _fused(site):
             if not lin.part_slices:

@@ -43,4 +43,4 @@ class MlpTensorParallel(Form):
         return list(site.row)
 
     def cost(self, site, st, cand, mc):
-        return blocks.tensor_parallel(st, cand, mc)
+        return blocks.tensor_parallel(st, cand, mc, site.col)

@@ -67,7 +67,8 @@ class VocabLoss(Form):
         compute += kernel_time_s("vector", 0, extra, "float32", mc.cluster) if has_kernel_rates(mc.cluster) \
             else compute_time_s(0, extra, "float32", mc.cluster)
         comms = blocks.Comms(mc, cand.axis)
-        comms.add("all_reduce", st.io_bytes / mc.dp, bwd_s)  # the LM head input's gradient
+        comms.add("all_reduce", st.io_bytes / mc.dp, bwd_s)  # the LM head input's gradient, under its weight gradient
+        hidden = blocks.weight_grad_cover_s(st, site.head, compute, comms.time_s)
         for _ in range(3):  # max, target logit, sum of exps: they split the forward between them
             comms.add("all_reduce", st.tokens / mc.dp * 4, fwd_s / 3)
         if st.logits_out:  # the model also returns its logits: gathered
@@ -77,4 +78,5 @@ class VocabLoss(Form):
         # targets in place of the targets the graph's cross-entropy saves (`_VocabParallelCrossEntropy`)
         act = st.saved_bytes / mc.dp / t + 2 * st.tokens / mc.dp
         return blocks.finish(st, cand, mc, compute=compute, comms=comms, act=act, param_split=t,
-                             backward_s=bwd_s, peak=VOCAB_CE_BACKWARD_BUFFERS * st.ce_logits_fp32_bytes / mc.dp / t)
+                             backward_s=bwd_s, peak=VOCAB_CE_BACKWARD_BUFFERS * st.ce_logits_fp32_bytes / mc.dp / t,
+                             hidden=hidden)

@@ -9,11 +9,13 @@
 | `split`            | local chunk (no comm.)      | all-gather                       | R -> S(d)        |
 | `reduce_scatter`   | reduce-scatter along dim    | all-gather                       | P -> S(d)        |
 | `all_to_all`       | all-to-all (split a, cat b) | all-to-all (split b, cat a)      | S(a) -> S(b)     |
-| `regather_linears` | linears on gathered x       | all-gather x's shard again       | (saves the shard) |
+| `grad_all_reduce_linears` | linears on x         | all-reduce x's gradient          | R -> S(-1)       |
+| `regather_linears` | all-gather x, linears on it | all-gather x, reduce-scatter grad | S(d) -> S(-1)   |
 
-`regather_linears` follows an `all_gather_rs` of x (Megatron SP): its linears keep x's shard, not the
-gathered x, for their weight gradients, and all-gather it again in backward (overlapped with the input
-gradient, which flows back to the first all-gather's reduce-scatter).
+The last two are column-parallel linears fused with the collective of their input (`grad_all_reduce`: Megatron's f;
+`all_gather_rs`: SP's g), as Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`, so that backward
+computes the input gradient first, issues its reduction, and computes the weight gradients while it runs. `regather_linears` (Megatron SP) keeps x's shard, not the
+gathered x, for the weight gradients, and all-gathers it again in backward (overlapped with the input gradient).
 
 Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
 Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
@@ -148,12 +150,20 @@ def _raw_all_gather(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int 
     return _finish_all_gather(_issue_all_gather(x, dim, axis, backward), dim, axis, split_factor)
 
 
-def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+def _issue_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    """Start a reduce-scatter; `_finish_reduce_scatter` waits for it (work in between overlaps it)."""
     n = axis.size
     _record("reduce_scatter", axis, x, x.numel(), backward)
     x = _to_blocks(x, dim, n, split_factor, axis.zigzag)
-    y = _wait(_c10d.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", n, axis.group_name))
-    return y.movedim(0, dim).contiguous()
+    return _c10d.reduce_scatter_tensor(x.movedim(dim, 0).contiguous(), "sum", n, axis.group_name)
+
+
+def _finish_reduce_scatter(pending: torch.Tensor, dim: int) -> torch.Tensor:
+    return _wait(pending).movedim(0, dim).contiguous()
+
+
+def _raw_reduce_scatter(x: torch.Tensor, dim: int, axis: AxisRef, split_factor: int = 1, backward: bool = False):
+    return _finish_reduce_scatter(_issue_reduce_scatter(x, dim, axis, split_factor, backward), dim)
 
 
 @maybe_run_for_local_tensor
@@ -297,41 +307,101 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, in_out: b
     return torch.mm(x, w) if b is None else torch.addmm(b, x, w)
 
 
-class _RegatherLinears(torch.autograd.Function):
-    """`linear(full, w_i, b_i)` (or `addmm`/`mm` where `in_out[i]`) for each i, where `full = all_gather(shard)`:
-    saves `shard`, not `full`, and re-gathers it in backward for the weight gradients (Megatron sequence
-    parallelism), the all-gather overlapped with the input gradient. The gradient of `full` flows back to the
-    all-gather that made it."""
+# The linears' backward matmuls run in the dtype of their output gradient: the dtype autocast ran the forward in
+# (operands cast as autocast does), else the operands' own. Autograd casts each returned gradient to its input's
+# dtype; the input gradient is cast to it before it is summed and reduced, as autocast's casts would in the graph.
+
+def _input_grad(grads, ws, in_out, dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of the input the linears share, in `dtype` (the input's): the sum of g_i @ w_i (w_i^T where
+    `in_out`)."""
+    gx = None
+    for g, w, t in zip(grads, ws, in_out):
+        gi = _to_input(g.matmul((w.t() if t else w).to(g.dtype)), dtype)
+        gx = gi if gx is None else gx + gi
+    return gx
+
+
+def _param_grads(x: torch.Tensor | None, grads, need_w, need_b, in_out, bias_shapes) -> list:
+    """(grad w_i, grad b_i) interleaved, None where not needed; `x` the linears' (full) input; a bias' gradient is
+    the output gradient summed to the bias' shape (addmm broadcasts a (n,), (1, n) or (m, n) bias)."""
+    out = []
+    for g, nw, nb, t, shape in zip(grads, need_w, need_b, in_out, bias_shapes):
+        g2 = g.reshape(-1, g.shape[-1])
+        if nw:
+            x2 = x.reshape(-1, x.shape[-1]).to(g.dtype)
+            out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
+        else:
+            out.append(None)
+        out.append(g.sum_to_size(shape) if nb else None)
+    return out
+
+
+# Overlap of the tensor-parallel backward collectives with the weight gradients (Megatron-LM's
+# `LinearWithGradAccumulationAndAsyncCommunication`). Set False to run them one after the other (the
+# benchmark's baseline, `benchmarks/tp_overlap.py`); the collectives and the numbers are the same.
+OVERLAP = [True]
+
+
+class _AllReduceLinears(torch.autograd.Function):
+    """`linear(x, w_i, b_i)` (or `addmm`/`mm` where `in_out[i]`) for each i, x replicated and each linear
+    column-parallel, so x's gradient is partial: Megatron's f fused with the linears. Backward computes x's
+    gradient first (summed over the linears), issues its all-reduce, computes the weight and bias gradients while
+    it runs, then waits."""
 
     @staticmethod
-    def forward(ctx, full, shard, dim, axis, split_factor, in_out, *weights_and_biases):
+    def forward(ctx, x, axis, in_out, *weights_and_biases):
+        ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
+        ctx.axis, ctx.in_out = axis, in_out
+        ctx.bias_shapes = tuple(None if b is None else b.shape for b in bs)
+        ctx.save_for_backward(x, *ws)
+        return tuple(_project(x, w, b, t) for w, b, t in zip(ws, bs, in_out))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *ws = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[3::2], ctx.needs_input_grad[4::2]
+        pending = None
+        if need_x:
+            gx = _input_grad(grads, ws, ctx.in_out, x.dtype).contiguous()
+            _record("all_reduce", ctx.axis, gx, gx.numel(), True)
+            pending = _c10d.all_reduce(gx, "sum", ctx.axis.group_name)
+            if not OVERLAP[0]:
+                pending = _wait(pending)
+        out = _param_grads(x, grads, need_w, need_b, ctx.in_out, ctx.bias_shapes)
+        return (_wait(pending) if pending is not None else None, None, None, *out)
+
+
+class _RegatherLinears(torch.autograd.Function):
+    """`linear(full, w_i, b_i)` (or `addmm`/`mm` where `in_out[i]`) for each i, `full` the all-gather of `shard`
+    along dim (Megatron sequence parallelism: SP's g fused with the column-parallel linears). Saves `shard`, not
+    `full`. Backward (Megatron's order): issues the all-gather of `shard` again, computes full's gradient meanwhile
+    (it needs only the output gradients and the weights), waits for the gather, issues the reduce-scatter of full's
+    gradient (shard's gradient), computes the weight gradients on the gathered input while it runs, then waits."""
+
+    @staticmethod
+    def forward(ctx, shard, dim, axis, split_factor, in_out, *weights_and_biases):
         ws, bs = weights_and_biases[0::2], weights_and_biases[1::2]
         ctx.args = (dim, axis, split_factor, in_out)
+        ctx.bias_shapes = tuple(None if b is None else b.shape for b in bs)
         ctx.save_for_backward(shard, *ws)
+        full = _raw_all_gather(shard, dim, axis, split_factor)
         return tuple(_project(full, w, b, t) for w, b, t in zip(ws, bs, in_out))
 
     @staticmethod
     def backward(ctx, *grads):
         dim, axis, split_factor, in_out = ctx.args
         shard, *ws = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[6::2], ctx.needs_input_grad[7::2]
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[5::2], ctx.needs_input_grad[6::2]
         pending = _issue_all_gather(shard, dim, axis, backward=True) if any(need_w) else None
-        gx = None
-        if need_x:
-            for g, w, t in zip(grads, ws, in_out):
-                gw = g.matmul(w.t() if t else w)
-                gx = gw if gx is None else gx + gw
+        gx = _input_grad(grads, ws, in_out, shard.dtype) if need_x else None
         x = _finish_all_gather(pending, dim, axis, split_factor) if pending is not None else None
-        out = []
-        for g, nw, nb, t in zip(grads, need_w, need_b, in_out):
-            g2 = g.reshape(-1, g.shape[-1])
-            if nw:
-                x2 = x.reshape(-1, x.shape[-1])
-                out.append(x2.t().mm(g2) if t else g2.t().mm(x2))
-            else:
-                out.append(None)
-            out.append(g2.sum(0) if nb else None)
-        return (gx, None, None, None, None, None, *out)
+        if gx is not None:
+            gx = _issue_reduce_scatter(gx, dim, axis, split_factor, backward=True)
+            if not OVERLAP[0]:
+                gx = _wait(gx)
+        out = _param_grads(x, grads, need_w, need_b, in_out, ctx.bias_shapes)
+        gshard = _finish_reduce_scatter(gx, dim) if gx is not None else None
+        return (gshard, None, None, None, None, *out)
 
 
 # ----------------------------------------------------------------------------- graph-callable API
@@ -373,14 +443,24 @@ def all_to_all(x: torch.Tensor, split_dim: int, cat_dim: int, axis: AxisRef) -> 
     return _AllToAll.apply(x, split_dim, cat_dim, resolve_axis(axis))
 
 
-def regather_linears(full: torch.Tensor, shard: torch.Tensor, dim: int, axis: AxisRef, split_factor: int,
-                     weights: tuple, biases: tuple, in_out: tuple | None = None) -> tuple:
-    """`linear(full, w, b)` for every (w, b) (`addmm(b, full, w)` / `mm(full, w)` where `in_out`: w is (in, out)),
-    `full` the all-gather of `shard` along dim: keeps `shard` for backward and all-gathers it again there for the
-    weight gradients."""
+def grad_all_reduce_linears(x: torch.Tensor, axis: AxisRef, weights: tuple, biases: tuple,
+                            in_out: tuple | None = None) -> tuple:
+    """`linear(grad_all_reduce(x), w, b)` for every (w, b) (`addmm(b, x, w)` / `mm(x, w)` where `in_out`: w is (in,
+    out)): column-parallel linears on a replicated x. Backward all-reduces x's gradient (one all-reduce for all the
+    linears) while the weight gradients are computed."""
     in_out = tuple(in_out) if in_out is not None else (False,) * len(weights)
     interleaved = [t for wb in zip(weights, biases) for t in wb]
-    return _RegatherLinears.apply(full, shard, dim, resolve_axis(axis), split_factor, in_out, *interleaved)
+    return _AllReduceLinears.apply(x, resolve_axis(axis), in_out, *interleaved)
+
+
+def regather_linears(shard: torch.Tensor, dim: int, axis: AxisRef, split_factor: int, weights: tuple, biases: tuple,
+                     in_out: tuple | None = None) -> tuple:
+    """`linear(all_gather_rs(shard), w, b)` for every (w, b) (`addmm(b, full, w)` / `mm(full, w)` where `in_out`: w
+    is (in, out)): forward all-gathers `shard` along dim; keeps `shard` for backward and all-gathers it again there
+    for the weight gradients, which overlap the reduce-scatter of the input gradient."""
+    in_out = tuple(in_out) if in_out is not None else (False,) * len(weights)
+    interleaved = [t for wb in zip(weights, biases) for t in wb]
+    return _RegatherLinears.apply(shard, dim, resolve_axis(axis), split_factor, in_out, *interleaved)
 
 
 # DDP's default bucket size (`bucket_cap_mb=25`): `bucket_gradients_pass` fills buckets of at most this many bytes of
@@ -520,5 +600,6 @@ COLLECTIVES: dict[object, tuple[str, str]] = {
     reduce_scatter: ("reduce_scatter", "all_gather"),
     all_to_all: ("all_to_all", "all_to_all"),
     grad_sync_bucket: ("-", "all_reduce"),
-    regather_linears: ("-", "all_gather"),
+    grad_all_reduce_linears: ("-", "all_reduce"),
+    regather_linears: ("all_gather", "reduce_scatter+all_gather"),
 }
