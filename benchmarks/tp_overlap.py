@@ -28,8 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 import autopar
 from autopar.models import Llama, LlamaConfig
 from autopar.runtime import collectives
-from common import interleaved, launch, report, train_step
-from dp_vs_ddp import _rounds
+from common import interleaved, launch, report, result, train_step
 from tp_vs_parallelize_module import llama_hand_plan, local_heads
 
 WORLD_SIZE = 2
@@ -120,13 +119,13 @@ def run(quick: bool) -> None:
 
     steps["torch"] = hand_step
     warmup = 2 if quick else 3
-    times = interleaved(steps, warmup=warmup, iters=6 if quick else 100, budget_s=30.0 if quick else 300.0)
+    times = interleaved(steps, warmup=warmup, rounds=10 if quick else 100, budget_s=30.0 if quick else 300.0)
     if rank == 0:
         print(f"  after {warmup + len(times.wall_s['tp'])} training steps: "
               + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         for a, b in (("tp", "tp_seq"), ("sp", "sp_seq"), ("tp", "torch"), ("tp_seq", "torch"), ("sp", "torch")):
             report(f"tp_overlap[{a}/{b}]", times, a, b)
-            _rounds(times, a, b)
+            result(f"tp_overlap {a}/{b}", times, a, b)
     first = losses["tp"].item()
     assert all(abs(v.item() - first) <= 1e-3 * max(1.0, abs(first)) for v in losses.values()), losses
     blocked = _blocked_in_backward_waits(steps, ("tp", "tp_seq", "sp", "sp_seq"), 3 if quick else 6)
