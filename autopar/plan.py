@@ -146,6 +146,9 @@ class Estimate:
     # communication overlaps (`autopar.timeline`)
     optimizer_s: float = 0.0
     contention_s: float = 0.0
+    # what the activation checkpointing levels change of the structures' saved activations per device (`sites`:
+    # at level none), negative: the bytes a recomputing layer no longer keeps for backward
+    checkpoint_saved_bytes: float = 0.0
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"

@@ -611,6 +611,7 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
     estimate = Estimate(step_time_s=schedule.makespan_s, exposed_comm_s=schedule.exposed_comm_s,
                         compute_time_s=schedule.compute_s, comm_time_s=solution.comm_s, optimizer_s=optimizer_s,
                         contention_s=max(0.0, schedule.compute_s - optimizer_s - solution.compute_s),
+                        checkpoint_saved_bytes=solution.checkpoint_cost.act_bytes if solution.checkpoint_cost else 0.0,
                         memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
                         fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
                         per_site=per_site, solver=solver_note,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import autopar
+from memory_probe import predicted_saved_bytes
 from autopar.forms import checkpoint as ckpt
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from autopar.runtime.checkpoint import Checkpointed
@@ -227,7 +228,7 @@ def measure_saved_bytes(pm, inputs) -> int:
 def test_saved_bytes_full_below_selective_below_none(local_world, fp64):
     ref = _llama(num_layers=2, hidden=64, ffn_hidden=128, seq_len=64)  # two layers order the levels as well as four
     inputs = _tokens(seq=64)
-    measured = {}
+    measured, predicted, delta = {}, {}, {}
     import copy
     for level in (NONE, SELECTIVE, FULL):
         with local_world(2):
@@ -235,7 +236,14 @@ def test_saved_bytes_full_below_selective_below_none(local_world, fp64):
             mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
             pm = autopar.parallelize(copy.deepcopy(ref), mesh, inputs, plan="dp", overrides={"checkpoint": level})
             measured[level] = measure_saved_bytes(pm, inputs)
+            delta[level] = pm.plan.estimate.checkpoint_saved_bytes
+            predicted[level] = predicted_saved_bytes(pm.plan) + delta[level]
     assert measured[FULL] < measured[SELECTIVE] < measured[NONE], measured
+    # the plan's estimate: the levels' change of the saved bytes (`Estimate.checkpoint_saved_bytes`), within issue
+    # #11's 0.9-1.1 of what is measured (benchmarks/checkpoint_levels.py: every plan and level)
+    assert delta[NONE] == 0 and delta[FULL] < delta[SELECTIVE] < 0, delta
+    for level in (NONE, SELECTIVE, FULL):
+        assert predicted[level] == pytest.approx(measured[level], rel=0.1), (level, predicted, measured)
 
 
 # ----------------------------------------------------------------------------- the solver
