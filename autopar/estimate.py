@@ -75,9 +75,6 @@ class Cost:
     # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
     # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
     bucket_bytes: float = 0.0
-    # not in memory_bytes: FSDP's reduce-scatter of its layer group's gradients (`forms.fsdp.reduce_transient_bytes`);
-    # the step's peak adds the largest to the end of the backward
-    reduce_transient_bytes: float = 0.0
     # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
     # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
     # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
@@ -115,18 +112,17 @@ def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
     two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
     momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
     at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
-    `Cost.bucket_bytes`) and FSDP's largest group reduce-scatter (`Cost.reduce_transient_bytes`). In between, gradients accumulate as activations are freed, and
+    `Cost.bucket_bytes`). In between, gradients accumulate as activations are freed, and
     the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
     activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size).
     `start_bytes`: more at the start of the backward (activation checkpointing: the saved bytes its levels change,
     negative, and the recompute transient, `solver.checkpoint_cost`)."""
-    held = act = grads = momentary = bucket = reducing = 0.0
+    held = act = grads = momentary = bucket = 0.0
     for c in costs:
         h, a, g = c.live_parts(grad_share)
         held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
             bucket + c.bucket_bytes
-        reducing = max(reducing, c.reduce_transient_bytes)
-    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket) + reducing)
+    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
 
 
 @dataclass

@@ -218,8 +218,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     return step_terms(Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
                            act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
                            bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
-                           reduce_s=sync_s - gather - regather, regather_s=regather,
-                           reduce_transient_bytes=fsdp_form.reduce_transient_bytes(mc, st, 1) if fsdp else 0.0), mc)
+                           reduce_s=sync_s - gather - regather, regather_s=regather), mc)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -815,17 +814,8 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
                                             for c, v in zip(cs, xs))
     small = model.NewBoolVar("bucket_small")
-    # FSDP's largest group reduce-scatter at the end of its backward (`Cost.reduce_transient_bytes`)
-    rparts = [[kib(c.reduce_transient_bytes) for c in cs] for cs in costs]
-    reducing = model.NewIntVar(0, max([kib(base.reduce_transient_bytes)] + [r for rs in rparts for r in rs]),
-                               "reducing")
-    model.Add(reducing >= kib(base.reduce_transient_bytes))
-    for rs, xs in zip(rparts, x):
-        for r, v in zip(rs, xs):
-            if r > kib(base.reduce_transient_bytes):
-                model.Add(reducing >= r).OnlyEnforceIf(v)
-    model.Add(peak >= total(2) + 2 * bucketed + reducing).OnlyEnforceIf(small)
-    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES) + reducing).OnlyEnforceIf(small.Not())
+    model.Add(peak >= total(2) + 2 * bucketed).OnlyEnforceIf(small)
+    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES)).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
     mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),

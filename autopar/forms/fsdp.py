@@ -225,17 +225,6 @@ def copy_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     return kernel_time_s("memory", 0.0, moved, mc.param_dtype, mc.cluster) if moved else 0.0
 
 
-def reduce_transient_bytes(mc: MeshCosting, st: SiteStats, split: float) -> float:
-    """What reducing its gradients holds for a moment at the end of a group's backward (`autopar.runtime.fsdp`, as
-    FSDP2's `foreach_reduce`): the group's unsharded gradients, their flat copy in reduce_dtype, and the previous
-    group's flat copy still in flight, about three times the group's gradient bytes (measured on gloo:
-    `benchmarks/memory_fidelity.py`'s wide GPT). The largest group's counts (`estimate.peak_bytes`)."""
-    sharded, _ = st.fsdp_parts()
-    groups = [sharded.fsdp_groups.get(name, (nbytes, False))[0]
-              for name, (nbytes, _, synced) in sharded.param_facts.items() if synced]
-    return 3 * max(groups, default=0.0) / split * max(1.0, mc.grad_bytes_factor)
-
-
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
     return local_param_bytes * mc.state_factor() / mc.dp + local_param_bytes
 
