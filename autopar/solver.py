@@ -835,6 +835,12 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
         model.ClearAssumptions()  # without the memory limit: is it the forms' own constraints that conflict?
         if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise _Conflict(sorted(view.whys))
+        # the least memory any plan needs, as the ILP prices it (the parts' separate minima are only a lower bound,
+        # which could name a size that no plan fits); a time-limited solve keeps its proven bound
+        model.Minimize(total(0) + keep_held + peak)
+        solver.parameters.max_time_in_seconds = min(time_limit_s, 2.0)
+        if solver.Solve(model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            mem_min = max(mem_min, solver.BestObjectiveBound())
         return None, mem_min * 1024
     choices, per_site = {}, {}
     keep = [bool(solver.Value(v)) for v in kept]  # per layer group: FSDP's gathered weights kept for backward
