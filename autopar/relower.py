@@ -33,7 +33,7 @@ from autopar.forms.replicate import Replicate
 from autopar.index_checks import retarget_meta
 from autopar.inputs import batch_dims, data_degree, global_example, local_arrivals
 from autopar.mesh import MeshInfo
-from autopar.plan import DirectiveKind, Plan
+from autopar.plan import GATHER_KEEP, DirectiveKind, Plan
 from autopar.precision import Precision, as_dtypes, capture_dtypes, cast_inputs, mark_captured
 from autopar.planner import BATCH_NOTE_RE, build_plan, tie_placements
 from autopar.sites import Kind, PassContext
@@ -164,7 +164,11 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
     base = plan.name if plan.name in ("megatron", "dp", "fsdp") else _named_like(plan)
     batch, shapes = input_batch(ctx.captured)
     new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes, data_axes=_data_axes(plan, info))
-    return replace(new, name=plan.name, notes=new.notes + tuple(notes), precision=plan.precision)
+    kept = {d.node for d in plan.directives if d.kind is DirectiveKind.GATHER and d.value == GATHER_KEEP}
+    directives = tuple(replace(d, value=GATHER_KEEP) if d.kind is DirectiveKind.GATHER and d.node in kept else d
+                       for d in new.directives)  # FSDP's gathers kept for backward stay kept (`fsdp.keep_gathered`)
+    return replace(new, name=plan.name, notes=new.notes + tuple(notes), precision=plan.precision,
+                   directives=directives)
 
 
 def _data_axes(plan: Plan, info: MeshInfo) -> tuple[str, ...] | None:

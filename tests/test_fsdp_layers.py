@@ -149,6 +149,22 @@ def test_gathered_weights_released_after_forward(local_world, fp64, monkeypatch,
         assert p.grad is not None
 
 
+def test_kept_gathers_stay_kept_when_inputs_change_shape(local_world, fp64):
+    """A new input shape re-plans on a new capture (`autopar.relower.replan`): the layers the plan keeps gathered
+    stay kept (no re-gather in backward), as in the first program."""
+    torch.manual_seed(0)
+    model, inputs = make_llama(), llama_inputs()
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, inputs, plan=_plan(model, inputs, mesh, "layers.1.*"))
+        counts = []
+        for batch in (inputs, tuple(t[:2] for t in inputs)):  # the second shape is re-planned
+            with record_comms() as recs:
+                pm(*batch).backward()
+            counts.append(sum(r.kind == "all_gather" and r.pass_ == "backward" for r in recs))
+    assert counts == [LAYERS - 1, LAYERS - 1]
+
+
 def test_two_data_axes(local_world, fp64):
     """FSDP over dp x dp2: one gather per group and axis (the innermost first), one reduce-scatter per group and
     axis (the outermost first), numerics as on one device."""
