@@ -427,14 +427,14 @@ def _explain_one(d: Decision, key: str | None) -> str:
     for r in d.candidates:
         mark = "  * " if r.label == d.chosen else "    "
         priced = not r.excluded or r.compute_s or r.comm_s or r.memory_bytes  # a role assignment over the limit
-        cells = (_fmt_time(r.compute_s), _fmt_time(r.comm_s), _fmt_time(r.step_s),
+        cells = (fmt_time(r.compute_s), fmt_time(r.comm_s), fmt_time(r.step_s),
                  _fmt_bytes(r.memory_bytes)) if priced else ()
         line = mark + r.label.ljust(width) + "".join("  " + c.ljust(10) for c in cells)
         lines.append((line + ("  excluded: " + r.excluded if r.excluded else "")).rstrip())
     return "\n".join(lines)
 
 
-def _fmt_time(s: float) -> str:
+def fmt_time(s: float) -> str:
     return f"{s * 1e3:.3f} ms" if s == 0 or s >= 1e-4 else f"{s * 1e6:.3f} us"
 
 

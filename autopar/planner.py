@@ -476,6 +476,7 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
                                     f"to {c.label} (a layer inside a structure: not priced on its own)")
                            for s, c in forced_linears)
         decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
+        decisions += _keep_decisions(solution)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
     return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
@@ -509,6 +510,37 @@ def _keep_gathered(ctx: PassContext, layers, kept: frozenset[str], directives: l
                      f"{', ...' if len(paths) > 1 else ''}) from forward to backward (ZeRO-2-like): the ILP found the "
                      "backward re-gather it saves worth the memory it holds")
     return out
+
+
+def _keep_decisions(solution) -> tuple[Decision, ...]:
+    """`auto`: per layer group whose FSDP gathers the ILP could keep for backward, whether it kept them, with what
+    keeping saves (the backward re-gather's time on the step) and what it holds (gathered weights per device)."""
+    from autopar.plan import CandidateRow, fmt_time
+    terms = getattr(solution.priced, "checkpoint", None) if solution is not None else None
+    kp = getattr(solution.priced, "keep", None) if solution is not None else None
+    if terms is None or kp is None:
+        return ()
+    out = []
+    for g, group in enumerate(terms.groups):
+        effect = terms.kept_effect(g, kp, solution.choices)
+        if effect is None:
+            continue
+        saved_s, held = effect
+        paths = tuple(la.path for la in group.layers)
+        kept = paths[0] in solution.keep_gathered
+        if kept:
+            by = (f"the ILP: keeping saves {fmt_time(saved_s)} of backward re-gathers per step for "
+                  f"{fmt_bytes(held)} more held per device, and the plan fits the memory limit with it")
+        elif saved_s <= 0:
+            by = "the ILP: the backward re-gathers are hidden behind compute, so keeping would only hold memory"
+        else:
+            by = (f"the ILP, memory limit binding: keeping would save {fmt_time(saved_s)} per step but hold "
+                  f"{fmt_bytes(held)} more per device, which the plan's other choices need")
+        rows = (CandidateRow(label="reshard after forward", comm_s=saved_s),
+                CandidateRow(label="keep gathered for backward", memory_bytes=int(held)))
+        out.append(Decision(keys=paths, kind="FSDP gathers", chosen=rows[kept].label, decided_by=by,
+                            candidates=rows))
+    return tuple(out)
 
 
 def _checkpoint_decisions(layers, levels: dict, forced: dict, solution, priced) -> tuple[Decision, ...]:

@@ -153,6 +153,7 @@ class Priced:
     free_memory_bytes: float = 0.0
     roles: list[tuple[tuple[str, ...], tuple[str, ...], "Solution | None", str]] = field(default_factory=list)
     checkpoint: "CheckpointTerms | None" = None  # the layers' levels priced on the chosen role assignment
+    keep: "KeepTerms | None" = None  # FSDP's gathered weights kept per layer group, priced on it
 
 
 # ----------------------------------------------------------------------------- pricing
@@ -501,7 +502,7 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
         free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
                              grad_share=mc.grad_share(), kp=kp)
         out.free, out.free_memory_bytes = free.choices, free.memory_bytes
-    out.checkpoint = ck
+    out.checkpoint, out.keep = ck, kp
     return out
 
 
@@ -527,6 +528,15 @@ class CheckpointTerms:
     stream: list[list[float]] = field(default_factory=list)  # per group and level: kept stream bytes, global
     cands: list[list[Candidate]] = field(default_factory=list)  # per class, as `reissue` and `act` index them
     keys: list[str] = field(default_factory=list)  # per class, one site's key
+
+    def kept_effect(self, g: int, kp: "KeepTerms", choices: dict[str, Candidate]) -> tuple[float, float] | None:
+        """What keeping group g's FSDP gathers for backward does under `choices`: (time saved per step, bytes held
+        more per device); None where the chosen forms gather nothing in g that is re-gathered."""
+        choice = self.choice(choices)
+        rows = [(k, n) for k, gi, n in self.reissue if gi == g and kp.kept[k][choice[k]] is not None]
+        if not rows:
+            return None
+        return (sum(n * kp.saved_s[k][choice[k]] for k, n in rows), sum(n * kp.held_bytes[k][choice[k]] for k, n in rows))
 
     def choice(self, choices: dict[str, Candidate]) -> dict[int, int]:
         """The candidate index of every class under `choices` (site key -> Candidate)."""

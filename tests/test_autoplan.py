@@ -156,6 +156,19 @@ def test_ilp_keeps_gathered_weights_when_memory_allows_and_reshards_when_tight(k
         assert {r.backward for r in rows} == {backward}, rows
 
 
+def test_explain_says_why_gathers_are_kept_or_resharded(kept_and_resharded):
+    """`Plan.explain`: one decision for the layers' FSDP gathers, the time keeping saves against what it holds."""
+    for plan, chosen, why in ((kept_and_resharded[0], "keep gathered for backward", "the plan fits the memory limit"),
+                              (kept_and_resharded[1], "reshard after forward", "memory limit binding")):
+        (d,) = [d for d in plan.decisions if d.kind == "FSDP gathers"]
+        assert d.keys == ("layers.0", "layers.1", "layers.2") and d.chosen == chosen and why in d.decided_by, d
+        reshard, keep = d.candidates
+        assert reshard.comm_s > 0 and keep.memory_bytes > 0  # the re-gathers keeping saves; the weights it holds
+        assert plan.estimate.memory_bytes_per_device + (keep.memory_bytes if chosen.startswith("reshard") else 0) \
+            > TIGHT  # keeping them would not fit the tight limit
+        assert "FSDP gathers" in plan.explain()
+
+
 def test_the_ilps_kept_plan_matches_one_device(local_world, fp64):
     """Under keep, as the ILP plans it on 2 simulated ranks (the resharded plan's collectives: the test above; the
     runtime's resharding: tests/test_fsdp_layers.py)."""
