@@ -64,6 +64,8 @@ def run(quick: bool, cache_dir: str) -> None:
         import json
         with open(os.environ["TUNE_DUMP"], "w") as f:
             json.dump([c.to_dict() for c in result.candidates], f)
+        with open(profile) as src, open(os.environ["TUNE_DUMP"] + ".profile.json", "w") as dst:
+            dst.write(src.read())  # the cluster the candidates were priced on (to refit offline)
     measured = [c for c in result.candidates if c.measured_s is not None]
     hands = [c for c in measured if any(h in c.name.split("=") for h in ("megatron", "dp", "fsdp"))]
     best_hand = min(hands, key=lambda c: c.measured_s)
