@@ -27,14 +27,15 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    a collective sequence while the others wait in it is only ended by the process group's timeout.
 4. **Calibration** (`fit_calibration`): factors per op kind of compute, for the optimizer step, and per mesh axis
    for its critical-path collectives and for its parameter synchronisation (which the timeline hides behind
-   compute, a CPU host does not), fitted by
-   least squares on the relative error of the measured candidates (pulled towards one global factor where the
-   measurements do not tell the parts apart), saved beside the cluster profile
+   compute, a CPU host does not), and per mesh axis a fixed latency per collective (`Calibration.latency`), fitted
+   by non-negative least squares on the relative error of the measured candidates (factors pulled towards one
+   global factor where the measurements do not tell the parts apart, the latency towards none), saved beside the
+   cluster profile
    (`cost_model.hardware.calibration_path`) with the measurements of every model tuned on this machine and mesh,
    refitted on all of them, so later plans of other models are priced with it (`load_cluster`). The cost model
-   applies the compute and per-axis factors; the synchronisation and optimizer factors are applied by tune's
-   calibrated predictions (`apply_calibration`) only, as the plan estimate neither separates an axis'
-   synchronisation nor prices the optimizer step.
+   applies the compute and per-axis factors and the latency per collective (`Link.call_s`); the synchronisation
+   and optimizer factors are applied by tune's calibrated predictions (`apply_calibration`) only, as the plan
+   estimate neither separates an axis' synchronisation nor prices the optimizer step.
 5. **Cache**: the result is saved under `$XDG_CACHE_HOME/autopar/tune/<key>.json`, the key a digest of the
    captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
    call (and `parallelize(..., plan="tuned")`) returns it without measuring.
@@ -77,7 +78,9 @@ __all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration
 _STREAMS = itertools.count()  # dropout streams of the candidates' programs
 REST = "rest"  # the part of a prediction no calibration factor scales
 _MAX_FITS = 400  # measurements kept beside a profile (the oldest dropped)
-_PARTS = 2  # what `components` splits a prediction into (saved fits split otherwise are not refitted)
+_PARTS = 3  # what `components` splits a prediction into (saved fits split otherwise are not refitted)
+CALLS = "calls"  # 'calls:<axis>': a count of collectives, not seconds (`components`)
+_PROBE_S = 1e-3  # the per-collective latency `components` prices a plan with to count its collectives
 
 
 # ----------------------------------------------------------------------------- results
@@ -90,7 +93,8 @@ class TuneCandidate:
     name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both
     plan: Plan
     predicted_s: float
-    components: tuple[tuple[str, float], ...] = ()  # 'compute:<kind>', 'axis:<index>', 'rest' -> seconds
+    components: tuple[tuple[str, float], ...] = ()  # 'compute:<kind>', 'axis:<index>', ..., 'rest' -> seconds;
+    # 'calls:<index>' -> collectives (`components`)
     calibrated_s: float = math.nan
     measured_s: float | None = None
     step_times_s: tuple[float, ...] = ()  # the slowest rank's time of each timed step
@@ -169,6 +173,7 @@ class TuneResult:
                + ", ".join(f"{k} x{v:.2f}" for k, v in sorted(self.calibration.compute.items()))
                + "".join(f", axis {i} x{a:.2f}" for i, a in enumerate(self.calibration.axes))
                + "".join(f", axis {i} sync x{a:.2f}" for i, a in enumerate(self.calibration.sync))
+               + "".join(f", axis {i} +{s * 1e3:.2f} ms per collective" for i, s in enumerate(self.calibration.latency))
                if self.calibration is not None else "")
         return "\n".join(lines) + f"\n(step times in ms, slowest rank, median of the timed steps; {note}{cal})"
 
@@ -416,12 +421,15 @@ def components(ctx, info, cluster: Cluster, plan: Plan, model: nn.Module | None 
     overlaps with compute, so a calibration learns how much of them a machine really hides: none where the
     collectives' threads share the cores with compute, most on a GPU); the optimizer step ('optimizer',
     `optimizer_s`, given the model); and the rest. Each part is the prediction with that factor at 2 less the
-    prediction with every factor at 1 (the prediction is linear in each factor)."""
+    prediction with every factor at 1 (the prediction is linear in each factor). Beside the seconds, 'calls:<i>'
+    counts the collectives on axis i the prediction sums (a collective a structure shares with others, as FSDP's
+    group gathers, counts by its share): the prediction with `_PROBE_S` of latency per collective on the axis
+    (`Calibration.latency`) less the one without, over `_PROBE_S`."""
     from autopar.solver import evaluate
     base = dataclasses.replace(cluster, calibration=None)
     one = lambda **kw: dataclasses.replace(base, calibration=Calibration(  # noqa: E731
         mesh_shape=info.sizes, axes=kw.get("axes", (1.0,) * len(info.sizes)), compute=kw.get("compute", {}),
-        of=base.name))
+        latency=kw.get("latency", ()), of=base.name))
     choices, data, seq = plan_choices(plan)
     run = lambda c: evaluate(ctx, info, c, choices, data, seq_axes=seq, other_fsdp=plan.name == "fsdp")  # noqa: E731
     sync = lambda sol: sum(c.gather_s + c.reduce_s for c in [*sol.per_site.values(), sol.other])  # noqa: E731
@@ -437,6 +445,12 @@ def components(ctx, info, cluster: Cluster, plan: Plan, model: nn.Module | None 
     parts[REST] = t1 - sum(parts.values())
     if model is not None:
         parts[OPTIMIZER] = optimizer_s(model, plan, info.sizes, base)
+    for i, size in enumerate(info.sizes):
+        if size > 1:
+            calls = (run(one(latency=tuple(_PROBE_S if j == i else 0.0 for j in range(len(info.sizes))))).time_s
+                     - t1) / _PROBE_S
+            if calls > 1e-9:
+                parts[f"{CALLS}:{i}"] = calls
     return tuple(parts.items())
 
 
@@ -464,14 +478,17 @@ def optimizer_s(model: nn.Module, plan: Plan, sizes, cluster: Cluster) -> float:
 # ----------------------------------------------------------------------------- calibration
 
 def apply_calibration(parts: dict[str, float], cal: Calibration | None) -> float:
-    """The prediction `parts` (`components`) under `cal`."""
-    if cal is None:
-        return sum(parts.values())
+    """The prediction `parts` (`components`) under `cal` (None: the seconds as priced, no latency per collective)."""
     return sum(v * _factor(k, cal) for k, v in parts.items())
 
 
-def _factor(part: str, cal: Calibration) -> float:
+def _factor(part: str, cal: Calibration | None) -> float:
+    """What multiplies the part: a factor for seconds, the seconds per collective for a count of collectives."""
     what, _, name = part.partition(":")
+    if what == CALLS:
+        return cal.latency_s(cal.mesh_shape, int(name)) if cal is not None else 0.0
+    if cal is None:
+        return 1.0
     if what == "compute":
         return cal.compute.get(name, 1.0)
     if what == "axis":
@@ -484,35 +501,67 @@ def _factor(part: str, cal: Calibration) -> float:
 
 
 def fit_calibration(fits: list[tuple[dict[str, float], float]], mesh_shape: tuple[int, ...], *, of: str,
-                    ridge: float = 0.1, source: str = "") -> Calibration:
-    """Factors per op kind (and the optimizer step), per mesh axis for its critical-path collectives and per mesh
-    axis for its parameter synchronisation (`components`), such that the calibrated predictions of `fits`
-    ([(components, measured seconds)]) best match the measurements, in relative error (linear least squares:
-    predicted = sum_k c_k compute_k + c_opt optimizer + sum_i (a_i axis_i + b_i sync_i) + rest). Every factor is pulled
-    towards the one global factor that fits best (weight `ridge`), so parts the measurements cannot tell apart
-    (always in the same proportion) share it; factors stay within 1/20 and 20 times that global factor."""
+                    ridge: float = 0.1, latency_ridge: float = 10.0, source: str = "") -> Calibration:
+    """Factors per op kind (and the optimizer step), per mesh axis for its critical-path collectives and for its
+    parameter synchronisation, and per mesh axis the seconds each collective adds (`components`), such that the
+    calibrated predictions of `fits` ([(components, measured seconds)]) best match the measurements in relative
+    error: predicted = sum_k c_k compute_k + c_opt optimizer + sum_i (a_i axis_i + b_i sync_i + l_i calls_i) + rest,
+    every factor and latency >= 0 (non-negative least squares, `_nnls`, with ridge rows).
+
+    Every factor is pulled towards the one global factor that fits best (weight `ridge`), so parts the
+    measurements cannot tell apart (always in the same proportion) share it; factors stay within 1/20 and 20 times
+    that global factor. The latency (the fixed cost of a blocking collective that no message size explains, beyond
+    what the profile measured: waking every rank's threads on contended CPU cores) is pulled towards none (weight
+    `latency_ridge`, in units of the step's seconds per collective), so it is charged only where the measurements
+    clearly ask for it: plans with more collectives slower than their seconds explain."""
     if not fits:
         raise ValueError("fit_calibration needs at least one (components, measured seconds) pair")
     names = sorted({k for parts, _ in fits for k, v in parts.items() if k != REST and abs(v) > 0})
-    a = np.array([[parts.get(k, 0.0) / m for k in names] for parts, m in fits])  # relative: each row / measured
-    rest = np.array([parts.get(REST, 0.0) / m for parts, m in fits])
-    target = 1.0 - rest
-    scaled = a.sum(axis=1)
-    glob = float(scaled @ target / (scaled @ scaled)) if scaled @ scaled > 0 else 1.0
+    a = np.array([[parts.get(k, 0.0) / m for k in names] for parts, m in fits]).reshape(len(fits), len(names))
+    target = 1.0 - np.array([parts.get(REST, 0.0) / m for parts, m in fits])  # relative: each row / measured
+    latency = np.array([k.startswith(f"{CALLS}:") for k in names], dtype=bool)
+    seconds = a[:, ~latency].sum(axis=1)
+    glob = float(seconds @ target / (seconds @ seconds)) if seconds @ seconds > 0 else 1.0
     glob = glob if glob > 0 else 1.0
-    lam = math.sqrt(ridge)
-    lhs = np.vstack([a, lam * np.eye(len(names))])
-    rhs = np.concatenate([target, lam * glob * np.ones(len(names))])
-    theta = np.linalg.lstsq(lhs, rhs, rcond=None)[0] if names else np.zeros(0)
-    theta = np.clip(theta, glob / 20, glob * 20)
+    calls = a[:, latency].sum()
+    unit = np.where(latency, glob * seconds.sum() / calls if calls > 0 else 1.0, glob)  # solved in these units
+    weight = np.sqrt(np.where(latency, latency_ridge, ridge))
+    prior = np.where(latency, 0.0, 1.0)
+    theta = _nnls(np.vstack([a * unit, np.diag(weight)]), np.concatenate([target, weight * prior])) * unit
+    theta[~latency] = np.clip(theta[~latency], glob / 20, glob * 20)
     factors = dict(zip(names, map(float, theta)))
     compute = {k.partition(":")[2]: f for k, f in factors.items() if k.startswith("compute:")}
     if OPTIMIZER in factors:
         compute[OPTIMIZER] = factors[OPTIMIZER]
     axes = tuple(factors.get(f"axis:{i}", glob) for i in range(len(mesh_shape)))
     sync = tuple(factors.get(f"sync:{i}", a) for i, a in enumerate(axes))
-    return Calibration(compute=compute, axes=axes, sync=sync, mesh_shape=tuple(mesh_shape), of=of, samples=len(fits),
+    lat = tuple(factors.get(f"{CALLS}:{i}", 0.0) for i in range(len(mesh_shape)))
+    return Calibration(compute=compute, axes=axes, sync=sync, latency=lat if any(lat) else (),
+                       mesh_shape=tuple(mesh_shape), of=of, samples=len(fits),
                        source=source or f"autopar.tune: {len(fits)} measured steps fitted")
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| over x >= 0 (Lawson and Hanson's active set method)."""
+    n = a.shape[1]
+    x, free = np.zeros(n), np.zeros(n, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(a).max(initial=0.0)))
+    for _ in range(3 * n + 10):
+        grad = a.T @ (b - a @ x)
+        if free.all() or grad[~free].max() <= tol:
+            break
+        free[int(np.argmax(np.where(free, -np.inf, grad)))] = True
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            bad = free & (z <= 0)
+            step = float(np.min(x[bad] / (x[bad] - z[bad])))
+            x = x + step * (z - x)
+            free &= x > tol
+    return x
 
 
 def _calibration_home(cluster, mesh_shape) -> Path | None:

@@ -64,6 +64,8 @@ def run(quick: bool, cache_dir: str) -> None:
         import json
         with open(os.environ["TUNE_DUMP"], "w") as f:
             json.dump([c.to_dict() for c in result.candidates], f)
+        with open(profile) as src, open(os.environ["TUNE_DUMP"] + ".profile.json", "w") as dst:
+            dst.write(src.read())  # the cluster the candidates were priced on (to refit offline)
     measured = [c for c in result.candidates if c.measured_s is not None]
     hands = [c for c in measured if any(h in c.name.split("=") for h in ("megatron", "dp", "fsdp"))]
     best_hand = min(hands, key=lambda c: c.measured_s)
@@ -87,6 +89,8 @@ def run(quick: bool, cache_dir: str) -> None:
         held_names += [c.name for c in held]
     if rank == 0:
         print(f"tuned plan: {tuned.name} ({tuned.forms}); best hand plan: {best_hand.name} ({best_hand.forms})")
+        if tuned is best_hand:  # the ratio below times one plan against itself: this machine's noise floor
+            print("the tuned plan is the best hand plan: tuned/best hand is 1 by identity, the measured ratio is noise")
         report("tune_vs_best_hand", t, "tuned", "best hand")
         result_line("tuned/best hand", t, "tuned", "best hand")
         print("held aside (each fitted on the other half): " + ", ".join(

@@ -15,7 +15,8 @@ Collectives (`collective_time_s`, `send_bytes`), group size p, link alpha (s) an
 A group of size 1 costs nothing. Ring algorithms; on a link with `tree_all_reduce` (NCCL) an
 all-reduce's latency is the shorter of the ring's 2(p-1)·alpha and the double binary tree's
 2·ceil(log2 p)·alpha (NCCL picks the algorithm by size; the bandwidth term is the ring's). Every time is
-multiplied by `Link.time_factor` (a calibration, `autopar.tune`). When the link carries a measured table for the kind and the group size
+multiplied by `Link.time_factor` and `Link.call_s` added to it (a calibration, `autopar.tune`: measured / predicted,
+and a fixed cost per collective). When the link carries a measured table for the kind and the group size
 (`Link.table`, written by `autopar.profile`), the time is interpolated from it instead: log-log
 between measured sizes, the smallest size's time below them, and the last segment's slope
 (seconds per byte) above them. Given `interval_s`, the compute before the collective, the time
@@ -119,12 +120,12 @@ def collective_time_s(kind: str, numel_bytes: int, group_size: int, link: Link, 
         if interval_s is not None and link.sync_table:
             t += _piecewise_linear(link.sync_table, interval_s) - _piecewise_linear(link.sync_table,
                                                                                      link.table_interval_s)
-        return max(t, 0.0) * link.time_factor
+        return max(t, 0.0) * link.time_factor + link.call_s
     n_steps = steps(group_size)
     if kind == "all_reduce" and link.tree_all_reduce:
         n_steps = min(n_steps, 2 * math.ceil(math.log2(group_size)))
     return (send_bytes(kind, numel_bytes, group_size) / link.effective_bytes_per_s
-            + n_steps * link.alpha_s) * link.time_factor
+            + n_steps * link.alpha_s) * link.time_factor + link.call_s
 
 
 def _piecewise_linear(rows, x: float) -> float:

@@ -51,8 +51,9 @@ on (`mesh_shape`, `axis_links`); for that same mesh shape `axis_link` returns th
 
 Calibration (`Calibration`, written by `autopar.tune`): factors measured step times fitted against the
 model's predictions, one per op kind of compute (`cost_model.analytical.KINDS`) and one per mesh axis of the
-mesh it was measured on (its collectives' times), applied where they are priced (`autopar.estimate.compute_s`,
-`collective_time_s` through `Link.time_factor`, which `axis_link` sets). It is saved beside the profile it
+mesh it was measured on (its collectives' times), and per mesh axis the fixed seconds each collective adds
+(`Calibration.latency`), applied where they are priced (`autopar.estimate.compute_s`, `collective_time_s` through
+`Link.time_factor` and `Link.call_s`, which `axis_link` sets). It is saved beside the profile it
 corrects (`calibration_path`: the profile's path with `.calibration.json`; for a machine without a profile,
 beside the path its profile would have) and `load_cluster` applies it when it loads that profile or, for
 `None`, this machine's preset; a preset named explicitly stays as published.
@@ -105,6 +106,7 @@ class Link:
     table_interval_s: float | None = None  # compute before each collective when the table was measured
     sync_table: tuple[tuple[float, float], ...] | None = None  # (interval_s, seconds) of a small all-reduce
     time_factor: float = 1.0  # measured / predicted collective time on this axis (`Calibration`, set by axis_link)
+    call_s: float = 0.0  # fixed seconds each collective on this link adds (`Calibration.latency`, set by axis_link)
 
     def __post_init__(self):
         if not (self.alpha_s >= 0 and math.isfinite(self.alpha_s)):
@@ -115,6 +117,8 @@ class Link:
             raise ValueError(f"Link.efficiency must be in (0, 1], got {self.efficiency}")
         if not (self.time_factor > 0 and math.isfinite(self.time_factor)):
             raise ValueError(f"Link.time_factor must be a finite number > 0, got {self.time_factor}")
+        if not (self.call_s >= 0 and math.isfinite(self.call_s)):
+            raise ValueError(f"Link.call_s must be a finite number >= 0 seconds, got {self.call_s}")
         if self.table is None:
             return
         if not (isinstance(self.table_group_size, int) and self.table_group_size > 1):
@@ -157,12 +161,15 @@ class Calibration:
     optimizer step), `axes[i]` for the collectives on axis i of `mesh_shape` (other mesh shapes take their
     geometric mean), `sync[i]` for its parameter synchronisation, which the timeline overlaps with compute (FSDP's
     gathers, gradient reductions: how much of it a machine really hides; empty: as `axes`; applied by
-    `autopar.tune`'s calibrated predictions). `of` names the cluster they correct (`Cluster.name`); `samples`
-    counts the measurements fitted."""
+    `autopar.tune`'s calibrated predictions), `latency[i]` the seconds each collective on axis i costs beyond its
+    priced time (a fixed cost per blocking collective: waking and scheduling every rank's threads, which on
+    contended CPU cores no message size explains; empty: none). `of` names the cluster they correct
+    (`Cluster.name`); `samples` counts the measurements fitted."""
 
     compute: dict[str, float] = field(default_factory=dict, hash=False)
     axes: tuple[float, ...] = ()
     sync: tuple[float, ...] = ()
+    latency: tuple[float, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     of: str = ""
     samples: int = 0
@@ -171,11 +178,15 @@ class Calibration:
     def __post_init__(self):
         object.__setattr__(self, "axes", tuple(float(a) for a in self.axes))
         object.__setattr__(self, "sync", tuple(float(a) for a in self.sync))
+        object.__setattr__(self, "latency", tuple(float(a) for a in self.latency))
         object.__setattr__(self, "mesh_shape", tuple(int(d) for d in self.mesh_shape))
         for what, f in [*self.compute.items(), *enumerate(self.axes), *(("sync", f) for f in self.sync)]:
             if not (f > 0 and math.isfinite(f)):
                 raise ValueError(f"Calibration factor {what!r} must be a finite number > 0, got {f}")
-        for what, fs in (("axes", self.axes), ("sync", self.sync)):
+        for i, s in enumerate(self.latency):
+            if not (s >= 0 and math.isfinite(s)):
+                raise ValueError(f"Calibration.latency[{i}] must be a finite number >= 0 seconds, got {s}")
+        for what, fs in (("axes", self.axes), ("sync", self.sync), ("latency", self.latency)):
             if fs and len(fs) != len(self.mesh_shape):
                 raise ValueError(f"Calibration.{what} has {len(fs)} factors for mesh {self.mesh_shape}; give one "
                                  "per mesh axis")
@@ -187,6 +198,14 @@ class Calibration:
         if not self.sync:
             return self.axis_factor(mesh_shape, axis_index)
         return _per_axis(self.sync, self.mesh_shape, mesh_shape, axis_index)
+
+    def latency_s(self, mesh_shape: tuple[int, ...], axis_index: int) -> float:
+        """Seconds each collective on the axis adds; another mesh shape takes the mean over the fitted axes."""
+        if not self.latency:
+            return 0.0
+        if tuple(mesh_shape) == self.mesh_shape:
+            return self.latency[axis_index]
+        return sum(self.latency) / len(self.latency)
 
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), "format": _CAL_FORMAT}, indent=2, sort_keys=True)
@@ -660,5 +679,7 @@ def axis_link(cluster: Cluster, mesh_shape: tuple[int, ...], axis_index: int) ->
             link = inter if per_node == 1 else dataclasses.replace(
                 inter, bytes_per_s=min(per_node * inter.bytes_per_s, intra.bytes_per_s))
     if cluster.calibration is not None:
-        link = dataclasses.replace(link, time_factor=cluster.calibration.axis_factor(mesh_shape, axis_index))
+        cal = cluster.calibration
+        link = dataclasses.replace(link, time_factor=cal.axis_factor(mesh_shape, axis_index),
+                                   call_s=cal.latency_s(mesh_shape, axis_index))
     return link

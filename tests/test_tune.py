@@ -15,13 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import autopar
 from autopar.api import _prepare
 from autopar.models import GPT, GPTConfig
-from autopar.tune import (OPTIMIZER, REST, _evaluate, apply_calibration, cache_key, candidates, components, fit_calibration, plan_choices,
+from autopar.tune import (CALLS, OPTIMIZER, REST, _evaluate, apply_calibration, cache_key, candidates, components, fit_calibration, plan_choices,
                           _update_calibration)
 from cost_model.analytical import collective_time_s
 from cost_model.hardware import PRESETS, Calibration, Link, calibration_path, load_cluster
@@ -92,8 +93,10 @@ def test_k_best_distinct_plans_in_order_with_the_hand_plans(monkeypatch):
         parts = dict(c.components)
         assert math.isclose(_evaluate(ctx, info, cluster, c.plan) + parts[OPTIMIZER], c.predicted_s,
                             rel_tol=1e-9), c.name
-        assert math.isclose(sum(parts.values()), _evaluate(ctx, info, identity, c.plan) + parts[OPTIMIZER],
+        assert math.isclose(apply_calibration(parts, None), _evaluate(ctx, info, identity, c.plan) + parts[OPTIMIZER],
                             rel_tol=1e-9), c.name
+        assert apply_calibration(parts, None) == pytest.approx(sum(v for k, v in parts.items()
+                                                                   if not k.startswith(CALLS)))
     # data parallel (over both axes): its gradient reductions are synchronisation, and its optimizer updates whole
     # parameters; FSDP's synchronisation (gathers, gathered again in backward, reduce-scatters) is more, its optimizer
     # updates a shard of each parameter
@@ -208,6 +211,13 @@ def test_calibration_saved_beside_the_profile_round_trips_and_prices(tmp_path, m
                         [(dict(c.components), c.predicted_s * 2.0) for c in cands2], save=True)
     saved = json.loads(path.read_text())
     assert {f["graph"] for f in saved["fits"]} == {captured.fingerprint(), captured2.fingerprint()}
+    # measurements that pay a latency per collective: the saved calibration carries it, and the cluster loaded
+    # afterwards prices every collective of a later plan with it
+    calls = lambda c: sum(v for k, v in c.components if k.startswith(CALLS))  # noqa: E731
+    late = _update_calibration(profile, base, info.sizes, captured.fingerprint(),
+                               [(dict(c.components), 2.0 * c.predicted_s + 2e-3 * calls(c)) for c in cands], save=True)
+    assert late.latency and min(late.latency) > 0
+    assert load_cluster(None, info.sizes).calibration.latency == late.latency
     # a preset named explicitly stays as published
     assert load_cluster("cpu", info.sizes).calibration is None
 
@@ -219,6 +229,124 @@ def test_link_time_factor_scales_collectives():
         2.5 * collective_time_s("all_reduce", 2**20, 4, link))
     with pytest.raises(ValueError, match="time_factor"):
         Link(alpha_s=0, bytes_per_s=1e9, time_factor=0)
+
+    # a fixed latency per collective is added once, after the factor; a group of one rank issues nothing
+    fixed = dataclasses.replace(slow, call_s=3e-4)
+    assert collective_time_s("all_gather", 2**20, 4, fixed) == pytest.approx(
+        collective_time_s("all_gather", 2**20, 4, slow) + 3e-4)
+    assert collective_time_s("all_gather", 2**20, 1, fixed) == 0.0
+    with pytest.raises(ValueError, match="call_s"):
+        Link(alpha_s=0, bytes_per_s=1e9, call_s=-1e-3)
+
+
+def _with_calls(truth: dict[str, float], latency: tuple[float, float], n: int, seed: int):
+    """Synthetic measurements of plans that differ in their collectives per axis (0 to 30, as the GPT's dp, megatron
+    and fsdp plans: 4 to 14 on each axis) as much as in their seconds."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for parts, _ in _synthetic(truth, n, seed):
+        counts = {f"{CALLS}:{i}": float(torch.randint(0, 31, (), generator=g)) for i in (0, 1)}
+        measured = (sum(truth[k] * v for k, v in parts.items() if k != REST) + parts[REST]
+                    + sum(s * counts[f"{CALLS}:{i}"] for i, s in enumerate(latency)))
+        out.append((parts | counts, measured))
+    return out
+
+
+def test_fit_learns_a_latency_per_collective():
+    """Where every blocking collective costs a fixed time that no message size explains (ranks woken on contended
+    cores), plans with many collectives (FSDP's gathers and reduce-scatters per layer group) run slower than their
+    seconds say. The fit finds the latency per axis, and it predicts held-aside plans; factors alone cannot."""
+    truth = {"compute:matmul": 1.5, "compute:vector": 2.0, "axis:0": 2.0, "sync:0": 2.5, "axis:1": 3.0, OPTIMIZER: 2.0}
+    fits = _with_calls(truth, (2e-4, 5e-5), 24, seed=5)
+    cal = fit_calibration(fits[:16], (2, 2), of="cpu", ridge=1e-4, latency_ridge=1e-4)
+    assert cal.latency == pytest.approx((2e-4, 5e-5), rel=0.05)
+    assert cal.latency_s((2, 2), 1) == cal.latency[1] and cal.latency_s((4,), 0) == pytest.approx(1.25e-4, rel=0.05)
+    assert cal.compute["matmul"] == pytest.approx(1.5, rel=0.05) and cal.axes[1] == pytest.approx(3.0, rel=0.05)
+    for parts, measured in fits[16:]:  # held aside
+        assert apply_calibration(parts, cal) == pytest.approx(measured, rel=0.02)
+    seconds = lambda rows: [({k: v for k, v in p.items() if not k.startswith(CALLS)}, m) for p, m in rows]  # noqa: E731
+    without = fit_calibration(seconds(fits[:16]), (2, 2), of="cpu", ridge=1e-4, latency_ridge=1e-4)
+    assert without.latency == ()
+    assert max(abs(apply_calibration(p, without) - m) / m for p, m in seconds(fits[16:])) > 0.05
+    # saved and loaded with the calibration
+    again = Calibration.from_json(cal.to_json())
+    assert again == cal and again.latency == cal.latency
+    with pytest.raises(ValueError, match="latency"):
+        Calibration(axes=(1.0, 1.0), latency=(1e-3, -1e-3), mesh_shape=(2, 2), of="cpu")
+    with pytest.raises(ValueError, match="latency"):
+        Calibration(axes=(1.0, 1.0), latency=(1e-3,), mesh_shape=(2, 2), of="cpu")
+
+
+def test_fit_charges_no_latency_the_measurements_do_not_ask_for():
+    """Measurements that the seconds explain (every plan twice as slow as priced, however many collectives it issues)
+    leave the latency at none; measurements faster than the seconds say for plans with more collectives cannot make
+    it negative (non-negative least squares), nor any factor."""
+    truth = {"compute:matmul": 2.0, "compute:vector": 2.0, "axis:0": 2.0, "sync:0": 2.0, "axis:1": 2.0}
+    fits = _with_calls(truth, (0.0, 0.0), 12, seed=7)
+    cal = fit_calibration(fits, (2, 2), of="cpu")
+    assert cal.latency == ()
+    assert all(f == pytest.approx(2.0, rel=0.02) for f in [*cal.compute.values(), *cal.axes, *cal.sync])
+    faster = [(p, m - 1e-5 * p[f"{CALLS}:0"]) for p, m in fits]
+    cal = fit_calibration(faster, (2, 2), of="cpu", latency_ridge=1e-4)
+    assert cal.latency_s((2, 2), 0) == 0.0 and min(cal.latency, default=0.0) >= 0
+    assert min([*cal.compute.values(), *cal.axes, *cal.sync]) > 0
+    # by default the latency is charged only where the measurements clearly ask for it: one that explains a tenth of
+    # the step is learnt, shrunk towards none
+    slower = _with_calls(truth, (3e-5, 3e-5), 12, seed=7)
+    learnt = fit_calibration(slower, (2, 2), of="cpu").latency
+    assert learnt and all(0 < s < 3e-5 for s in learnt)
+
+
+def test_nnls_matches_every_active_set():
+    """`_nnls` against the best of every subset of free variables (least squares on the subset, kept when
+    non-negative): the non-negative least-squares optimum is one of them."""
+    g = torch.Generator().manual_seed(11)
+    for _ in range(20):
+        a = torch.randn(7, 4, generator=g, dtype=torch.float64).numpy()
+        b = torch.randn(7, generator=g, dtype=torch.float64).numpy()
+        x = tune_mod._nnls(a, b)
+        assert (x >= 0).all()
+        best = float(np.sum(b ** 2))
+        for free in itertools.product((False, True), repeat=4):
+            cols = np.array(free)
+            if not cols.any():
+                continue
+            z = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (z >= 0).all():
+                best = min(best, float(np.sum((a[:, cols] @ z - b) ** 2)))
+        assert float(np.sum((a @ x - b) ** 2)) == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_latency_prices_every_collective_of_later_plans():
+    """A calibration's latency per collective reaches the cost model through the mesh axis' link (`axis_link`,
+    `Link.call_s`): a plan priced with it costs `calls:<i>` (`components`) times the latency more on each axis, so
+    later plans, of other models too, are priced with it; the plan with more collectives pays more."""
+    model, inputs = tiny()
+    cands, (info, captured, ctx) = _enumerate(model, inputs, MESH, top_k=1)
+    cpu = load_cluster("cpu", info.sizes)
+    cal = Calibration(axes=(1.0, 1.0), latency=(4e-4, 1e-4), mesh_shape=(2, 2), of=cpu.name)
+    slow = dataclasses.replace(cpu, calibration=cal)
+    from cost_model.hardware import axis_link
+    assert [axis_link(slow, (2, 2), i).call_s for i in (0, 1)] == [4e-4, 1e-4]
+    assert axis_link(slow, (4,), 0).call_s == pytest.approx(2.5e-4)  # another mesh: the mean
+    by = {n: c for c in cands for n in c.name.split("=")}
+    extra = {}
+    for name in ("megatron", "dp", "fsdp"):
+        parts = dict(by[name].components)
+        calls = [parts.get(f"{CALLS}:{i}", 0.0) for i in (0, 1)]
+        assert all(c > 0 for c in calls), (name, parts)
+        identity = dataclasses.replace(cpu, calibration=dataclasses.replace(cal, latency=()))
+        extra[name] = _evaluate(ctx, info, slow, by[name].plan) - _evaluate(ctx, info, identity, by[name].plan)
+        assert extra[name] == pytest.approx(4e-4 * calls[0] + 1e-4 * calls[1], rel=1e-9)
+        assert apply_calibration(parts, cal) == pytest.approx(apply_calibration(parts, None) + extra[name], rel=1e-9)
+    # FSDP gathers and reduce-scatters each layer group on each data axis; dp reduces its gradient bucket once
+    fsdp, dp = dict(by["fsdp"].components), dict(by["dp"].components)
+    assert all(fsdp[f"{CALLS}:{i}"] > dp[f"{CALLS}:{i}"] for i in (0, 1))
+    assert extra["fsdp"] > extra["dp"]
+    # the plan's own estimate (its overlapped timeline) is priced with it too
+    plain = autopar.plan(model, MESH, inputs, plan="fsdp", cluster=cpu)
+    assert autopar.plan(model, MESH, inputs, plan="fsdp", cluster=slow).estimate.step_time_s > \
+        plain.estimate.step_time_s
 
 
 # ----------------------------------------------------------------------------- the cache key
