@@ -72,11 +72,12 @@ class Cost:
     # double buffer); the step's peak adds the largest of them to the start of the backward (`peak_bytes`)
     peak_bytes: float = 0.0
     # of its gradients, those reduced in the data-parallel buckets (`autopar.forms.dp`): reducing a bucket holds its
-    # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
-    # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
+    # flat copy besides the gradients at the end of the backward, as large as the bucket (at most `GRAD_BUCKET_BYTES`,
+    # or all such gradients when they are fewer: `peak_bytes`); the all-reduce is in place, and the gradients are then
+    # views of the flat copy
     bucket_bytes: float = 0.0
-    # not in memory_bytes: FSDP's reduction of the gradients of this structure's group (`forms.fsdp.reduce_transient_bytes`);
-    # the step's peak adds the largest to the end of the backward (`peak_bytes`)
+    # not in memory_bytes: what FSDP holds while reducing the gradients of this structure's group
+    # (`forms.fsdp.reduce_transient_bytes`); the step's peak adds the largest to the end of the backward (`peak_bytes`)
     reduce_transient_bytes: float = 0.0
     # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
     # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
@@ -114,10 +115,11 @@ def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
     """The step's peak memory per device from its structures' costs: what is held all step, plus the larger of the
     two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
     momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
-    at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
-    `Cost.bucket_bytes`) and FSDP's largest group being reduced (`Cost.reduce_transient_bytes`). In between, gradients accumulate as activations are freed, and
-    the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
-    activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size).
+    at its end every gradient and no activation, with a gradient bucket being reduced (its flat copy,
+    `Cost.bucket_bytes`) and FSDP's largest group being reduced (`Cost.reduce_transient_bytes`). In between, gradients
+    accumulate as activations are freed, and the live set stays within the larger end when each layer frees at least
+    the bytes its gradients take (saved activations per layer exceed its parameters' gradients whenever batch x
+    sequence exceeds about the hidden size).
     `start_bytes`: more at the start of the backward (activation checkpointing: the saved bytes its levels change,
     negative, and the recompute transient, `solver.checkpoint_cost`)."""
     held = act = grads = momentary = bucket = reducing = 0.0
@@ -126,7 +128,7 @@ def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
         held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
             bucket + c.bucket_bytes
         reducing = max(reducing, c.reduce_transient_bytes)
-    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket) + reducing)
+    return held + max(act + momentary + start_bytes, grads + min(GRAD_BUCKET_BYTES, bucket) + reducing)
 
 
 @dataclass

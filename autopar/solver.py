@@ -43,7 +43,7 @@ Constraints
              + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
                 + sum_g,l kept[g,l] y[g,l] + sum_g z[g] - sum_k,g n_kg r[k,g] + T        (start of backward),
-      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
+      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + min(GRAD_BUCKET_BYTES, bucketed gradients)
                 + reducing                                                (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
       reducing >= sum_c red[k,c] x[k,c] for every k, and >= red_other (FSDP's largest group reduction:
@@ -813,13 +813,14 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
     kept, keep_time, keep_held = _keep_vars(model, ck, kp, x, kib, ns)
     model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
-    # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
+    # a gradient bucket being reduced: its flat copy, min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are
+    # fewer
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
                                             for c, v in zip(cs, xs))
     small = model.NewBoolVar("bucket_small")
     reducing, reducing_min = _reducing_var(model, costs, base, x, kib)
-    model.Add(peak >= total(2) + 2 * bucketed + reducing).OnlyEnforceIf(small)
-    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES) + reducing).OnlyEnforceIf(small.Not())
+    model.Add(peak >= total(2) + bucketed + reducing).OnlyEnforceIf(small)
+    model.Add(peak >= total(2) + kib(GRAD_BUCKET_BYTES) + reducing).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
     mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
