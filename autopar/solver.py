@@ -868,7 +868,9 @@ def _reducing_var(model, costs, base: Cost, x, kib) -> tuple:
     """FSDP's largest group reduction at the end of the backward (`Cost.reduce_transient_bytes`, the max over the
     chosen candidates): reducing >= sum_c r[k,c] x[k,c] for every class k with an FSDP candidate (exact under the
     one-hot), and >= the rest's; no indicator constraint. A constant 0 without FSDP candidates. Also the least it
-    can be (for the least memory any plan needs)."""
+    can be (for the least memory any plan needs). Priced as resharded even where the layer group keeps its gathered
+    weights (`_keep_vars`; kept, no re-gather is prefetched: the plan's estimate charges 2x, not 3 + 1/dp): the ILP
+    errs on the safe side there, rather than linearising a product with kept[g]."""
     rs = [[kib(c.reduce_transient_bytes) for c in cs] for cs in costs]
     floor = kib(base.reduce_transient_bytes)
     least = max([floor] + [min(r) for r in rs])
