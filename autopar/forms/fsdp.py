@@ -21,8 +21,8 @@ forward: `autopar.timeline`). On sequence axes gradients join the data-parallel 
 gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters backward reads
 (`SiteStats.saved_params`: weights, not biases or embedding tables) of the groups kept gathered from forward to
 backward (`held_gathered_bytes`: a resharded group holds none, it is gathered again); for a moment at the end of a
-group's backward, what reducing its gradients holds (`reduce_transient_bytes`, added to the step's peak). Volume per step:
-`2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
+group's backward, what reducing its gradients holds (`reduce_transient_bytes`, added to the step's peak). Volume
+per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
 """
 
 from __future__ import annotations
