@@ -72,9 +72,13 @@ class Cost:
     # double buffer); the step's peak adds the largest of them to the start of the backward (`peak_bytes`)
     peak_bytes: float = 0.0
     # of its gradients, those reduced in the data-parallel buckets (`autopar.forms.dp`): reducing a bucket holds its
-    # flat copy and the all-reduce's result at the end of the backward, each as large as the bucket (at most
-    # `GRAD_BUCKET_BYTES`, or all such gradients when they are fewer: `peak_bytes`)
+    # flat copy besides the gradients at the end of the backward, as large as the bucket (at most `GRAD_BUCKET_BYTES`,
+    # or all such gradients when they are fewer: `peak_bytes`); the all-reduce is in place, and the gradients are then
+    # views of the flat copy
     bucket_bytes: float = 0.0
+    # not in memory_bytes: what FSDP holds while reducing the gradients of this structure's group
+    # (`forms.fsdp.reduce_transient_bytes`); the step's peak adds the largest to the end of the backward (`peak_bytes`)
+    reduce_transient_bytes: float = 0.0
     # of comm_s: the parameters' synchronisation over the data axes, which overlaps compute (`autopar.timeline`):
     # FSDP's gathers, issued ahead of the structure's forward (prefetch), and the gradient reductions, issued as its
     # backward ends; the rest of comm_s (tensor-parallel collectives, loss reductions) is on the critical path
@@ -111,18 +115,20 @@ def peak_bytes(costs, grad_share: float, start_bytes: float = 0.0) -> float:
     """The step's peak memory per device from its structures' costs: what is held all step, plus the larger of the
     two ends of the backward. At its start (the loss' backward) every saved activation is alive, with the largest
     momentary buffer (`Cost.peak_bytes`: the loss' logit gradients) and no gradient yet (`zero_grad(set_to_none=True)`);
-    at its end every gradient and no activation, with a gradient bucket being reduced (twice its bytes,
-    `Cost.bucket_bytes`). In between, gradients accumulate as activations are freed, and
-    the live set stays within the larger end when each layer frees at least the bytes its gradients take (saved
-    activations per layer exceed its parameters' gradients whenever batch x sequence exceeds about the hidden size).
+    at its end every gradient and no activation, with a gradient bucket being reduced (its flat copy,
+    `Cost.bucket_bytes`) and FSDP's largest group being reduced (`Cost.reduce_transient_bytes`). In between, gradients
+    accumulate as activations are freed, and the live set stays within the larger end when each layer frees at least
+    the bytes its gradients take (saved activations per layer exceed its parameters' gradients whenever batch x
+    sequence exceeds about the hidden size).
     `start_bytes`: more at the start of the backward (activation checkpointing: the saved bytes its levels change,
     negative, and the recompute transient, `solver.checkpoint_cost`)."""
-    held = act = grads = momentary = bucket = 0.0
+    held = act = grads = momentary = bucket = reducing = 0.0
     for c in costs:
         h, a, g = c.live_parts(grad_share)
         held, act, grads, momentary, bucket = held + h, act + a, grads + g, max(momentary, c.peak_bytes), \
             bucket + c.bucket_bytes
-    return held + max(act + momentary + start_bytes, grads + 2 * min(GRAD_BUCKET_BYTES, bucket))
+        reducing = max(reducing, c.reduce_transient_bytes)
+    return held + max(act + momentary + start_bytes, grads + min(GRAD_BUCKET_BYTES, bucket) + reducing)
 
 
 @dataclass
@@ -151,6 +157,7 @@ class SiteStats:
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
     # placeholder -> (bytes of its FSDP gather group, gathered again in backward): `fsdp_groups`
     fsdp_groups: dict[str, tuple[float, bool]] = field(default_factory=dict)
+    fsdp_regathered: int = 0  # of the model's FSDP groups, those gathered again in backward
     saved_params: frozenset[str] = frozenset()  # parameters backward reads (FSDP keeps their gathered copies)
     # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
@@ -212,7 +219,7 @@ class SiteStats:
                 part.param_sizes.append(nbytes)
             if synced:
                 part.synced_param_sizes.append(nbytes)
-        parts[0].fsdp_groups = self.fsdp_groups
+        parts[0].fsdp_groups, parts[0].fsdp_regathered = self.fsdp_groups, self.fsdp_regathered
         return parts
 
     @property
@@ -535,10 +542,13 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
-    groups = fsdp_groups(gm, {p for st in (*stats.values(), other) for p, (_, used, sync) in st.param_facts.items()
-                                   if used and sync})
+    reduced = {p for st in (*stats.values(), other) for p, (_, used, sync) in st.param_facts.items() if used and sync}
+    facts = _fsdp_group_facts(gm, reduced)
+    groups = {p: fact for group in facts for p, fact in group.items()}
+    regathered = sum(any(again for _, again in group.values()) for group in facts)
     for st in (*stats.values(), other):
         st.fsdp_groups = {p: groups[p] for p in st.param_facts if p in groups}
+        st.fsdp_regathered = regathered
     attribute_saved(ctx, owner, stats, other)
     return stats, other, owned
 
@@ -549,6 +559,11 @@ def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
     the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
     in backward: a layer's group, some parameter of which an op other than an embedding lookup reads, so autograd
     saves it; groups outside the layers stay gathered, as FSDP2's root)."""
+    return {p: fact for facts in _fsdp_group_facts(gm, params) for p, fact in facts.items()}
+
+
+def _fsdp_group_facts(gm, params: set[str]) -> list[dict[str, tuple[float, bool]]]:
+    """`fsdp_groups` per group, in graph order."""
     layers = find_layers(gm, params)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -563,11 +578,11 @@ def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
             first = min(order[u] for u in ph.users)
             key = f"({sum(s <= first for s in starts)})"
         members.setdefault(key, []).append(ph)
-    out = {}
+    out = []
     for phs in members.values():
         nbytes = sum(p.meta["val"].numel() * p.meta["val"].element_size() for p in phs)
         again = phs[0].name in owner and any("embedding" not in str(u.target) for p in phs for u in p.users)
-        out.update({p.name: (float(nbytes), again) for p in phs})
+        out.append({p.name: (float(nbytes), again) for p in phs})
     return out
 
 

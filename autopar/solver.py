@@ -43,9 +43,11 @@ Constraints
              + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
                 + sum_g,l kept[g,l] y[g,l] + sum_g z[g] - sum_k,g n_kg r[k,g] + T        (start of backward),
-      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + 2 min(GRAD_BUCKET_BYTES, bucketed gradients)
-                                                                          (end of backward; a boolean picks the min),
+      peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + min(GRAD_BUCKET_BYTES, bucketed gradients)
+                + reducing                                                (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
+      reducing >= sum_c red[k,c] x[k,c] for every k, and >= red_other (FSDP's largest group reduction:
+      `Cost.reduce_transient_bytes`; linear under the one-hot, no indicator)                    (`_reducing_var`)
 Objective
   minimise sum_k n_k sum_c time[k,c] x[k,c] + sum_g,l recompute[g,l] y[g,l] + sum_k,g n_kg w[k,g]
            - sum_k,g n_kg u[k,g] + time_other:
@@ -219,7 +221,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     return step_terms(Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
                            act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
                            bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
-                           reduce_s=sync_s - gather - regather, regather_s=regather), mc)
+                           reduce_s=sync_s - gather - regather, regather_s=regather,
+                           reduce_transient_bytes=fsdp_form.reduce_transient_bytes(mc, st, 1) if fsdp else 0.0), mc)
 
 
 # ----------------------------------------------------------------------------- classes and candidates
@@ -820,16 +823,18 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
     kept, keep_time, keep_held = _keep_vars(model, ck, kp, x, kib, ns)
     model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
-    # a gradient bucket being reduced: twice min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are fewer
+    # a gradient bucket being reduced: its flat copy, min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are
+    # fewer
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
                                             for c, v in zip(cs, xs))
     small = model.NewBoolVar("bucket_small")
-    model.Add(peak >= total(2) + 2 * bucketed).OnlyEnforceIf(small)
-    model.Add(peak >= total(2) + 2 * kib(GRAD_BUCKET_BYTES)).OnlyEnforceIf(small.Not())
+    reducing, reducing_min = _reducing_var(model, costs, base, x, kib)
+    model.Add(peak >= total(2) + bucketed + reducing).OnlyEnforceIf(small)
+    model.Add(peak >= total(2) + kib(GRAD_BUCKET_BYTES) + reducing).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
     mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
-                             least[2])
+                             least[2] + reducing_min)
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
     model.Add(total(0) + keep_held + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
@@ -873,6 +878,26 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     sol.keep_gathered = frozenset(la.path for g, on in zip(ck.groups if kept else [], keep) if on for la in g.layers)
     sol.site_whys = view.site_whys
     return sol, mem_min * 1024
+
+
+def _reducing_var(model, costs, base: Cost, x, kib) -> tuple:
+    """FSDP's largest group reduction at the end of the backward (`Cost.reduce_transient_bytes`, the max over the
+    chosen candidates): reducing >= sum_c r[k,c] x[k,c] for every class k with an FSDP candidate (exact under the
+    one-hot), and >= the rest's; no indicator constraint. A constant 0 without FSDP candidates. Also the least it
+    can be (for the least memory any plan needs). Priced as resharded even where the layer group keeps its gathered
+    weights (`_keep_vars`; kept, no re-gather is prefetched: the plan's estimate charges 2x, not 3 + 1/dp): the ILP
+    errs on the safe side there, rather than linearising a product with kept[g]."""
+    rs = [[kib(c.reduce_transient_bytes) for c in cs] for cs in costs]
+    floor = kib(base.reduce_transient_bytes)
+    least = max([floor] + [min(r) for r in rs])
+    if max([floor] + [max(r) for r in rs]) == 0:
+        return 0, 0
+    reducing = model.NewIntVar(0, max([floor] + [max(r) for r in rs]), "reducing")
+    model.Add(reducing >= floor)
+    for r, xs in zip(rs, x):
+        if max(r) > floor:
+            model.Add(reducing >= sum(b * v for b, v in zip(r, xs)))
+    return reducing, least
 
 
 def checkpoint_cost(levels: dict, choices: dict[str, Candidate], ck: CheckpointTerms, classes, cands) -> Cost | None:

@@ -11,6 +11,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.runtime.collectives import idle_pooled
+
 
 def local(t: torch.Tensor, rank: int = 0) -> torch.Tensor:
     """The tensor a rank holds: a DTensor's local shard; under LocalTensorMode, `rank`'s tensor."""
@@ -55,7 +57,14 @@ class SavedStorages:
 
 class LiveStorages(TorchDispatchMode):
     """Peak bytes of live tensor storages: those of `existing` (parameters, optimizer state, inputs) plus every
-    storage an op returns, until it is freed (checked before each op). Views count once (by storage)."""
+    storage an op returns, until it is freed (checked before each op). Views count once (by storage).
+
+    A flat buffer of the runtime's CPU pool (`autopar.runtime.collectives.pooled_empty`) counts while it is in use:
+    from the op that fills it (a bucket's `cat(out=)`) until only the pool holds it (`idle_pooled`), as a caching
+    allocator's allocated bytes (CUDA's `memory_allocated`) count a block only while it is handed out. Kept idle
+    between steps it is reserved, not allocated (counting it from the start would add a whole gradient copy to the
+    forward and the start of the backward, where the small models peak): the estimate prices allocated bytes, and
+    on a GPU the runtime does not pool."""
 
     def __init__(self, existing=()):
         super().__init__()
@@ -80,8 +89,9 @@ class LiveStorages(TorchDispatchMode):
         self.current += s.nbytes()
 
     def _prune(self) -> None:
+        idle = idle_pooled()
         for k, (ref, n) in list(self.live.items()):
-            if ref.expired():
+            if ref.expired() or k in idle:
                 del self.live[k]
                 self.current -= n
 

@@ -78,13 +78,15 @@ def test_auto_shards_on_dim1_like_the_hand_plan_and_estimates_the_same_memory():
     assert {s.form for s in auto.strategies} == {"replicate"}, auto.strategies
     assert auto.estimate.memory_bytes_per_device == hand.estimate.memory_bytes_per_device
     # adam: 4 copies of a replicated parameter (at the step's peak, the end of backward here: parameter, 2 moments,
-    # gradient), and 2 more of every gradient while their bucket is all-reduced (its flat copy and the result);
+    # gradient), and 1 more of every gradient while their bucket is all-reduced (its flat copy, reduced in place);
     # FSDP on 4 ranks: 4/4 of its shards, plus its gathered copy where backward reads it (the linear's weight; the
-    # embedding table's copy is freed after the lookup). The bias stays whole: the linear's weight saves 2 copies,
-    # the table 3, and the bucket all of them twice
+    # embedding table's copy is freed after the lookup), and 2 copies of its group's gradients while they are
+    # reduce-scattered (unsharded and flat; one group, not gathered again: `forms.fsdp.reduce_transient_bytes`; the
+    # group's bytes as `estimate.fsdp_groups` counts them, the whole bias included). The bias stays whole: the
+    # linear's weight saves 2 copies, the table 3, the bucket adds all of them once and FSDP's reduction twice
     size = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     assert dp.estimate.memory_bytes_per_device - hand.estimate.memory_bytes_per_device == \
-        2 * size["fc.weight"] + 3 * size["emb.weight"] + 2 * sum(size.values())
+        2 * size["fc.weight"] + 3 * size["emb.weight"] + sum(size.values()) - 2 * sum(size.values())
     # the solver offers FSDP for both structures (before: refused, dim 0 does not divide over 4 ranks)
     _, _, ctx = _prepare(model, DP4, inputs, None)
     info = _prepare(model, DP4, inputs, None)[0]

@@ -32,9 +32,10 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     (`Cost.hidden_s`, `weight_grad_cover_s`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
-    gather = regather = 0.0
+    gather = regather = reducing = 0.0
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
+        reducing = fsdp.reduce_transient_bytes(mc, st, param_split)
         gather = min(t, fsdp.gather_s(mc, st, param_split))
         regather = min(t - gather, fsdp.regather_s(mc, st, param_split))
         compute += fsdp.copy_s(mc, st, param_split)
@@ -47,7 +48,8 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     hidden = min(hidden, (own_t + lr_t) / 2, backward_s)  # within the timeline's backward half (`autopar.timeline`)
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
-                reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden)
+                reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden,
+                reduce_transient_bytes=reducing)
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

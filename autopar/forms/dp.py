@@ -43,7 +43,7 @@ def bucket_fixed_s(mc: MeshCosting) -> float:
 
 def bucket_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
     """Gradient bytes these parameters put in the data-parallel buckets (none without a data or sequence axis):
-    reducing a bucket holds its flat copy and the all-reduce's result (`autopar.estimate.peak_bytes`)."""
+    reducing a bucket holds its flat copy (all-reduced in place: `autopar.estimate.peak_bytes`)."""
     if all(mc.size(a) == 1 for a in mc.data_axes + mc.seq_axes):
         return 0.0
     return local_param_bytes * mc.grad_share() * mc.state_factor()

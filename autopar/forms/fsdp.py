@@ -20,8 +20,9 @@ parameter pays its share of its group's collective (`autopar.estimate.fsdp_group
 forward: `autopar.timeline`). On sequence axes gradients join the data-parallel bucket. State: parameters,
 gradients and optimizer state divided by the data-parallel degree, plus the gathered parameters backward reads
 (`SiteStats.saved_params`: weights, not biases or embedding tables) of the groups kept gathered from forward to
-backward (`held_gathered_bytes`: a resharded group holds none, it is gathered again). Volume per step:
-`2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
+backward (`held_gathered_bytes`: a resharded group holds none, it is gathered again); for a moment at the end of a
+group's backward, what reducing its gradients holds (`reduce_transient_bytes`, added to the step's peak). Volume
+per step: `2(p-1)/p · Ψ` (one all-gather, one reduce-scatter), `3(p-1)/p · Ψ` resharded.
 """
 
 from __future__ import annotations
@@ -223,6 +224,26 @@ def copy_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
         if synced:
             moved += full * (1 + mc.grad_bytes_factor)
     return kernel_time_s("memory", 0.0, moved, mc.param_dtype, mc.cluster) if moved else 0.0
+
+
+def reduce_transient_bytes(mc: MeshCosting, st: SiteStats, split: float) -> float:
+    """What FSDP holds for a moment when it reduces the gradients of this structure's group, at the end of the
+    group's backward (`autopar.runtime.fsdp._reduce_scatter`; measured with `tests/memory_probe.py` at the
+    reduce-scatter on gloo): the group's unsharded gradients and their flat copy in reduce_dtype; and, when the
+    group is gathered again in backward and another group is too (the layer before it), that layer's re-gather,
+    prefetched by this group's backward: its gathered buffer and its flat copy-in of the local shards. The layer before
+    is priced as this group (layers of one class are alike). So 2x the group's gradients with one re-gathered group
+    (a one-layer model, or groups kept gathered), (3 + 1/dp)x with several. The previous group's reduce-scatter
+    is complete by then (its flat copy freed): not counted. The step's peak adds the largest (`estimate.peak_bytes`)."""
+    sharded, _ = st.fsdp_parts()
+    worst = 0.0
+    for name, (nbytes, used, synced) in sharded.param_facts.items():
+        if not synced:
+            continue
+        group, again = sharded.fsdp_groups.get(name, (nbytes, False))
+        prefetch = again and sharded.fsdp_regathered > 1
+        worst = max(worst, group / split * (1 + mc.grad_bytes_factor + prefetch * (1 + 1 / mc.dp)))
+    return worst
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:

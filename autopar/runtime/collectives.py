@@ -535,13 +535,24 @@ def pooled_empty(numel: int, dtype: torch.dtype, like: torch.Tensor) -> torch.Te
     device = like.device
     free = _POOL.setdefault((numel, dtype), [])
     for buf in free:
-        if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2:  # the pool's tensor and this call's
+        if _idle(buf):
             return buf
     buf = torch.empty(numel, dtype=dtype, device=device)
     held = sum(b.numel() * b.element_size() for bufs in _POOL.values() for b in bufs)
     if held + buf.numel() * buf.element_size() <= _POOL_BYTES:  # as many per size as were in use at once
         free.append(buf)
     return buf
+
+
+def _idle(buf: torch.Tensor) -> bool:
+    """Nothing but the pool holds `buf`."""
+    return torch._C._storage_Use_Count(buf.untyped_storage()._cdata) <= 2  # the pool's tensor and this call's
+
+
+def idle_pooled() -> set[int]:
+    """The data pointers of the pool's buffers nothing else holds: memory kept for reuse, not in use (a memory
+    probe counts a pooled buffer while it is in use, `tests/memory_probe.py`)."""
+    return {buf.untyped_storage().data_ptr() for bufs in _POOL.values() for buf in bufs if _idle(buf)}
 
 
 def _flat_cat(grads: list[torch.Tensor]) -> torch.Tensor:
