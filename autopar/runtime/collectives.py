@@ -520,9 +520,8 @@ class _GradSyncBucket(torch.autograd.Function):
 # returned on free), zero-filled on first touch: about twice the cost of the copy itself. DDP keeps its buckets; here
 # a bucket's flat buffer is reused at the next backward once nothing holds it any more (the gradients viewing it
 # were set to None), up to `_POOL_BYTES` retained per process: between steps the process keeps the gradients' bytes,
-# as DDP keeps its buckets. (FSDP's buffers are not pooled: its reduce-scatters are all in flight at the end of the
-# backward, so a pool would keep every full gradient, which FSDP exists not to hold.) CUDA's caching allocator
-# already reuses memory.
+# as DDP keeps its buckets. (FSDP's buffers are not pooled: a pool would keep a full group's gradients between
+# steps, which FSDP exists not to hold.) CUDA's caching allocator already reuses memory.
 _POOL: dict[tuple, list[torch.Tensor]] = {}
 _POOL_BYTES = 2**30
 
