@@ -145,6 +145,11 @@ class LayerPrice:
     saved: dict[str, float] = field(default_factory=dict)  # level -> bytes kept
     recomputed: dict[str, list[fx.Node]] = field(default_factory=dict)  # level -> nodes run again in backward
     work: dict = field(default_factory=dict)  # level -> `SiteStats` of its recomputed nodes (`cost`, read once)
+    kept: dict[str, float] = field(default_factory=dict)  # selective: node name -> the bytes it keeps of that op
+    inputs: list[fx.Node] = field(default_factory=list)  # the activations the layer reads from outside (kept)
+    # the inputs without a gradient (tables, masks: one storage every layer reads): name -> (bytes, whether an op
+    # of the layer saves it without recompute)
+    tables: dict[str, tuple[float, bool]] = field(default_factory=dict)
 
     def transient(self, lv: Level) -> float:
         """What recomputing the layer holds again during its backward (beyond what the level keeps)."""
@@ -175,8 +180,12 @@ def price(gm: fx.GraphModule, layer: Layer) -> LayerPrice:
             root = _storage_root(value)
             if root.op == "call_function":
                 none.setdefault(root, _bytes(root))
+    # the layer's activations (its inputs on the gradient's path: the residual stream); inputs without a gradient
+    # (RoPE's tables, masks) are one storage every layer reads, kept as long without recompute (an op of the layer
+    # saves them, counted outside the layer's structures, which no level frees): they cost a level nothing
     inputs = {a for n in nodes for a in n.all_input_nodes
-              if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)}
+              if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
+              and a in needs}
     in_bytes = sum(_bytes(a) for a in inputs)
     keep, mms = saved_ops(), matmul_ops()
     kept, count = [], 0
@@ -189,9 +198,19 @@ def price(gm: fx.GraphModule, layer: Layer) -> LayerPrice:
             kept.append(n)
     kept_set = set(kept)
     out = LayerPrice()
+    # a kept op's outputs: its value, and what its kernel returns beside it that its backward reads (SDPA's
+    # log-sum-exp, `cost_model.memory._saved_by`'s extra bytes of the node itself)
+    for n in kept:
+        if n.target is not operator.getitem:
+            out.kept[n.name] = _bytes(n) + sum(float(x) for v, x in _saved_by(n, needs) if v is n and x is not None)
     out.saved[NONE.name] = float(sum(none.values()))
     out.saved[FULL.name] = float(in_bytes)
-    out.saved[SELECTIVE.name] = float(in_bytes + sum(_bytes(n) for n in kept if n.target is not operator.getitem))
+    out.saved[SELECTIVE.name] = float(in_bytes + sum(out.kept.values()))
+    out.inputs = sorted(inputs, key=lambda a: a.name)
+    saved_here = {v for v, x in (e for n in nodes for e in _saved_by(n, needs)) if x is None}
+    out.tables = {a.name: (_bytes(a), a in saved_here) for n in nodes for a in n.all_input_nodes
+                  if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
+                  and a not in needs}
     out.recomputed[NONE.name] = []
     out.recomputed[FULL.name] = nodes
     out.recomputed[SELECTIVE.name] = [n for n in nodes if n not in kept_set]
