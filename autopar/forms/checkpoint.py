@@ -4,8 +4,8 @@
 |-------------|-----------------------------------------------------|--------------------------------------|
 | `none`      | whatever autograd saves in the layer                | nothing                              |
 | `selective` | the layer's inputs, the outputs of every other      | every other op of the layer, and its |
-|             | matmul (the 1st, 3rd, ...: mm, addmm, bmm), SDPA and| collectives (re-issued), MoE token   |
-|             | the fused MoE experts op (torchtitan's op-level SAC)| all-to-alls and ring attention too   |
+|             | matmul (the 1st, 3rd, ...: mm, addmm, bmm) and SDPA | collectives (re-issued), the MoE     |
+|             | (torchtitan's op-level SAC)                         | experts and ring attention whole     |
 | `full`      | the layer's inputs                                  | the whole layer, its collectives too |
 
 A level is not a structure form: a layer holds several structures (its attention, MLP, norms), each with its
@@ -22,8 +22,9 @@ specific). A named plan gives every other layer `none`; `auto` lets the ILP choo
 
 Pricing (per layer, global bytes and forward work; the solver divides by the ranks the tokens are split over):
 - saved bytes: `none` what autograd saves in the layer (`cost_model.memory.saved_activations`, by the layer's
-  ops); `selective` the layer's inputs + every other matmul output + its attention / experts outputs; `full` its
-  inputs;
+  ops); `selective` the layer's inputs + every other matmul output + its attention outputs (SDPA's log-sum-exp
+  too); `full` its inputs; a layer's inputs without a gradient (RoPE's tables) are kept once for all layers
+  (`autopar.solver`);
 - recompute: the forward work again of the recomputed ops (`full`: every op; `selective`: all but the saved
   ones), and the layer's forward collectives issued again (both levels recompute collectives: saving their
   outputs would keep a tensor per collective, and the re-issue is what the plan's `record_comms` shows);
@@ -50,7 +51,7 @@ KEY = "checkpoint"  # the override key: "checkpoint" (every layer) or "checkpoin
 class Level:
     name: str
     recomputes: bool  # the layer's ops run again in backward (under torch.utils.checkpoint)
-    saves_matmuls: bool  # selective: matmul / attention / experts outputs are kept, the rest recomputed
+    saves_matmuls: bool  # selective: matmul / attention outputs are kept, the rest recomputed
     what: str  # one line for plans and errors
 
 
@@ -124,15 +125,15 @@ def keeps_matmul(count: int) -> bool:
 
 def saved_ops() -> frozenset:
     """The ops whose outputs `selective` keeps (`autopar.runtime.checkpoint`'s policy, and `price`): the matmuls
-    (every other one: `keeps_matmul`), SDPA and the fused MoE experts."""
+    (every other one: `keeps_matmul`) and SDPA. Not the MoE experts: lowering runs them as a Python function
+    (`autopar.runtime.moe.moe_experts`) whose matmuls depend on the routing, recomputed whole
+    (`passes.checkpoint`), its token all-to-alls re-issued."""
     ops = set(matmul_ops())
     from cost_model.analytical import _SDPA
     ops |= set(_SDPA)
     for name in ("_flash_attention_forward", "_efficient_attention_forward", "_grouped_mm"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    if hasattr(torch.ops, "autopar") and hasattr(torch.ops.autopar, "moe_experts"):
-        ops.add(torch.ops.autopar.moe_experts.default)
     return frozenset(ops)
 
 
