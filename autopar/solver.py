@@ -757,7 +757,9 @@ def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
     """The saved bytes the levels change (`CheckpointTerms.saved_under`), linear in KiB: per group, the kept bytes of
     its recomputing level, z[g] >= the layers' inputs under the norms' candidate - M (1 - recomputes[g]), less
     r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g] per class with sites in the group (what they no longer
-    save). And a lower bound of it for any choice (the least memory any plan needs)."""
+    save); the tables the level keeps, and the stream a partial residual stream makes it read twice (`carried`).
+    Selective's saving inside a form recomputed whole (`whole`) is left out: the ILP's bytes are an upper bound
+    there. And a lower bound of it for any choice (the least memory any plan needs)."""
     mem, least = 0, 0
     for g, (group, ys) in enumerate(zip(ck.groups, y)):
         recomputing = sum(v for lv, v in zip(group.levels, ys) if lv.recomputes)
@@ -771,7 +773,17 @@ def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
             if lv.recomputes:
                 picked = sum(kib(b * f) * u for f, u in zip(factor, x[norm])) if norm is not None else kib(b * factor[0])
                 model.Add(z >= picked - top * (1 - v))
-        mem += z
+        mem += z + kib(ck.tables[g]) * recomputing if ck.tables else z
+        need, twice = ck.carried[g] if ck.carried else (frozenset(), 0.0)
+        both = kib(len(group.layers) * twice / ck.dp)
+        if need and both > 0:  # the stream read twice: d[g] >= M (every class in `need` partial, the norms' form
+            # leaving the stream whole, recomputing; all 1) as a sum less its count
+            partial = [sum(v for c, v in zip(ck.cands[k], x[k]) if form_of(ck.kinds[k], c.form).partial_output)
+                       for k in need]
+            whole = (sum(v for f, v in zip(factor, x[norm]) if f * ck.dp >= 1) if norm is not None else 1)
+            d = model.NewIntVar(0, both, f"ck_twice{g}")
+            model.Add(d >= both * (sum(partial) + whole + recomputing - len(need) - 1))
+            mem += d
         freed = 0
         for k, gi, n in ck.reissue:
             if gi != g:
