@@ -274,7 +274,8 @@ def test_saved_bytes_per_level_are_the_plans_estimate(local_world, case):
     inputs = _tokens(seq=64)
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
-        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan, overrides={**overrides, ckpt.KEY: level})
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan,
+                                 overrides={**overrides, ckpt.KEY: level})
         measured = measure_saved_bytes(pm, inputs)
     predicted = predicted_saved_bytes(pm.plan) + pm.plan.estimate.checkpoint_saved_bytes
     assert pm.plan.estimate.checkpoint_saved_bytes < 0
