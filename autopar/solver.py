@@ -83,7 +83,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import networkx as nx
+import torch
 from ortools.sat.python import cp_model
+from torch import fx
 
 from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
     mesh_costing, optimizer_step_s, peak_bytes
@@ -531,6 +533,17 @@ class CheckpointTerms:
     stream: list[list[float]] = field(default_factory=list)  # per group and level: kept stream bytes, global
     cands: list[list[Candidate]] = field(default_factory=list)  # per class, as `reissue` and `act` index them
     keys: list[str] = field(default_factory=list)  # per class, one site's key
+    kinds: list[Kind] = field(default_factory=list)  # per class
+    # per (class, group): what `selective` keeps of one site's op that the class' form recomputes whole
+    # (`Form.recomputed_whole`: ring attention's output and log-sum-exp), global bytes
+    whole: dict[tuple[int, int], float] = field(default_factory=dict)
+    # per group: the classes whose forms must leave partial sums (`Form.partial_output`) for the layers' residual
+    # stream to be carried as partial sums, and the stream bytes per layer the region then reads twice (global)
+    carried: list[tuple[frozenset, float]] = field(default_factory=list)
+    dp: float = 1.0  # the ranks the batch is split over (`MeshCosting.dp`)
+    # per group: the tables its layers read that a recomputing level keeps whole beside what the plan saves without
+    # recompute (global bytes, once per program: the first group reading one has it)
+    tables: list[float] = field(default_factory=list)
 
     def kept_effect(self, g: int, kp: "KeepTerms", choices: dict[str, Candidate]) -> tuple[float, float] | None:
         """What keeping group g's FSDP gathers for backward does under `choices`: (time saved per step, bytes held
@@ -557,9 +570,23 @@ class CheckpointTerms:
         if not level.recomputes:
             return 0.0
         norm, factor = self.inputs[g]
+        f = factor[choice[norm] if norm is not None else 0]
         i = self.groups[g].levels.index(level)
-        out = self.kept[g][i] + self.stream[g][i] * factor[choice[norm] if norm is not None else 0]
+        out = self.kept[g][i] + self.stream[g][i] * f + (self.tables[g] if self.tables else 0.0)
+        if level.saves_matmuls:  # nothing inside a structure its form recomputes whole is kept
+            out -= sum(n * self.whole.get((k, g), 0.0) / self.split for k, gi, n in self.reissue
+                       if gi == g and self._form(k, choice).recomputed_whole)
+        need, twice = self.carried[g] if self.carried else (frozenset(), 0.0)
+        if twice and all(self._form(k, choice).partial_output for k in need) and f * self.dp >= 1:
+            # the layers' inputs are partial sums carried through the residual adds (a tensor-parallel block's
+            # row-parallel output added to a partial stream), and their all-reduced copy feeds the norms: the
+            # region reads, and keeps, both (where the norms' form splits the stream, sequence parallelism, the
+            # partial sums are reduce-scattered onto it instead)
+            out += len(self.groups[g].layers) * twice * f
         return out - sum(n * self.act[k][choice[k]] for k, gi, n in self.reissue if gi == g)
+
+    def _form(self, k: int, choice: dict[int, int]) -> Form:
+        return form_of(self.kinds[k], self.cands[k][choice[k]].form)
 
 
 def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: MeshInfo, data_axes,
@@ -590,19 +617,22 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     # what a level keeps on the residual stream: the layers' inputs and the row-parallel outputs it saves (their
     # all-reduced sums: whole on the model axes, as the stream, `estimate.attribute_saved`); the rest of what it keeps
     # (column-parallel and attention outputs) divided by the model axes
+    # (row-parallel outputs are partial sums, or reduce-scattered after the level keeps them: whole on the model
+    # axes even where sequence parallelism splits the stream)
     rows = {lin.node for cls in classes for site in cls for lin in _row_linears(site)}
     kept, inputs, stream = [], [], []
     for gi, g in enumerate(groups):
         n = len(g.layers)
         every = g.price.recomputed[ckpt.FULL.name]
-        on_stream = []
+        on_stream, on_rows = [], []
         for lv in g.levels:
             again = set(g.price.recomputed[lv.name])
             row_bytes = sum(ckpt._bytes(x) for x in every if x in rows and x not in again) if lv.recomputes else 0.0
-            on_stream.append(n * (g.price.saved[ckpt.FULL.name] + row_bytes) if lv.recomputes else 0.0)
+            on_stream.append(n * g.price.saved[ckpt.FULL.name] if lv.recomputes else 0.0)
+            on_rows.append(n * row_bytes)
         stream.append(on_stream)
-        kept.append([max(0.0, n * g.price.saved[lv.name] - s_) / (mc.dp * model) if lv.recomputes else 0.0
-                     for lv, s_ in zip(g.levels, on_stream)])
+        kept.append([max(0.0, n * g.price.saved[lv.name] - s_ - r) / (mc.dp * model) + r / mc.dp
+                     if lv.recomputes else 0.0 for lv, s_, r in zip(g.levels, on_stream, on_rows)])
         norm = next((k for k, gk, _ in reissue if gk == gi and classes[k][0].kind is Kind.NORM), None)
         if norm is None or stats is None:
             inputs.append((None, [1 / mc.dp]))
@@ -610,8 +640,88 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
         site = classes[norm][0]
         whole = site_cost(site, stats[site.key], Candidate(form=Replicate.name), mc).act_bytes
         inputs.append((norm, [(min(1.0, a / whole) if whole > 0 else 1.0) / mc.dp for a in act[norm]]))
+    whole = {}
+    for k, gi, _ in reissue:  # the class' site's op, at its place in the group's priced layer (`ckpt.groups`: the
+        g = groups[gi]  # first; the layers of a group are alike)
+        for la in g.layers:
+            site = next((s for s in classes[k] if s.key.startswith(la.path + ".")), None)
+            if site is not None and site.kind is Kind.ATTENTION and site.node.name in la.nodes:
+                whole[k, gi] = g.price.kept.get(g.layers[0].nodes[la.nodes.index(site.node.name)], 0.0)
+                break
     return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model, act, kept, inputs, stream, cands,
-                           [cls[0].key for cls in classes])
+                           [cls[0].key for cls in classes], [cls[0].kind for cls in classes], whole,
+                           _carried(groups, classes), mc.dp, _tables(groups, seq_axes))
+
+
+def _tables(groups, seq_axes) -> list[float]:
+    """Per group (`CheckpointTerms.tables`): a layer's inputs without a gradient (RoPE's tables, masks) are the
+    region's inputs, kept whole once for every layer reading them. Without recompute the plan counts them where an
+    op saves them (outside the layers' structures, which no level frees): whole, so the level adds nothing, unless a
+    sequence axis splits them (the lowering slices them in the layer: the slices are saved, the level keeps the
+    whole table too); one no op saves, the level adds."""
+    seen, out = set(), []
+    for g in groups:
+        extra = 0.0
+        for name, (nbytes, saved) in g.price.tables.items():
+            if name not in seen:
+                seen.add(name)
+                extra += nbytes if (not saved or seq_axes) else 0.0
+        out.append(extra)
+    return out
+
+
+def _carried(groups, classes) -> list[tuple[frozenset, float]]:
+    """Per group (`CheckpointTerms.carried`): the lowering keeps a sum of partial sums partial (`passes.rules`: add
+    of two partials) and all-reduces a copy where a consumer needs it whole. A layer input that is a partial sum
+    (an embedding's or a row-parallel linear's output, or residual adds of them) and that the layer adds to its
+    own row-parallel output is read by the layer's region in both forms. The classes whose forms make those
+    values partial, and the bytes of such inputs per layer (global)."""
+    of_class = {s.key: k for k, cls in enumerate(classes) for s in cls}
+    source = {s.node: s.key for cls in classes for s in cls if s.kind is Kind.EMBEDDING}
+    source.update({lin.node: s.key for cls in classes for s in cls for lin in _row_linears(s)})
+    memo: dict[fx.Node, frozenset | None] = {}
+
+    def partial(x: fx.Node) -> frozenset | None:  # the sites that must leave partial sums for x to be one
+        order = []
+        stack = [x]
+        while stack:  # the residual adds back to the embedding, iteratively (a deep model's stream is long)
+            n = stack.pop()
+            if n in memo or n in order:
+                continue
+            order.append(n)
+            if n not in source and n.target is torch.ops.aten.add.Tensor and len(n.args) >= 2:
+                stack.extend(a for a in n.args[:2] if isinstance(a, fx.Node))
+        for n in reversed(order):
+            if n in source:
+                memo[n] = frozenset({source[n]})
+            elif n.target is torch.ops.aten.add.Tensor and len(n.args) >= 2 and all(
+                    isinstance(a, fx.Node) for a in n.args[:2]):
+                a, b = (memo.get(v) for v in n.args[:2])
+                memo[n] = a | b if a is not None and b is not None else None
+            else:
+                memo[n] = None
+        return memo[x]
+
+    out = []
+    for g in groups:
+        inside = set(g.layers[0].nodes)
+        need, twice = set(), 0.0
+        for x in g.price.inputs:
+            px = partial(x)
+            if px is None:
+                continue
+            for u in x.users:
+                if u.name in inside and u.target is torch.ops.aten.add.Tensor:
+                    other = next((a for a in u.args[:2] if isinstance(a, fx.Node) and a is not x), None)
+                    po = partial(other) if other is not None else None
+                    if po is not None:
+                        need |= px | po
+                        twice += ckpt._bytes(x)
+                        break
+        if not all(key in of_class for key in need):  # a site no class plans: not known to be partial
+            need, twice = set(), 0.0
+        out.append((frozenset(of_class[key] for key in need), twice))
+    return out
 
 
 def _group_index(groups, sites) -> dict[str, int]:
@@ -660,7 +770,9 @@ def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
     """The saved bytes the levels change (`CheckpointTerms.saved_under`), linear in KiB: per group, the kept bytes of
     its recomputing level, z[g] >= the layers' inputs under the norms' candidate - M (1 - recomputes[g]), less
     r[k,g] <= sum_c act[k,c] x[k,c], r[k,g] <= M recomputes[g] per class with sites in the group (what they no longer
-    save). And a lower bound of it for any choice (the least memory any plan needs)."""
+    save); the tables the level keeps, and the stream a partial residual stream makes it read twice (`carried`).
+    Selective's saving inside a form recomputed whole (`whole`) is left out: the ILP's bytes are an upper bound
+    there. And a lower bound of it for any choice (the least memory any plan needs)."""
     mem, least = 0, 0
     for g, (group, ys) in enumerate(zip(ck.groups, y)):
         recomputing = sum(v for lv, v in zip(group.levels, ys) if lv.recomputes)
@@ -674,7 +786,17 @@ def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
             if lv.recomputes:
                 picked = sum(kib(b * f) * u for f, u in zip(factor, x[norm])) if norm is not None else kib(b * factor[0])
                 model.Add(z >= picked - top * (1 - v))
-        mem += z
+        mem += z + kib(ck.tables[g]) * recomputing if ck.tables else z
+        need, twice = ck.carried[g] if ck.carried else (frozenset(), 0.0)
+        both = kib(len(group.layers) * twice / ck.dp)
+        if need and both > 0:  # the stream read twice: d[g] >= M (every class in `need` partial, the norms' form
+            # leaving the stream whole, recomputing; all 1) as a sum less its count
+            partial = [sum(v for c, v in zip(ck.cands[k], x[k]) if form_of(ck.kinds[k], c.form).partial_output)
+                       for k in need]
+            whole = (sum(v for f, v in zip(factor, x[norm]) if f * ck.dp >= 1) if norm is not None else 1)
+            d = model.NewIntVar(0, both, f"ck_twice{g}")
+            model.Add(d >= both * (sum(partial) + whole + recomputing - len(need) - 1))
+            mem += d
         freed = 0
         for k, gi, n in ck.reissue:
             if gi != g:

@@ -27,6 +27,7 @@ from autopar.runtime import collectives as C
 from passes import meta as M
 from autopar.runtime.checkpoint import Checkpointed, whole
 from autopar.runtime.fsdp import fsdp_gather, fsdp_prefetch
+from autopar.runtime.moe import moe_experts
 from autopar.runtime.ring_attention import ring_attention
 
 
@@ -82,8 +83,8 @@ def _outline(gm: fx.GraphModule, name: str, path: str, level: str, names: set[st
         env[a].meta = dict(a.meta)
     for n in region:
         env[n] = body.node_copy(n, lambda a: env[a])
-        if n.target is ring_attention:  # recomputed whole under selective (see autopar.runtime.checkpoint)
-            env[n].target = whole(ring_attention)
+        if n.target in (ring_attention, moe_experts):  # recomputed whole under selective (autopar.runtime.checkpoint)
+            env[n].target = whole(n.target)
     body.output(tuple(env[n] for n in outputs))
     gm.add_submodule(name, Checkpointed(fx.GraphModule(gm, body), level, path))
     last = region[-1]

@@ -115,7 +115,8 @@ CFG = LlamaConfig(vocab_size=64, seq_len=8, num_layers=3, num_heads=4, num_kv_he
 REPLICATED = {k: "replicate" for k in ("attention", "mlp", "norm", "embedding", "loss")}
 # fp64, 2 data ranks, H100: plain DP needs 435 KB per device and fsdp 279 KB; FSDP with every layer's gathered weights
 # kept needs 270 KB (the norms and head stay data parallel), resharded 236 KB
-GENEROUS, TIGHT = 280_000, 250_000
+# (under 250 KB `selective` with the attention's weights unsharded fits too, 248 KB: the tight limit is below it)
+GENEROUS, TIGHT = 280_000, 240_000
 
 
 def _llama():
@@ -205,12 +206,15 @@ def test_full_keeps_the_layers_inputs_divided_only_where_the_norms_split_them():
     layer = find_layers(gm, set(captured.param_fqns) | set(captured.buffer_fqns))[0]
     stream = ckpt.price(gm, layer).saved[ckpt.FULL.name]  # one layer's inputs, global
     kept = {}
-    for norm, split in ((None, 1), ("sequence", MESH["tp"])):
+    # without SP the stream is partial sums carried through the residual adds (vocab-parallel embedding, row-parallel
+    # outputs) and all-reduced for the norms: each layer's region reads both (`autopar.solver._carried`, as measured
+    # by benchmarks/checkpoint_levels.py); with SP it is reduce-scattered onto the sequence: once, split
+    for norm, split, copies in ((None, 1, 2), ("sequence", MESH["tp"], 1)):
         overrides = {"checkpoint": "full"} | ({"norm": norm} if norm else {})
         plan = _resolve_plan("megatron", ctx, info, overrides, captured, "h100")
         d = next(d for d in plan.decisions if d.kind.startswith(ckpt.KEY))
         kept[norm] = next(r for r in d.candidates if r.label == "full").memory_bytes
-        assert kept[norm] == pytest.approx(4 * stream / (MESH["dp"] * split), rel=1e-6), (norm, kept[norm])
+        assert kept[norm] == pytest.approx(copies * 4 * stream / (MESH["dp"] * split), rel=1e-6), (norm, kept[norm])
         # `none` keeps what each structure's form saves; `full` less, and the plan's peak follows
         none = _resolve_plan("megatron", ctx, info, overrides | {"checkpoint": "none"}, captured, "h100")
         assert plan.estimate.memory_bytes_per_device < none.estimate.memory_bytes_per_device

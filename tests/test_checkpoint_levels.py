@@ -246,6 +246,42 @@ def test_saved_bytes_full_below_selective_below_none(local_world, fp64):
         assert predicted[level] == pytest.approx(measured[level], rel=0.1), (level, predicted, measured)
 
 
+# the plans whose saved bytes per level the estimate missed (issue #11 item 7 check 1), each for its own cause:
+# Llama under TP reads its residual stream twice in each checkpointed region (partial sums carried through the
+# residual adds, and their all-reduced copy for the norms); under SP the row-parallel outputs selective keeps are
+# whole (partial sums before their reduce-scatter); ring attention keeps nothing under selective (recomputed whole);
+# selective keeps SDPA's log-sum-exp; RoPE's tables are kept once, whole where a sequence axis slices them
+SAVED_CASES = {
+    "llama-tp-full": ("llama", "tp", "megatron", {}, FULL),
+    "llama-tp-selective": ("llama", "tp", "megatron", {}, SELECTIVE),
+    "llama-sp-selective": ("llama", "tp", "megatron", {"norm": "sequence"}, SELECTIVE),
+    "llama-ring-selective": ("llama", "cp", "dp", {"attention": "ring@cp"}, SELECTIVE),
+    "gpt-ring-selective": ("gpt", "cp", "dp", {"attention": "ring@cp"}, SELECTIVE),
+}
+
+
+@pytest.mark.parametrize("case", list(SAVED_CASES))
+def test_saved_bytes_per_level_are_the_plans_estimate(local_world, case):
+    """Two layers, b=4, s=64, fp32: the plan's own estimate of what one rank keeps for backward at the level
+    (`predicted_saved_bytes` + `Estimate.checkpoint_saved_bytes`) is what is measured, to the few bytes of the
+    scalars the probe sees besides (2%; issue #11's band is 0.9-1.1; before, with four layers: Llama tp 0.713
+    full / 0.857 selective, tp+sp selective 0.895, ring selective 1.155 Llama / 1.111 GPT)."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    name, axis, plan, overrides, level = SAVED_CASES[case]
+    model = (_llama(num_layers=2, hidden=64, ffn_hidden=128, seq_len=64, attention="sdpa") if name == "llama"
+             else _gpt(num_layers=2, hidden=64, seq_len=64))
+    inputs = _tokens(seq=64)
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan,
+                                 overrides={**overrides, ckpt.KEY: level})
+        measured = measure_saved_bytes(pm, inputs)
+    predicted = predicted_saved_bytes(pm.plan) + pm.plan.estimate.checkpoint_saved_bytes
+    assert pm.plan.estimate.checkpoint_saved_bytes < 0
+    assert predicted == pytest.approx(measured, rel=0.02), (case, predicted, measured)
+
+
 # ----------------------------------------------------------------------------- the solver
 
 def _plan(memory_limit=None, overrides=None, plan="auto"):

@@ -18,7 +18,8 @@ everything about it (`Form`):
 - flags the planner and solver read instead of names: `tensor_parallel` (splits its block over a
   model axis, activations replicated in and out: what sequence parallelism wraps), `sequence`
   (takes the sequence sharded on its sequence axis), `hand_plans` (the named plans that pick it),
-  `offered` (whether the solver offers it).
+  `offered` (whether the solver offers it), `partial_output` (its output is partial sums: the lowering
+  carries them through residual adds), `recomputed_whole` (selective checkpointing keeps nothing inside it).
 
 The registry is keyed by (kind, name): `vocab` is one form for an embedding and another for a loss,
 `tp` one for an MLP and another for MoE experts.
@@ -80,6 +81,11 @@ class Form:
     sequence: ClassVar[bool] = False
     hand_plans: ClassVar[frozenset[str]] = frozenset()
     offered: ClassVar[bool] = True  # the solver offers it (colwise/rowwise are members' forms and overrides only)
+    # its output (a row-parallel linear's, a vocab-parallel lookup's) is partial sums over its model axis, which
+    # the lowering carries through residual adds of partial sums (`autopar.solver._carried`)
+    partial_output: ClassVar[bool] = False
+    # selective checkpointing keeps nothing inside it (`autopar.runtime.checkpoint.whole`: ring attention)
+    recomputed_whole: ClassVar[bool] = False
 
     def row_linears(self, site: Site) -> list:
         """Tensor-parallel forms: the row-parallel linears whose outputs sequence parallelism reduce-scatters."""

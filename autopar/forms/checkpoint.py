@@ -4,8 +4,8 @@
 |-------------|-----------------------------------------------------|--------------------------------------|
 | `none`      | whatever autograd saves in the layer                | nothing                              |
 | `selective` | the layer's inputs, the outputs of every other      | every other op of the layer, and its |
-|             | matmul (the 1st, 3rd, ...: mm, addmm, bmm), SDPA and| collectives (re-issued), MoE token   |
-|             | the fused MoE experts op (torchtitan's op-level SAC)| all-to-alls and ring attention too   |
+|             | matmul (the 1st, 3rd, ...: mm, addmm, bmm) and SDPA | collectives (re-issued), the MoE     |
+|             | (torchtitan's op-level SAC)                         | experts and ring attention whole     |
 | `full`      | the layer's inputs                                  | the whole layer, its collectives too |
 
 A level is not a structure form: a layer holds several structures (its attention, MLP, norms), each with its
@@ -22,8 +22,9 @@ specific). A named plan gives every other layer `none`; `auto` lets the ILP choo
 
 Pricing (per layer, global bytes and forward work; the solver divides by the ranks the tokens are split over):
 - saved bytes: `none` what autograd saves in the layer (`cost_model.memory.saved_activations`, by the layer's
-  ops); `selective` the layer's inputs + every other matmul output + its attention / experts outputs; `full` its
-  inputs;
+  ops); `selective` the layer's inputs + every other matmul output + its attention outputs (SDPA's log-sum-exp
+  too); `full` its inputs; a layer's inputs without a gradient (RoPE's tables) are kept once for all layers
+  (`autopar.solver`);
 - recompute: the forward work again of the recomputed ops (`full`: every op; `selective`: all but the saved
   ones), and the layer's forward collectives issued again (both levels recompute collectives: saving their
   outputs would keep a tensor per collective, and the re-issue is what the plan's `record_comms` shows);
@@ -50,7 +51,7 @@ KEY = "checkpoint"  # the override key: "checkpoint" (every layer) or "checkpoin
 class Level:
     name: str
     recomputes: bool  # the layer's ops run again in backward (under torch.utils.checkpoint)
-    saves_matmuls: bool  # selective: matmul / attention / experts outputs are kept, the rest recomputed
+    saves_matmuls: bool  # selective: matmul / attention outputs are kept, the rest recomputed
     what: str  # one line for plans and errors
 
 
@@ -124,15 +125,15 @@ def keeps_matmul(count: int) -> bool:
 
 def saved_ops() -> frozenset:
     """The ops whose outputs `selective` keeps (`autopar.runtime.checkpoint`'s policy, and `price`): the matmuls
-    (every other one: `keeps_matmul`), SDPA and the fused MoE experts."""
+    (every other one: `keeps_matmul`) and SDPA. Not the MoE experts: lowering runs them as a Python function
+    (`autopar.runtime.moe.moe_experts`) whose matmuls depend on the routing, recomputed whole
+    (`passes.checkpoint`), its token all-to-alls re-issued."""
     ops = set(matmul_ops())
     from cost_model.analytical import _SDPA
     ops |= set(_SDPA)
     for name in ("_flash_attention_forward", "_efficient_attention_forward", "_grouped_mm"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    if hasattr(torch.ops, "autopar") and hasattr(torch.ops.autopar, "moe_experts"):
-        ops.add(torch.ops.autopar.moe_experts.default)
     return frozenset(ops)
 
 
@@ -145,6 +146,11 @@ class LayerPrice:
     saved: dict[str, float] = field(default_factory=dict)  # level -> bytes kept
     recomputed: dict[str, list[fx.Node]] = field(default_factory=dict)  # level -> nodes run again in backward
     work: dict = field(default_factory=dict)  # level -> `SiteStats` of its recomputed nodes (`cost`, read once)
+    kept: dict[str, float] = field(default_factory=dict)  # selective: node name -> the bytes it keeps of that op
+    inputs: list[fx.Node] = field(default_factory=list)  # the activations the layer reads from outside (kept)
+    # the inputs without a gradient (tables, masks: one storage every layer reads): name -> (bytes, whether an op
+    # of the layer saves it without recompute)
+    tables: dict[str, tuple[float, bool]] = field(default_factory=dict)
 
     def transient(self, lv: Level) -> float:
         """What recomputing the layer holds again during its backward (beyond what the level keeps)."""
@@ -175,8 +181,12 @@ def price(gm: fx.GraphModule, layer: Layer) -> LayerPrice:
             root = _storage_root(value)
             if root.op == "call_function":
                 none.setdefault(root, _bytes(root))
+    # the layer's activations (its inputs on the gradient's path: the residual stream); inputs without a gradient
+    # (RoPE's tables, masks) are one storage every layer reads, kept as long without recompute (an op of the layer
+    # saves them, counted outside the layer's structures, which no level frees): they cost a level nothing
     inputs = {a for n in nodes for a in n.all_input_nodes
-              if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)}
+              if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
+              and a in needs}
     in_bytes = sum(_bytes(a) for a in inputs)
     keep, mms = saved_ops(), matmul_ops()
     kept, count = [], 0
@@ -189,9 +199,19 @@ def price(gm: fx.GraphModule, layer: Layer) -> LayerPrice:
             kept.append(n)
     kept_set = set(kept)
     out = LayerPrice()
+    # a kept op's outputs: its value, and what its kernel returns beside it that its backward reads (SDPA's
+    # log-sum-exp, `cost_model.memory._saved_by`'s extra bytes of the node itself)
+    for n in kept:
+        if n.target is not operator.getitem:
+            out.kept[n.name] = _bytes(n) + sum(float(x) for v, x in _saved_by(n, needs) if v is n and x is not None)
     out.saved[NONE.name] = float(sum(none.values()))
     out.saved[FULL.name] = float(in_bytes)
-    out.saved[SELECTIVE.name] = float(in_bytes + sum(_bytes(n) for n in kept if n.target is not operator.getitem))
+    out.saved[SELECTIVE.name] = float(in_bytes + sum(out.kept.values()))
+    out.inputs = sorted(inputs, key=lambda a: a.name)
+    saved_here = {v for v, x in (e for n in nodes for e in _saved_by(n, needs)) if x is None}
+    out.tables = {a.name: (_bytes(a), a in saved_here) for n in nodes for a in n.all_input_nodes
+                  if a not in inside and a.op == "call_function" and isinstance(a.meta.get("val"), torch.Tensor)
+                  and a not in needs}
     out.recomputed[NONE.name] = []
     out.recomputed[FULL.name] = nodes
     out.recomputed[SELECTIVE.name] = [n for n in nodes if n not in kept_set]

@@ -72,6 +72,7 @@ class Heads(Form):
     roles = (frozenset({Role.MODEL}),)
     tensor_parallel = True
     hand_plans = frozenset({"megatron"})
+    partial_output = True  # the row-parallel output projection's
 
     def precondition(self, site: AttentionSite, sizes):
         return heads_precondition(site, sizes[0])

@@ -21,6 +21,7 @@ from autopar.forms.two_axis import HeadsAndSequence
 class HeadsRing(HeadsAndSequence):
     name = "heads+ring"
     within = Ring()
+    recomputed_whole = True  # ring attention on each rank's heads
 
     def within_precondition(self, site, t, p):
         return ring_precondition(site, p)

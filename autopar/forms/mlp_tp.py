@@ -22,6 +22,7 @@ class MlpTensorParallel(Form):
     roles = (frozenset({Role.MODEL}),)
     tensor_parallel = True
     hand_plans = frozenset({"megatron"})
+    partial_output = True  # the row-parallel layer's
 
     def precondition(self, site: MlpSite, sizes):
         (t,) = sizes

@@ -60,6 +60,7 @@ class Ring(Form):
     kinds = (Kind.ATTENTION,)
     roles = (frozenset({Role.SEQUENCE}),)
     sequence = True
+    recomputed_whole = True  # `autopar.runtime.checkpoint.whole`: its blocks' score matrices would be kept
 
     def precondition(self, site: AttentionSite, sizes):
         return ring_precondition(site, sizes[0])

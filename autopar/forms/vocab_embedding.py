@@ -31,6 +31,7 @@ class VocabEmbedding(Form):
     kinds = (Kind.EMBEDDING,)
     roles = (frozenset({Role.MODEL}),)
     hand_plans = frozenset({"megatron"})
+    partial_output = True  # each rank's rows' lookups
 
     def precondition(self, site: EmbeddingSite, sizes):
         (t,) = sizes

@@ -6,9 +6,10 @@
   is off: the recompute runs the whole region (what `autopar.solver` prices), not only up to the last tensor
   backward needs (which would skip, e.g., a tensor-parallel layer's last all-reduce: a possible saving left).
 - `selective`: `create_selective_checkpoint_contexts` with `policy()`: the outputs of the ops in
-  `autopar.forms.checkpoint.saved_ops()` (every other matmul, SDPA, MoE experts) are kept, every other op
+  `autopar.forms.checkpoint.saved_ops()` (every other matmul, SDPA) are kept, every other op
   (collectives included) is recomputed. Ring attention (an autograd Function whose blocks' score matrices a matmul policy
-  would keep, O(s^2) each) runs whole again in the recompute: nothing inside it is kept.
+  would keep, O(s^2) each) and the MoE experts (per-expert matmuls whose number and sizes follow the routing) run
+  whole again in the recompute: nothing inside them is kept.
 - RNG: `preserve_rng_state=True` restores the global generators before the recompute, and autopar's dropout
   derives its masks from (stream, step, node), which do not change between a forward and its backward: every
   dropout draws the same mask again.
@@ -56,7 +57,7 @@ def _matmuls() -> frozenset:
 
 def policy():
     """Selective checkpointing of one region's forward: keep every other matmul output (`keeps_matmul`, counted in
-    the forward and again in the recompute, so both make the same choices) and the attention / experts outputs,
+    the forward and again in the recompute, so both make the same choices) and the attention outputs,
     recompute the rest."""
     counts = {False: 0, True: 0}
 
