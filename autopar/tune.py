@@ -15,9 +15,9 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    (the order rotated each round), so drift on the machine hits all alike. Each step's time is the slowest
    rank's; a candidate's time is the median of its steps. The 3 fastest and the fastest hand plan are then
    timed again, max(2 * steps, 8) fresh rounds interleaved among themselves, and the fastest of those rounds wins
-   (one set of rounds decides a near-tie by noise). A plan and its mirror image (the same forms with two mesh axes
-   of the same size swapped, on a mesh within one node: `_interchangeable`) run alike and are measured once, under
-   both names. Peak memory per rank: the candidate's resident state
+   (one set of rounds decides a near-tie by noise). A plan and its mirror image (`mirror`: the same forms with two
+   mesh axes of the same size swapped, axes the cost model prices alike: `_interchangeable`) run alike and are
+   measured once, under both names. Peak memory per rank: the candidate's resident state
    (parameters, gradients, optimizer state) plus the most allocated above it during a step (CUDA
    `max_memory_allocated`; on a CPU host the resident set's high-water mark, reset before each step).
 3. **Isolation**: after every phase (lowering, each step) the ranks agree (one all-gather of each rank's status,
@@ -71,9 +71,9 @@ from torch.utils import _pytree as pytree
 from autopar.forms import Candidate
 from autopar.plan import Plan
 from cost_model.analytical import KINDS
-from cost_model.hardware import Calibration, Cluster, calibration_path, load_cluster, profile_of
+from cost_model.hardware import Calibration, Cluster, axis_link, calibration_path, load_cluster, profile_of
 
-__all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key"]
+__all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key", "mirror"]
 
 _STREAMS = itertools.count()  # dropout streams of the candidates' programs
 REST = "rest"  # the part of a prediction no calibration factor scales
@@ -351,26 +351,60 @@ def candidates(model: nn.Module, ctx, info, captured, cluster: Cluster, top_k: i
 
 
 def _interchangeable(info, cluster: Cluster) -> list[dict[str, str]]:
-    """The renamings of mesh axes that leave the step's cost alone: swaps of two axes of the same size when the whole
-    mesh lies within one node (every axis on the same link, `cost_model.hardware`). A plan and its mirror image
-    (the same forms with such axes swapped) run alike; measured apart, they differ only by noise."""
-    if math.prod(info.sizes) > cluster.gpus_per_node:
-        return []
-    return [{a: b, b: a} for (a, x), (b, y) in itertools.combinations(zip(info.names, info.sizes), 2) if x == y]
+    """The renamings of mesh axes that leave the step's cost alone: swaps of two axes of the same size that the cost
+    model prices alike, on the same link (`cost_model.hardware.axis_link`: on a preset, both within one node) with
+    the same calibration (collective factor, latency, synchronisation factor). A plan and its mirror image (the same
+    forms with such axes swapped) are then priced alike and run alike (on gloo within one host, groups {0,1},{2,3}
+    and {0,2},{1,3} run an all-reduce alike); measured apart, they differ only by noise. Axes a profile measured
+    apart (`Cluster.axis_links`) or a calibration scales apart are priced apart, so their mirror images are measured
+    apart too: one measurement would be fitted against two predictions."""
+    sizes = tuple(info.sizes)
+    cal = cluster.calibration
+
+    def priced(i: int):
+        return axis_link(cluster, sizes, i), cal.sync_factor(sizes, i) if cal is not None else None
+
+    return [{a: b, b: a} for (i, a), (j, b) in itertools.combinations(enumerate(info.names), 2)
+            if sizes[i] == sizes[j] and priced(i) == priced(j)]
 
 
 def _signatures(plan: Plan, swaps: list[dict[str, str]]) -> list[tuple]:
     """The plan's signature and those of its mirror images under `swaps` (`_interchangeable`)."""
-    from autopar.spec import fmt_placements, placements_from_str
+    return [_signature(plan)] + [_signature(mirror(plan, swap)) for swap in swaps]
+
+
+def mirror(plan: Plan, swap: dict[str, str]) -> Plan:
+    """`plan` with mesh axes renamed by `swap` ({"dp": "tp", "tp": "dp"}; an axis not named keeps its name), on the
+    same mesh: what a structure did on one axis it does on the other. Placements move with their axis, directives,
+    strategies, decisions (labels, axis roles) and `comms` name the other axis; the estimate is kept as it was
+    priced, which is right only where the cost model prices the swapped axes alike (`_interchangeable`)."""
     names = [n for n, _ in plan.mesh]
-    out = [_signature(plan)]
-    for swap in swaps:
-        order = [names.index(swap.get(n, n)) for n in names]
-        move = lambda pls: fmt_placements([placements_from_str(pls)[i] for i in order])  # noqa: E731
-        rename = lambda axis: "+".join(swap.get(a, a) for a in axis.split("+"))  # noqa: E731
-        out.append((tuple((k, move(v)) for k, v in plan.params), tuple((k, move(v)) for k, v in plan.inputs),
-                    tuple(sorted(repr(dataclasses.replace(d, axis=rename(d.axis))) for d in plan.directives))))
-    return out
+    sizes = dict(plan.mesh)
+    if set(swap) - set(names) or set(swap.values()) != set(swap) or any(sizes[a] != sizes[b] for a, b in swap.items()):
+        raise ValueError(f"mirror: {swap} is not a swap of mesh axes of equal size of the plan's mesh {plan.mesh}. "
+                         "Fix: map axes of the same size onto each other, e.g. {'dp': 'tp', 'tp': 'dp'}")
+    from autopar.spec import fmt_placements, placements_from_str
+    order = [names.index(swap.get(n, n)) for n in names]
+    move = lambda pls: fmt_placements([placements_from_str(pls)[i] for i in order])  # noqa: E731
+    axis = lambda a: swap.get(a, a)  # noqa: E731
+
+    def text(label: str) -> str:  # a decision's label ('tp@tp+fsdp') or axis roles ('data dp+tp, sequence -, ...')
+        roles = _ROLES.match(label)
+        if roles:
+            data, seq = ("+".join(map(axis, g.split("+"))) for g in roles.groups())
+            return f"data {data}, sequence {seq}, the rest model"
+        return re.sub(r"@([^+]+)", lambda m: "@" + axis(m.group(1)), label)
+
+    return dataclasses.replace(
+        plan,
+        params=tuple((k, move(v)) for k, v in plan.params),
+        inputs=tuple((k, move(v)) for k, v in plan.inputs),
+        directives=tuple(dataclasses.replace(d, axis="+".join(map(axis, d.axis.split("+")))) for d in plan.directives),
+        strategies=tuple(dataclasses.replace(s, axes=tuple(map(axis, s.axes)),
+                                             params=tuple((k, move(v)) for k, v in s.params)) for s in plan.strategies),
+        decisions=tuple(dataclasses.replace(d, chosen=text(d.chosen), candidates=tuple(
+            dataclasses.replace(c, label=text(c.label)) for c in d.candidates)) for d in plan.decisions),
+        comms=tuple(dataclasses.replace(c, axis="+".join(map(axis, c.axis.split("+")))) for c in plan.comms))
 
 
 def _signature(plan: Plan) -> tuple:
