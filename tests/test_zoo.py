@@ -148,7 +148,7 @@ def zoo_on_gloo(family: str, plan: str) -> dict:
             "loss": res.loss, "comm_counts": res.comm_counts, "local_numel": res.local_numel}
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "mixtral", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "bert"])  # HF Llama on gloo: test_equivalence_gloo
 def test_zoo_on_gloo_processes(family):
     results = gloo_pool(WORLD).run(zoo_on_gloo, family, "megatron")
     for rank, r in enumerate(results):
