@@ -1,0 +1,134 @@
+"""DTensor pointwise ops whose other arguments are Python numbers, run directly on the local shard.
+
+Why: torch 2.13's DTensor dispatch has a C++ fast path with a sharding cache, but a Python number passed where
+the schema says `Tensor` (`p.mul_(0.9)`, `p.add_(1e-8)`, `p / 2.0`: aten's `.Tensor` overloads get a wrapped
+0-dim tensor) makes it bail out to Python, which builds a replicated spec for the number and an `OpSchema` on
+every call: 80-170 us against 5 us on a plain tensor. A number in a `Scalar` slot that changes every call
+(`lerp_(g, w)` under a schedule, `aten.mul_.Scalar(p, lr)`) misses the cache and re-runs sharding propagation:
+milliseconds. Single-tensor optimizers (torch's default on CPU) issue several such ops per parameter and step.
+
+The contract: `install()` (idempotent; `ParallelModule` calls it) registers one handler in DTensor's own
+custom-op table for every pointwise ATen op (`torch.Tag.pointwise`, no out= variant, no random op) that takes
+an argument besides `self`. The handler runs the op on the local tensor and re-wraps it with the input's
+spec when all of these hold, and otherwise hands the call back to DTensor's own dispatch unchanged:
+- the first argument is a DTensor and no other argument or keyword is a tensor or a container;
+- every placement is `Replicate` or a `Shard` (an elementwise op commutes with any partition of the
+  elements). `Partial` is refused: `add(Partial, 1)` would add 1 on every rank;
+- the result has the local input's shape and strides (then its global meta is the input's, dtype aside);
+- no tracing (`torch.compile`, fake tensors) and no `DebugMode` is active.
+The numbers are the ones the slow path computes: both end in the same ATen kernel on the same local tensor
+(tested bitwise, `tests/test_scalar_ops.py`). `fast_path(False)` turns the handler off for a block (tests).
+The table is process-wide, so the fast path applies to every DTensor in the process, not only autopar's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.distributed._functional_collectives import _are_we_tracing
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.utils._debug_mode import get_active_debug_mode
+
+_OPS: frozenset | None = None
+_state = threading.local()  # .off: fast path disabled on this thread (fast_path(False))
+
+
+def _handled_ops() -> frozenset:
+    """Every pointwise ATen overload the handler is registered for (computed once)."""
+    global _OPS
+    if _OPS is None:
+        random = DTensor._op_dispatcher._random_ops
+        ops = set()
+        for name in torch.ops.aten:
+            packet = getattr(torch.ops.aten, name)
+            for overload in packet.overloads():
+                op = getattr(packet, overload)
+                schema = op._schema
+                if (torch.Tag.pointwise in op.tags and op not in random and "out" not in schema.overload_name
+                        and not any(a.is_out for a in schema.arguments) and len(schema.arguments) > 1
+                        and len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
+                        and not any(a.alias_info is not None and a.alias_info.is_write
+                                    for a in schema.arguments[1:])):
+                    ops.add(op)
+        _OPS = frozenset(ops)
+    return _OPS
+
+
+def install() -> None:
+    """Registers the handler in DTensor's custom-op table for every op of `_handled_ops()` (idempotent; an op
+    that already has a handler, DTensor's own or another library's, keeps it)."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in _handled_ops():
+        table.setdefault(op, _handler)
+
+
+@contextlib.contextmanager
+def fast_path(enabled: bool):
+    """Within the block, on this thread, the handler runs (enabled) or always defers to DTensor's dispatch."""
+    before = getattr(_state, "off", False)
+    _state.off = not enabled
+    try:
+        yield
+    finally:
+        _state.off = before
+
+
+def _local_result(op, args: tuple, kwargs: dict):
+    """The op run on the local shard and re-wrapped, or None where the fast path does not apply."""
+    self = args[0]
+    if type(self) is not DTensor or getattr(_state, "off", False):
+        return None
+    for a in args[1:]:
+        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+            return None
+    for a in kwargs.values():
+        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+            return None
+    spec = self._spec
+    for p in spec.placements:
+        if not (p.is_replicate() or p.is_shard()):
+            return None
+    if _are_we_tracing() or get_active_debug_mode() is not None:
+        return None
+    local = self._local_tensor
+    out = op(local, *args[1:], **kwargs)
+    if out is local:  # in place: the placements and meta are unchanged
+        return self
+    if not isinstance(out, torch.Tensor) or out.shape != local.shape or out.stride() != local.stride():
+        raise _Mismatch(out)
+    if out.dtype != spec.tensor_meta.dtype:
+        meta = spec.tensor_meta
+        spec = DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, out.dtype),
+                           shard_order=spec.shard_order)
+    return DTensor(out, spec, requires_grad=out.requires_grad)
+
+
+class _Mismatch(Exception):
+    """An out-of-place result whose layout the input's spec does not describe: recomputed by DTensor."""
+
+
+def _handler(op, args: tuple, kwargs: dict):
+    try:
+        out = _local_result(op, args, kwargs)
+    except _Mismatch:
+        out = None  # out-of-place, nothing was written: safe to recompute
+    if out is not None:
+        return out
+    return _dispatch_without_handler(op, args, kwargs)
+
+
+def _dispatch_without_handler(op, args: tuple, kwargs: dict):
+    """DTensor's own dispatch of the call: the handler leaves the table for the duration of the call (DTensor's
+    C++ dispatch looks the table up on every call; there is no Python entry point to its fast path)."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    mine = table.get(op) is _handler
+    if mine:
+        del table[op]
+    try:
+        return op(*args, **kwargs)
+    finally:
+        if mine:
+            table.setdefault(op, _handler)
