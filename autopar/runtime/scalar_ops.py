@@ -32,16 +32,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._debug_mode import get_active_debug_mode
 
-_OPS: frozenset | None = None
+_OPS: dict | None = None  # op -> whether it writes its first argument (in place)
 _state = threading.local()  # .off: fast path disabled on this thread (fast_path(False))
 
 
-def _handled_ops() -> frozenset:
-    """Every pointwise ATen overload the handler is registered for (computed once)."""
+def _handled_ops() -> dict:
+    """Every pointwise ATen overload the handler is registered for, and whether it is in place (computed once)."""
     global _OPS
     if _OPS is None:
         random = DTensor._op_dispatcher._random_ops
-        ops = set()
+        ops = {}
         for name in torch.ops.aten:
             packet = getattr(torch.ops.aten, name)
             for overload in packet.overloads():
@@ -52,8 +52,9 @@ def _handled_ops() -> frozenset:
                         and len(schema.returns) == 1 and str(schema.returns[0].type) == "Tensor"
                         and not any(a.alias_info is not None and a.alias_info.is_write
                                     for a in schema.arguments[1:])):
-                    ops.add(op)
-        _OPS = frozenset(ops)
+                    alias = schema.arguments[0].alias_info
+                    ops[op] = alias is not None and alias.is_write
+        _OPS = ops
     return _OPS
 
 
@@ -93,10 +94,10 @@ def _local_result(op, args: tuple, kwargs: dict):
             return None
     if _are_we_tracing() or get_active_debug_mode() is not None:
         return None
-    local = self._local_tensor
-    out = op(local, *args[1:], **kwargs)
-    if out is local:  # in place: the placements and meta are unchanged
+    out = op(self._local_tensor, *args[1:], **kwargs)
+    if _OPS[op]:  # in place: the placements and meta are unchanged
         return self
+    local = self._local_tensor
     if not isinstance(out, torch.Tensor) or out.shape != local.shape or out.stride() != local.stride():
         raise _Mismatch(out)
     if out.dtype != spec.tensor_meta.dtype:
