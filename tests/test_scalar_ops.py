@@ -2,8 +2,9 @@
 
 The fast path must give bitwise what DTensor's own dispatch gives (the same local values, the same spec:
 placements, shape, stride, dtype) for Replicate and Shard placements, in place and out of place, also where the
-result's dtype differs from the input's; it must not run (and the result must still be right) for Partial, for
-tensor arguments and while disabled. AdamW steps on DTensor parameters match bitwise with it on and off.
+result's dtype differs from the input's and with DTensor arguments of the same layout; it must not run (and the
+result must still be right) for Partial, for plain-tensor arguments, for DTensors of another layout (broadcast)
+and while disabled. AdamW steps on DTensor parameters match bitwise with it on and off.
 Two simulated ranks (LocalTensorMode): Shard(0) of 5 rows is uneven.
 """
 
@@ -18,29 +19,32 @@ from autopar.runtime import scalar_ops
 
 aten = torch.ops.aten
 
-CALLS = {  # name -> call on a float DTensor d (and e, another DTensor of its spec)
-    "mul_": lambda d, e: d.mul_(0.9),
-    "add_": lambda d, e: d.add_(1e-3),
-    "sub": lambda d, e: d.sub(0.25, alpha=2),
-    "div": lambda d, e: d.div(1.7),
-    "rdiv": lambda d, e: 3.0 / d,
-    "pow": lambda d, e: d.pow(2.0),
-    "clamp": lambda d, e: d.clamp(min=-0.5, max=0.5),
-    "lerp_": lambda d, e: d.lerp_(e, 0.1),  # a tensor argument: DTensor's own dispatch
-    "mul_.Scalar": lambda d, e: aten.mul_.Scalar(d, 0.5),
-    "gt": lambda d, e: d.gt(0.1),  # bool result
-    "addcdiv_": lambda d, e: d.addcdiv_(e, e, value=-0.01),
+CALLS = {  # name -> (call on a float DTensor d, with e a DTensor of d's layout and r a replicated row; fast path?)
+    "mul_": (lambda d, e, r: d.mul_(0.9), True),
+    "add_": (lambda d, e, r: d.add_(1e-3), True),
+    "sub": (lambda d, e, r: d.sub(0.25, alpha=2), True),
+    "div": (lambda d, e, r: d.div(1.7), True),
+    "rdiv": (lambda d, e, r: 3.0 / d, True),
+    "pow": (lambda d, e, r: d.pow(2.0), True),
+    "clamp": (lambda d, e, r: d.clamp(min=-0.5, max=0.5), True),
+    "mul_.Scalar": (lambda d, e, r: aten.mul_.Scalar(d, 0.5), True),
+    "gt": (lambda d, e, r: d.gt(0.1), True),  # bool result
+    "lerp_": (lambda d, e, r: d.lerp_(e, 0.1), True),  # a DTensor argument of the same layout
+    "addcdiv_": (lambda d, e, r: d.addcdiv_(e, e, value=-0.01), True),
+    "add_ row": (lambda d, e, r: d.add_(r), False),  # broadcast: another layout, DTensor's own dispatch
+    "mul 0-dim tensor": (lambda d, e, r: d.mul(torch.tensor(0.5, dtype=torch.float64)), False),
 }
 
 
 def _pair(placements):
-    """Two DTensors of the same values and placements: one for the fast path, one for DTensor's dispatch."""
+    """Twice the same (d, e, r): one for the fast path, one for DTensor's dispatch."""
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
     full = torch.randn(5, 3, dtype=torch.float64)
     other = torch.randn(5, 3, dtype=torch.float64)
-    return [(distribute_tensor(full.clone(), mesh, placements), distribute_tensor(other.clone(), mesh, placements))
-            for _ in range(2)]
+    row = torch.randn(3, dtype=torch.float64)
+    return [(distribute_tensor(full.clone(), mesh, placements), distribute_tensor(other.clone(), mesh, placements),
+             distribute_tensor(row.clone(), mesh, [Replicate()])) for _ in range(2)]
 
 
 def _same(a, b) -> None:
@@ -59,18 +63,17 @@ def test_fast_path_is_bitwise_the_slow_path(local_world, monkeypatch, placements
     original = scalar_ops._local_result
     monkeypatch.setattr(scalar_ops, "_local_result", lambda *a: taken.append(original(*a)) or taken[-1])
     with local_world(2):
-        (d, e), (d0, e0) = _pair(placements)
-        for name, call in CALLS.items():
+        (d, e, r), (d0, e0, r0) = _pair(placements)
+        for name, (call, expect_fast) in CALLS.items():
             taken.clear()
-            fast = call(d, e)
+            fast = call(d, e, r)
             with scalar_ops.fast_path(False):
-                slow = call(d0, e0)
+                slow = call(d0, e0, r0)
             _same(fast, slow)
             _same(d, d0)  # in-place calls wrote the same values
-            in_place = name.endswith("_") or name == "mul_.Scalar"
+            in_place = "_" in name
             assert (fast is d) == in_place and (slow is d0) == in_place, name
-            # the fast path ran exactly where no argument but self is a tensor
-            assert any(t is not None for t in taken) == (name not in ("lerp_", "addcdiv_")), name
+            assert any(t is not None for t in taken) == expect_fast, name
 
 
 def test_partial_is_refused_and_right(local_world):

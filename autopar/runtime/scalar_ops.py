@@ -8,23 +8,29 @@ every call: 80-170 us against 5 us on a plain tensor. A number in a `Scalar` slo
 milliseconds. Single-tensor optimizers (torch's default on CPU) issue several such ops per parameter and step.
 
 The contract: `install()` (idempotent; `ParallelModule` calls it) registers one handler in DTensor's own
-custom-op table for every pointwise ATen op (`torch.Tag.pointwise`, no out= variant, no random op) that takes
-an argument besides `self`. The handler runs the op on the local tensor and re-wraps it with the input's
-spec when all of these hold, and otherwise hands the call back to DTensor's own dispatch unchanged:
-- the first argument is a DTensor and no other argument or keyword is a tensor or a container;
+custom-op table for every pointwise ATen op (`torch.Tag.pointwise`, no out= variant, no random op, one tensor
+returned) that takes an argument besides `self`. The handler runs the op on the local tensors and re-wraps the
+result with the input's spec when all of these hold, and otherwise hands the call back to DTensor's own dispatch
+unchanged:
+- the first argument is a DTensor; every other tensor argument is a DTensor of the same layout (mesh,
+  placements, shape and strides: the elements are partitioned alike, nothing broadcasts); no keyword is a tensor,
+  no argument a container;
 - every placement is `Replicate` or a `Shard` (an elementwise op commutes with any partition of the
   elements). `Partial` is refused: `add(Partial, 1)` would add 1 on every rank;
-- the result has the local input's shape and strides (then its global meta is the input's, dtype aside);
+- an out-of-place result has the local input's shape and strides (then its global meta is the input's, dtype
+  aside);
 - no tracing (`torch.compile`, fake tensors) and no `DebugMode` is active.
-The numbers are the ones the slow path computes: both end in the same ATen kernel on the same local tensor
-(tested bitwise, `tests/test_scalar_ops.py`). `fast_path(False)` turns the handler off for a block (tests).
+Same-layout DTensor arguments pay about what DTensor's C++ fast path costs (+1-3 us, measured); the Python
+numbers are what the handler is for.
+The numbers are the ones the slow path computes: both end in the same ATen kernel on the same local tensors
+(tested bitwise, `tests/test_scalar_ops.py`). `fast_path(False)` turns the handler off for a block
+(process-wide; the tests and `benchmarks/dp_vs_ddp.py --slow-scalars` use it).
 The table is process-wide, so the fast path applies to every DTensor in the process, not only autopar's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 from torch.distributed._functional_collectives import _are_we_tracing
@@ -32,8 +38,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._debug_mode import get_active_debug_mode
 
+_PYTHON_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
 _OPS: dict | None = None  # op -> whether it writes its first argument (in place)
-_state = threading.local()  # .off: fast path disabled on this thread (fast_path(False))
+_enabled = True  # fast_path(False) turns the handler off (process-wide) for a block
 
 
 def _handled_ops() -> dict:
@@ -68,43 +75,58 @@ def install() -> None:
 
 @contextlib.contextmanager
 def fast_path(enabled: bool):
-    """Within the block, on this thread, the handler runs (enabled) or always defers to DTensor's dispatch."""
-    before = getattr(_state, "off", False)
-    _state.off = not enabled
+    """Within the block the handler runs (enabled) or always defers to DTensor's dispatch (process-wide)."""
+    global _enabled
+    before, _enabled = _enabled, enabled
     try:
         yield
     finally:
-        _state.off = before
+        _enabled = before
 
 
 def _local_result(op, args: tuple, kwargs: dict):
-    """The op run on the local shard and re-wrapped, or None where the fast path does not apply."""
+    """The op run on the local shards and re-wrapped, or None where the fast path does not apply."""
     self = args[0]
-    if type(self) is not DTensor or getattr(_state, "off", False):
+    if type(self) is not DTensor or not _enabled:
         return None
+    spec = self._spec
+    meta = spec.tensor_meta
+    local_args = [self._local_tensor]
     for a in args[1:]:
-        if isinstance(a, (torch.Tensor, list, tuple, dict)):
+        if isinstance(a, DTensor) and _same_layout(a._spec, spec):
+            local_args.append(a._local_tensor)
+        elif isinstance(a, (torch.Tensor, list, tuple, dict)):
             return None
+        else:
+            local_args.append(a)
     for a in kwargs.values():
         if isinstance(a, (torch.Tensor, list, tuple, dict)):
             return None
-    spec = self._spec
     for p in spec.placements:
         if not (p.is_replicate() or p.is_shard()):
             return None
-    if _are_we_tracing() or get_active_debug_mode() is not None:
-        return None
-    out = op(self._local_tensor, *args[1:], **kwargs)
+    if (torch._C._len_torch_dispatch_stack() or torch._C._dispatch_tls_is_dispatch_key_included(_PYTHON_DISPATCHER)
+            or torch.compiler.is_compiling()) and (_are_we_tracing() or get_active_debug_mode() is not None):
+        return None  # the cheap tests first: _are_we_tracing alone costs more than the rest of this function
+    out = op._op(*local_args, **kwargs)
     if _OPS[op]:  # in place: the placements and meta are unchanged
         return self
     local = self._local_tensor
     if not isinstance(out, torch.Tensor) or out.shape != local.shape or out.stride() != local.stride():
         raise _Mismatch(out)
-    if out.dtype != spec.tensor_meta.dtype:
-        meta = spec.tensor_meta
+    if out.dtype != meta.dtype:
         spec = DTensorSpec(spec.mesh, spec.placements, TensorMeta(meta.shape, meta.stride, out.dtype),
                            shard_order=spec.shard_order)
     return DTensor(out, spec, requires_grad=out.requires_grad)
+
+
+def _same_layout(a: DTensorSpec, b: DTensorSpec) -> bool:
+    """Two DTensors whose elements are partitioned alike: the same mesh, placements, shape and strides (the
+    dtypes may differ)."""
+    if a is b:
+        return True
+    ma, mb = a.tensor_meta, b.tensor_meta
+    return a.mesh is b.mesh and a.placements == b.placements and ma.shape == mb.shape and ma.stride == mb.stride
 
 
 class _Mismatch(Exception):
