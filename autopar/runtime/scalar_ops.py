@@ -40,7 +40,6 @@ from torch.utils._debug_mode import get_active_debug_mode
 
 _PYTHON_DISPATCHER = torch._C.DispatchKey.PythonDispatcher
 _OPS: dict | None = None  # op -> whether it writes its first argument (in place)
-_enabled = True  # fast_path(False) turns the handler off (process-wide) for a block
 
 
 def _handled_ops() -> dict:
@@ -75,19 +74,29 @@ def install() -> None:
 
 @contextlib.contextmanager
 def fast_path(enabled: bool):
-    """Within the block the handler runs (enabled) or always defers to DTensor's dispatch (process-wide)."""
-    global _enabled
-    before, _enabled = _enabled, enabled
+    """Within the block the handler is in DTensor's table (enabled) or out of it (every call dispatched exactly as
+    torch does); process-wide. The table is as before afterwards."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    before = {op for op in _handled_ops() if table.get(op) is _handler}
+    if enabled:
+        install()
+    else:
+        for op in before:
+            del table[op]
     try:
         yield
     finally:
-        _enabled = before
+        for op in _handled_ops():
+            if op in before:
+                table.setdefault(op, _handler)
+            elif table.get(op) is _handler:
+                del table[op]
 
 
 def _local_result(op, args: tuple, kwargs: dict):
     """The op run on the local shards and re-wrapped, or None where the fast path does not apply."""
     self = args[0]
-    if type(self) is not DTensor or not _enabled:
+    if type(self) is not DTensor:
         return None
     spec = self._spec
     meta = spec.tensor_meta
