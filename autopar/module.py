@@ -4,7 +4,8 @@
 data-parallel rank's own shard of the batch) and returns the same outputs on every rank;
 parameters keep their fully-qualified names (tied weights stay tied) and are DTensors with the plan's
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
-own it, `owned_tensor`); buffers are registered as they were. The rewritten local program runs on the
+own it, `owned_tensor`); buffers are registered as they were. Making one installs DTensor's fast path for
+pointwise ops with Python-number arguments (`autopar.runtime.scalar_ops`), which optimizers issue per parameter. The rewritten local program runs on the
 local shards.
 
 The program is specialised on what the capture saw (`autopar.relower`): input shapes and dtypes, non-tensor
@@ -43,6 +44,7 @@ from autopar.replaced import mark_replaced
 from autopar.runtime.collectives import after_backward
 from autopar.runtime.fsdp import fsdp_step
 from autopar.runtime.ops import advance_rng_stream
+from autopar.runtime import scalar_ops
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
 from autopar.weights import compute_buffers, init_weights, is_meta_model
 from autopar.spec import is_owned
@@ -68,6 +70,7 @@ class ParallelModule(nn.Module):
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str,
                  example_inputs=None, local: tuple | None = None):
         super().__init__()
+        scalar_ops.install()  # optimizers' `p.mul_(0.9)` on the DTensor parameters: on the local shard directly
         self._mesh = mesh
         object.__setattr__(self, "_model", model)  # re-captured for new call conditions; not a submodule
         pls = plan.param_placements()
