@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from autopar.forms import Candidate
-from autopar.plan import Plan
+from autopar.plan import GATHER_KEEP, DirectiveKind, Plan
 from cost_model.analytical import KINDS
 from cost_model.hardware import Calibration, Cluster, axis_link, calibration_path, load_cluster, profile_of
 
@@ -112,7 +112,16 @@ class TuneCandidate:
         names = [n for n, _ in self.plan.mesh]
         data = sorted({names[i] for _, p in self.plan.inputs for i, x in enumerate(placements_from_str(p))
                        if x == Shard(0)}, key=names.index)
-        return (f"batch over {'+'.join(data) or '-'}; " + "; ".join(f"{k} {'/'.join(v)}" for k, v in by.items()))
+        gathers = [d for d in self.plan.directives if d.kind is DirectiveKind.GATHER]
+        fsdp = ""
+        if gathers:  # FSDP-sharded parameters: plans alike in forms differ here (ZeRO-3, or kept gathered: ZeRO-2)
+            params = {d.node for d in gathers}
+            kept = {d.node for d in gathers if d.value == GATHER_KEEP}
+            axes = sorted({d.axis for d in gathers}, key=names.index)
+            fsdp = (f"; fsdp@{'+'.join(axes)} {len(params)} params"
+                    + (f", {len(kept)} kept gathered" if kept else ""))
+        return (f"batch over {'+'.join(data) or '-'}; " + "; ".join(f"{k} {'/'.join(v)}" for k, v in by.items())
+                + fsdp)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
