@@ -646,7 +646,9 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
         for la in g.layers:
             site = next((s for s in classes[k] if s.key.startswith(la.path + ".")), None)
             if site is not None and site.kind is Kind.ATTENTION and site.node.name in la.nodes:
-                whole[k, gi] = g.price.kept.get(g.layers[0].nodes[la.nodes.index(site.node.name)], 0.0)
+                i, first = la.nodes.index(site.node.name), g.layers[0].nodes
+                if len(first) == len(la.nodes):  # a layer unlike the priced one (T5's first block): not priced
+                    whole[k, gi] = g.price.kept.get(first[i], 0.0)
                 break
     return CheckpointTerms(groups, ck_costs, reissue, reissue_s, mc.dp * model, act, kept, inputs, stream, cands,
                            [cls[0].key for cls in classes], [cls[0].kind for cls in classes], whole,

@@ -226,7 +226,8 @@ def test_auto_plan_forced_by_memory_mixes_forms_and_matches(local_world):
     and checkpoint levels alone more): neither `dp` nor `megatron` fits; with attention by heads and Megatron
     sequence parallelism (norms) and the vocab-parallel loss given (since FSDP gathers per layer, FSDP over both
     axes is the cheapest plan that fits: these overrides keep tp a model axis), the ILP combines tensor
-    parallelism (MLPs, vocab-parallel embedding) and FSDP (parameters sharded over dp). That plan, run: loss, every gradient and every
+    parallelism (MLPs; the embedding vocab-parallel or FSDP-sharded: a near tie on the timeline) and FSDP
+    (parameters sharded over dp). That plan, run: loss, every gradient and every
     parameter after the step equal one device's, and each form's collectives ran."""
     import autopar
 
@@ -241,8 +242,9 @@ def test_auto_plan_forced_by_memory_mixes_forms_and_matches(local_world):
     planned = autopar.plan(model, mesh, inputs, plan="auto", cluster="cpu", memory_limit=limit, overrides=given)
     assert planned.estimate.fits and planned.estimate.memory_bytes_per_device <= limit
     forms = {(s.kind, s.label) for s in planned.strategies}
-    assert {("attention", "heads@tp"), ("mlp", "tp@tp"), ("embedding", "vocab@tp"), ("loss", "vocab@tp"),
-            ("norm", "sequence@tp")} <= forms, planned
+    assert {("attention", "heads@tp"), ("mlp", "tp@tp"), ("loss", "vocab@tp"), ("norm", "sequence@tp")} <= forms, planned
+    # the embedding: vocab-parallel or FSDP-sharded (replicated forms), whichever the timeline ranks first (a near tie)
+    assert ("embedding", "vocab@tp") in forms or is_shard(placements_from_str(dict(planned.params)["embed.weight"])[0])
     fsdp = [n for n, p in planned.params if is_shard(placements_from_str(p)[0])]  # sharded on dp: FSDP
     assert fsdp, planned
     with local_world(4):
