@@ -344,23 +344,28 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
     b = torch.randn(n, n, device=device).to(getattr(torch, matmul_dtype))
     out = torch.empty_like(a)
     matmul = lambda: torch.mm(a, b, out=out)  # noqa: E731
+    # the axes measured in turn, point by point (not one axis after the other): drift of a busy host over the
+    # minutes this takes hits every axis alike, so axes that run alike are measured alike (`tune._interchangeable`)
     sizes_used: dict[tuple[int, str], list[int]] = {}
-    for i in axes:
-        group = mesh.get_group(i)
-        for kind in TABLE_KINDS:
-            used = sizes_used.setdefault((i, kind), [])
-            for nbytes in message_bytes:
-                n_model, op = _collective_op(kind, nbytes, shape[i], group.group_name, device)
-                used.append(n_model)
-                times.append(_in_situ_s(op, matmul, iters, repeats, device, group)[0])
+    got: dict[tuple, object] = {}  # (axis, kind, size index) or (axis, "sync", k) -> time(s)
+    groups = {i: mesh.get_group(i) for i in axes}
+    for kind in TABLE_KINDS:
+        for j, nbytes in enumerate(message_bytes):
+            for i in axes:
+                n_model, op = _collective_op(kind, nbytes, shape[i], groups[i].group_name, device)
+                sizes_used.setdefault((i, kind), []).append(n_model)
+                got[i, kind, j] = _in_situ_s(op, matmul, iters, repeats, device, groups[i])[0]
                 bar.step(f"{kind} in situ, axis {i} ({shape[i]} ranks) {n_model} B")
-        # synchronisation against the compute before a collective: a small all-reduce after k matmuls
-        _, op = _collective_op("all_reduce", message_bytes[0], shape[i], group.group_name, device)
-        for k in _SYNC_MATMULS:
-            compute = lambda k=k: [matmul() for _ in range(k)]  # noqa: E731
-            added, interval = _in_situ_s(op, compute, max(4, iters // max(1, k // 2)), repeats, device, group)
-            times += [added, interval]
+    # synchronisation against the compute before a collective: a small all-reduce after k matmuls
+    for k in _SYNC_MATMULS:
+        compute = lambda k=k: [matmul() for _ in range(k)]  # noqa: E731
+        for i in axes:
+            _, op = _collective_op("all_reduce", message_bytes[0], shape[i], groups[i].group_name, device)
+            got[i, "sync", k] = _in_situ_s(op, compute, max(4, iters // max(1, k // 2)), repeats, device, groups[i])
             bar.step(f"all_reduce after {k} matmuls, axis {i}")
+    for i in axes:  # per axis: its tables, then its synchronisation pairs (read back below in this order)
+        times += [got[i, kind, j] for kind in TABLE_KINDS for j in range(len(message_bytes))]
+        times += [t for k in _SYNC_MATMULS for t in got[i, "sync", k]]
     times_t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(times_t, op=dist.ReduceOp.MAX)
     times = times_t.tolist()
