@@ -79,6 +79,20 @@ class Timings:
         return statistics.median(d[a]) / statistics.median(d[b]), min(per), max(per)
 
 
+def tune_gpt_2x2() -> tuple[nn.Module, tuple, object]:
+    """The tune benchmarks' model, inputs and mesh (`tune.py`, `mirror.py`): a GPT of 2 layers, hidden 256, vocab
+    4096, 8 x 64 tokens (seed 0) on a 2 x 2 mesh ("dp", "tp") of this process group: a model where plans differ."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, num_heads=8, hidden=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
+    return model, (tokens, tokens.roll(-1, dims=1)), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+
 def interleaved(steps: dict[str, Callable[[], object]], *, warmup: int, rounds: int | None = None,
                 iters: int | None = None, budget_s: float = 25.0) -> Timings:
     """Time named training steps against each other, interleaved: the one timing loop every benchmark uses.

@@ -23,7 +23,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 WORLD_SIZE = 4
 SWAP = {"dp": "tp", "tp": "dp"}
@@ -53,17 +52,11 @@ def _all_reduce_groups(mesh, rounds: int) -> None:
 
 def run(quick: bool) -> None:
     import autopar
-    from autopar.models import GPT, GPTConfig
     from autopar.tune import _lower, mirror
-    from common import interleaved, result, train_step
+    from common import interleaved, result, train_step, tune_gpt_2x2
 
     rank = dist.get_rank()
-    cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, num_heads=8, hidden=256)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
-    inputs = (tokens, tokens.roll(-1, dims=1))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, inputs, mesh = tune_gpt_2x2()
     _all_reduce_groups(mesh, 20 if quick else 60)
     megatron = autopar.plan(model, mesh, inputs, plan="megatron")
     auto = autopar.plan(model, mesh, inputs, cluster="cpu")

@@ -28,7 +28,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 WORLD_SIZE = 4
 
@@ -39,17 +38,11 @@ def run(quick: bool, cache_dir: str) -> None:
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 <pid>`: where a rank waits, if it ever hangs
     os.environ["XDG_CACHE_HOME"] = cache_dir
     import autopar
-    from autopar.models import GPT, GPTConfig
     from autopar.tune import apply_calibration, fit_calibration, _lower
-    from common import interleaved, report, result as result_line, train_step
+    from common import interleaved, report, result as result_line, train_step, tune_gpt_2x2
 
     rank = dist.get_rank()
-    cfg = GPTConfig(vocab_size=4096, seq_len=64, num_layers=2, num_heads=8, hidden=256)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
-    inputs = (tokens, tokens.roll(-1, dims=1))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, inputs, mesh = tune_gpt_2x2()
     steps = 4 if quick else 10
     profile = os.path.join(cache_dir, "profile-2x2.json")
     t0 = time.perf_counter()
