@@ -45,7 +45,7 @@ from autopar.runtime.collectives import after_backward
 from autopar.runtime.fsdp import fsdp_step
 from autopar.runtime.ops import advance_rng_stream
 from autopar.runtime import scalar_ops
-from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor
+from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor, to_locals
 from autopar.weights import compute_buffers, init_weights, is_meta_model
 from autopar.spec import is_owned
 
@@ -72,6 +72,7 @@ class ParallelModule(nn.Module):
         super().__init__()
         scalar_ops.install()  # optimizers' `p.mul_(0.9)` on the DTensor parameters: on the local shard directly
         self._mesh = mesh
+        self._owners: dict[str, tuple[nn.Module, str]] = {}  # fqn -> (owning submodule, name): `_lookup`
         object.__setattr__(self, "_model", model)  # re-captured for new call conditions; not a submodule
         pls = plan.param_placements()
         # parameters: one DTensor per distinct tensor, registered under every original name
@@ -141,11 +142,15 @@ class ParallelModule(nn.Module):
             mod.register_parameter(leaf, value)
 
     def _lookup(self, fqn: str):
-        mod = self
-        *path, leaf = fqn.split(".")
-        for part in path:
-            mod = getattr(mod, part)
-        return getattr(mod, leaf)
+        """The parameter or buffer `fqn` (its owning submodule found once: every call feeds every parameter)."""
+        owner = self._owners.get(fqn)
+        if owner is None:
+            mod = self
+            *path, leaf = fqn.split(".")
+            for part in path:
+                mod = getattr(mod, part)
+            owner = self._owners[fqn] = (mod, leaf)
+        return getattr(*owner)
 
     def init_weights(self, seed: int = 0) -> "ParallelModule":
         """Initialise a meta-built model's shards with the model's own initialisation (Hugging Face
@@ -192,19 +197,24 @@ class ParallelModule(nn.Module):
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
         self._check_inputs(key, cap, flat)
         it = iter(flat)
-        feeds = []
+        feeds, at, dts = [], [], []
         for ph, kind, ref in cap.input_kinds:
             if kind == "param":
                 p = self._lookup(ref)
                 if ref in prog.reshard:
                     p = p.redistribute(self._mesh, prog.reshard[ref])
-                feeds.append(p.to_local() if isinstance(p, DTensor) else p)
+                if isinstance(p, DTensor):
+                    at.append(len(feeds))
+                    dts.append(p)
+                feeds.append(p)
             elif kind == "buffer":
                 feeds.append(self._lookup(ref))
             elif kind == "constant":
                 feeds.append(cap.constants[ph])
             else:
                 feeds.append(next(it))
+        for i, local in zip(at, to_locals(dts)):
+            feeds[i] = local
         advance_rng_stream(self._rng_stream)
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
