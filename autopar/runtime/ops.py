@@ -13,7 +13,8 @@
   match no rank's rows and quietly look up (or score) zeros.
 - `loss_reduce`: sum / mean of per-token losses where the batch is sharded: the mean divides by the
   *global* count of valid tokens (all-reduced, no gradient), so the result is Partial over the
-  batch axes and the all-reduce that follows gives exactly the single-device mean.
+  batch axes and the all-reduce that follows gives exactly the single-device mean. The losses'
+  ops issue the count's all-reduce before they compute the losses, and wait for it after.
 - `gqa_kv_heads`: the KV heads that this rank's query heads attend to, when KV heads are
   replicated because there are fewer of them than the tensor-parallel degree.
 """
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
-from autopar.runtime.collectives import _raw_all_reduce
+from autopar.runtime.collectives import _c10d, _raw_all_reduce, _record, _wait
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> None:
@@ -107,33 +108,62 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, axi
     return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index)
 
 
+class _Count:
+    """The global count of valid tokens for a mean loss, its all-reduce over the first count axis issued when made
+    (it needs only the targets, so it runs while the losses are computed) and waited for by `value`."""
+
+    def __init__(self, target: torch.Tensor, ignore_index: int, count_axes: tuple[AxisRef, ...],
+                 dtype: torch.dtype):
+        with torch.no_grad():
+            self.count = (target != ignore_index).sum().to(dtype)
+            self.rest = tuple(count_axes)
+            self.pending = False
+            if self.rest:
+                axis, self.rest = resolve_axis(self.rest[0]), self.rest[1:]
+                _record("all_reduce", axis, self.count, self.count.numel(), False)
+                self.count, self.pending = _c10d.all_reduce(self.count, "sum", axis.group_name), True
+
+    def value(self) -> torch.Tensor:
+        with torch.no_grad():
+            count = _wait(self.count) if self.pending else self.count
+            for axis in self.rest:
+                count = _raw_all_reduce(count, resolve_axis(axis))
+        return count
+
+
 def loss_reduce(losses: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
-                count_axes: tuple[AxisRef, ...], out_dtype: torch.dtype) -> torch.Tensor:
-    """Reduce per-token losses like `F.cross_entropy` does, with the count taken over the global batch."""
+                count_axes: tuple[AxisRef, ...], out_dtype: torch.dtype, count: _Count | None = None) -> torch.Tensor:
+    """Reduce per-token losses like `F.cross_entropy` does, with the count taken over the global batch (`count`:
+    issued before the losses were computed; made here otherwise)."""
     if reduction == 0:  # none
         return losses.to(out_dtype)
     total = losses.sum()
     if reduction == 2:  # sum
         return total.to(out_dtype)
-    count = (target != ignore_index).sum().to(total.dtype)
-    with torch.no_grad():
-        for axis in count_axes:
-            count = _raw_all_reduce(count, resolve_axis(axis))
-    return (total / count).to(out_dtype)
+    count = count if count is not None else _Count(target, ignore_index, count_axes, total.dtype)
+    return (total / count.value()).to(out_dtype)
+
+
+def _early_count(target: torch.Tensor, reduction: int, ignore_index: int, count_axes: tuple[AxisRef, ...],
+                 dtype: torch.dtype) -> _Count | None:
+    return _Count(target, ignore_index, count_axes, dtype) if reduction == 1 else None
 
 
 def cross_entropy_sharded_batch(logits: torch.Tensor, target: torch.Tensor, reduction: int, ignore_index: int,
                                 label_smoothing: float, count_axes: tuple[AxisRef, ...]) -> torch.Tensor:
     """`aten.cross_entropy_loss` on a batch-sharded (N, C) input: local sum / global valid count."""
+    count = _early_count(target, reduction, ignore_index, count_axes, logits.dtype)
     losses = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
                              label_smoothing=label_smoothing)
-    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype)
+    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype, count)
 
 
 def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef, reduction: int,
                                       ignore_index: int, count_axes: tuple[AxisRef, ...]) -> torch.Tensor:
+    count = _early_count(target, reduction, ignore_index, count_axes,
+                         torch.promote_types(logits.dtype, torch.float32))  # the per-token losses' dtype
     losses = vocab_parallel_cross_entropy(logits, target, axis, ignore_index)
-    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype)
+    return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype, count)
 
 
 def sum_div(x: torch.Tensor, dims, keepdim: bool, divisor: int) -> torch.Tensor:
