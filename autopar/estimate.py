@@ -48,7 +48,7 @@ from cost_model.hardware import Cluster, axis_link, dtype_name
 from cost_model.memory import OPTIMIZER_STATES, saved_activations
 from cost_model.memory import state_bytes_per_element as element_state_bytes
 from autopar.layers import find_layers
-from autopar.runtime.collectives import GRAD_BUCKET_BYTES
+from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes.patterns import TRANSPARENT
 
@@ -602,7 +602,7 @@ def _reaches_output(node: fx.Node, outputs: set[fx.Node]) -> bool:
 def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats, names, sizes, data_axes,
                  cluster: Cluster, *, optimizer: str = "adam", seq_axes=()) -> "MeshCosting":
     """A MeshCosting whose gradient buckets hold every parameter's gradient: at least one bucket per dtype, and
-    as many as `GRAD_BUCKET_BYTES` buckets their bytes fill (`bucket_gradients_pass`)."""
+    as many buckets as their bytes fill (`_num_buckets`)."""
     ph = {n.name: n for n in ctx.captured.gm.graph.nodes if n.op == "placeholder"}
     dtypes = {ph[p].meta["val"].dtype for p in ctx.captured.param_fqns}
     by_dtype: dict[torch.dtype, float] = {}
@@ -612,8 +612,15 @@ def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
                        optimizer=optimizer, param_dtype=dtype_name(param_dtype), seq_axes=tuple(seq_axes),
-                       bucket_bytes=total, num_buckets=max(1, len(dtypes), math.ceil(total / GRAD_BUCKET_BYTES)),
+                       bucket_bytes=total, num_buckets=max(len(dtypes), _num_buckets(total)),
                        **precision_costing(ctx.captured, dtypes, optimizer))
+
+
+def _num_buckets(total: float) -> int:
+    """How many buckets `total` bytes of gradient fill: a first one of `FIRST_GRAD_BUCKET_BYTES`, then
+    `GRAD_BUCKET_BYTES` each (`bucket_gradients_pass`)."""
+    first = min(FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES)
+    return 1 if total <= first else 1 + math.ceil((total - first) / GRAD_BUCKET_BYTES)
 
 
 def state_bytes_per_element(master_dtype: torch.dtype, param_dtype: torch.dtype | None,
@@ -656,7 +663,7 @@ class MeshCosting:
     param_dtype: str = "float32"  # the parameters' dtype (the one holding most of their bytes)
     seq_axes: tuple[str, ...] = ()  # axes the sequence is split over (Ulysses / ring attention)
     bucket_bytes: float = 0.0  # gradient bytes of all parameters: the bucket whose per-byte rate sites pay
-    num_buckets: int = 1  # gradient buckets per axis: one per dtype, one per `GRAD_BUCKET_BYTES`
+    num_buckets: int = 1  # gradient buckets per axis: one per dtype, as many as the gradients fill (`_num_buckets`)
     # mixed precision (`precision_costing`): state per byte of the graph's (param_dtype) parameters, and the bytes a
     # gradient reduction moves per such byte (reduce_dtype); None / 1.0: the model's dtypes
     state_bytes_per_param_byte: float | None = None

@@ -90,13 +90,14 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
         opt_g = adamw(pg.parameters(), lr=1e-4)
         steps["autopar_global"] = lambda: losses.__setitem__("autopar_global", train_step(pg, opt_g, batch))
     if one_bucket:
-        size, collectives.GRAD_BUCKET_BYTES = collectives.GRAD_BUCKET_BYTES, 2**62
+        sizes = collectives.GRAD_BUCKET_BYTES, collectives.FIRST_GRAD_BUCKET_BYTES
+        collectives.GRAD_BUCKET_BYTES = collectives.FIRST_GRAD_BUCKET_BYTES = 2**62
         try:
             p1 = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
             with torch.no_grad():
                 p1(*local)  # lowered for these inputs now, with one bucket
         finally:
-            collectives.GRAD_BUCKET_BYTES = size
+            collectives.GRAD_BUCKET_BYTES, collectives.FIRST_GRAD_BUCKET_BYTES = sizes
         opt_1 = adamw(p1.parameters(), lr=1e-4)
         steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
     if slow_scalars:

@@ -844,13 +844,15 @@ def _first_use(n: fx.Node, order: dict[fx.Node, int]) -> int:
 
 
 def _grad_buckets(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """The reductions of one axis and dtype split into buckets of at most `C.GRAD_BUCKET_BYTES`, last used first."""
+    """The reductions of one axis and dtype split into buckets of at most `C.GRAD_BUCKET_BYTES` (the first, of the
+    gradients ready first, at most `C.FIRST_GRAD_BUCKET_BYTES`), last used first."""
     buckets: list[list[fx.Node]] = []
     size = 0
     for n in sorted(nodes, key=lambda n: -_first_use(n, order)):
         val = n.args[0].meta["val"]
         nbytes = val.numel() * val.element_size()
-        if not buckets or size + nbytes > C.GRAD_BUCKET_BYTES:
+        cap = min(C.GRAD_BUCKET_BYTES, C.FIRST_GRAD_BUCKET_BYTES) if len(buckets) == 1 else C.GRAD_BUCKET_BYTES
+        if not buckets or size + nbytes > cap:
             buckets.append([])
             size = 0
         buckets[-1].append(n)

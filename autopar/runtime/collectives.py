@@ -465,8 +465,10 @@ def regather_linears(shard: torch.Tensor, dim: int, axis: AxisRef, split_factor:
 
 # DDP's default bucket size (`bucket_cap_mb=25`): `bucket_gradients_pass` fills buckets of at most this many bytes of
 # gradient (a larger parameter gets a bucket of its own), parameters in reverse order of first use, so the buckets
-# of the last layers are reduced while the earlier layers' backward still runs.
+# of the last layers are reduced while the earlier layers' backward still runs. The first bucket holds at most
+# DDP's first-bucket size (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so a reduction is in flight early in the backward.
 GRAD_BUCKET_BYTES = 25 * 2**20
+FIRST_GRAD_BUCKET_BYTES = 2**20
 
 
 class _GradSyncBucket(torch.autograd.Function):
