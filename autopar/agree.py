@@ -327,34 +327,47 @@ def solve_on_rank0(make_plan) -> Plan:
     raise value
 
 
-def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None) -> None:
+def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wait: bool = True):
     """inputs="local", at every call, one 24-byte all-reduce: the ranks pass shards of the same shapes, dtypes and
     non-tensor values, and none holds an out-of-range id or label (`error`: one device's IndexError message for
     this rank's shard, from `autopar.index_checks`). Ranks passing different shapes (a DistributedSampler's short
     last batch) would lower different programs and wait in mismatched collectives, and a bad id raised on its rank
-    alone would leave the others waiting: both raise on every rank instead."""
+    alone would leave the others waiting: both raise on every rank instead.
+
+    `wait=False` (a call whose program is already lowered, with no error of its own): the all-reduce is issued and
+    a function returned that waits for it and raises as above; the caller runs it before this call's next
+    collective (`autopar.runtime.collectives.before_next_collective`), so the agreement's latency overlaps the
+    program's work up to its first collective. Returns None once settled."""
     if _one_process():
         if error is not None:
             raise IndexError(error)
-        return
+        return None
     digest = _digest([repr(key)])
     rank = dist.get_rank()
     mine = torch.tensor([digest, -digest, rank + 1 if error is not None else 0], dtype=torch.int64,
                         device=_device(mesh))
     got = mine.clone()
-    dist.all_reduce(got, op=dist.ReduceOp.MAX)
-    if int(got[0]) != digest or -int(got[1]) != digest:
-        raise RankMismatchError(
-            f"rank {rank}: with inputs='local' every rank must pass a shard of the same shapes, dtypes and "
-            f"non-tensor values at each call, but the ranks differ at this call (this rank: {key[1]}). A "
-            "DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True on the "
-            "sampler or DataLoader, or pad the last batch.")
-    if int(got[2]):
-        e = IndexError(f"rank {int(got[2]) - 1}'s batch has a token id or label out of range (one device raises "
-                       "IndexError there); every rank stops at this call")
-        if error is not None:
-            e.add_note(f"rank {rank}: {error}")  # one device's words, on the rank whose batch holds it
-        raise e
+    work = dist.all_reduce(got, op=dist.ReduceOp.MAX, async_op=True)
+
+    def settle() -> None:
+        work.wait()
+        if int(got[0]) != digest or -int(got[1]) != digest:
+            raise RankMismatchError(
+                f"rank {rank}: with inputs='local' every rank must pass a shard of the same shapes, dtypes and "
+                f"non-tensor values at each call, but the ranks differ at this call (this rank: {key[1]}). A "
+                "DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True on "
+                "the sampler or DataLoader, or pad the last batch.")
+        if int(got[2]):
+            e = IndexError(f"rank {int(got[2]) - 1}'s batch has a token id or label out of range (one device raises "
+                           "IndexError there); every rank stops at this call")
+            if error is not None:
+                e.add_note(f"rank {rank}: {error}")  # one device's words, on the rank whose batch holds it
+            raise e
+
+    if wait or error is not None:
+        settle()
+        return None
+    return settle
 
 
 def agreed_seed(mesh: DeviceMesh) -> int:

@@ -41,7 +41,7 @@ from autopar.plan import Plan
 from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
-from autopar.runtime.collectives import after_backward
+from autopar.runtime.collectives import after_backward, before_next_collective, settle_pending
 from autopar.runtime.fsdp import fsdp_step
 from autopar.runtime.ops import advance_rng_stream
 from autopar.runtime import scalar_ops
@@ -195,7 +195,7 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten(cast_inputs(self._precision, args, {k: kwargs[k] for k in prog.kw_order}))
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
-        self._check_inputs(key, cap, flat)
+        settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard))  # resharding is a collective
         it = iter(flat)
         feeds, at, dts = [], [], []
         for ph, kind, ref in cap.input_kinds:
@@ -219,7 +219,12 @@ class ParallelModule(nn.Module):
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
         with fsdp_step(prog.gm):  # FSDP groups resharded after forward: their saved parameters re-gathered backward
-            outs = prog.gm(*feeds)
+            if settle is not None:  # the ranks' agreement on this call completes before the program's first collective
+                before_next_collective(settle)
+            try:
+                outs = prog.gm(*feeds)
+            finally:
+                settle_pending()
         return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
 
     def _plain_grads(self) -> None:
@@ -233,9 +238,10 @@ class ParallelModule(nn.Module):
                 p.grad = DTensor.from_local(local, g.device_mesh, g.placements, run_check=False, shape=g.shape,
                                             stride=g.stride()) if isinstance(g, DTensor) else local
 
-    def _check_inputs(self, key: tuple, cap: Captured, flat: list) -> None:
+    def _check_inputs(self, key: tuple, cap: Captured, flat: list, wait: bool = True):
         """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`);
-        under inputs="local" the ranks also agree on the call's shapes, in the same all-reduce."""
+        under inputs="local" the ranks also agree on the call's shapes, in the same all-reduce. `wait=False`: that
+        all-reduce is left in flight where it can be (no error here); the function that settles it is returned."""
         error = None
         if cap.index_checks is not None:
             values = dict(zip(cap.user_inputs, flat))
@@ -246,9 +252,10 @@ class ParallelModule(nn.Module):
                 values = dict(zip(names, repeated))
             error = cap.index_checks(values)
         if self._local_axes is not None:
-            agree_on_call(key, self._mesh, error)
-        elif error is not None:
+            return agree_on_call(key, self._mesh, error, wait=wait)
+        if error is not None:
             raise IndexError(error)
+        return None
 
     def _key(self, args, kwargs) -> tuple:
         return guard_key(args, kwargs, training=self.training, tensors=(*self.parameters(), *self.buffers()),

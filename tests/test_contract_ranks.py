@@ -172,6 +172,17 @@ def bad_label_in_rank1s_local_batch():
     return lambda: pm(ids, bad)
 
 
+def local_batch_shorter_on_rank1():
+    """inputs="local": a call at which rank 1 passes a shorter batch (a DistributedSampler's last one). Rank 0 runs its
+    lowered program, the call's agreement in flight until the program's first collective; rank 1 lowers a new one."""
+    model, (ids, labels) = _gpt(seed=dist.get_rank())
+    import autopar
+    pm = autopar.parallelize(model, _mesh(), (ids, labels), plan="dp", inputs="local")
+    pm(ids, labels).backward()
+    n = 4 if dist.get_rank() == 0 else 2
+    return lambda: pm(ids[:n], labels[:n])
+
+
 def run_case(name):
     """Build the case's model and inputs, then time its parallelize call."""
     _warm_up()
@@ -221,6 +232,41 @@ def test_every_rank_raises_the_same_error_within_the_timeout(case):
     assert re.search(pattern, messages[0]), messages[0]
     assert timeouts[0] > WITHIN_S, timeouts  # a rank that waited for a failed peer would not answer within WITHIN_S
     assert max(seconds) < WITHIN_S, f"ranks took {seconds} s (process-group timeout {timeouts[0]} s)"
+
+
+def test_ranks_passing_different_shapes_at_a_call_all_raise():
+    """The per-call agreement is left in flight while the program runs up to its first collective: ranks passing
+    different shapes still raise, every one, before any collective of the program starts (no hang, no wrong loss)."""
+    results = _pool(2).call(run_case, ("local_batch_shorter_on_rank1",), timeout=120)
+    kinds, messages, seconds, timeouts = zip(*results)
+    assert set(kinds) == {"RankMismatchError"}, results
+    assert all(re.search(r"the ranks differ at this call", m) for m in messages), messages
+    assert "(4, 16)" in messages[0] and "(2, 16)" in messages[1], messages  # each rank names its own shapes
+    assert max(seconds) < WITHIN_S < timeouts[0], (seconds, timeouts)
+
+
+def test_a_pending_agreement_runs_once_before_the_next_collective():
+    """`collectives._c10d`, through which the runtime issues every collective, runs a pending agreement first, once,
+    even when it raises; `settle_pending` runs it if no collective did."""
+    from autopar.runtime import collectives as C
+    ran = []
+    C.before_next_collective(lambda: ran.append("first"))
+    assert ran == []
+    C._c10d.all_reduce
+    C._c10d.wait_tensor
+    assert ran == ["first"]
+
+    def mismatch():
+        raise RuntimeError("ranks differ")
+
+    C.before_next_collective(mismatch)
+    with pytest.raises(RuntimeError, match="ranks differ"):
+        C._c10d.all_gather_into_tensor
+    assert C._c10d.all_gather_into_tensor is torch.ops._c10d_functional.all_gather_into_tensor
+    C.before_next_collective(lambda: ran.append("at the end"))
+    C.settle_pending()
+    C.settle_pending()
+    assert ran == ["first", "at the end"]
 
 
 # ----------------------------------------------------------------------------- inputs="local": the numbers

@@ -19,7 +19,9 @@ gathered x, for the weight gradients, and all-gathers it again in backward (over
 
 Every function takes an `AxisRef` naming the mesh axis; the process group is resolved at run time.
 Collectives are issued through `torch.ops._c10d_functional` (followed by `wait_tensor`), so they
-run on NCCL and gloo alike and are simulated by `LocalTensorMode`. `_StridedShard` layouts pass
+run on NCCL and gloo alike and are simulated by `LocalTensorMode`; every module of the runtime takes
+them from `_c10d` here, which first settles a step's pending agreement among the ranks
+(`before_next_collective`). `_StridedShard` layouts pass
 `split_factor`: the tensor dim is k equal blocks, each block sharded over the axis.
 
 `record_comms()` collects one `CommRecord` per collective executed (forward and backward), with
@@ -39,7 +41,32 @@ from torch.distributed._local_tensor import local_tensor_mode, maybe_run_for_loc
 from autopar.mesh import AxisRef, resolve_axis
 from cost_model.analytical import send_bytes
 
-_c10d = torch.ops._c10d_functional
+class _Functional:
+    """`torch.ops._c10d_functional` as the runtime issues every collective through it (`_c10d.all_reduce(...)`), with
+    one thing first: a step's pending agreement among the ranks (`before_next_collective`) is settled (waited for,
+    raising on every rank if they differ) before the first collective of the step is looked up."""
+
+    def __getattr__(self, name: str):
+        if _BEFORE_COLLECTIVE:
+            settle_pending()
+        return getattr(torch.ops._c10d_functional, name)
+
+
+_c10d = _Functional()
+_BEFORE_COLLECTIVE: list = []  # at most one function: a step's agreement, run before its first collective
+
+
+def before_next_collective(fn) -> None:
+    """Run `fn()` (an agreement's settle: `autopar.agree.agree_on_call(wait=False)`) just before the next collective
+    the runtime issues, or at `settle_pending()`, whichever comes first."""
+    _BEFORE_COLLECTIVE[:] = [fn]
+
+
+def settle_pending() -> None:
+    """Run the function `before_next_collective` left, if it has not run (it runs once, even if it raises)."""
+    if _BEFORE_COLLECTIVE:
+        fn = _BEFORE_COLLECTIVE.pop()
+        fn()
 
 
 @dataclass(frozen=True)

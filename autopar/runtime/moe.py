@@ -46,7 +46,7 @@ from autopar.mesh import AxisRef, resolve_axis
 from autopar.runtime import collectives as C
 from autopar.runtime.kernels.moe_permute import permute_rows, unpermute_rows
 
-_c10d = torch.ops._c10d_functional
+_c10d = C._c10d  # settles a step's pending agreement first (`collectives._Functional`)
 
 
 @dataclass

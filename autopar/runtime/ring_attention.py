@@ -53,7 +53,7 @@ from autopar.runtime.kernels.block_attention import (
     block_attention_backward,
 )
 
-_c10d = torch.ops._c10d_functional
+_c10d = collectives._c10d  # settles a step's pending agreement first (`collectives._Functional`)
 
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard", "zigzag_positions", "zigzag_schedule",
            "merge_attention"]
