@@ -12,7 +12,8 @@ dispatch the default single-tensor AdamW on CPU pays once per parameter and op, 
 `--slow-scalars` adds autopar with DTensor's pointwise ops on Python numbers dispatched as torch does
 (`autopar.runtime.scalar_ops.fast_path(False)`: the figure before that fast path, in the same run).
 Each comparison ends with one headline line, `RESULT dp/DDP <model> <ratio> (...)`: the ratio of the slowest
-rank's median wall-clock step times, its spread over 5 blocks of consecutive rounds, and the same in CPU time.
+rank's median wall-clock step times, its spread over 5 blocks of consecutive rounds, and the same in CPU time;
+then the step's phases (forward, backward, optimizer step) timed apart on rank 0, where they differ.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--slow-scalars]
                                    [--only llama|gpt]
@@ -21,7 +22,9 @@ rank's median wall-clock step times, its spread over 5 blocks of consecutive rou
 from __future__ import annotations
 
 import copy
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,11 +79,25 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
         return torch.optim.AdamW(params, lr=lr, foreach=foreach or None)
 
     opt_a = adamw(pm.parameters(), lr=1e-4)
-    steps["autopar"] = lambda: losses.__setitem__("autopar", train_step(pm, opt_a, local))
+    phases: dict[str, list[tuple[float, float, float]]] = {"autopar": [], "DDP": []}
+
+    def phased_step(model, opt, name):
+        """One training step, its forward, backward and optimizer step timed apart (this rank's wall clock)."""
+        t0 = time.perf_counter()
+        loss = model(*local)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        phases[name].append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        return loss.detach()
+
+    steps["autopar"] = lambda: losses.__setitem__("autopar", phased_step(pm, opt_a, "autopar"))
     opt_b = adamw(ddp.parameters(), lr=1e-4)
 
     def ddp_step():
-        loss = train_step(ddp, opt_b, local)
+        loss = phased_step(ddp, opt_b, "DDP")
         dist.all_reduce(loss)
         losses["DDP"] = loss / WORLD_SIZE
 
@@ -121,6 +138,11 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
             if a in times.wall_s:
                 report(f"dp_vs_ddp[{label}{what}]", times, a, "DDP")
                 result(f"dp/DDP {label}{what}", times, a, "DDP")
+        warm = 3  # the untimed rounds' steps come first
+        med = {k: [statistics.median(t[i] for t in v[warm:]) for i in range(3)] for k, v in phases.items()}
+        print(f"  phases on rank 0, median ms autopar / DDP: " + "  ".join(
+            f"{ph} {1e3 * a:.1f} / {1e3 * d:.1f} = {a / d:.3f}"
+            for ph, a, d in zip(("forward", "backward", "optimizer step"), med["autopar"], med["DDP"])))
     assert abs(losses["autopar"].item() - losses["DDP"].item()) <= 1e-3 * max(1.0, abs(losses["DDP"].item())), losses
 
 
