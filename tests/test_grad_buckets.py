@@ -1,6 +1,7 @@
 """Data-parallel gradient buckets (`bucket_gradients_pass`, `collectives.grad_sync_bucket`), as DDP makes them.
 
-Parameters in reverse order of first use fill buckets of at most `GRAD_BUCKET_BYTES`; each bucket sits before its
+Parameters in reverse order of first use fill buckets of at most `GRAD_BUCKET_BYTES` (the first at most
+`FIRST_GRAD_BUCKET_BYTES`, as DDP's); each bucket sits before its
 parameters' first use, so in backward its all-reduce is issued as soon as their gradients exist (the last layer's
 first, while earlier layers' backward still runs) and waited for by the end of the backward. Asserted: the number
 of buckets for a given size, their contents and order (graph and the collectives actually run), and on real gloo
@@ -102,6 +103,16 @@ def test_bucket_size_sets_the_number_of_buckets(local_world, monkeypatch):
         # order: the reverse of the graph's)
         layers = [_layer_of(a) for b in reversed(buckets) for a in b.args[0]]
         assert layers == sorted(layers, reverse=True), layers
+
+
+def test_the_first_bucket_is_small_as_ddps(local_world, monkeypatch):
+    """The first bucket (the gradients ready first: the last layer's) holds at most `FIRST_GRAD_BUCKET_BYTES`, as DDP's
+    first bucket, so a reduction starts early in the backward; the others fill up to `GRAD_BUCKET_BYTES`."""
+    assert C.FIRST_GRAD_BUCKET_BYTES == 2**20  # DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
+    monkeypatch.setattr(C, "FIRST_GRAD_BUCKET_BYTES", LAYER_BYTES)
+    _, _, buckets, bwd = _lower(local_world, monkeypatch, 2**62)
+    assert [sorted({_layer_of(a) for a in b.args[0]}) for b in reversed(buckets)] == [[LAYERS - 1], list(range(LAYERS - 1))]
+    assert [r.numel for r in bwd] == [DIM * DIM + DIM, (LAYERS - 1) * (DIM * DIM + DIM)]
 
 
 @contextlib.contextmanager
