@@ -196,6 +196,16 @@ class ParallelModule(nn.Module):
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
         settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard))  # resharding is a collective
+        if settle is not None:  # the ranks' agreement on this call completes before the call's first collective
+            before_next_collective(settle)
+        try:
+            outs = self._run(prog, cap, flat)
+        finally:
+            settle_pending()
+        return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
+
+    def _run(self, prog: Program, cap: Captured, flat: list):
+        """The program on this call's inputs, the parameters' local tensors fed through one autograd node."""
         it = iter(flat)
         feeds, at, dts = [], [], []
         for ph, kind, ref in cap.input_kinds:
@@ -219,13 +229,7 @@ class ParallelModule(nn.Module):
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
         with fsdp_step(prog.gm):  # FSDP groups resharded after forward: their saved parameters re-gathered backward
-            if settle is not None:  # the ranks' agreement on this call completes before the program's first collective
-                before_next_collective(settle)
-            try:
-                outs = prog.gm(*feeds)
-            finally:
-                settle_pending()
-        return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
+            return prog.gm(*feeds)
 
     def _plain_grads(self) -> None:
         """After a backward whose data-parallel buckets were reduced asynchronously: each gradient's local tensor,

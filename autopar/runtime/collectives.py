@@ -41,6 +41,7 @@ from torch.distributed._local_tensor import local_tensor_mode, maybe_run_for_loc
 from autopar.mesh import AxisRef, resolve_axis
 from cost_model.analytical import send_bytes
 
+
 class _Functional:
     """`torch.ops._c10d_functional` as the runtime issues every collective through it (`_c10d.all_reduce(...)`), with
     one thing first: a step's pending agreement among the ranks (`before_next_collective`) is settled (waited for,
