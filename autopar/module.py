@@ -44,7 +44,7 @@ from autopar.replaced import mark_replaced
 from autopar.runtime.collectives import after_backward, before_next_collective, settle_pending
 from autopar.runtime.fsdp import fsdp_step
 from autopar.runtime.ops import advance_rng_stream
-from autopar.runtime import scalar_ops
+from autopar.runtime import local_step, scalar_ops
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor, to_locals
 from autopar.weights import compute_buffers, init_weights, is_meta_model
 from autopar.spec import is_owned
@@ -106,6 +106,8 @@ class ParallelModule(nn.Module):
         # DCP and state_dict see fused-QKV weights (_StridedShard) replicated: a strided shard is not one
         # contiguous chunk per rank, which checkpoint planners require; loading slices them back, and slices
         # plain full tensors (the single-device model's state dict) into place.
+        local_step.install()  # an optimizer step on replicated parameters runs on their local tensors
+        local_step.register(made.values())
         self._register_state_dict_hook(strided_to_replicated)
         self._register_load_state_dict_pre_hook(to_placements, with_module=True)
         self._register_load_state_dict_pre_hook(_mark_loaded, with_module=True)
