@@ -1,12 +1,14 @@
-"""`autopar.runtime.local_step`: an optimizer step on replicated DTensor parameters runs on their local tensors.
+"""`autopar.runtime.local_step`: an optimizer step on DTensor parameters runs on their local tensors where exact.
 
-A replicated parameter's local tensor is the global tensor, so the step must be bitwise the step on the
-DTensors (parameters, and state: the same values, DTensors where the DTensor step keeps DTensors), for torch's
-optimizers, single-tensor and foreach; it must not run where it would not be exact or not see what the step
-sees (a sharded parameter, an unmarked one, the first step, a closure, `differentiable`); a step that raises
-mid-swap is put back before anything else reads the optimizer; a state tensor the step replaces out of place
-comes back a replicated DTensor. And the `dp` plan trained with AdamW matches the single-device model (loss,
-every gradient, every parameter after the steps) with the later steps swapped, on simulated and on gloo ranks.
+A replicated parameter's local tensor is the global tensor, and a shard under an elementwise optimizer is the
+shard of the step, so the step must be bitwise the step on the DTensors (parameters, and state: the same values,
+DTensors where the DTensor step keeps DTensors), for torch's optimizers, single-tensor and foreach, on replicated
+and (evenly and unevenly) sharded parameters; it must not run where it would not be exact or not see what the
+step sees (a sharded parameter under an optimizer that is not torch's elementwise one, a `Partial` gradient, an
+unmarked parameter, the first step, a closure, `differentiable`); a step that raises mid-swap is put back before
+anything else reads the optimizer; a state tensor the step replaces out of place comes back a DTensor as it was.
+And the `dp`, `fsdp` and `megatron` plans trained with AdamW match the single-device model (loss, every gradient,
+every parameter after the steps) with the later steps swapped, on simulated ranks and (dp) on gloo ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from autopar.models import GPT, GPTConfig
 from autopar.runtime import local_step
@@ -38,7 +40,7 @@ def swaps(monkeypatch):
 
 def _params(mesh, placements=None, mark=True):
     torch.manual_seed(1)
-    values = [torch.randn(6, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64),
+    values = [torch.randn(5, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64),
               torch.randn((), dtype=torch.float64)]
     placements = placements or [[Replicate()]] * len(values)
     params = [torch.nn.Parameter(distribute_tensor(v, mesh, pl)) for v, pl in zip(values, placements)]
@@ -47,11 +49,15 @@ def _params(mesh, placements=None, mark=True):
     return params
 
 
-def _train(params, opt, mesh, grads_seed=2, steps=STEPS, closure=None):
+def _train(params, opt, mesh, grads_seed=2, steps=STEPS, closure=None, grad_placements=None):
     torch.manual_seed(grads_seed)
     for _ in range(steps):
-        for p in params:
-            p.grad = distribute_tensor(torch.randn(p.shape, dtype=p.dtype), mesh, p.placements)
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, dtype=p.dtype)
+            if grad_placements is not None:  # e.g. Partial: each rank's local is half the gradient
+                p.grad = DTensor.from_local(g / 2, mesh, grad_placements[i], run_check=False)
+            else:
+                p.grad = distribute_tensor(g, mesh, p.placements)
         opt.step(closure) if closure is not None else opt.step()
 
 
@@ -92,14 +98,18 @@ OPTIMIZERS = {
 }
 
 
+SHARDED = [[Shard(0)], [Shard(0)], [Replicate()]]  # 5 rows over 2 ranks (uneven), 4 elements (even); a 0-dim one
+
+
+@pytest.mark.parametrize("layout", ["replicated", "sharded"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_steps_are_bitwise_the_dtensor_steps(local_world, swaps, name):
+def test_steps_are_bitwise_the_dtensor_steps(local_world, swaps, name, layout):
     make = OPTIMIZERS[name]
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
         runs = []
         for on in (True, False):
-            params = _params(mesh)
+            params = _params(mesh, SHARDED if layout == "sharded" else None)
             opt = make(params)
             with local_step.enabled(on):
                 _train(params, opt, mesh)
@@ -130,17 +140,22 @@ def test_the_swap_is_what_the_optimizer_sees(local_world, swaps):
         assert all(p._local_tensor.grad is None for p in params)
 
 
-@pytest.mark.parametrize("case", ["sharded", "unmarked", "closure"])
+class _MyAdamW(torch.optim.AdamW):
+    """Not torch's AdamW: a subclass may do anything in its step (a norm across elements, say)."""
+
+
+@pytest.mark.parametrize("case", ["sharded, not torch's", "partial gradient", "unmarked", "closure"])
 def test_not_swapped_where_it_would_not_be_exact(local_world, swaps, case):
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
         runs = []
         for on in (True, False):
-            placements = [[Shard(0)], [Replicate()], [Replicate()]] if case == "sharded" else None
-            params = _params(mesh, placements, mark=case != "unmarked")
-            opt = torch.optim.AdamW(params, lr=1e-2, foreach=False)
+            params = _params(mesh, SHARDED if case.startswith("sharded") else None, mark=case != "unmarked")
+            make = _MyAdamW if case.startswith("sharded") else torch.optim.AdamW
+            opt = make(params, lr=1e-2, foreach=False)
             with local_step.enabled(on):
-                _train(params, opt, mesh, closure=(lambda: None) if case == "closure" else None)
+                _train(params, opt, mesh, closure=(lambda: None) if case == "closure" else None,
+                       grad_placements=[[Partial()]] * 3 if case == "partial gradient" else None)
             runs.append((params, opt))
         _same_run(*runs)
         assert [s for o, s in swaps if o is runs[0][1]] == [False] * STEPS
@@ -247,12 +262,14 @@ def _check(res) -> None:
     assert max(res.param_err.values()) < 1e-12, res.param_err
 
 
-def test_dp_adamw_matches_the_single_device_model(local_world, fp64, swaps):
-    """Loss, every gradient at the last step, every parameter after it, with the later steps run locally."""
+@pytest.mark.parametrize("plan,axis", [("dp", "dp"), ("fsdp", "dp"), ("megatron", "tp")])
+def test_adamw_matches_the_single_device_model(local_world, fp64, swaps, plan, axis):
+    """Loss, every gradient at the last step, every parameter after it, with the later steps run locally
+    (replicated parameters under dp, shards under fsdp, both under megatron)."""
     torch.manual_seed(0)
     ref, inputs = _gpt(), _tokens()
     with local_world(2):
-        res = run_equivalence(ref, inputs, (2,), ("dp",), plan="dp", steps=STEPS, lr=1e-2, optimizer=ADAMW)
+        res = run_equivalence(ref, inputs, (2,), (axis,), plan=plan, steps=STEPS, lr=1e-2, optimizer=ADAMW)
     _check(res)
     mine = [s for o, s in swaps if any(isinstance(p, DTensor) for p in o.param_groups[0]["params"]) or s]
     assert mine == [False] + [True] * (STEPS - 1), mine

@@ -1,32 +1,38 @@
-"""The optimizer step on replicated parameters, run on their local tensors.
+"""The optimizer step on DTensor parameters, run on their local tensors where that is exactly the same step.
 
 Why: a DTensor is a Python tensor subclass, so every op on one enters Python (DTensor's dispatch): 9-20 us per op
 on the CPU, against ~2 us on a plain tensor, whatever the tensor's size. Torch's default optimizers on the CPU
 are the single-tensor loops, which issue about 8 ops per parameter and step (AdamW): on the 52 parameters of a
-small GPT, 8-11 ms a step, measured, that DDP's plain parameters do not pay. Under the `dp` plan every parameter
-is `Replicate()` on every mesh axis: its local tensor *is* the global tensor, element for element, so any
-optimizer computes bitwise the same step on the local tensors as on the DTensors, with none of the dispatch.
+small GPT, 8-11 ms a step, measured, that DDP's plain parameters do not pay. A replicated parameter's local tensor
+*is* the global tensor, element for element, so any optimizer computes bitwise the same step on the local tensors
+as on the DTensors, with none of the dispatch; a sharded parameter's local tensor is its shard, on which an
+optimizer that treats every element alone (torch's SGD, Adam, AdamW, ...) computes the shard of the same step.
 
 The contract: `install()` (idempotent; `ParallelModule` calls it) registers one global optimizer step pre-hook
 and post-hook (`torch.optim.optimizer.register_optimizer_step_pre_hook`); `register(params)` marks parameters
 (`ParallelModule` marks its own). A step runs on the local tensors when all of these hold, and exactly as torch
 runs it otherwise:
-- every parameter of every group of the optimizer is a marked DTensor whose placements are all `Replicate`, and
-  its gradient, where it has one, is a DTensor on the same mesh with all-`Replicate` placements;
+- every parameter of every group of the optimizer is a marked DTensor, and either
+  - its placements are all `Replicate` and its gradient, where it has one, is a DTensor replicated on the same
+    mesh (any optimizer), or
+  - its placements are `Replicate` or `Shard`, its gradient has the same placements and shape, and the
+    optimizer's type is one of torch's elementwise ones (`_ELEMENTWISE`, exact type; `Partial` and expert-owned
+    placements never);
 - every parameter already has optimizer state (its first step, which creates the state, runs on the DTensors,
   so the state is made as torch makes it: DTensors where torch makes DTensors); an optimizer that keeps no
-  state (plain SGD) stays on the DTensors (one op per parameter: nothing to gain);
+  state (plain SGD) stays on the DTensors (one op per parameter: little to gain);
 - no group is `differentiable`, and the step is not given a closure (a closure, as LBFGS's, re-evaluates the
   model and writes the DTensors' gradients, which the local tensors would not see).
 For the step, each group's `params` holds the parameters' local tensors (`p._local_tensor`, the same storage), each
 local tensor's `.grad` the gradient's local tensor, and the optimizer's state is keyed by the local tensors with
 every DTensor in it replaced by its local tensor. After the step (the global post-hook, which runs after the
 optimizer's own post-hooks) the groups, the state keys and the gradients are as before; a state tensor the
-step replaced (instead of updating it in place) is wrapped back as a DTensor replicated on the parameter's mesh
-where the state held a DTensor, and a new state entry with the parameter's shape likewise. The optimizer's own
-hooks (`opt.register_step_pre_hook`, `..._post_hook`) run inside the swap and see the local tensors.
-If the step raises, the next step, `state_dict()` or `load_state_dict()` of that optimizer first puts everything
-back. `enabled(False)` turns the swap off for a block (process-wide; the tests and the benchmarks use it).
+step replaced (instead of updating it in place, as torch's optimizers do) is wrapped back as the DTensor it
+replaced was (replicated: whole on every rank; a new entry with the parameter's shape likewise, as the
+parameter). The optimizer's own hooks (`opt.register_step_pre_hook`, `..._post_hook`) run inside the swap and
+see the local tensors. If the step raises, the next step, `state_dict()` or `load_state_dict()` of that
+optimizer first puts everything back. `enabled(False)` turns the swap off for a block (process-wide; the tests
+and `benchmarks/dp_vs_ddp.py --dtensor-step` use it).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 _MARK = "_autopar_local_step"  # the attribute that marks a parameter a step may run on locally
@@ -75,6 +82,37 @@ def _replicated(t) -> bool:
     return type(t) is DTensor and all(p.is_replicate() for p in t._spec.placements)
 
 
+def _elementwise_optimizers() -> frozenset:
+    """Torch's optimizers whose step treats every element alone (no norm, no factorisation across elements, no
+    closure): on a sharded parameter, the step on each shard is the step on the whole. Matched by exact type (a
+    subclass may do anything)."""
+    names = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    return frozenset(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n))
+
+
+_ELEMENTWISE = _elementwise_optimizers()
+
+
+def _same_mesh(a: DTensor, b: DTensor) -> bool:
+    # DTensor's sharding cache may hand back an equal mesh, not the same object
+    return a._spec.mesh is b._spec.mesh or a._spec.mesh == b._spec.mesh
+
+
+def _exact_locally(p, elementwise: bool) -> bool:
+    """Whether the step on `p`'s (and its gradient's) local tensors is the step on `p`: replicated (any optimizer),
+    or sharded like its gradient under an elementwise optimizer (`Partial` and owned placements never)."""
+    if type(p) is not DTensor or not getattr(p, _MARK, False):
+        return False
+    g = p.grad
+    if _replicated(p):
+        return g is None or (_replicated(g) and _same_mesh(g, p))
+    if not elementwise or not all(pl.is_replicate() or pl.is_shard() or isinstance(pl, _StridedShard)
+                                  for pl in p._spec.placements):  # (a fused QKV weight's strided shard too)
+        return False
+    return g is None or (type(g) is DTensor and g._spec.placements == p._spec.placements and g.shape == p.shape
+                         and _same_mesh(g, p))
+
+
 class _Swap:
     """What a step swapped: each group's DTensor parameters, and per parameter its local tensor and its state."""
 
@@ -89,15 +127,13 @@ def _eligible(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
     if not _STATE["enabled"] or (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
         return False
     state = opt.state
+    elementwise = type(opt) in _ELEMENTWISE
     for group in opt.param_groups:
         if group.get("differentiable"):
             return False
         for p in group["params"]:
-            if not getattr(p, _MARK, False) or not _replicated(p) or not state.get(p):
+            if not state.get(p) or not _exact_locally(p, elementwise):
                 return False
-            g = p.grad
-            if g is not None and not (_replicated(g) and (g._spec.mesh is p._spec.mesh or g._spec.mesh == p._spec.mesh)):
-                return False  # (DTensor's sharding cache may hand back an equal mesh, not the same object)
     return True
 
 
@@ -143,7 +179,6 @@ def restore(opt: torch.optim.Optimizer) -> None:
         if after is None:
             state[p] = before
             continue
-        spec = p._spec
         new = {}
         for k, v in after.items():
             old = before.get(k)
@@ -151,16 +186,28 @@ def restore(opt: torch.optim.Optimizer) -> None:
                 new[k] = old  # updated in place (the usual case): the same DTensor
             elif isinstance(v, torch.Tensor) and type(v) is not DTensor and (
                     type(old) is DTensor or (old is None and v.shape == local.shape and v.dim() > 0)):
-                new[k] = _replicate_like(v, spec)
+                new[k] = _rewrap(v, old if type(old) is DTensor else p, k, opt)
             else:
                 new[k] = v
         state[p] = new
 
 
-def _replicate_like(t: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """`t`, whole on every rank, as a DTensor replicated on `spec`'s mesh (its local tensor is the global one)."""
-    meta = TensorMeta(t.shape, t.stride(), t.dtype)
-    return DTensor(t, DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, meta), requires_grad=t.requires_grad)
+def _rewrap(t: torch.Tensor, like: DTensor, key: str, opt) -> DTensor:
+    """A state tensor the step made anew, as the DTensor `like` (the state it replaced, or the parameter) is: whole
+    on every rank if `like` is replicated, else `like`'s shard (only torch's elementwise optimizers run sharded
+    parameters locally, and they update their state in place: this is a guard)."""
+    spec = like._spec
+    if _replicated(like):
+        meta = TensorMeta(t.shape, t.stride(), t.dtype)
+        return DTensor(t, DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, meta), requires_grad=t.requires_grad)
+    if t.shape != like._local_tensor.shape:
+        raise RuntimeError(
+            f"{type(opt).__name__}'s step replaced its state {key!r} of a sharded parameter with a tensor of local shape "
+            f"{tuple(t.shape)}, where the shard is {tuple(like._local_tensor.shape)}: autopar cannot tell which DTensor "
+            "it is. Fix: run this optimizer's steps on the DTensors, under autopar.runtime.local_step.enabled(False).")
+    meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, t.dtype)
+    return DTensor(t, DTensorSpec(spec.mesh, spec.placements, meta, shard_order=spec.shard_order),
+                   requires_grad=t.requires_grad)
 
 
 def _guard(opt: torch.optim.Optimizer) -> None:
