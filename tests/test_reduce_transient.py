@@ -105,7 +105,10 @@ def test_end_of_backward_peak_matches_the_probe():
         for plan, layers, _, peak, est in rows:
             assert est == pytest.approx(peak, rel=0.15), (plan, layers, est / peak)
         dp = [peak for plan, _, _, peak, _ in rows if plan == "dp"]
-        assert dp[0] == dp[1], dp
+        # within 1% (a buffer the probe did not count while in use would be the bucket: ~20%); not bitwise: one 32 KB
+        # tensor (the logits' size) is freed before or after the peak's allocation depending on when the
+        # asynchronous all-reduces complete (measured both ways with either buffer, 32385032 or 32417800 bytes)
+        assert dp[0] == pytest.approx(dp[1], rel=0.01), dp
 
 
 def test_probe_counts_a_pooled_buffer_while_in_use(monkeypatch):
