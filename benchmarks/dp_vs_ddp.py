@@ -10,13 +10,15 @@ backward); `--profile` prints a torch.profiler table of a few steps of autopar a
 both AdamW(foreach=True) (one dispatch per op over all parameters: autopar's parameters are DTensors, whose per-op
 dispatch the default single-tensor AdamW on CPU pays once per parameter and op, DDP's plain tensors do not);
 `--slow-scalars` adds autopar with DTensor's pointwise ops on Python numbers dispatched as torch does
-(`autopar.runtime.scalar_ops.fast_path(False)`: the figure before that fast path, in the same run).
+(`autopar.runtime.scalar_ops.fast_path(False)`: the figure before that fast path, in the same run);
+`--dtensor-step` adds autopar with the optimizer stepping the DTensor parameters themselves
+(`autopar.runtime.local_step.enabled(False)`: the figure before the step ran on the local tensors).
 Each comparison ends with one headline line, `RESULT dp/DDP <model> <ratio> (...)`: the ratio of the slowest
 rank's median wall-clock step times, its spread over 5 blocks of consecutive rounds, and the same in CPU time;
 then the step's phases (forward, backward, optimizer step) timed apart on rank 0, where they differ.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--slow-scalars]
-                                   [--only llama|gpt]
+                                   [--dtensor-step] [--only llama|gpt]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import autopar
-from autopar.runtime import collectives, scalar_ops
+from autopar.runtime import collectives, local_step, scalar_ops
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
 from common import interleaved, launch, profile_steps, report, result, train_step
 
@@ -41,20 +43,20 @@ BATCH = 8  # sequences per step, global
 
 
 def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None, foreach: bool,
-        slow_scalars: bool) -> None:
+        slow_scalars: bool, dtensor_step: bool) -> None:
     cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
     if only in (None, "llama"):
-        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars)
+        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
     cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
     torch.manual_seed(0)
     if only in (None, "gpt"):
-        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars)
+        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
 
 
 def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool,
-             foreach: bool, slow_scalars: bool) -> None:
+             foreach: bool, slow_scalars: bool, dtensor_step: bool) -> None:
     rank = dist.get_rank()
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
     batch = (tokens, torch.roll(tokens, -1, dims=1))
@@ -126,6 +128,15 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
                 losses["autopar_slow_scalars"] = train_step(ps, opt_s, local)
 
         steps["autopar_slow_scalars"] = slow_step
+    if dtensor_step:
+        pd = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+        opt_d = adamw(pd.parameters(), lr=1e-4)
+
+        def dtensor_step_():
+            with local_step.enabled(False):
+                losses["autopar_dtensor_step"] = train_step(pd, opt_d, local)
+
+        steps["autopar_dtensor_step"] = dtensor_step_
     if profile:
         profile_steps({"autopar": lambda: train_step(pm, opt_a, local), "DDP": lambda: train_step(ddp, opt_b, local)})
     times = interleaved(steps, warmup=3, rounds=10 if quick else 100, budget_s=40.0 if quick else 120.0)
@@ -134,7 +145,7 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         label = f"{name}, AdamW foreach" if foreach else name
         for what, a in (("", "autopar"), (", one bucket", "autopar_one_bucket"), (", inputs=global", "autopar_global"),
-                        (", slow scalars", "autopar_slow_scalars")):
+                        (", slow scalars", "autopar_slow_scalars"), (", DTensor step", "autopar_dtensor_step")):
             if a in times.wall_s:
                 report(f"dp_vs_ddp[{label}{what}]", times, a, "DDP")
                 result(f"dp/DDP {label}{what}", times, a, "DDP")
@@ -149,7 +160,7 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
 def main() -> None:
     launch(run, WORLD_SIZE, "--quick" in sys.argv, "--global" in sys.argv, "--one-bucket" in sys.argv,
            "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None,
-           "--foreach" in sys.argv, "--slow-scalars" in sys.argv)
+           "--foreach" in sys.argv, "--slow-scalars" in sys.argv, "--dtensor-step" in sys.argv)
 
 
 if __name__ == "__main__":

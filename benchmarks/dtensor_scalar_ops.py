@@ -1,7 +1,9 @@
 """Single-tensor AdamW's step on the dp_vs_ddp GPT's parameters: plain tensors, replicated DTensors as torch
-dispatches them, and replicated DTensors with `autopar.runtime.scalar_ops` (Python-number pointwise ops run on
-the local tensor). One process (a 1-rank gloo group), the three optimizers stepped in turn (order reversed every
-other round), CPU time per step; prints the medians and `RESULT dtensor AdamW step fast/plain ... torch/plain ...`.
+dispatches them, replicated DTensors with `autopar.runtime.scalar_ops` (Python-number pointwise ops run on
+the local tensor), and replicated DTensors marked as `ParallelModule` marks its parameters, whose steps run on
+the local tensors (`autopar.runtime.local_step`, what autopar's parameters get). One process (a 1-rank gloo
+group), the four optimizers stepped in turn (order reversed every other round), CPU time per step; prints the
+medians and `RESULT dtensor AdamW step local/plain ... fast/plain ... torch/plain ...`.
 A 16x16 tensor's per-op costs (`--ops`) show the dispatch overhead alone.
 
     python benchmarks/dtensor_scalar_ops.py [--quick] [--ops]
@@ -18,15 +20,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from autopar.models import GPT, GPTConfig
-from autopar.runtime import scalar_ops
+from autopar.runtime import local_step, scalar_ops
 from common import launch
 
-KINDS = ("plain", "DTensor torch", "DTensor fast")
+KINDS = ("plain", "DTensor torch", "DTensor fast", "DTensor local step")
 
 
 def run(quick: bool, ops: bool) -> None:
     mesh = init_device_mesh("cpu", (1,))
     scalar_ops.install()
+    local_step.install()
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
     values = [p.detach() for p in GPT(cfg).parameters()]
@@ -37,11 +40,13 @@ def run(quick: bool, ops: bool) -> None:
         params = [torch.nn.Parameter(wrap(v)) for v in values]
         for p, g in zip(params, grads):
             p.grad = wrap(g)
+        if kind == "DTensor local step":
+            local_step.register(params)
         opts[kind] = torch.optim.AdamW(params, lr=1e-4)
     times = {k: [] for k in KINDS}
     for r in range(2 + (8 if quick else 30)):
         for kind in (KINDS if r % 2 else KINDS[::-1]):
-            with scalar_ops.fast_path(kind == "DTensor fast"):
+            with scalar_ops.fast_path(kind != "DTensor torch"), local_step.enabled(kind == "DTensor local step"):
                 t = time.process_time()
                 opts[kind].step()
                 if r >= 2:
@@ -49,7 +54,8 @@ def run(quick: bool, ops: bool) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"AdamW step, {len(values)} parameters, {sum(v.numel() for v in values) / 1e6:.1f} M elements, CPU ms "
           f"(median of {len(times['plain'])}): " + "  ".join(f"{k} {v * 1e3:.1f}" for k, v in med.items()))
-    print(f"RESULT dtensor AdamW step fast/plain {med['DTensor fast'] / med['plain']:.3f} "
+    print(f"RESULT dtensor AdamW step local/plain {med['DTensor local step'] / med['plain']:.3f} "
+          f"fast/plain {med['DTensor fast'] / med['plain']:.3f} "
           f"torch/plain {med['DTensor torch'] / med['plain']:.3f}", flush=True)
     if ops:
         _per_op(mesh)
