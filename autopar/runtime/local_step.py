@@ -21,8 +21,9 @@ runs it otherwise:
 - every parameter already has optimizer state (its first step, which creates the state, runs on the DTensors,
   so the state is made as torch makes it: DTensors where torch makes DTensors); an optimizer that keeps no
   state (plain SGD) stays on the DTensors (one op per parameter: little to gain);
-- no group is `differentiable`, and the step is not given a closure (a closure, as LBFGS's, re-evaluates the
-  model and writes the DTensors' gradients, which the local tensors would not see).
+- no group is `differentiable`, the step is not given a closure (a closure, as LBFGS's, re-evaluates the
+  model and writes the DTensors' gradients, which the local tensors would not see), and it is not being
+  compiled (`torch.compile` traces the DTensor ops itself).
 For the step, each group's `params` holds the parameters' local tensors (`p._local_tensor`, the same storage), each
 local tensor's `.grad` the gradient's local tensor, and the optimizer's state is keyed by the local tensors with
 every DTensor in it replaced by its local tensor. After the step (the global post-hook, which runs after the
@@ -125,6 +126,8 @@ class _Swap:
 
 def _eligible(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
     if not _STATE["enabled"] or (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
+        return False
+    if torch.compiler.is_compiling():  # a compiled step traces the DTensor ops itself
         return False
     state = opt.state
     elementwise = type(opt) in _ELEMENTWISE
