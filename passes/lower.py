@@ -805,6 +805,74 @@ def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:
     return out
 
 
+def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """An activation's `grad_all_reduce` whose value is computed from parameters alone, every step of it replicated
+    (a position embedding `wpe(arange(s))` added to batch-sharded tokens) -> the reduction moves onto those
+    parameters, where `bucket_gradients_pass` buckets it with the other gradients.
+
+    Why: the activation's reduction is blocking, in the middle of the backward (here at its very end, where the
+    position embedding's backward waits for it, and so for every bucket issued before it: gloo and NCCL run a
+    group's collectives in order); a parameter's joins an asynchronous bucket. Exact: every rank computes the
+    replicated subgraph from the same values, so its Jacobian J is the same on every rank, and the sum over ranks
+    of J^T g_r (each rank's parameter gradient, reduced by the bucket) is J^T of the summed g_r (the activation's
+    reduction). Only where it moves no more bytes (the parameters' elements at most the activation's), where the
+    subgraph is aten ops without randomness or collectives on replicated values, and where neither its parameters
+    nor its intermediate values are used outside it (their gradients would mix reduced and unreduced parts)."""
+    graph = gm.graph
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not C.grad_all_reduce or len(n.args) != 2 or n.kwargs:
+            continue
+        x = n.args[0]
+        if x.op == "placeholder" or len(x.users) != 1:
+            continue
+        inside, params, todo, ok = {x}, [], [x], True
+        while todo and ok:
+            v = todo.pop()
+            if v.op == "placeholder":
+                pls = ctx.placements.get(v.name)
+                val = v.meta.get("val")
+                if v.name in ctx.user_inputs or pls is None or not all(isinstance(p, Replicate) for p in pls) \
+                        or not isinstance(val, torch.Tensor):
+                    ok = False
+                elif val.dtype.is_floating_point:
+                    params.append(v)
+                continue
+            pls = v.meta.get(M.PLACEMENTS)
+            if v.op != "call_function" or not isinstance(v.target, torch._ops.OpOverload) \
+                    or torch.Tag.nondeterministic_seeded in v.target.tags or not isinstance(pls, tuple) \
+                    or not all(isinstance(p, Replicate) for p in pls):
+                ok = False
+                continue
+            for a in v.all_input_nodes:
+                if a not in inside:
+                    inside.add(a)
+                    todo.append(a)
+        if not ok or not params or any(u not in inside for v in inside - {x} for u in v.users):
+            continue
+        val = x.meta["val"]
+        if sum(p.meta["val"].numel() for p in params) > val.numel():
+            continue
+        info = n.meta[M.COMM]
+        n.replace_all_uses_with(x)
+        graph.erase_node(n)
+        order = {v: i for i, v in enumerate(graph.nodes)}
+        for p in params:
+            first = min(p.users, key=order.__getitem__)
+            with graph.inserting_before(first):
+                r = graph.call_function(C.grad_all_reduce, (p, n.args[1]))
+            pv = p.meta["val"]
+            r.meta["val"] = pv
+            r.meta[M.PLACEMENTS] = ctx.placements[p.name]
+            r.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
+            r.meta[M.COMM] = dataclasses.replace(info, bytes_backward=round(
+                info.bytes_backward * pv.numel() * pv.element_size() / (val.numel() * val.element_size())),
+                module=module_path(first))
+            p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) joins a bucketed all-reduce of
     several gradients (per axis and dtype), as DDP buckets them: parameters in reverse order of first use, each
@@ -1166,6 +1234,7 @@ LOWER = [
     group_fsdp_gathers_pass,
     regather_linear_inputs_pass,
     async_column_linears_pass,
+    replicated_reductions_to_parameters_pass,
     bucket_gradients_pass,
     mixed_precision_pass,
     dead_code_pass,
