@@ -165,6 +165,9 @@ class SiteStats:
     # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
     # axis it is then split on the sequence, and its gradient all-gathered, not all-reduced)
     boundary_on_sequence: list[bool] = field(default_factory=list)
+    # other, per boundary: the bytes of the parameters its reduction moves onto when one axis reduces it (they join
+    # the gradient buckets: `passes.lower.replicated_reductions_to_parameters_pass`), or None where it stays
+    boundary_moved_bytes: list = field(default_factory=list)
     summed_into: str | None = None  # embedding: the earlier embedding its output is added to (one reduction)
     loss_reductions: int = 0  # loss: scalars all-reduced per data axis (the loss; the count of a mean)
     ce_logits_fp32_bytes: float = 0.0  # cross-entropy loss: its logits in (at least) fp32
@@ -304,6 +307,33 @@ def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[
         elif n.op == "call_function" and any(a in grad for a in n.all_input_nodes):
             grad.add(n)
     return [n for n in gm.graph.nodes if n in grad and any(u in batch for u in n.users)]
+
+
+def _moved_to_parameters(n: fx.Node, params: set[str], user_inputs: set[str]) -> float | None:
+    """The bytes of the parameters a boundary's gradient reduction moves onto in the lowering
+    (`passes.lower.replicated_reductions_to_parameters_pass`: a value computed from parameters alone by aten ops
+    without randomness, none of it used elsewhere, its parameters no larger than it), or None where it stays."""
+    if len(n.users) != 1 or n.op != "call_function":
+        return None
+    inside, todo, moved = {n}, [n], 0.0
+    while todo:
+        v = todo.pop()
+        if v.op == "placeholder":
+            if v.name in user_inputs:
+                return None
+            if v.name in params:
+                moved += _bytes(v.meta.get("val"))
+            continue
+        if v.op != "call_function" or not isinstance(v.target, torch._ops.OpOverload) \
+                or torch.Tag.nondeterministic_seeded in v.target.tags:
+            return None
+        for a in v.all_input_nodes:
+            if a not in inside:
+                inside.add(a)
+                todo.append(a)
+    if not moved or moved > _bytes(n.meta.get("val")) or any(u not in inside for v in inside - {n} for u in v.users):
+        return None
+    return moved
 
 
 def _on_sequence(n: fx.Node, seq_len: int | None) -> bool:
@@ -542,6 +572,8 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
+    other.boundary_moved_bytes = [_moved_to_parameters(n, set(ctx.captured.param_fqns), set(ctx.captured.user_inputs))
+                                  for n in boundaries if n.op != "placeholder"]
     reduced = {p for st in (*stats.values(), other) for p, (_, used, sync) in st.param_facts.items() if used and sync}
     facts = _fsdp_group_facts(gm, reduced)
     groups = {p: fact for group in facts for p, fact in group.items()}

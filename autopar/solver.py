@@ -200,15 +200,28 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
         regather = min(comm_s - gather, fsdp_form.regather_s(mc, st, 1))
         compute += fsdp_form.copy_s(mc, st, 1)
-    else:
-        comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes)
+    reducing = mc.data_axes + mc.seq_axes
+    # a boundary one axis reduces, computed from parameters alone: the lowering reduces those parameters in the
+    # buckets instead (`passes.lower.replicated_reductions_to_parameters_pass`; not under FSDP, whose parameters are
+    # gathered there, nor where the sequence axis splits it)
+    # (on a mesh of that one axis: elsewhere a tensor-parallel form may shard its parameters, as a vocab-parallel
+    # position embedding's, which the pass then leaves)
+    one_axis = [n for n, s in zip(mc.names, mc.sizes) if s > 1] == list(reducing)
+    moved = [m is not None and not fsdp and one_axis and len(reducing) == 1 and not (on_seq and reducing[0] in mc.seq_axes)
+             for m, on_seq in zip(st.boundary_moved_bytes or [None] * len(st.boundary_grad_bytes),
+                                  st.boundary_on_sequence, strict=True)]
+    if not fsdp:
+        moved_bytes = sum(m for m, mv in zip(st.boundary_moved_bytes or [], moved) if mv)
+        comm_s, comm_b = dp_form.grad_sync(mc, st.synced_param_bytes + moved_bytes)
         comm_s += dp_form.bucket_fixed_s(mc)
         state = dp_form.state_bytes(mc, st.param_bytes)
         gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
-    for a in mc.data_axes + mc.seq_axes:
-        for nbytes, on_seq in zip(st.boundary_grad_bytes, st.boundary_on_sequence, strict=True):
+    for a in reducing:
+        for nbytes, on_seq, mv in zip(st.boundary_grad_bytes, st.boundary_on_sequence, moved, strict=True):
+            if mv:
+                continue
             # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward; on a
             # data axis, its shard of the sequence is all-reduced (the lowering splits the sequence first)
             if on_seq and a in mc.seq_axes:

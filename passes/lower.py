@@ -816,15 +816,24 @@ def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerConte
     replicated subgraph from the same values, so its Jacobian J is the same on every rank, and the sum over ranks
     of J^T g_r (each rank's parameter gradient, reduced by the bucket) is J^T of the summed g_r (the activation's
     reduction). Only where it moves no more bytes (the parameters' elements at most the activation's), where the
-    subgraph is aten ops without randomness or collectives on replicated values, and where neither its parameters
-    nor its intermediate values are used outside it (their gradients would mix reduced and unreduced parts)."""
+    subgraph is aten ops without randomness or collectives on replicated values, where neither its parameters
+    nor its intermediate values are used outside it (their gradients would mix reduced and unreduced parts), and
+    on a mesh of one axis (the estimate prices it so: `autopar.solver.other_cost`; on more, a tensor-parallel form
+    may shard those parameters, and a value reduced over two axes is a chain, both left as they are)."""
     graph = gm.graph
+    if sum(s > 1 for s in ctx.mesh.sizes) != 1:
+        return gm  # one axis only (as the estimate prices it: `autopar.solver.other_cost`)
+    # ... and it splits the batch: a boundary with the data (a tensor-parallel form prices its own reductions)
+    (axis,) = [i for i, s in enumerate(ctx.mesh.sizes) if s > 1]
+    if not any(isinstance(pls, tuple) and len(pls) > axis and is_shard(pls[axis])
+               for name, pls in ({**ctx.placements, **ctx.arrivals}).items() if name in ctx.user_inputs):
+        return gm
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not C.grad_all_reduce or len(n.args) != 2 or n.kwargs:
             continue
         x = n.args[0]
-        if x.op == "placeholder" or len(x.users) != 1:
-            continue
+        if x.op == "placeholder" or len(x.users) != 1 or any(u.target is C.grad_all_reduce for u in n.users):
+            continue  # (reduced over several axes, a chain: left as it is, as the estimate prices it)
         inside, params, todo, ok = {x}, [], [x], True
         while todo and ok:
             v = todo.pop()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -172,3 +173,43 @@ def test_gradients_exact_on_gloo_with_several_buckets():
     for buckets, asynchronous, errs in gloo_pool(2).run(accumulate_worker, LAYER_BYTES):
         assert buckets == LAYERS and asynchronous
         assert len(errs) == 2 * LAYERS and max(errs.values()) <= 1e-12, errs
+
+
+def _gpt(seq_len: int):
+    from autopar.models import GPT, GPTConfig
+    return GPT(GPTConfig(vocab_size=64, seq_len=seq_len, num_layers=2, num_heads=2, hidden=16, dropout=0.0))
+
+
+def _tokens():
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(2))
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+@pytest.mark.parametrize("seq_len", [8, 16])
+def test_a_parameter_only_values_reduction_moves_to_its_parameter(local_world, fp64, seq_len):
+    """The position embedding `wpe(arange(s))`, replicated, meets the batch-sharded tokens: its gradient is
+    partial. With as many positions as tokens (seq_len 8) the reduction moves onto `wpe.weight` and joins a
+    bucket (no blocking all-reduce of an activation is left); with twice as many positions (16) the parameter
+    is larger than the activation and the activation keeps its reduction. Both match the single-device model:
+    the loss, every gradient, every parameter after an optimizer step."""
+    from equivalence import run_equivalence
+    torch.manual_seed(0)
+    ref, inputs = _gpt(seq_len), _tokens()  # (made outside the simulated ranks: one batch, not one per rank)
+    with local_world(2):
+        # AdamW with eps 1e-3: the key bias's gradient is rounding noise (softmax ignores it), which eps 1e-8 would
+        # scale to steps of ~1e-11 whose sign is the noise's (tests/test_local_step.py)
+        res = run_equivalence(ref, inputs, (2,), ("dp",), plan="dp", steps=2,
+                              optimizer=lambda ps, lr: torch.optim.AdamW(ps, lr=lr, eps=1e-3))
+    assert res.max_err() < 1e-12, res.max_err()
+    nodes = list(res.graph_module.graph.nodes)
+    activation = [n for n in nodes if n.target is C.grad_all_reduce and n.args[0].op != "placeholder"]
+    bucketed = {a.name for n in nodes if n.target is C.grad_sync_bucket for a in n.args[0]}
+    if seq_len == 8:
+        assert not activation and "p_wpe_weight" in bucketed
+    else:
+        assert [n.args[0].target for n in activation] == [torch.ops.aten.embedding.default]
+        assert "p_wpe_weight" not in bucketed
+    # the exact collectives of the step: the buckets' all-reduces in backward (+ the position embedding's, when
+    # it stays), the loss's and the valid-token count's in forward
+    assert res.comm_counts == {"all_reduce.forward": 2, "all_reduce.backward": len(
+        [n for n in nodes if n.target is C.grad_sync_bucket]) + len(activation)}, res.comm_counts

@@ -163,14 +163,15 @@ def _by(recs, kind, pass_):
 
 
 def test_dp_collectives(local_world):
-    """dp: every gradient reduction of parameters is fp32 (the bucket and the positional embedding's reduction at
-    the batch boundary), priced so in the plan; forward reductions are the (fp32) loss' scalars."""
+    """dp: every gradient reduction of parameters is fp32 (the bucket, the positional embedding's included: its
+    reduction moves from its output onto its weight, `replicated_reductions_to_parameters_pass`), priced so in the
+    plan; forward reductions are the (fp32) loss' scalars."""
     pm, _, _, _, recs, _ = run_policy(local_world, "dp")
     back = _by(recs, "all_reduce", "backward")
     assert back and all(r.dtype == "float32" for r in back), back
     params = sum(p.numel() for p in pm.parameters())
-    # the bucket holds every parameter's gradient but wpe's (reduced at the boundary: its output's gradient, 16x32)
-    assert sorted(r.numel for r in back) == sorted([params - 16 * 32, 16 * 32])
+    # one bucket holds every parameter's gradient, wpe's too (its output's gradient, 16x32, is not reduced)
+    assert [r.numel for r in back] == [params]
     assert sum(r.send_bytes for r in back) == sum(c.bytes_backward for c in pm.plan.comms)
     assert all(r.dtype == "float32" and r.numel == 1 for r in _by(recs, "all_reduce", "forward"))
     assert {r.kind for r in recs} == {"all_reduce"}
@@ -186,7 +187,7 @@ def test_reduce_dtype_bf16(local_world):
             param_dtype=torch.bfloat16))
         with record_comms() as recs:
             pm(*inputs).backward()
-        assert [r.dtype for r in _by(recs, "all_reduce", "backward")] == ["bfloat16"] * 2
+        assert [r.dtype for r in _by(recs, "all_reduce", "backward")] == ["bfloat16"]  # one bucket, wpe's in it
         assert all(p.grad.dtype == torch.float32 for p in pm.parameters())
         grads = {n: p.grad.full_tensor() for n, p in pm.named_parameters()}
     compute = copy.deepcopy(make_gpt()).to(torch.bfloat16)
