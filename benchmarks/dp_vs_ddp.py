@@ -119,24 +119,21 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
             collectives.GRAD_BUCKET_BYTES, collectives.FIRST_GRAD_BUCKET_BYTES = sizes
         opt_1 = adamw(p1.parameters(), lr=1e-4)
         steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
+    def variant(key: str, context) -> None:
+        """autopar once more, each of its steps under `context()`."""
+        pv = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+        opt_v = adamw(pv.parameters(), lr=1e-4)
+
+        def step():
+            with context():
+                losses[key] = train_step(pv, opt_v, local)
+
+        steps[key] = step
+
     if slow_scalars:
-        ps = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
-        opt_s = adamw(ps.parameters(), lr=1e-4)
-
-        def slow_step():
-            with scalar_ops.fast_path(False):
-                losses["autopar_slow_scalars"] = train_step(ps, opt_s, local)
-
-        steps["autopar_slow_scalars"] = slow_step
+        variant("autopar_slow_scalars", lambda: scalar_ops.fast_path(False))
     if dtensor_step:
-        pd = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
-        opt_d = adamw(pd.parameters(), lr=1e-4)
-
-        def dtensor_step_():
-            with local_step.enabled(False):
-                losses["autopar_dtensor_step"] = train_step(pd, opt_d, local)
-
-        steps["autopar_dtensor_step"] = dtensor_step_
+        variant("autopar_dtensor_step", lambda: local_step.enabled(False))
     if profile:
         profile_steps({"autopar": lambda: train_step(pm, opt_a, local), "DDP": lambda: train_step(ddp, opt_b, local)})
     times = interleaved(steps, warmup=3, rounds=10 if quick else 100, budget_s=40.0 if quick else 120.0)

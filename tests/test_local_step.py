@@ -88,6 +88,18 @@ def _same_run(run_a, run_b) -> None:
         assert oa.param_groups[0]["params"][i] is a
 
 
+def _swap_on_and_off(mesh, make_opt, placements=None, mark=True, train=_train):
+    """The same parameters trained twice by `train(params, opt)`, the swap on, then off: [(params, opt)] x 2."""
+    runs = []
+    for on in (True, False):
+        params = _params(mesh, placements, mark=mark)
+        opt = make_opt(params)
+        with local_step.enabled(on):
+            train(params, opt)
+        runs.append((params, opt))
+    return runs
+
+
 OPTIMIZERS = {
     "AdamW": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=False),
     "AdamW foreach": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -107,13 +119,8 @@ def test_steps_are_bitwise_the_dtensor_steps(local_world, swaps, name, layout):
     make = OPTIMIZERS[name]
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        runs = []
-        for on in (True, False):
-            params = _params(mesh, SHARDED if layout == "sharded" else None)
-            opt = make(params)
-            with local_step.enabled(on):
-                _train(params, opt, mesh)
-            runs.append((params, opt))
+        runs = _swap_on_and_off(mesh, make, SHARDED if layout == "sharded" else None,
+                                train=lambda params, opt: _train(params, opt, mesh))
         _same_run(*runs)
         took = [s for o, s in swaps if o is runs[0][1]]
         # Adagrad makes its state when constructed: every step swaps; the others from the second step on
@@ -148,15 +155,12 @@ class _MyAdamW(torch.optim.AdamW):
 def test_not_swapped_where_it_would_not_be_exact(local_world, swaps, case):
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        runs = []
-        for on in (True, False):
-            params = _params(mesh, SHARDED if case.startswith("sharded") else None, mark=case != "unmarked")
-            make = _MyAdamW if case.startswith("sharded") else torch.optim.AdamW
-            opt = make(params, lr=1e-2, foreach=False)
-            with local_step.enabled(on):
-                _train(params, opt, mesh, closure=(lambda: None) if case == "closure" else None,
-                       grad_placements=[[Partial()]] * 3 if case == "partial gradient" else None)
-            runs.append((params, opt))
+        make = _MyAdamW if case.startswith("sharded") else torch.optim.AdamW
+        runs = _swap_on_and_off(
+            mesh, lambda params: make(params, lr=1e-2, foreach=False), SHARDED if case.startswith("sharded") else None,
+            mark=case != "unmarked", train=lambda params, opt: _train(
+                params, opt, mesh, closure=(lambda: None) if case == "closure" else None,
+                grad_placements=[[Partial()]] * 3 if case == "partial gradient" else None))
         _same_run(*runs)
         assert [s for o, s in swaps if o is runs[0][1]] == [False] * STEPS
 
@@ -204,21 +208,19 @@ class _Halves(torch.optim.Optimizer):
 def test_a_step_that_raises_is_put_back(local_world, swaps):
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        runs = []
-        for on in (True, False):
-            params = _params(mesh)
-            opt = _Raises(params, lr=1e-2, foreach=False)
-            with local_step.enabled(on):
-                _train(params, opt, mesh, steps=1)
-                opt.fail = True
-                with pytest.raises(RuntimeError, match="boom"):
-                    _train(params, opt, mesh, steps=1, grads_seed=3)
-                sd = opt.state_dict()  # put back first
-                assert all(p is q for p, q in zip(opt.param_groups[0]["params"], params))
-                assert {id(p) for p in opt.state} == {id(p) for p in params}
-                assert all(isinstance(v["exp_avg"], DTensor) for v in sd["state"].values())
-                _train(params, opt, mesh, steps=1, grads_seed=4)
-            runs.append((params, opt))
+
+        def train(params, opt):
+            _train(params, opt, mesh, steps=1)
+            opt.fail = True
+            with pytest.raises(RuntimeError, match="boom"):
+                _train(params, opt, mesh, steps=1, grads_seed=3)
+            sd = opt.state_dict()  # put back first
+            assert all(p is q for p, q in zip(opt.param_groups[0]["params"], params))
+            assert {id(p) for p in opt.state} == {id(p) for p in params}
+            assert all(isinstance(v["exp_avg"], DTensor) for v in sd["state"].values())
+            _train(params, opt, mesh, steps=1, grads_seed=4)
+
+        runs = _swap_on_and_off(mesh, lambda params: _Raises(params, lr=1e-2, foreach=False), train=train)
         _same_run(*runs)
         # the first step unswapped, the later ones swapped (a subclass calling super().step() runs the hooks twice
         # per step where torch has hooked AdamW.step too)
@@ -229,13 +231,7 @@ def test_a_step_that_raises_is_put_back(local_world, swaps):
 def test_state_replaced_out_of_place_comes_back_a_dtensor(local_world, swaps):
     with local_world(2):
         mesh = init_device_mesh("cpu", (2,))
-        runs = []
-        for on in (True, False):
-            params = _params(mesh)
-            opt = _Halves(params)
-            with local_step.enabled(on):
-                _train(params, opt, mesh)
-            runs.append((params, opt))
+        runs = _swap_on_and_off(mesh, _Halves, train=lambda params, opt: _train(params, opt, mesh))
         _same_run(*runs)
         assert [s for o, s in swaps if o is runs[0][1]] == [False] + [True] * (STEPS - 1)
 
