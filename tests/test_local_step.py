@@ -8,7 +8,8 @@ step sees (a sharded parameter under an optimizer that is not torch's elementwis
 unmarked parameter, the first step, a closure, `differentiable`); a step that raises mid-swap is put back before
 anything else reads the optimizer; a state tensor the step replaces out of place comes back a DTensor as it was.
 And the `dp`, `fsdp` and `megatron` plans trained with AdamW match the single-device model (loss, every gradient,
-every parameter after the steps) with the later steps swapped, on simulated ranks and (dp) on gloo ranks.
+every parameter after the steps) with the later steps swapped, on simulated ranks and (dp) on gloo ranks; a DCP
+checkpoint of swapped steps resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -289,3 +290,57 @@ def test_dp_adamw_on_gloo_ranks():
         assert swapped == STEPS - 1
         _check(on)
         assert (on.loss, on.grad_err, on.param_err) == (off.loss, off.grad_err, off.param_err)
+
+
+def _resume_from_checkpoint(path: str):
+    """gloo worker: AdamW on the dp plan, two steps (the second swapped), the model and optimizer saved with DCP
+    (`get_state_dict`), loaded into a fresh ParallelModule and optimizer (`set_state_dict`); then both take the
+    same steps. Returns the largest difference of their parameters, the resumed optimizer's state types, and
+    whether its later steps were swapped."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import autopar
+    torch.manual_seed(0)
+    ref, inputs = _gpt(), _tokens()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+    def make():
+        pm = autopar.parallelize(ref, mesh, inputs, plan="dp")
+        return pm, ADAMW(pm.parameters(), lr=1e-2)
+
+    def step(pm, opt):
+        pm(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    a, opt_a = make()
+    for _ in range(2):
+        step(a, opt_a)
+    model_sd, optim_sd = get_state_dict(a, opt_a)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    b, opt_b = make()
+    step(b, opt_b)  # different values and state, overwritten by the load
+    model_sd, optim_sd = get_state_dict(b, opt_b)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(b, opt_b, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    taken, original = [], local_step._eligible
+    local_step._eligible = lambda opt, *args: taken.append(original(opt, *args)) or taken[-1]
+    try:
+        for _ in range(2):
+            step(a, opt_a)
+            step(b, opt_b)
+    finally:
+        local_step._eligible = original
+    diff = max(float((p.full_tensor() - q.full_tensor()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    kinds = {type(v).__name__ for st in opt_b.state.values() for k, v in st.items() if k != "step"}
+    return diff, kinds, taken
+
+
+def test_a_checkpoint_of_swapped_steps_resumes_exactly(tmp_path):
+    """DCP sees the optimizer state of swapped steps as DTensors (as torch keeps it), and a run resumed from it
+    continues bit for bit as the uninterrupted one, its steps swapped again."""
+    for diff, kinds, taken in gloo_pool(2).run(_resume_from_checkpoint, str(tmp_path / "ckpt")):
+        assert diff == 0.0, diff
+        assert kinds == {"DTensor"}, kinds
+        assert taken == [True] * 4, taken
