@@ -50,7 +50,7 @@ from cost_model.memory import state_bytes_per_element as element_state_bytes
 from autopar.layers import find_layers
 from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
-from passes.patterns import TRANSPARENT
+from passes.patterns import TRANSPARENT, parameters_only, tensor_bytes
 
 
 # aten's cross-entropy backward holds two logit-sized fp32 buffers besides the saved log-probabilities: the gradient
@@ -311,29 +311,13 @@ def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[
 
 def _moved_to_parameters(n: fx.Node, params: set[str], user_inputs: set[str]) -> float | None:
     """The bytes of the parameters a boundary's gradient reduction moves onto in the lowering
-    (`passes.lower.replicated_reductions_to_parameters_pass`: a value computed from parameters alone by aten ops
-    without randomness, none of it used elsewhere, its parameters no larger than it), or None where it stays."""
+    (`passes.lower.replicated_reductions_to_parameters_pass`, `passes.patterns.parameters_only`: computed from
+    parameters alone, none of it used elsewhere, its parameters no larger than it), or None where it stays."""
     if len(n.users) != 1 or n.op != "call_function":
         return None
-    inside, todo, moved = {n}, [n], 0.0
-    while todo:
-        v = todo.pop()
-        if v.op == "placeholder":
-            if v.name in user_inputs:
-                return None
-            if v.name in params:
-                moved += _bytes(v.meta.get("val"))
-            continue
-        if v.op != "call_function" or not isinstance(v.target, torch._ops.OpOverload) \
-                or torch.Tag.nondeterministic_seeded in v.target.tags:
-            return None
-        for a in v.all_input_nodes:
-            if a not in inside:
-                inside.add(a)
-                todo.append(a)
-    if not moved or moved > _bytes(n.meta.get("val")) or any(u not in inside for v in inside - {n} for u in v.users):
-        return None
-    return moved
+    found = parameters_only(n, lambda p: None if p.name in user_inputs else "param" if p.name in params else "const")
+    moved = sum(map(tensor_bytes, found or ()))
+    return moved if found and moved <= tensor_bytes(n) else None
 
 
 def _on_sequence(n: fx.Node, seq_len: int | None) -> bool:

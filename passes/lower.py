@@ -54,6 +54,7 @@ from cost_model.analytical import send_bytes
 from passes import meta as M
 from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
+from passes.patterns import parameters_only, tensor_bytes
 from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
 
 aten = torch.ops.aten
@@ -828,38 +829,25 @@ def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerConte
     if not any(isinstance(pls, tuple) and len(pls) > axis and is_shard(pls[axis])
                for name, pls in ({**ctx.placements, **ctx.arrivals}).items() if name in ctx.user_inputs):
         return gm
+    def kind(v: fx.Node) -> str | None:  # a replicated parameter or constant (`parameters_only`)
+        pls, val = ctx.placements.get(v.name), v.meta.get("val")
+        if v.name in ctx.user_inputs or pls is None or not all(isinstance(p, Replicate) for p in pls) \
+                or not isinstance(val, torch.Tensor):
+            return None
+        return "param" if val.dtype.is_floating_point else "const"
+
+    def replicated(v: fx.Node) -> bool:
+        pls = v.meta.get(M.PLACEMENTS)
+        return isinstance(pls, tuple) and all(isinstance(p, Replicate) for p in pls)
+
     for n in list(graph.nodes):
         if n.op != "call_function" or n.target is not C.grad_all_reduce or len(n.args) != 2 or n.kwargs:
             continue
-        x = n.args[0]
+        x, axis_key = n.args
         if x.op == "placeholder" or len(x.users) != 1 or any(u.target is C.grad_all_reduce for u in n.users):
             continue  # (reduced over several axes, a chain: left as it is, as the estimate prices it)
-        inside, params, todo, ok = {x}, [], [x], True
-        while todo and ok:
-            v = todo.pop()
-            if v.op == "placeholder":
-                pls = ctx.placements.get(v.name)
-                val = v.meta.get("val")
-                if v.name in ctx.user_inputs or pls is None or not all(isinstance(p, Replicate) for p in pls) \
-                        or not isinstance(val, torch.Tensor):
-                    ok = False
-                elif val.dtype.is_floating_point:
-                    params.append(v)
-                continue
-            pls = v.meta.get(M.PLACEMENTS)
-            if v.op != "call_function" or not isinstance(v.target, torch._ops.OpOverload) \
-                    or torch.Tag.nondeterministic_seeded in v.target.tags or not isinstance(pls, tuple) \
-                    or not all(isinstance(p, Replicate) for p in pls):
-                ok = False
-                continue
-            for a in v.all_input_nodes:
-                if a not in inside:
-                    inside.add(a)
-                    todo.append(a)
-        if not ok or not params or any(u not in inside for v in inside - {x} for u in v.users):
-            continue
-        val = x.meta["val"]
-        if sum(p.meta["val"].numel() for p in params) > val.numel():
+        params = parameters_only(x, kind, replicated)
+        if params is None or sum(map(tensor_bytes, params)) > tensor_bytes(x):
             continue
         info = n.meta[M.COMM]
         n.replace_all_uses_with(x)
@@ -868,14 +856,12 @@ def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerConte
         for p in params:
             first = min(p.users, key=order.__getitem__)
             with graph.inserting_before(first):
-                r = graph.call_function(C.grad_all_reduce, (p, n.args[1]))
-            pv = p.meta["val"]
-            r.meta["val"] = pv
+                r = graph.call_function(C.grad_all_reduce, (p, axis_key))
+            r.meta["val"] = p.meta["val"]
             r.meta[M.PLACEMENTS] = ctx.placements[p.name]
             r.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
-            r.meta[M.COMM] = dataclasses.replace(info, bytes_backward=round(
-                info.bytes_backward * pv.numel() * pv.element_size() / (val.numel() * val.element_size())),
-                module=module_path(first))
+            r.meta[M.COMM] = dataclasses.replace(info, module=module_path(first), bytes_backward=round(
+                info.bytes_backward * tensor_bytes(p) / tensor_bytes(x)))
             p.replace_all_uses_with(r, delete_user_cb=lambda u: u is not r)
     graph.lint()
     gm.recompile()

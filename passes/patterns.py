@@ -61,3 +61,38 @@ def linears_after(node: fx.Node, linear_nodes: dict[fx.Node, LinearSite]) -> lis
             elif u.op == "call_function" and u.target in TRANSPARENT:
                 stack.append(u)
     return found
+
+
+def parameters_only(x: fx.Node, kind, node_ok=lambda n: True) -> list[fx.Node] | None:
+    """The parameters `x` is computed from, where it is computed from parameters alone and is their only way out:
+    every placeholder reached going back from `x` is a parameter or a constant (`kind(placeholder)`: "param",
+    "const", or None for anything else, e.g. a user input); every other node an aten op without randomness that
+    `node_ok` accepts; and no node of that subgraph but `x` used outside it. None otherwise (or without parameters).
+
+    The rule under which a replicated value's gradient reduction may move onto its parameters
+    (`passes.lower.replicated_reductions_to_parameters_pass`, priced by `autopar.estimate`)."""
+    inside, params, todo = {x}, [], [x]
+    while todo:
+        v = todo.pop()
+        if v.op == "placeholder":
+            k = kind(v)
+            if k is None:
+                return None
+            if k == "param":
+                params.append(v)
+            continue
+        if v.op != "call_function" or not isinstance(v.target, torch._ops.OpOverload) \
+                or torch.Tag.nondeterministic_seeded in v.target.tags or not node_ok(v):
+            return None
+        for a in v.all_input_nodes:
+            if a not in inside:
+                inside.add(a)
+                todo.append(a)
+    if not params or any(u not in inside for v in inside - {x} for u in v.users):
+        return None
+    return params
+
+
+def tensor_bytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
