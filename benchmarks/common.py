@@ -197,3 +197,38 @@ def launch(fn: Callable, world_size: int, *args) -> None:
     """Run `fn(*args)` on `world_size` fresh gloo processes (a FileStore rendezvous, no ports)."""
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry, args=(world_size, os.path.join(d, "store"), fn, args), nprocs=world_size, join=True)
+
+
+# ----------------------------------------------------------------------------- the torch.nn census's models
+
+CENSUS_MODELS = ("nn_llama", "convnet", "lstm")
+
+
+def census_model(name: str, batch: int = 8) -> tuple[nn.Module, tuple, Callable, str]:
+    """One of the torch.nn census's models (`tests/nn_census.py`) at benchmark size, fp32, seed 0: (model, the global
+    batch, the blocks FSDP2 wraps one by one, a description of the shape).
+
+    * "nn_llama": issue #22's Llama from torch's own modules (nn.RMSNorm, F.scaled_dot_product_attention): 4 blocks,
+      d 512, 8 heads, ffn 1536, vocab 4096, `batch` x 256 tokens;
+    * "convnet": Conv2d + GroupNorm + ReLU stages of 64, 128, 256 channels, 32 x 32 images, 2 x `batch` images;
+    * "lstm": an nn.LSTM language model: vocab 4096, d 512, 2 layers, `batch` x 128 tokens.
+    """
+    import sys
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import nn_census
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "nn_llama":
+        model, inputs = nn_census.rmsnorm_llama(g, vocab=4096, dim=512, layers=4, heads=8, batch=batch, seq=256)
+        return model, inputs, lambda m: m.layers, f"nn.RMSNorm Llama: 4 blocks, d 512, vocab 4096, {batch} x 256 tokens"
+    if name == "convnet":
+        model, inputs = nn_census.convnet(g, channels=(64, 128, 256), image=32, batch=2 * batch)
+        return (model, inputs, lambda m: m.stages,
+                f"Conv2d+GroupNorm ConvNet: channels 64/128/256, {2 * batch} images 32 x 32, 10 classes")
+    if name == "lstm":
+        model, inputs = nn_census.lstm_lm(g, vocab=4096, dim=512, layers=2, batch=batch, seq=128)
+        return model, inputs, lambda m: [m.lstm], f"nn.LSTM LM: vocab 4096, d 512, 2 layers, {batch} x 128 tokens"
+    raise ValueError(f"census model {name!r}: expected one of {CENSUS_MODELS}")

@@ -1,6 +1,8 @@
 """autopar's "dp" plan against torch's DistributedDataParallel, on 2 gloo ranks.
 
-The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice: by
+The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW; then the torch.nn
+census's three models of issue #22, `common.census_model`: the nn.RMSNorm Llama (4 blocks, d 512, vocab 4096, 8 x 256
+tokens), the Conv2d + GroupNorm ConvNet (16 images 32 x 32) and the nn.LSTM language model (8 x 128 tokens)), parallelised twice: by
 `autopar.parallelize(..., plan="dp", inputs="local")` and by `DistributedDataParallel`, each rank passing its
 shard of the global batch. Training steps alternate between the two in one run; the ratio autopar/DDP of
 the median step times is printed (goal <= 1.0), after a check that both give the same loss. `--global` adds
@@ -18,7 +20,7 @@ rank's median wall-clock step times, its spread over 5 blocks of consecutive rou
 then the step's phases (forward, backward, optimizer step) timed apart on rank 0, where they differ.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--slow-scalars]
-                                   [--dtensor-step] [--only llama|gpt]
+                                   [--dtensor-step] [--only llama|gpt|nn_llama|convnet|lstm]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 import autopar
 from autopar.runtime import collectives, local_step, scalar_ops
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from common import interleaved, launch, profile_steps, report, result, train_step
+from common import CENSUS_MODELS, census_model, interleaved, launch, profile_steps, report, result, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
@@ -44,22 +46,34 @@ BATCH = 8  # sequences per step, global
 
 def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None, foreach: bool,
         slow_scalars: bool, dtensor_step: bool) -> None:
+    variants = (with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
     cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
     if only in (None, "llama"):
-        _compare("llama", Llama(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
+        _compare("llama", Llama(cfg), _tokens(cfg), _shape(cfg), quick, *variants)
     cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
     torch.manual_seed(0)
     if only in (None, "gpt"):
-        _compare("gpt", GPT(cfg), cfg, quick, with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
+        _compare("gpt", GPT(cfg), _tokens(cfg), _shape(cfg), quick, *variants)
+    for name in CENSUS_MODELS:  # the torch.nn census's models (issue #22): same model and data on every rank
+        if only in (None, name):
+            model, batch, _, shape = census_model(name, BATCH)
+            _compare(name, model, batch, shape, quick, *variants)
 
 
-def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: bool, profile: bool,
-             foreach: bool, slow_scalars: bool, dtensor_step: bool) -> None:
-    rank = dist.get_rank()
+def _tokens(cfg) -> tuple:
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
-    batch = (tokens, torch.roll(tokens, -1, dims=1))
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _shape(cfg) -> str:
+    return f"hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global"
+
+
+def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_global: bool, one_bucket: bool,
+             profile: bool, foreach: bool, slow_scalars: bool, dtensor_step: bool) -> None:
+    rank = dist.get_rank()
     local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
@@ -72,8 +86,7 @@ def _compare(name: str, model, cfg, quick: bool, with_global: bool, one_bucket: 
         b = b.item() / WORLD_SIZE
         a = a.item()
     if rank == 0:
-        print(f"{name} (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
-              f"single-device {ref:.6f}  autopar {a:.6f}  DDP {b:.6f}")
+        print(f"{name} ({shape}): loss single-device {ref:.6f}  autopar {a:.6f}  DDP {b:.6f}")
     assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
     steps, losses = {}, {}
 

@@ -1,6 +1,8 @@
 """autopar's "fsdp" plan against torch's FSDP2 (`fully_shard` per block and on the root), on 2 gloo ranks.
 
-The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW), parallelised twice:
+The same model (a Llama-style one, then a GPT: 4 layers, hidden 512, 8 x 256 tokens global, AdamW; then the torch.nn
+census's three models of issue #22, `common.census_model`: the nn.RMSNorm Llama, the Conv2d + GroupNorm ConvNet (FSDP2
+wraps each stage) and the nn.LSTM language model (FSDP2 wraps the nn.LSTM)), parallelised twice:
 by `autopar.parallelize(..., plan="fsdp", inputs="local")` (per-layer gathers, the next one prefetched, resharded
 after forward and gathered again in backward, one reduce-scatter per layer) and by `fully_shard` on every block and
 then on the model, each rank passing its shard of the global batch. Training steps alternate between the two in one
@@ -9,7 +11,7 @@ same loss, ending with one headline line `RESULT fsdp/FSDP2 <model> <ratio> (...
 consecutive rounds, and CPU time beside). `--keep` adds autopar with every layer kept gathered (`autopar.forms.fsdp.keep_gathered`); `--profile`
 prints a torch.profiler table of a few steps of each on rank 0.
 
-    python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt]
+    python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt|nn_llama|convnet|lstm]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 import autopar
 from autopar.forms import fsdp as fsdp_form
 from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
-from common import interleaved, launch, profile_steps, report, result, train_step
+from common import CENSUS_MODELS, census_model, interleaved, launch, profile_steps, report, result, train_step
 
 WORLD_SIZE = 2
 BATCH = 8  # sequences per step, global
@@ -36,17 +38,28 @@ def run(quick: bool, keep: bool, profile: bool, only: str | None) -> None:
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
     if only in (None, "llama"):
-        _compare("llama", Llama(cfg), lambda m: m.layers, cfg, quick, keep, profile)
+        _compare("llama", Llama(cfg), lambda m: m.layers, _tokens(cfg), _shape(cfg), quick, keep, profile)
     cfg = GPTConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
     torch.manual_seed(0)
     if only in (None, "gpt"):
-        _compare("gpt", GPT(cfg), lambda m: m.h, cfg, quick, keep, profile)
+        _compare("gpt", GPT(cfg), lambda m: m.h, _tokens(cfg), _shape(cfg), quick, keep, profile)
+    for name in CENSUS_MODELS:  # the torch.nn census's models (issue #22): same model and data on every rank
+        if only in (None, name):
+            model, batch, blocks, shape = census_model(name, BATCH)
+            _compare(name, model, blocks, batch, shape, quick, keep, profile)
 
 
-def _compare(name: str, model, blocks, cfg, quick: bool, keep: bool, profile: bool) -> None:
-    rank = dist.get_rank()
+def _tokens(cfg) -> tuple:
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
-    batch = (tokens, torch.roll(tokens, -1, dims=1))
+    return tokens, torch.roll(tokens, -1, dims=1)
+
+
+def _shape(cfg) -> str:
+    return f"hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global"
+
+
+def _compare(name: str, model, blocks, batch: tuple, shape: str, quick: bool, keep: bool, profile: bool) -> None:
+    rank = dist.get_rank()
     local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="fsdp", inputs="local")
@@ -62,8 +75,7 @@ def _compare(name: str, model, blocks, cfg, quick: bool, keep: bool, profile: bo
         dist.all_reduce(b)  # FSDP2's loss is the local shard's: average over ranks for the global loss
         b = b.item() / WORLD_SIZE
     if rank == 0:
-        print(f"{name} (hidden={cfg.hidden} layers={cfg.num_layers} seq={cfg.seq_len} batch={BATCH} global): loss "
-              f"single-device {ref:.6f}  autopar {a:.6f}  FSDP2 {b:.6f}")
+        print(f"{name} ({shape}): loss single-device {ref:.6f}  autopar {a:.6f}  FSDP2 {b:.6f}")
     assert abs(a - ref) <= 1e-4 * max(1.0, abs(ref)) and abs(b - ref) <= 1e-4 * max(1.0, abs(ref)), (ref, a, b)
     steps, losses = {}, {}
     opt_a = torch.optim.AdamW(pm.parameters(), lr=1e-4)
