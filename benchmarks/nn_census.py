@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 import traceback
@@ -37,7 +36,8 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message="Converting a tensor with requires_grad=True to a scalar")
 
-from nn_census import CENSUS, FLOP_PLANS, FLOP_SLACK, PLANS, TOL, WORLD, flop_problem, reference, run_plan  # noqa: E402
+from nn_census import (CENSUS, FLOP_PLANS, FLOP_SLACK, PLANS, TOL, WORLD, flop_problem, gathered, reference,  # noqa: E402
+                       run_plan)
 
 
 def _world(world: int):
@@ -60,14 +60,6 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-_GATHERED = re.compile(r"replicated (\S+) \(aten\.")
-
-
-def gathered_ops(notes: list[str]) -> list[str]:
-    """The ops a plan's notes say it gathers: "replicated rms_norm (aten.rms_norm.default) in ...: no sharding rule"."""
-    return list(dict.fromkeys(m.group(1) for n in notes for m in [_GATHERED.search(n)] if m))
-
-
 def run_row(name: str, plans, verbose: bool) -> dict:
     row = {"name": name, "family": CENSUS[name].family, "note": CENSUS[name].note, "plans": {}, "ops": None}
     t0 = time.perf_counter()
@@ -88,7 +80,7 @@ def run_row(name: str, plans, verbose: bool) -> dict:
                 k, v = max(off.items(), key=lambda kv: kv[1] if kv[1] == kv[1] else float("inf"))
                 cell["why"] = f"{len(off)} values off, worst {k} {v:.1e}"
             cell["fraction"] = run.fraction
-            cell["gathered"] = gathered_ops(run.notes)
+            cell["gathered"] = gathered(run.notes)
             if plan in FLOP_PLANS:
                 cell["flops"] = flop_problem(run, ref)
             if verbose:

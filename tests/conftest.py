@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "test_planning_shapes.py",  # 53
     "test_two_axis_attention.py",  # not measured: estimated from its tests
     "test_verify.py",  # 46
+    "test_nn_census.py",  # 46 CPU s (2026-12-04: 40 rows x 4 plans, local_world; 144 s wall at load 100)
     "test_tune.py",  # not measured: estimated from its tests
     "test_solver.py",  # 41
     "test_shapes.py",  # 41

@@ -19,6 +19,7 @@ model), `ConvNet` (Conv2d + GroupNorm image classifier) and `LSTMLM` (an `nn.LST
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -872,6 +873,25 @@ def run_plan(name: str, plan: str, ref: Reference, world) -> PlanRun:
     ops = _ops_of(pm._current.captured.gm)
     notes = [n for n in pm.plan.notes if "replicat" in n.lower() or "gather" in n.lower()]
     return PlanRun(plan, errs, fc, fc.total / ref.flops.total, notes, _forms(pm.plan), ops)
+
+
+_GATHERED_OP = re.compile(r"replicated \S+ \(aten\.(\w+)\.\w+\) in .*: no sharding rule, its sharded inputs are gathered")
+_OPAQUE = re.compile(r"(\S+) captured as one opaque node, replicated on every rank")
+
+
+def gathered(notes: list[str]) -> list[str]:
+    """What a plan's notes say runs whole on every rank, its sharded inputs gathered: ops without a sharding rule
+    ("replicated rms_norm (aten.rms_norm.default) in body.1: no sharding rule, ...": `rms_norm`) and opaque nodes
+    ("loss captured as one opaque node, replicated on every rank: ...": `opaque loss`), each once."""
+    found = []
+    for n in notes:
+        m = _GATHERED_OP.search(n)
+        if m:
+            found.append(m.group(1))
+        m = _OPAQUE.search(n)
+        if m:
+            found.append(f"opaque {m.group(1)}")
+    return list(dict.fromkeys(found))
 
 
 def flop_problem(run: PlanRun, ref: Reference) -> str:

@@ -5,8 +5,10 @@ For each row (small models built only from torch.nn's building blocks, fp64) and
 parameter after an SGD step equal the single-device model's (1e-10); and under `dp` and `fsdp` one rank runs at
 most 1/2 + 2% of the single-device FLOPs of forward + backward, counted with its local shapes
 (`nn_census.FlopCount`: torch's FLOP formulas, `aten._grouped_mm`, and one FLOP per element of every other
-computing ATen op; a custom op, whose inside no counter sees, fails the row). A failing row names the values that
-differ, or the ops that run more than their share and the plan's notes on what it gathered.
+computing ATen op; a custom op, whose inside no counter sees, fails the row), and no op or opaque node runs on the
+gathered batch (the plan's "no sharding rule, its sharded inputs are gathered" / "opaque node, replicated on every
+rank" notes: a cheap one, a loss, fits in the 2%, but it is still not data parallel). A failing row names the
+values that differ, or the ops that run more than their share and what the plan gathered.
 
 The single-device run of each row is made once and shared by its four plans.
 """
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from nn_census import (CENSUS, FLOP_PLANS, FLOP_SLACK, PLANS, TOL, WORLD, FlopCount, PlanRun, flop_problem,
-                       reference, run_plan)
+                       gathered, reference, run_plan)
 
 _REFERENCES: dict = {}
 
@@ -48,6 +50,10 @@ def row_problems(run: PlanRun, ref) -> list[str]:
         flops = flop_problem(run, ref)
         if flops:
             problems.append(flops + (f"; plan notes: {run.notes}" if run.notes else ""))
+        whole = gathered(run.notes)
+        if whole:
+            problems.append(f"the batch is gathered for {whole} (each rank runs them on the whole batch); plan notes: "
+                            f"{run.notes}")
     return problems
 
 
@@ -84,6 +90,14 @@ def test_flop_count_counts_local_shapes_and_names_what_runs_whole(local_world):
     problem = flop_problem(run, ref)
     assert problem.startswith("one rank runs 1.000 of one device's FLOPs") and "addmm +" in problem, problem
     assert not flop_problem(PlanRun("dp", {"loss": 0.0}, whole, 0.5 + FLOP_SLACK, [], "", []), ref)
+
+
+def test_gathered_reads_the_plan_notes():
+    notes = ["replicated rms_norm_3 (aten.rms_norm.default) in body.1: no sharding rule, its sharded inputs are "
+             "gathered", "replicated rms_norm (aten.rms_norm.default) in norm: no sharding rule, its sharded inputs "
+             "are gathered", "loss captured as one opaque node, replicated on every rank: it is not traceable (...)",
+             "loss loss replicated, not vocab@tp: it is not a cross-entropy over a vocabulary"]
+    assert gathered(notes) == ["rms_norm", "opaque loss"]
 
 
 def test_every_row_builds_the_same_model_and_batch_in_fp64():
