@@ -875,19 +875,21 @@ def run_plan(name: str, plan: str, ref: Reference, world) -> PlanRun:
     return PlanRun(plan, errs, fc, fc.total / ref.flops.total, notes, _forms(pm.plan), ops)
 
 
-_GATHERED_OP = re.compile(r"replicated \S+ \(aten\.(\w+)\.\w+\) in .*: no sharding rule, its sharded inputs are gathered")
+_GATHERED_OP = re.compile(r"replicated \S+ \(([\w.]+)\) in .*its sharded inputs are gathered")
 _OPAQUE = re.compile(r"(\S+) captured as one opaque node, replicated on every rank")
 
 
 def gathered(notes: list[str]) -> list[str]:
     """What a plan's notes say runs whole on every rank, its sharded inputs gathered: ops without a sharding rule
-    ("replicated rms_norm (aten.rms_norm.default) in body.1: no sharding rule, ...": `rms_norm`) and opaque nodes
-    ("loss captured as one opaque node, replicated on every rank: ...": `opaque loss`), each once."""
+    ("replicated rms_norm (aten.rms_norm.default) in body.1: no sharding rule, its sharded inputs are gathered":
+    `rms_norm`; a custom op by its namespace and name) and opaque nodes ("loss captured as one opaque node,
+    replicated on every rank: ...": `opaque loss`), each once."""
     found = []
     for n in notes:
         m = _GATHERED_OP.search(n)
         if m:
-            found.append(m.group(1))
+            namespace, name = m.group(1).split(".")[:2]
+            found.append(name if namespace == "aten" else f"{namespace}.{name}")
         m = _OPAQUE.search(n)
         if m:
             found.append(f"opaque {m.group(1)}")

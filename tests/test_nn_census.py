@@ -96,8 +96,10 @@ def test_gathered_reads_the_plan_notes():
     notes = ["replicated rms_norm_3 (aten.rms_norm.default) in body.1: no sharding rule, its sharded inputs are "
              "gathered", "replicated rms_norm (aten.rms_norm.default) in norm: no sharding rule, its sharded inputs "
              "are gathered", "loss captured as one opaque node, replicated on every rank: it is not traceable (...)",
-             "loss loss replicated, not vocab@tp: it is not a cross-entropy over a vocabulary"]
-    assert gathered(notes) == ["rms_norm", "opaque loss"]
+             "loss loss replicated, not vocab@tp: it is not a cross-entropy over a vocabulary",
+             "replicated opaque (autopar.opaque.default) in m: no sharding rule, and not batch-local (rows mix), its "
+             "sharded inputs are gathered"]
+    assert gathered(notes) == ["rms_norm", "opaque loss", "autopar.opaque"]
 
 
 def test_every_row_builds_the_same_model_and_batch_in_fp64():
