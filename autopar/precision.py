@@ -34,6 +34,7 @@ parameter + gradient + optimizer state from the masters' dtype (`state_bytes_per
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -133,17 +134,60 @@ def check_plan_precision(plan_spec: str, precision: Precision | None, source: st
 
 # ----------------------------------------------------------------------------- capture and call
 
+_CAPTURING: contextvars.ContextVar[Precision | None] = contextvars.ContextVar("autopar_capturing", default=None)
+
+
+def capturing_precision() -> Precision | None:
+    """The policy of the `capture_dtypes` the caller is in (None outside one): what a capture error's fix reads."""
+    return _CAPTURING.get()
+
+
 @contextlib.contextmanager
 def capture_dtypes(model: nn.Module, precision: Precision | None):
-    """`model` with its floating parameters at `param_dtype` (converted copies; tied names share one), restored
-    afterwards: what the capture traces under a policy."""
+    """`model` with its floating parameters at `param_dtype` (converted copies; tied names share one) and its layers'
+    forward-input casts (`layer_input_casts`), restored afterwards: what the capture traces under a policy."""
     want = precision.dtype("param_dtype") if precision is not None else None
     if want is None:
         yield
         return
     dtypes = {fqn: want for fqn, p in model.named_parameters(remove_duplicate=False) if p.dtype.is_floating_point}
-    with as_dtypes(model, dtypes):
+    token = _CAPTURING.set(precision)
+    try:
+        with as_dtypes(model, dtypes), layer_input_casts(model, precision):
+            yield
+    finally:
+        _CAPTURING.reset(token)
+
+
+@contextlib.contextmanager
+def layer_input_casts(model: nn.Module, precision: Precision | None):
+    """`model` with FSDP2's forward-input cast on each layer (`autopar.layers.layer_modules`), removed afterwards:
+    under `cast_forward_inputs` a forward pre-hook casts the layer's floating (not complex) tensor arguments and
+    keyword arguments to `param_dtype`, as `fully_shard(layer, mp_policy=...)` does (`FSDPState._pre_forward` ->
+    `_cast_forward_inputs`, with torch's own `_apply_to_tensors` and `_cast_fp_tensor`: a tensor already at
+    param_dtype is passed as it is, so no node is traced for it). Traced, the casts are `_to_copy` nodes at the
+    layer's entry: the program runs them on every rank, whatever the plan."""
+    want = precision.dtype("param_dtype") if precision is not None and precision.cast_forward_inputs else None
+    if want is None:
         yield
+        return
+    import functools
+
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    from autopar.layers import layer_modules
+    cast = functools.partial(_cast_fp_tensor, want)
+
+    def hook(module, args, kwargs):
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    handles = [m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True) for _, m in layer_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
