@@ -11,11 +11,19 @@ Semantics (FSDP2's, for every plan: dp, fsdp, megatron, auto):
 | gradient reductions          | `reduce_dtype` (None: `param_dtype`): dp buckets, FSDP reduce-scatters,         |
 |                              | gradient all-reduces of parameters                                              |
 | gradients the optimizer sees | the master dtype                                                                |
-| forward inputs               | floating ones cast to `param_dtype` (`cast_forward_inputs=True`)                |
-| outputs                      | cast to `output_dtype` when given                                               |
+| forward inputs               | floating (not complex) ones cast to `param_dtype` (`cast_forward_inputs=True`): |
+|                              | the model's (`cast_inputs`) and each layer's (`layer_input_casts`), as          |
+|                              | `fully_shard` on the root and on each layer casts its module's forward inputs   |
+| buffers, tensors made inside | their own dtype (FSDP2 casts neither)                                           |
+| outputs                      | the model's cast to `output_dtype` when given (not each layer's, as a           |
+|                              | `fully_shard`ed layer's would be: one policy for the model, whose outputs the   |
+|                              | caller gets)                                                                    |
 
 The program is captured from the model as the user holds it, its parameters (and, with `cast_forward_inputs`,
-its floating inputs) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`): the graph is the program that runs,
+its floating inputs and each layer's) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`, `layer_input_casts`;
+a layer is `autopar.layers`'s, the outermost numbered module, e.g. `layers.3`): the graph is the program that runs,
+its layers' input casts included (`_to_copy` nodes at each layer's entry, e.g. of fp32 RoPE tables the model
+computes at the top and passes to every block),
 with the ops and dtypes the model's code chooses for `param_dtype` parameters (a norm's fp32 upcast, a mask made in
 the parameters' dtype), so the plan's graph fingerprint names what runs and a plan made for another `param_dtype`
 cannot lower it. What the graph cannot say (`reduce_dtype`, `output_dtype`, `cast_forward_inputs`) the Plan carries
@@ -41,8 +49,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Precision", "precision_of", "check_plan_precision", "capture_dtypes", "as_dtypes", "mark_captured",
-           "cast_inputs", "cast_outputs"]
+__all__ = ["Precision", "precision_of", "check_plan_precision", "capture_dtypes", "capturing_precision", "as_dtypes",
+           "layer_input_casts", "mark_captured", "cast_inputs", "cast_outputs"]
 
 _FLOATS = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 

@@ -129,17 +129,12 @@ def _computing(gm, layer) -> list[str]:
     return [name for name in layer.nodes if not _parameter_side(nodes[name])]
 
 
-def test_each_layer_casts_its_inputs_where_fully_shard_does(local_world):
-    """The lowered fsdp program, layer by layer (`find_layers`): of the activations a layer reads from outside it,
-    the fp32 ones (the root's cos and sin) are read only by casts to bf16 that are the layer's first nodes but for
-    its parameters' gathers (FSDP2's pre-forward hook casts before the layer's forward runs), one per table per layer, and the bf16 one (the hidden state:
-    the embedding, then the previous block's output) is read as it is (`_cast_fp_tensor` leaves a tensor at
-    param_dtype alone: no node). The tables have no other users. Without a policy nothing is cast there."""
-    model, inputs = make_model(), model_inputs()
-    with local_world(2):
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        gm = autopar.parallelize(model, mesh, inputs, plan="fsdp", mp_policy=BF16).graph_module
-        plain = autopar.parallelize(make_model(), mesh, inputs, plan="fsdp").graph_module
+def _assert_entry_casts(gm) -> None:
+    """Layer by layer (`find_layers`): of the activations a layer reads from outside it, the fp32 ones (the root's
+    cos and sin) are read only by casts to bf16 that are the layer's first nodes but for its parameters' gathers
+    (FSDP2's pre-forward hook casts before the layer's forward runs), one per table per layer; the bf16 one (the
+    hidden state: the embedding, then the previous block's output) is read as it is (`_cast_fp_tensor` leaves a
+    tensor at param_dtype alone: no node). The tables have no other users."""
     layers = find_layers(gm)
     assert [l.path for l in layers] == [f"layers.{i}" for i in range(LAYERS)]
     tables = [n for n in gm.graph.nodes if n.target in (aten.cos.default, aten.sin.default)]
@@ -159,6 +154,20 @@ def test_each_layer_casts_its_inputs_where_fully_shard_does(local_world):
         assert not any(u.target in _CASTS and u.meta["val"].dtype == torch.bfloat16 for us in bf16.values() for u in us)
     for t in tables:
         assert set(t.users) == {c for c in entry_casts if c.args[0] is t}
+
+
+def test_each_layer_casts_its_inputs_where_fully_shard_does(local_world):
+    """The lowered fsdp program casts each layer's fp32 inputs at its entry (`_assert_entry_casts`), and so does
+    the program re-captured for another batch size (`autopar.relower`). Without a policy nothing is cast there."""
+    model, inputs = make_model(), model_inputs()
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, inputs, plan="fsdp", mp_policy=BF16)
+        _assert_entry_casts(pm.graph_module)
+        pm(*(x[:2] for x in inputs))
+        assert len(pm.programs()) == 2
+        _assert_entry_casts(pm.graph_module)
+        plain = autopar.parallelize(make_model(), mesh, inputs, plan="fsdp").graph_module
     plain_tables = [n for n in plain.graph.nodes if n.target in (aten.cos.default, aten.sin.default)]
     assert len(plain_tables) == 2 and all(u.target not in _CASTS for t in plain_tables for u in t.users)
 
