@@ -14,9 +14,9 @@ an SGD step (measured: loss 4.8e-7, one fp32 ulp of the mean; gradients and para
 fixes for a dtype mismatch (with and without a policy, inputs cast or not), meta tensors and any other error.
 
 The norms are written out (Llama's fp32 RMSNorm) and the loss is fp32: with `nn.RMSNorm`, which has no sharding
-rule yet (issue 22), a plan gathers the batch for it, and what follows it computes on the whole batch (its weight
-gradients rounded to bf16 once, not per rank): then the gradients differ from FSDP2's by up to 4.2e-4 (bf16
-rounding), and a bf16 loss's mean by one bf16 ulp, which says nothing about the casts.
+rule yet (issue 22), the plans all-gather the batch before each norm and run the linear after it on the whole batch
+(its weight gradient rounded to bf16 once, not per rank): then the gradients differ from FSDP2's by up to 4.2e-4
+(bf16 rounding), and a bf16 loss's mean by one bf16 ulp, which says nothing about the casts.
 """
 
 from __future__ import annotations
