@@ -22,7 +22,7 @@ Semantics (FSDP2's, for every plan: dp, fsdp, megatron, auto):
 The program is captured from the model as the user holds it, its parameters (and, with `cast_forward_inputs`,
 its floating inputs and each layer's) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`, `layer_input_casts`;
 a layer is `autopar.layers`'s, the outermost numbered module, e.g. `layers.3`): the graph is the program that runs,
-its layers' input casts included (`_to_copy` nodes at each layer's entry, e.g. of fp32 RoPE tables the model
+its layers' input casts included (`aten.to.dtype` nodes at each layer's entry, e.g. of fp32 RoPE tables the model
 computes at the top and passes to every block),
 with the ops and dtypes the model's code chooses for `param_dtype` parameters (a norm's fp32 upcast, a mask made in
 the parameters' dtype), so the plan's graph fingerprint names what runs and a plan made for another `param_dtype`
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -173,14 +174,12 @@ def layer_input_casts(model: nn.Module, precision: Precision | None):
     under `cast_forward_inputs` a forward pre-hook casts the layer's floating (not complex) tensor arguments and
     keyword arguments to `param_dtype`, as `fully_shard(layer, mp_policy=...)` does (`FSDPState._pre_forward` ->
     `_cast_forward_inputs`, with torch's own `_apply_to_tensors` and `_cast_fp_tensor`: a tensor already at
-    param_dtype is passed as it is, so no node is traced for it). Traced, the casts are `_to_copy` nodes at the
-    layer's entry: the program runs them on every rank, whatever the plan."""
+    param_dtype is passed as it is, so no node is traced for it). Traced, the casts are `aten.to.dtype` nodes at
+    the layer's entry: the program runs them on every rank, whatever the plan."""
     want = precision.dtype("param_dtype") if precision is not None and precision.cast_forward_inputs else None
     if want is None:
         yield
         return
-    import functools
-
     from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
     from torch.distributed.utils import _apply_to_tensors
 
