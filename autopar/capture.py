@@ -14,6 +14,7 @@ forward is captured as one opaque node that runs it (`autopar.functions`).
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from torch import nn
@@ -90,6 +91,77 @@ def _failing_submodule(model: nn.Module, error: BaseException) -> str | None:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# floating dtypes as errors spell them (torch's "BFloat16", "c10::Half", "float", "torch.float32") -> torch's name
+_FLOAT_SPELLINGS = {"float": "float32", "Float": "float32", "float32": "float32", "double": "float64",
+                    "Double": "float64", "float64": "float64", "half": "float16", "Half": "float16",
+                    "float16": "float16", "bfloat16": "bfloat16", "BFloat16": "bfloat16"}
+_FLOAT_NAMES = re.compile(r"\b(" + "|".join(_FLOAT_SPELLINGS) + r")\b")
+
+
+def _mixed_floats(e: BaseException) -> list[str]:
+    """The floating dtypes an error names when it names two or more (a dtype mismatch), else []."""
+    found = sorted({_FLOAT_SPELLINGS[m] for m in _FLOAT_NAMES.findall(str(e))})
+    return found if len(found) >= 2 else []
+
+
+def _dtype_fix(where: str, dtypes: list[str]) -> str:
+    """The fix for a floating dtype mismatch in `where`, under the mixed-precision policy being captured, if any."""
+    from autopar.precision import capturing_precision
+    precision, mixed = capturing_precision(), " and ".join(dtypes)
+    if precision is None or precision.param_dtype is None:
+        return (f"Fix: {where} mixes {mixed} tensors where one dtype is needed, and fails the same way without "
+                "autopar: make them agree where they meet (e.g. `t.to(x.dtype)`).")
+    p = precision.param_dtype
+    casts = (f"autopar casts the floating inputs of the model and of each layer (a numbered module of a "
+             f"ModuleList/Sequential, e.g. layers.0) to {p}, as FSDP2's fully_shard(cast_forward_inputs=True) does on "
+             f"each module it wraps, but a tensor made inside a layer in another dtype (from an fp32 buffer, or "
+             f"with an explicit dtype=) or passed to a module that is not a layer keeps its dtype. Fix: cast it to "
+             f"the parameters' dtype where it meets them (e.g. `cos.to(q.dtype)`), or compute it outside the layer "
+             f"and pass it to the layer as an input.") if precision.cast_forward_inputs else (
+             f"mp_policy has cast_forward_inputs=False, so inputs keep their dtype. Fix: leave cast_forward_inputs "
+             f"True (FSDP2's default: the floating inputs of the model and of each layer cast to {p}), or cast "
+             f"them to the parameters' dtype in the model.")
+    return (f"{where} mixes {mixed} tensors where one dtype is needed: under mp_policy the parameters compute in "
+            f"{p} (param_dtype) while other tensors keep their dtype; " + casts)
+
+
+def _trace_fix(model: nn.Module, path: str | None, opaque: dict[str, str], max_opaque: int,
+               e: BaseException) -> str:
+    """Why and what to change when the trace failed with `e` in the model's own forward (`path` None), in a
+    submodule already made opaque (in `opaque`), or in one more than `max_opaque`: a dtype mismatch's story, or
+    data-dependent control flow's."""
+    dtypes = _mixed_floats(e)
+    if dtypes:
+        return _dtype_fix(type(model).__name__ if path is None else f"submodule {path}", dtypes)
+    where = ("in the model's own forward." if path is None else f"in {path} again after making it opaque."
+             if path in opaque else f"in {path}, after {max_opaque} submodules were made opaque already.")
+    return ("Why: autopar rewrites the model's graph, so forward must be traceable on fake tensors; data-dependent "
+            "Python control flow (branching on tensor values, .item(), loops over nonzero()) cannot be traced. A "
+            "submodule where this happens is captured as one replicated opaque node, but here the failure is "
+            + where
+            + "\nFix: make the branch static for the example inputs, or move the data-dependent part into a "
+            "submodule.")
+
+
+def _eager_failure(model: nn.Module, path: str, args: tuple, kwargs: dict, e: BaseException,
+                   e2: BaseException) -> str:
+    """The error when submodule `path` did not trace (`e`) and failed eagerly too (`e2`), its fix by what failed:
+    a dtype mismatch (the model's computation, not its tracing), meta tensors, or anything else."""
+    head = f"autopar could not capture {type(model).__name__}: "
+    dtypes = _mixed_floats(e2)
+    if dtypes:
+        return (head + f"submodule {path} fails on the example inputs, traced and eagerly: {_first_line(e2)}\n"
+                + _dtype_fix(f"submodule {path}", dtypes))
+    head += (f"submodule {path} is not traceable ({_first_line(e)}) and running it eagerly on the example inputs to "
+             f"capture it as an opaque node failed too: {_first_line(e2)}\n")
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if any(t.is_meta for t in tensors + list(model.parameters()) + list(model.buffers())):
+        return head + ("Fix: pass real (not meta) example inputs and parameters: an untraceable submodule is run once "
+                       "eagerly to record its outputs, which meta tensors cannot do.")
+    return head + (f"Fix: make {path} run on the example inputs (eagerly it raised the error above), or make it "
+                   "traceable (no branching on tensor values, .item() or nonzero()) so that it is not an opaque node.")
 
 
 def _record_output(model: nn.Module, path: str, args: tuple, kwargs: dict):
@@ -211,22 +283,11 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
             if path is None or path in keys or len(keys) >= max_opaque:
                 raise CaptureError(
                     f"autopar could not capture {type(model).__name__} with torch.export (non-strict): "
-                    f"{_first_line(e)}\n"
-                    "Why: autopar rewrites the model's graph, so forward must be traceable on fake tensors; "
-                    "data-dependent Python control flow (branching on tensor values, .item(), loops over "
-                    "nonzero()) cannot be traced. A submodule where this happens is captured as one "
-                    "replicated opaque node, but here the failure is "
-                    + ("in the model's own forward." if path is None else f"in {path} again after making it opaque.")
-                    + "\nFix: make the branch static for the example inputs, or move the data-dependent part "
-                    "into a submodule.") from e
+                    f"{_first_line(e)}\n" + _trace_fix(model, path, keys, max_opaque, e)) from e
             try:
                 out = _record_output(model, path, args, kwargs)
             except Exception as e2:  # noqa: BLE001
-                raise CaptureError(
-                    f"autopar could not capture {type(model).__name__}: submodule {path} is not traceable "
-                    f"({_first_line(e)}) and running it eagerly on the example inputs to capture it as an opaque "
-                    f"node failed too: {_first_line(e2)}. Fix: pass real (not meta) example inputs and parameters.") \
-                    from e2
+                raise CaptureError(_eager_failure(model, path, args, kwargs, e, e2)) from e2
             keys[path] = opaque.register(path, model.get_submodule(path), out, _first_line(e))
     sig = ep.graph_signature
     for spec in sig.output_specs:

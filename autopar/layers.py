@@ -8,6 +8,10 @@ prefetched, released after forward and gathered again in backward), and the memo
 live set. `find_layers` returns them in forward order; each names its nodes in graph order and the
 parameters (placeholders) only its nodes use.
 
+The same rule on the module tree (`layer_modules`: a module whose path's last component, and no earlier one, is an
+integer) names the modules that get FSDP2's per-module forward-input casts under a mixed-precision policy
+(`autopar.precision.layer_input_casts`), as `fully_shard` on each of them would.
+
 A layer's *class* (`Layer.cls`) is its module's type name: layers of one class are alike and take
 one decision (a checkpoint level), as the ILP decides per class. Module paths here are the
 paths in the captured model (the user's model, wrapper included), as override keys are.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,18 @@ class Layer:
             return True
         parts = self.path.split(".")
         return any(fnmatch.fnmatchcase(".".join(parts[i:]), key) for i in range(len(parts)))
+
+
+def is_layer_path(path: str) -> bool:
+    """Whether the module at `path` is a layer: its last path component, and no earlier one, is an integer (the
+    outermost numbered module)."""
+    *outer, last = path.split(".")
+    return last.isdigit() and not any(c.isdigit() for c in outer)
+
+
+def layer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the model's layers, from its module tree (`is_layer_path`), in registration order."""
+    return [(path, m) for path, m in model.named_modules() if path and is_layer_path(path)]
 
 
 def _layer_of(node: fx.Node) -> tuple[str, str] | None:
@@ -80,4 +96,4 @@ def layers_matching(layers: list[Layer], key: str) -> list[Layer]:
     return [l for l in layers if l.matches(key)]
 
 
-__all__ = ["Layer", "find_layers", "layers_matching"]
+__all__ = ["Layer", "find_layers", "is_layer_path", "layer_modules", "layers_matching"]

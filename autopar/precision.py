@@ -11,11 +11,19 @@ Semantics (FSDP2's, for every plan: dp, fsdp, megatron, auto):
 | gradient reductions          | `reduce_dtype` (None: `param_dtype`): dp buckets, FSDP reduce-scatters,         |
 |                              | gradient all-reduces of parameters                                              |
 | gradients the optimizer sees | the master dtype                                                                |
-| forward inputs               | floating ones cast to `param_dtype` (`cast_forward_inputs=True`)                |
-| outputs                      | cast to `output_dtype` when given                                               |
+| forward inputs               | floating (not complex) ones cast to `param_dtype` (`cast_forward_inputs=True`): |
+|                              | the model's (`cast_inputs`) and each layer's (`layer_input_casts`), as          |
+|                              | `fully_shard` on the root and on each layer casts its module's forward inputs   |
+| buffers, tensors made inside | their own dtype (FSDP2 casts neither)                                           |
+| outputs                      | the model's cast to `output_dtype` when given (not each layer's, as a           |
+|                              | `fully_shard`ed layer's would be: one policy for the model, whose outputs the   |
+|                              | caller gets)                                                                    |
 
 The program is captured from the model as the user holds it, its parameters (and, with `cast_forward_inputs`,
-its floating inputs) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`): the graph is the program that runs,
+its floating inputs and each layer's) taken at `param_dtype` (`capture_dtypes`, `cast_inputs`, `layer_input_casts`;
+a layer is `autopar.layers`'s, the outermost numbered module, e.g. `layers.3`): the graph is the program that runs,
+its layers' input casts included (`aten.to.dtype` nodes at each layer's entry, e.g. of fp32 RoPE tables the model
+computes at the top and passes to every block),
 with the ops and dtypes the model's code chooses for `param_dtype` parameters (a norm's fp32 upcast, a mask made in
 the parameters' dtype), so the plan's graph fingerprint names what runs and a plan made for another `param_dtype`
 cannot lower it. What the graph cannot say (`reduce_dtype`, `output_dtype`, `cast_forward_inputs`) the Plan carries
@@ -34,14 +42,16 @@ parameter + gradient + optimizer state from the masters' dtype (`state_bytes_per
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["Precision", "precision_of", "check_plan_precision", "capture_dtypes", "as_dtypes", "mark_captured",
-           "cast_inputs", "cast_outputs"]
+__all__ = ["Precision", "precision_of", "check_plan_precision", "capture_dtypes", "capturing_precision", "as_dtypes",
+           "layer_input_casts", "mark_captured", "cast_inputs", "cast_outputs"]
 
 _FLOATS = {str(d).removeprefix("torch."): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
@@ -133,17 +143,58 @@ def check_plan_precision(plan_spec: str, precision: Precision | None, source: st
 
 # ----------------------------------------------------------------------------- capture and call
 
+_CAPTURING: contextvars.ContextVar[Precision | None] = contextvars.ContextVar("autopar_capturing", default=None)
+
+
+def capturing_precision() -> Precision | None:
+    """The policy of the `capture_dtypes` the caller is in (None outside one): what a capture error's fix reads."""
+    return _CAPTURING.get()
+
+
 @contextlib.contextmanager
 def capture_dtypes(model: nn.Module, precision: Precision | None):
-    """`model` with its floating parameters at `param_dtype` (converted copies; tied names share one), restored
-    afterwards: what the capture traces under a policy."""
+    """`model` with its floating parameters at `param_dtype` (converted copies; tied names share one) and its layers'
+    forward-input casts (`layer_input_casts`), restored afterwards: what the capture traces under a policy."""
     want = precision.dtype("param_dtype") if precision is not None else None
     if want is None:
         yield
         return
     dtypes = {fqn: want for fqn, p in model.named_parameters(remove_duplicate=False) if p.dtype.is_floating_point}
-    with as_dtypes(model, dtypes):
+    token = _CAPTURING.set(precision)
+    try:
+        with as_dtypes(model, dtypes), layer_input_casts(model, precision):
+            yield
+    finally:
+        _CAPTURING.reset(token)
+
+
+@contextlib.contextmanager
+def layer_input_casts(model: nn.Module, precision: Precision | None):
+    """`model` with FSDP2's forward-input cast on each layer (`autopar.layers.layer_modules`), removed afterwards:
+    under `cast_forward_inputs` a forward pre-hook casts the layer's floating (not complex) tensor arguments and
+    keyword arguments to `param_dtype`, as `fully_shard(layer, mp_policy=...)` does (`FSDPState._pre_forward` ->
+    `_cast_forward_inputs`, with torch's own `_apply_to_tensors` and `_cast_fp_tensor`: a tensor already at
+    param_dtype is passed as it is, so no node is traced for it). Traced, the casts are `aten.to.dtype` nodes at
+    the layer's entry: the program runs them on every rank, whatever the plan."""
+    want = precision.dtype("param_dtype") if precision is not None and precision.cast_forward_inputs else None
+    if want is None:
         yield
+        return
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _cast_fp_tensor
+    from torch.distributed.utils import _apply_to_tensors
+
+    from autopar.layers import layer_modules
+    cast = functools.partial(_cast_fp_tensor, want)
+
+    def hook(module, args, kwargs):
+        return _apply_to_tensors(cast, args), _apply_to_tensors(cast, kwargs)
+
+    handles = [m.register_forward_pre_hook(hook, prepend=True, with_kwargs=True) for _, m in layer_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ which weight dim holds the output features, and whether the output is split into
 `view(b, s, heads, 3·d)` then `chunk(3, -1)`, Bloom's `view(b, s, heads, 3, d)` then `select` on the 3; a
 plain row shard of the weight then gives every rank whole heads), or taken apart in contiguous feature blocks
 of unequal sizes (`part_slices`: GQA/MQA fused QKV, Phi-3's `slice`s of the features, Falcon's `view(b, s,
-heads + 2, d)` sliced and indexed on the heads). Its forms (`colwise`, `rowwise`) live in `autopar.forms`.
+heads + 2, d)` sliced and indexed, or split, on the heads). Its forms (`colwise`, `rowwise`) live in `autopar.forms`.
 """
 
 from __future__ import annotations
@@ -140,8 +140,9 @@ def _head_block(u: fx.Node, heads_dim: int, heads: int, constants) -> tuple[int,
 
 def part_slices(node: fx.Node, out_features: int, constants: dict[str, torch.Tensor]) -> tuple:
     """The contiguous feature blocks the output is taken apart in, when they tile it and are not all equal splits:
-    slices (or a split) of the features, or slices/indexes of a per-head view `(..., features / d, d)` on its
-    heads dim (Falcon). `((node taking the block, first feature, end feature), ...)` in feature order, else ()."""
+    slices (or a split) of the features, or slices/indexes (or one split) of a per-head view `(..., features / d, d)`
+    on its heads dim (Falcon: `[:, :, :-2]`, `[:, :, [-2]]`, `[:, :, [-1]]` up to transformers 5.24, `split([heads, 1,
+    1], dim=-2)` from 5.25). `((node taking the block, first feature, end feature), ...)` in feature order, else ()."""
     y = _past_flat_views(node, out_features)
     users, nd = list(y.users), len(y.meta["val"].shape)
     found = []
@@ -159,9 +160,19 @@ def part_slices(node: fx.Node, out_features: int, constants: dict[str, torch.Ten
         if shape[:nd - 1] != tuple(y.meta["val"].shape[:-1]) or len(shape) != nd + 1:
             return ()
         heads, d = shape[-2], shape[-1]
-        for u in view.users:
-            block = _head_block(u, nd - 1, heads, constants)
-            found.append((u, None if block is None else (block[0] * d, block[1] * d)))
+        takers = list(view.users)
+        if len(takers) == 1 and takers[0].target is aten.split_with_sizes.default \
+                and _split_dim(takers[0]) == nd - 1:  # transformers >= 5.25's Falcon: split([heads, 1, 1], dim=-2)
+            split, first = takers[0], 0
+            gets = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+            for i, size in enumerate(split.args[1]):
+                if i in gets:
+                    found.append((gets[i], (first * d, (first + size) * d)))
+                first += size
+        else:
+            for u in takers:
+                block = _head_block(u, nd - 1, heads, constants)
+                found.append((u, None if block is None else (block[0] * d, block[1] * d)))
     if len(found) < 2 or any(r is None for _, r in found):
         return ()
     found.sort(key=lambda f: f[1])

@@ -964,7 +964,9 @@ def mixed_precision_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModul
     (`mp=(.., .., True)`: a gather moves param_dtype bytes, exact) so that the last one casts, and a value computed
     by lookups and views from parameters is computed from the masters (`_in_master_dtype`); a reduction of any other
     value computed from the cast copies returns param_dtype (its sum rounded once). Backward bytes are re-priced at
-    reduce_dtype (an FSDP group's reduce-scatter; its backward re-gather stays at param_dtype)."""
+    reduce_dtype (an FSDP group's reduce-scatter; its backward re-gather stays at param_dtype). The casts of the
+    model's and each layer's floating inputs are not this pass's: they are in the captured graph already
+    (`autopar.precision.layer_input_casts`)."""
     if ctx.precision is None:
         return gm
     param_dtype, reduce_dtype = ctx.precision.collective_dtypes

@@ -26,6 +26,7 @@ import operator
 from collections import Counter
 
 import pytest
+import transformers
 import torch
 from torch import fx
 
@@ -106,14 +107,16 @@ def test_bloom_baddbmm_alibi_attention_is_recognised():
     ("phi3", [(0, 32), (32, 48), (48, 64)], [aten.slice.Tensor] * 3, 2),
 ])
 def test_fused_qkv_with_unequal_blocks_is_taken_apart(family, blocks, takers, kv_heads):
-    """Falcon's `view(b, s, heads + 2, d)` then `[:, :, :-2]`, `[:, :, [-2]]`, `[:, :, [-1]]`; Phi-3's slices of
+    """Falcon's `view(b, s, heads + 2, d)` then `[:, :, :-2]`, `[:, :, [-2]]`, `[:, :, [-1]]` (or, from transformers
+    5.25, one `split([heads, 1, 1], dim=-2)`); Phi-3's slices of
     the features: the blocks tile the output, and KV heads are those of the k block (not the repeat_kv'd)."""
     _, sites = _sites(family)
     for a in sites["attention"]:
         (qkv,) = a.q
         assert a.k == a.v == (qkv,) and (qkv.parts, qkv.head_interleaved) == (1, 0)
         assert [(f, e) for _, f, e in qkv.part_slices] == blocks
-        assert [n.target for n, _, _ in qkv.part_slices] == takers
+        got = [n.target for n, _, _ in qkv.part_slices]
+        assert got == ([operator.getitem] * 3 if family == "falcon" and FALCON_SPLITS else takers), got
         assert (a.heads, a.kv_heads, a.head_dim) == (4, kv_heads, 8)
 
 
@@ -133,6 +136,11 @@ def _attention_comms(plan, key: str) -> Counter:
                    if (c.module == key or c.module.startswith(key + ".")) and (c.forward, c.backward) != ("-", "-"))
 
 
+# transformers >= 5.25's Falcon splits its per-head view (`split([heads, 1, 1], dim=-2)`) and repeats its one KV head
+# for attention (`repeat_kv`): the repeated k and v are split by heads (their gradients all-gathered backward)
+# where the older spelling kept them whole (`broadcast_to` after an index: their gradients all-reduced)
+FALCON_SPLITS = tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (5, 25)
+
 # per attention block: its row-parallel all-reduce forward, its input gradient's all-reduce backward, and:
 AR, GAR = ("all_reduce", "all_reduce", "-"), ("grad_all_reduce", "-", "all_reduce")
 GARL = ("grad_all_reduce_linears", "-", "all_reduce")  # the input gradient's, fused with the q/k/v projections
@@ -144,7 +152,7 @@ EXPECTED = {
     "bloom": {AR: 1, GARL: 1},  # + the ALiBi bias split by heads once (no gradient): checked below
     # parallel attention + MLP (`mlp_out += attn_out`, a sum of partials): one all-reduce, the layer's (below);
     # + k and v (one KV head, replicated) gradients; q rows split
-    "falcon": {GAR: 3, SPLIT_AG: 1},
+    "falcon": {GAR: 3, SPLIT_AG: 1} if not FALCON_SPLITS else {GAR: 1, SPLIT_AG: 3},
     "phi3": {AR: 1, GAR: 1, SPLIT_AG: 3},  # q, k and v rows split (2 KV heads over 2 ranks)
     "granite": {AR: 1, GARL: 1},
     # parallel attention + MLP sharing one input: the shared input's gradient all-reduced once (attributed to the
