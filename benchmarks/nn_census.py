@@ -3,8 +3,9 @@
 For every row and for `dp`, `fsdp` (`dp=2`), `megatron` (`tp=2`) and `auto` (`dp=2`, cluster "cpu"), on 2
 simulated ranks (fake process group + `LocalTensorMode`, as `tests/test_nn_census.py`): whether the loss, every
 gradient and every parameter after an SGD step equal one device's (fp64, 1e-10), and under `dp` and `fsdp` the
-share of one device's forward + backward FLOPs one rank runs (`nn_census.FlopCount`, local shapes; the bound is
-1/2 + 0.02).
+share of one device's forward + backward FLOPs one rank runs (`nn_census.FlopCount`, local shapes: of autopar's
+program on a 1-rank mesh, whose decompositions it shares; the bound, 1/2 + 0.02, also holds for the matmul FLOPs
+of the model on one device).
 
     python benchmarks/nn_census.py [--row NAME ...] [--plan dp fsdp megatron auto] [--markdown] [--verbose]
     python benchmarks/nn_census.py --ops       # the ATen ops of each row's captured graph
@@ -64,7 +65,7 @@ def run_row(name: str, plans, verbose: bool) -> dict:
     row = {"name": name, "family": CENSUS[name].family, "note": CENSUS[name].note, "plans": {}, "ops": None}
     t0 = time.perf_counter()
     try:
-        ref = reference(name)
+        ref = reference(name, _world)
     except Exception as e:  # noqa: BLE001 - one crash must not stop the census
         row["plans"] = {p: {"status": "CRASH", "why": f"one device: {_first_line(e)}"} for p in plans}
         return row
