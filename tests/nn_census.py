@@ -11,6 +11,11 @@ Rows where a module is not deterministic in training are built in eval mode, and
 modules (a random mask cannot be compared to one device), RReLU (random slopes in training), BatchNorm in the
 ResNet (in training it mixes the batch: its statistics are a batch mean).
 
+Running a row (shared by `tests/test_nn_census.py` and `benchmarks/nn_census.py`): `reference(name, world)` runs
+the model on one device (loss, gradients, parameters after an SGD step, `FlopCount` of forward + backward) and
+autopar's program for it on a 1-rank mesh (its FLOPs); `run_plan(name, plan, ref, world)` parallelises a fresh
+build on 2 simulated ranks and compares one step; `flop_problem` and `gathered` say what is not data parallel.
+
 Three models are also the side-by-side benchmarks' (`benchmarks/dp_vs_ddp.py`, `benchmarks/fsdp_vs_fsdp2.py`),
 with sizes as arguments: `RMSNormLlama` (torch's `nn.RMSNorm` and `F.scaled_dot_product_attention`, issue #22's
 model), `ConvNet` (Conv2d + GroupNorm image classifier) and `LSTMLM` (an `nn.LSTM` language model).
