@@ -67,6 +67,7 @@ LONGEST_FIRST = (
     "test_sequence_parallel.py",  # not measured: estimated from its tests
     "test_checkpoint_levels.py",  # 84
     "test_estimate.py",  # 79
+    "test_nn_census.py",  # 72 CPU s (2026-12-04: 39 rows x 4 plans + a 1-rank program per row; 13 min wall at load 60)
     "test_contract_ranks.py",  # 66
     "test_moe.py",  # not measured: estimated from its tests
     "test_fsdp_layers.py",  # 55
@@ -74,7 +75,6 @@ LONGEST_FIRST = (
     "test_planning_shapes.py",  # 53
     "test_two_axis_attention.py",  # not measured: estimated from its tests
     "test_verify.py",  # 46
-    "test_nn_census.py",  # 46 CPU s (2026-12-04: 40 rows x 4 plans, local_world; 144 s wall at load 100)
     "test_tune.py",  # not measured: estimated from its tests
     "test_solver.py",  # 41
     "test_shapes.py",  # 41
