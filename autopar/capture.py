@@ -23,7 +23,6 @@ from torch.utils import _pytree as pytree
 from autopar.captured import Captured
 from autopar.functions import custom_functions
 from passes import meta as M
-from passes.batch_local import check_batch_locality
 
 
 class CaptureError(ValueError):
@@ -283,6 +282,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))
     from autopar.inputs import batch_dims
+    from passes.batch_local import check_batch_locality
     check_batch_locality(gm, users, next((b for b in batch_dims(shapes) if b), 0))
     rows = _opaque_rows(gm)
     notes = [f"{path} captured as one opaque node, {rows.get(k, _REPLICATED)}: it is not traceable "

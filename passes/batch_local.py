@@ -47,6 +47,7 @@ a data axis (`meta.GATHERED`) the redundant work that `autopar.api.parallelize` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -55,7 +56,6 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopar.spec import R, Shard, _StridedShard, is_shard
 from passes import meta as M
 
 _CHECK_ROWS = 6  # rows an ATen op is checked on (chunks of 1, 2 and 3 rows)
@@ -136,7 +136,9 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
         dims = [d for d, s in enumerate(t.meta["val"].shape) if int(s) == n]
         if t in batch and not dims:
             return RowLocality(False, f"its input {t.name} depends on the batch but has no dim of the batch's size {n}")
-        options.append(dims if t in batch else [None] + dims)
+        # a parameter, buffer or constant never carries the batch; a value computed without it (an LSTM's zero
+        # initial state) may: both are tried, the batch first
+        options.append(dims if t in batch else [None] if t.op == "placeholder" else dims + [None])
     opaque = node.target is torch.ops.autopar.opaque.default
     key = (_what(node), tuple((tuple(t.meta["val"].shape), t.meta["val"].dtype) for t in tin),
            tuple(tuple(o.shape) for o in outs), _other_args(node))
@@ -144,7 +146,7 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
         return checks.cache[key]
     call = _caller(node)
     rows = n if opaque else min(n, _CHECK_ROWS)
-    result, first_why = None, None
+    result, first = None, None
     with _buffers_kept(node):
         for assignment in itertools.islice(itertools.product(*options), _MAX_ASSIGNMENTS):
             if all(d is None for d in assignment):
@@ -153,10 +155,10 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
             if got.local:
                 result = got
                 break
-            first_why = first_why or got.why
-            if got.why.startswith(("it draws", "its check needs", "it could not run")):
+            first = first or got
+            if got.why.startswith(("it draws", "its check needs")):
                 break  # the same whatever the assignment
-    checks.cache[key] = result or RowLocality(False, first_why or "no input carries the batch")
+    checks.cache[key] = result or first or RowLocality(False, "no input carries the batch")
     return checks.cache[key]
 
 
@@ -233,12 +235,13 @@ def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int)
                                   f"({_MAX_CHECK_ELEMENTS})")
     try:
         with _disable_current_modes(), torch.random.fork_rng(devices=[]), torch.enable_grad():
-            for dtype in dict.fromkeys((torch.float64, next((v.dtype for v in vals if v.is_floating_point()),
-                                                             torch.float64))):
+            traced = next((v.dtype for v in vals if v.is_floating_point()), torch.float64)
+            dtypes = list(dict.fromkeys((torch.float64, traced)))  # fp64 where the op runs in it
+            for i, dtype in enumerate(dtypes):
                 try:
                     return _row_check_in(call, vals, in_dims, n, rows, dtype)
                 except (RuntimeError, TypeError, NotImplementedError):
-                    if dtype is not torch.float64:
+                    if i == len(dtypes) - 1:
                         raise
     except Exception as e:  # noqa: BLE001 - a check that cannot run leaves the node replicated
         return RowLocality(False, f"it could not run on random CPU inputs to check its rows "
@@ -259,6 +262,11 @@ def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
     with FlopCounterMode(display=False) as counter:
         whole = run(xs, 0)
     flops = counter.get_total_flops() * n / rows
+    result = _row_result(xs, whole, in_dims, rows, run, gen, dtype)
+    return dataclasses.replace(result, flops=flops)
+
+
+def _row_result(xs, whole, in_dims, rows, run, gen, dtype) -> RowLocality:
     again = run(xs, 1)
     if len(again) != len(whole) or any(a.shape != w.shape or not torch.equal(a, w) for a, w in zip(again, whole)):
         return RowLocality(False, "it draws random numbers (runs with different seeds differ), so its rows "
@@ -271,7 +279,7 @@ def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
     perm = torch.randperm(rows, generator=gen)
     chunks = [perm[:1], perm[1:3], perm[3:]] if rows >= 4 else [perm[:1], perm[1:]]
     out_dims: list[int | None] = [None] * len(whole)
-    summed = [torch.zeros_like(g) if in_dims[i] is None and g is not None else None for i, g in zip(wrt, grads)]
+    summed = [torch.zeros_like(xs[i]) if in_dims[i] is None else None for i in wrt]
     for idx in chunks:
         part = [x.detach().index_select(d, idx).requires_grad_(x.requires_grad) if d is not None else x
                 for x, d in zip(xs, in_dims)]
@@ -298,11 +306,12 @@ def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
             elif not close(pg, g.index_select(in_dims[i], idx)):
                 return RowLocality(False, f"the gradient of its input {i} mixes rows of the batch")
     for j, i in enumerate(wrt):
-        if in_dims[i] is None and summed[j] is not None and not close(summed[j], grads[j]):
+        full = torch.zeros_like(xs[i]) if grads[j] is None else grads[j]
+        if in_dims[i] is None and not close(summed[j], full):
             return RowLocality(False, f"the gradient of its unbatched input {i} is not the sum over rows")
     if any(d is None for d in out_dims):
         return RowLocality(False, "an output does not carry the batch")
-    return RowLocality(True, "", tuple(in_dims), tuple(out_dims), flops)
+    return RowLocality(True, "", tuple(in_dims), tuple(out_dims))
 
 
 def _grads(outs, cotangents, wrt):
@@ -324,6 +333,7 @@ def batch_local_rule(node, tin, ins, n):
     """A batch-local node on one mesh axis: inputs split on their batch dims there -> every batched input split on
     its batch dim, every unbatched one replicated (its gradient partial: reduced by data parallelism), every output
     split on its batch dim; otherwise replicated (inputs gathered)."""
+    from autopar.spec import R, Shard
     from passes.rules import replicate_rule
     rows = node.meta[M.ROWS]
     if not on_batch_dims(rows, ins):
@@ -335,6 +345,7 @@ def batch_local_rule(node, tin, ins, n):
 
 def on_batch_dims(rows: RowLocality, ins) -> bool:
     """Some input is split on this axis, and every split input on its batch dim (plainly, not strided)."""
+    from autopar.spec import _StridedShard, is_shard
     split = [(i, p) for i, p in enumerate(ins) if is_shard(p)]
     return bool(split) and all(not isinstance(p, _StridedShard) and rows.in_dims[i] == p.dim for i, p in split)
 
@@ -347,3 +358,80 @@ def gathered_why(node: fx.Node) -> str:
     if not rows.local:
         return f"no sharding rule, and not batch-local ({rows.why})"
     return f"no sharding rule, and its inputs are split on dims other than their batch dims {list(rows.in_dims)}"
+
+
+# ----------------------------------------------------------------------------- what the lowered plan runs per rank
+
+@dataclass(frozen=True)
+class Work:
+    """The forward FLOPs of a lowered program (`record_work_pass`): on one device, per rank (each node's FLOPs
+    times the share of them one rank does), and the nodes without a rule that gathered inputs split on a mesh axis:
+    (node name, op, module path, axes, FLOPs)."""
+
+    flops: float
+    per_rank_flops: float
+    unsplit: tuple[tuple[str, str, str, tuple[str, ...], float], ...] = ()
+
+    @property
+    def fraction(self) -> float:
+        """Per-rank FLOPs over single-device FLOPs."""
+        return self.per_rank_flops / self.flops if self.flops else 1.0
+
+    def redundant(self, axes) -> tuple[list[tuple], float]:
+        """The unsplit nodes gathered on any of `axes` (the data axes), and their share of the FLOPs."""
+        found = [u for u in self.unsplit if set(u[3]) & set(axes)]
+        return found, (sum(u[4] for u in found) / self.flops if self.flops else 0.0)
+
+
+def node_flops(node: fx.Node) -> float:
+    """Forward FLOPs of a node (`cost_model.analytical.node_cost`; for an op it counts none, such as an LSTM or an
+    opaque node, those torch's FLOP counter measured at capture)."""
+    from cost_model.analytical import node_cost
+    flops = node_cost(node).flops
+    rows = node.meta.get(M.ROWS)
+    return float(flops or (rows.flops if rows is not None else 0.0))
+
+
+def record_work_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """After propagation (placements known, nothing fused yet): `gm.meta[meta.WORK]`, the program's `Work`. A node's
+    share on one rank is that of its most-split tensor (input or output): local over global elements."""
+    from autopar.runtime.collectives import COLLECTIVES
+    from autopar.spec import is_shard
+    sizes = ctx.mesh.sizes
+    placed = dict(ctx.placements)
+    placed.update(ctx.arrivals)
+
+    def share(pls) -> float:
+        return 1.0 / math.prod(n for p, n in zip(pls, sizes) if is_shard(p)) if pls else 1.0
+
+    def placements(n: fx.Node):
+        pls = n.meta.get(M.PLACEMENTS)
+        if pls is None and n.op == "placeholder":
+            pls = placed.get(n.name)
+        return pls
+
+    total = per_rank = 0.0
+    unsplit = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target in COLLECTIVES:
+            continue
+        flops = node_flops(node)
+        if node.meta.get(M.GATHERED):
+            op, axes = node.meta[M.GATHERED]
+            unsplit.append((node.name, op, _module(node), axes, flops))
+        if not flops:
+            continue
+        outs = placements(node)
+        outs = outs if isinstance(outs, list) else [outs]
+        shares = [share(p) for p in outs if p is not None] + [share(placements(a)) for a in node.all_input_nodes
+                                                              if placements(a) is not None
+                                                              and not isinstance(placements(a), list)]
+        total += flops
+        per_rank += flops * min(shares, default=1.0)
+    gm.meta[M.WORK] = Work(total, per_rank, tuple(unsplit))
+    return gm
+
+
+def _module(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else ""

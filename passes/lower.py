@@ -52,7 +52,7 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
-from passes.batch_local import batch_local, batch_local_rule, gathered_why, on_batch_dims
+from passes.batch_local import batch_local, batch_local_rule, gathered_why, on_batch_dims, record_work_pass
 from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.patterns import parameters_only, tensor_bytes
@@ -418,7 +418,7 @@ class _Lowerer:
             gathered = [ax for ax in range(len(self.axes)) if any(is_shard(self.pl[t][ax]) for t in tin) and (
                 rule is replicate_rule or not on_batch_dims(node.meta[M.ROWS], [self.pl[t][ax] for t in tin]))]
             if gathered:
-                node.meta[M.GATHERED] = tuple(self.axes[ax].name for ax in gathered)
+                node.meta[M.GATHERED] = (str(node.target), tuple(self.axes[ax].name for ax in gathered))
             if (gathered or (rule is replicate_rule and any(p != R for t in tin for p in self.pl[t]))) and \
                     (node.target not in REPLICATED_ON_PURPOSE or batch_local(node) is not None):
                 node.meta[M.REPLICATED] = gathered_why(node)
@@ -1231,6 +1231,7 @@ LOWER = [
     fused_parts_pass,
     insert_hints_pass,
     propagate_pass,
+    record_work_pass,
     fuse_gather_grad_reduce_pass,
     group_fsdp_gathers_pass,
     regather_linear_inputs_pass,
