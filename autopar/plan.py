@@ -155,6 +155,8 @@ class Estimate:
     # ops without a sharding rule that are not batch-local (`passes.batch_local`): they run whole on every rank of the
     # data axes, and the cost model prices them so (their compute undivided, their inputs gathered)
     unsplit_ops: tuple[str, ...] = ()
+    unsplit_compute_s: float = 0.0  # of compute_time_s: theirs, whole on every rank
+    unsplit_comm_s: float = 0.0  # of comm_time_s: the all-gathers of their inputs and of their outputs' gradients
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
@@ -418,7 +420,21 @@ def _explain(plan: "Plan", key: str | None) -> str:
         if not chosen:
             keys = [k for d in plan.decisions for k in d.keys]
             raise ValueError(f"explain({key!r}): no structure {key!r} in plan {plan.name!r}; keys: {', '.join(keys)}")
-    return "\n\n".join(_explain_one(d, key) for d in chosen)
+    text = "\n\n".join(_explain_one(d, key) for d in chosen)
+    return text + _explain_unsplit(plan) if key is None else text
+
+
+def _explain_unsplit(plan: "Plan") -> str:
+    """What the data axes leave whole (`Estimate.unsplit_ops`): the ops without a rule that are not batch-local,
+    and how the cost model priced them."""
+    est = plan.estimate
+    if est is None or not est.unsplit_ops:
+        return ""
+    return (f"\n\n(batch gathered) {len(est.unsplit_ops)} op(s) without a sharding rule are not batch-local (rows "
+            f"of the batch mix, or could not be checked: the plan's notes say which): {', '.join(est.unsplit_ops)}. "
+            f"They run whole on every rank of the data axes, their inputs gathered; the cost model prices that: "
+            f"{est.unsplit_compute_s * 1e3:.3f} ms of compute not divided, {est.unsplit_comm_s * 1e3:.3f} ms of "
+            "all-gathers per step (auto weighs it against plans that split the batch less).")
 
 
 def _explain_one(d: Decision, key: str | None) -> str:

@@ -216,13 +216,17 @@ def _caller(node: fx.Node):
     return run_op
 
 
-def _random(v: torch.Tensor, dims: list, rows: int, dtype, gen: torch.Generator) -> torch.Tensor:
-    shape = [rows if d in dims else int(s) for d, s in enumerate(v.shape)]
+def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random values shaped like `v` with `rows` rows on its batch dim `dim`. An unbatched input (a weight) is scaled
+    as nn.Linear initialises one, by 1/sqrt(its last dim): with unit weights a recurrence (an LSTM over many steps)
+    is chaotic, and rounding alone would tell a chunk's run from the whole one's."""
+    shape = [rows if d == dim else int(s) for d, s in enumerate(v.shape)]
     if v.dtype is torch.bool:
         return torch.rand(shape, generator=gen) < 0.5
     if not v.is_floating_point():
         return torch.randint(0, 2, shape, generator=gen, dtype=v.dtype)  # valid indices into any dim of size >= 2
-    return torch.randn(shape, generator=gen, dtype=dtype)
+    scale = 1.0 if dim is not None or not shape else 1.0 / math.sqrt(max(1, shape[-1]))
+    return torch.randn(shape, generator=gen, dtype=dtype) * scale
 
 
 def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int) -> RowLocality:
@@ -251,7 +255,7 @@ def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int)
 def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
     from torch.utils.flop_counter import FlopCounterMode
     gen = torch.Generator().manual_seed(0)
-    xs = [_random(v, [d], rows, dtype, gen) for v, d in zip(vals, in_dims)]
+    xs = [_random(v, d, rows, dtype, gen) for v, d in zip(vals, in_dims)]
     for x in xs:
         x.requires_grad_(x.is_floating_point())
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from autopar.capture import capture
+from autopar.spec import R, Shard
 from equivalence import run_equivalence
 from passes import meta as M
 
@@ -115,6 +116,7 @@ def _dense():
 MODELS = {
     "lstm": (lambda: RNNLM(nn.LSTM), _tokens, True),
     "gru": (lambda: RNNLM(nn.GRU), _tokens, True),
+    "rnn": (lambda: RNNLM(nn.RNN), _tokens, True),
     "function-row-local": (lambda: Wrapped(RoundSTE), _dense, True),
     "opaque-mixes-rows": (lambda: Wrapped(MixRows()), _dense, False),
     "function-backward-mixes-rows": (lambda: Wrapped(CenterGrad), _dense, False),
@@ -173,6 +175,56 @@ def test_batch_local_runs_on_the_local_rows(local_world, fp64, name, plan):
         assert re.search(rf" {share:.1%} of the model's FLOPs run redundantly; each rank runs {fraction:.3f} ",
                          said[0]), said[0]
         assert fraction > 0.5
+
+
+def test_lstm_on_the_data_axis_of_megatron(local_world, fp64):
+    """Megatron's data axis splits the LSTM's batch too (the tensor-parallel axis leaves it whole)."""
+    torch.manual_seed(0)
+    ref, batch = RNNLM(nn.LSTM), _tokens()
+    with local_world(4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_equivalence(ref, batch, (2, 2), ("dp", "tp"), plan="megatron")
+    assert res.max_err() < TOL, res
+    (lstm,) = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.aten.lstm.input]
+    assert lstm.meta[M.PLACEMENTS] == [(Shard(0), R), (Shard(1), R), (Shard(1), R)], lstm.meta[M.PLACEMENTS]
+    assert not [w for w in caught if "not parallel" in str(w.message)]
+    assert res.plan.estimate.flop_fraction <= 0.5 + 1e-9
+
+
+def _big_lstm():
+    """An LSTM language model large enough that auto splits its batch on an H100 (planned on shapes only)."""
+    model = RNNLM(nn.LSTM)
+    model.emb, model.rnn, model.head = nn.Embedding(512, 256), nn.LSTM(256, 256, batch_first=True), nn.Linear(256, 512)
+    g = torch.Generator().manual_seed(3)
+    return model, (torch.randint(0, 512, (64, 64), generator=g), torch.randint(0, 512, (64, 64), generator=g))
+
+
+def test_auto_splits_a_batch_local_lstm_and_prices_what_it_cannot():
+    """auto splits the LSTM's batch (batch-local: priced divided by the data axis); a row-mixing opaque module is
+    priced whole on every data rank plus its gathers, and explain says so."""
+    import autopar
+    model, batch = _big_lstm()
+    plan = autopar.plan(model, {"dp": 4}, batch, plan="auto", cluster="h100", lower=True)
+    assert dict(plan.inputs)["tokens"] == "S(0)", plan.inputs
+    assert not [c for c in plan.comms if c.module == "rnn" and c.fn.startswith("all_gather")], plan.comms
+    assert plan.estimate.flop_fraction == pytest.approx(0.25) and not plan.estimate.unsplit_ops
+    mixed = Wrapped(MixRows())
+    mixed.up, mixed.part.lin, mixed.down = nn.Linear(64, 512), nn.Linear(512, 512), nn.Linear(512, 64)
+    g = torch.Generator().manual_seed(4)
+    dense = torch.randn(256, 64, generator=g), torch.randn(256, 64, generator=g)
+    dp = autopar.plan(mixed, {"dp": 4}, dense, plan="dp", cluster="h100", lower=True)
+    est = dp.estimate
+    assert est.unsplit_ops == ("opaque (autopar.opaque.default)",), est.unsplit_ops
+    assert est.unsplit_compute_s > 0 and est.unsplit_comm_s > 0, est
+    assert est.flop_fraction > 0.5, est.flop_fraction
+    assert "(batch gathered) 1 op(s)" in dp.explain() and "ms of compute not divided" in dp.explain()
+    # auto weighs that: here splitting the batch does not pay (the opaque matmul is most of the work), and its
+    # explain says what every data role was charged
+    auto = autopar.plan(mixed, {"dp": 4}, dense, plan="auto", cluster="h100")
+    assert dict(auto.inputs)["x"] == "R" and not auto.estimate.unsplit_ops, auto.inputs
+    roles = auto.explain().split("\n\n")[0]
+    assert "each assignment with data axes runs 1 op without a sharding rule that is not batch-local (opaque " \
+           "(autopar.opaque.default)) whole on every data rank" in roles, roles
 
 
 def test_lstm_batch_dims_found_numerically():
