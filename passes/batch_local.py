@@ -25,17 +25,19 @@ rest); the op is run on the whole and on each chunk, with random output cotangen
 for every chunk, each output equals the whole run's output at the chunk's rows along one dim (found numerically:
 the output's batch dim, e.g. dim 1 for an LSTM's `(h_n, c_n)`), each batched input's gradient equals the whole
 run's at those rows, and the unbatched inputs' gradients summed over the chunks equal the whole run's (tolerance
-`_TOLERANCE`). A tensor's batch dim is a dim of the batch's size; where several dims have that size, or an input
+`_TOLERANCE`). The gradients are checked where the backward is the node's own (an opaque node, another library's
+op: `_own_backward`); an ATen op's backward is its forward's derivative, whose Jacobian is block-diagonal over
+the rows when the forward's is. A tensor's batch dim is a dim of the batch's size; where several dims have that size, or an input
 computed without the batch (an LSTM's zero initial state) may or may not carry it, each assignment is tried (at
 most `_MAX_ASSIGNMENTS`), the first that passes wins. An op that draws random numbers (dropout inside) is not
-checkable: runs with different seeds differ, so it stays replicated.
+checkable: its runs with different seeds differ, so it stays replicated.
 
 **Cost.** The check runs once per distinct (op or module type, shapes, dtypes, other arguments): repeated layers
 are checked once (`RowChecks` caches per capture). An ATen op is checked on at most `_CHECK_ROWS` rows of the
 batch (its semantics do not depend on the batch size); an opaque submodule or a Function on its traced shapes (its
 Python may). A check whose inputs exceed `_MAX_CHECK_ELEMENTS` elements is not run: the node stays replicated,
 with a note saying so. A meta-device model is checked alike (the inputs are random CPU tensors, not its weights).
-The measured forward FLOPs of the node (torch's FLOP counter on the whole run, scaled to the traced batch) are
+The measured forward FLOPs of the node (torch's FLOP formulas on the whole run, `_FlopCount`, scaled to the traced batch) are
 kept too (`RowLocality.flops`): `cost_model.analytical.node_cost` counts none for these ops.
 
 **What a plan loses** (`lowered_work`): after propagation, per node, the share of its work one rank does (the
@@ -55,10 +57,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from passes import meta as M
 
-_CHECK_ROWS = 6  # rows an ATen op is checked on (chunks of 1, 2 and 3 rows)
+_CHECK_ROWS = 3  # rows an ATen op is checked on (chunks of 1 and 2 rows, permuted)
 _MAX_CHECK_ELEMENTS = 1 << 24  # inputs of a check, in elements: beyond, the node stays replicated
 _MAX_ASSIGNMENTS = 16  # batch-dim assignments tried per node
 _TOLERANCE = {torch.float64: (1e-7, 1e-9), torch.float32: (1e-4, 1e-5)}  # (rtol, atol); else (2e-2, 2e-2)
@@ -95,7 +98,10 @@ def check_batch_locality(gm: fx.GraphModule, user_inputs: list[str], batch_size:
     batch = _batch_dependent(gm, set(user_inputs))
     for node in gm.graph.nodes:
         if node in batch and needs_row_check(node):
-            node.meta[M.ROWS] = _check_node(node, batch, checks)
+            node.meta[M.ROWS] = rows = _check_node(node, batch, checks)
+            if rows.local and node.target is torch.ops.autopar.opaque.default:
+                from autopar.runtime.opaque import describe
+                describe(node.args[0]).rows = (batch_size, rows.in_dims, rows.out_dims)
 
 
 def needs_row_check(node: fx.Node) -> bool:
@@ -151,7 +157,7 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
         for assignment in itertools.islice(itertools.product(*options), _MAX_ASSIGNMENTS):
             if all(d is None for d in assignment):
                 continue
-            got = _row_check(call, [t.meta["val"] for t in tin], list(assignment), n, rows)
+            got = _row_check(call, [t.meta["val"] for t in tin], list(assignment), n, rows, _own_backward(node))
             if got.local:
                 result = got
                 break
@@ -177,6 +183,14 @@ def _buffers_kept(node: fx.Node):
         with torch.no_grad():
             for b, v in kept:
                 b.copy_(v)
+
+
+def _own_backward(node: fx.Node) -> bool:
+    """Whether the node's gradients need checking apart from its forward: an ATen op's backward is the derivative
+    of its forward, so rows independent forward (a block-diagonal Jacobian) are independent backward; an opaque
+    node (a module, possibly with Functions of its own; a Function kept whole) or another library's op (its
+    registered autograd) may differ."""
+    return node.target is torch.ops.autopar.opaque.default or node.target.namespace != "aten"
 
 
 def _what(node: fx.Node):
@@ -229,7 +243,7 @@ def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Gener
     return torch.randn(shape, generator=gen, dtype=dtype) * scale
 
 
-def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int) -> RowLocality:
+def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int, grads: bool) -> RowLocality:
     """Whether `call` is batch-local with input batch dims `in_dims` (the module docstring's test)."""
     from torch.utils._python_dispatch import _disable_current_modes
     numel = sum(math.prod(rows if d == in_dims[i] else int(s) for d, s in enumerate(v.shape))
@@ -243,7 +257,7 @@ def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int)
             dtypes = list(dict.fromkeys((torch.float64, traced)))  # fp64 where the op runs in it
             for i, dtype in enumerate(dtypes):
                 try:
-                    return _row_check_in(call, vals, in_dims, n, rows, dtype)
+                    return _row_check_in(call, vals, in_dims, n, rows, dtype, grads)
                 except (RuntimeError, TypeError, NotImplementedError):
                     if i == len(dtypes) - 1:
                         raise
@@ -252,8 +266,26 @@ def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int)
                                   f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})")
 
 
-def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
-    from torch.utils.flop_counter import FlopCounterMode
+class _FlopCount(TorchDispatchMode):
+    """The FLOPs of the ops run under it, by torch's FLOP formulas (`torch.utils.flop_counter.flop_registry`:
+    matmuls, convolutions, attention). `FlopCounterMode` counts the same but tracks modules, at several times the
+    cost of an LSTM's many small ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.flop_counter import flop_registry
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def _row_check_in(call, vals, in_dims, n, rows, dtype, check_grads: bool) -> RowLocality:
     gen = torch.Generator().manual_seed(0)
     xs = [_random(v, d, rows, dtype, gen) for v, d in zip(vals, in_dims)]
     for x in xs:
@@ -263,33 +295,32 @@ def _row_check_in(call, vals, in_dims, n, rows, dtype) -> RowLocality:
         torch.manual_seed(seed)
         return call(inputs)
 
-    with FlopCounterMode(display=False) as counter:
+    with _FlopCount() as counter:
         whole = run(xs, 0)
-    flops = counter.get_total_flops() * n / rows
-    result = _row_result(xs, whole, in_dims, rows, run, gen, dtype)
+    flops = counter.flops * n / rows
+    result = _row_result(xs, whole, in_dims, rows, run, gen, dtype, check_grads)
     return dataclasses.replace(result, flops=flops)
 
 
-def _row_result(xs, whole, in_dims, rows, run, gen, dtype) -> RowLocality:
-    again = run(xs, 1)
-    if len(again) != len(whole) or any(a.shape != w.shape or not torch.equal(a, w) for a, w in zip(again, whole)):
-        return RowLocality(False, "it draws random numbers (runs with different seeds differ), so its rows "
-                                  "cannot be checked")
+def _row_result(xs, whole, in_dims, rows, run, gen, dtype, check_grads: bool) -> RowLocality:
     rtol, atol = _TOLERANCE.get(dtype, (2e-2, 2e-2))
     close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol)  # noqa: E731
-    wrt = [i for i, x in enumerate(xs) if x.requires_grad]
+    wrt = [i for i, x in enumerate(xs) if x.requires_grad] if check_grads else []
     cots = [torch.randn(w.shape, generator=gen, dtype=w.dtype) if w.is_floating_point() else None for w in whole]
     grads = _grads(whole, cots, [xs[i] for i in wrt])
     perm = torch.randperm(rows, generator=gen)
-    chunks = [perm[:1], perm[1:3], perm[3:]] if rows >= 4 else [perm[:1], perm[1:]]
+    chunks = [perm[:1], perm[1:3], perm[3:]] if rows >= 4 else [perm[:1], perm[1:]]  # uneven where rows > 2
     out_dims: list[int | None] = [None] * len(whole)
     summed = [torch.zeros_like(xs[i]) if in_dims[i] is None else None for i in wrt]
-    for idx in chunks:
+    for c, idx in enumerate(chunks):
         part = [x.detach().index_select(d, idx).requires_grad_(x.requires_grad) if d is not None else x
                 for x, d in zip(xs, in_dims)]
         got = run(part, 0)
         if len(got) != len(whole):
             return RowLocality(False, "it returns another number of outputs on fewer rows")
+        if c == 0 and not all(torch.equal(a, g) for a, g in zip(run(part, 1), got)):  # one row, another seed
+            return RowLocality(False, "it draws random numbers (runs with different seeds differ), so its rows "
+                                      "cannot be checked")
         for k, (g, w) in enumerate(zip(got, whole)):
             if out_dims[k] is None:
                 found = [d for d in range(w.dim()) if w.shape[d] == rows and g.shape[d] == len(idx)
