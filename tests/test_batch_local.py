@@ -91,6 +91,54 @@ class CenterGrad(torch.autograd.Function):
         return g - g.mean(0)
 
 
+@torch.library.custom_op("autopar_test::row_gate", mutates_args=())
+def row_gate(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A custom kernel without a sharding rule: each row gated by sigmoid(row . w) (row-local)."""
+    return x * torch.sigmoid(x @ w)[:, None]
+
+
+@row_gate.register_fake
+def _(x, w):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("autopar_test::center_rows", mutates_args=())
+def center_rows(x: torch.Tensor) -> torch.Tensor:
+    """A custom kernel that mixes rows: x - x.mean(0)."""
+    return x - x.mean(0)
+
+
+@center_rows.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _own_backward(fn):
+    def backward(ctx, g):
+        xs = [t.detach().requires_grad_() for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            return torch.autograd.grad(fn(*xs), xs, g)
+    return backward
+
+
+row_gate.register_autograd(_own_backward(lambda x, w: x * torch.sigmoid(x @ w)[:, None]), setup_context=_save_inputs)
+center_rows.register_autograd(_own_backward(lambda x: x - x.mean(0)), setup_context=_save_inputs)
+
+
+class CustomOp(nn.Module):
+    def __init__(self, mixes: bool):
+        super().__init__()
+        self.mixes = mixes
+        self.gate = nn.Parameter(torch.randn(H))
+
+    def forward(self, x):
+        return center_rows(x) * self.gate if self.mixes else row_gate(x, self.gate)
+
+
 class Wrapped(nn.Module):
     """linear -> the part under test -> linear -> mean squared error."""
 
@@ -118,6 +166,8 @@ MODELS = {
     "gru": (lambda: RNNLM(nn.GRU), _tokens, True),
     "rnn": (lambda: RNNLM(nn.RNN), _tokens, True),
     "function-row-local": (lambda: Wrapped(RoundSTE), _dense, True),
+    "custom-op-row-local": (lambda: Wrapped(CustomOp(mixes=False)), _dense, True),
+    "custom-op-mixes-rows": (lambda: Wrapped(CustomOp(mixes=True)), _dense, False),
     "opaque-mixes-rows": (lambda: Wrapped(MixRows()), _dense, False),
     "function-backward-mixes-rows": (lambda: Wrapped(CenterGrad), _dense, False),
 }
@@ -171,7 +221,8 @@ def test_batch_local_runs_on_the_local_rows(local_world, fp64, name, plan):
         assert _gathers(res) >= 1, res.graph_counts
         assert len(said) == 1, said
         found, share = work.redundant(("dp",))
-        assert [op for _, op, _, _, _ in found] == ["autopar.opaque.default"], found
+        assert [op for _, op, _, _, _ in found] == \
+            ["autopar_test.center_rows.default" if "custom-op" in name else "autopar.opaque.default"], found
         assert re.search(rf" {share:.1%} of the model's FLOPs run redundantly; each rank runs {fraction:.3f} ",
                          said[0]), said[0]
         assert fraction > 0.5
@@ -239,6 +290,16 @@ def test_lstm_batch_dims_found_numerically():
     assert rows.local and rows.out_dims == (0, 1, 1), rows
     assert rows.in_dims[:3] == (0, 1, 1) and set(rows.in_dims[3:]) == {None}, rows  # x, (h0, c0), parameters
     assert rows.flops == 2 * B * S * 4 * H * (E + H)  # the gates' matmuls, as torch's FLOP counter counts them
+
+
+def test_a_meta_device_lstm_is_checked_on_random_inputs():
+    """A model on the meta device (no weights to run) is checked alike: the row check draws its own CPU inputs."""
+    import autopar
+    with torch.device("meta"):
+        model = RNNLM(nn.LSTM)
+    plan = autopar.plan(model, {"dp": 2}, _tokens(), plan="dp", lower=True)
+    assert plan.estimate.flop_fraction == pytest.approx(0.5) and not plan.estimate.unsplit_ops, plan.estimate
+    assert not [n for n in plan.notes if n.startswith("replicated")], plan.notes
 
 
 def test_repeated_layers_are_checked_once(monkeypatch):
