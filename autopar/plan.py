@@ -160,7 +160,8 @@ class Estimate:
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
-        flops = "" if self.flop_fraction is None else f", each rank runs {self.flop_fraction:.3f} of one device's FLOPs"
+        flops = "" if self.flop_fraction is None else \
+            f", each rank runs {self.flop_fraction:.3f} of one device's FLOPs"
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
                 f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms{exposed}), "
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
