@@ -19,6 +19,7 @@ import difflib
 import itertools
 import os
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ from autopar.relower import meta_to_device, plain_inputs
 from autopar.runtime.ops import new_rng_stream
 from autopar.weights import is_meta_model
 from autopar.sites import PassContext
+from passes import meta as M
 from passes.lower import comm_rows, lower_context, lower_pass
 from passes.pipeline import RECOGNISE, run_passes
 
@@ -72,7 +74,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
         gm = lower_pass(captured.gm, lctx)
     if progress:
         progress("lower", time.perf_counter() - t0)
-    return chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
+    return _with_work(chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes), gm, info, warn=False)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
@@ -155,12 +157,35 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     gm = lower_pass(captured.gm, lctx)
     if is_meta_model(model):
         meta_to_device(gm, mesh_device(mesh), captured)
-    chosen = chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes)
+    chosen = _with_work(chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes), gm, info, warn=True)
     return ParallelModule(model, mesh, captured, chosen, gm, stream, example_inputs=example_inputs,
                           local=(axes, call_shapes) if inputs == "local" else None)
 
 
 # ----------------------------------------------------------------------------- steps
+
+def _with_work(chosen: Plan, gm, info: MeshInfo, *, warn: bool) -> Plan:
+    """The plan with its estimate's per-rank FLOP fraction, counted on the lowered program (`passes.batch_local`);
+    `warn`: one UserWarning when ops run whole on every rank of a data axis (the batch gathered for them)."""
+    work = gm.meta.get(M.WORK)
+    if work is None:
+        return chosen
+    axes = data_axes(chosen, info)
+    found, share = work.redundant(axes)
+    if warn and found:
+        ops = ", ".join(f"{name} ({op}{' in ' + path if path else ''})" for name, op, path, _, _ in found[:8])
+        more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+        warnings.warn(
+            f"autopar: plan {chosen.name!r} leaves data axes {', '.join(axes)} not parallel for {len(found)} op(s) "
+            f"without a sharding rule that are not batch-local: {ops}{more}. Their batch-split inputs are gathered "
+            f"and they run whole on every rank: {share:.1%} of the model's FLOPs run redundantly; each rank runs "
+            f"{work.fraction:.3f} of one device's FLOPs. Why, per op: the plan's notes ('replicated ...'). Fix: "
+            "write the computation so that each row of the batch is computed from that row alone (then it runs on "
+            "each rank's rows), or give the op a sharding rule (passes.rules).", UserWarning, stacklevel=3)
+    if chosen.estimate is not None:
+        chosen = chosen.with_estimate(dataclasses.replace(chosen.estimate, flop_fraction=work.fraction))
+    return chosen
+
 
 _STREAMS = itertools.count()
 

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.captured import Captured
 from autopar.functions import custom_functions
+from passes import meta as M
 
 
 class CaptureError(ValueError):
@@ -238,7 +239,23 @@ def _refuse_train_batch_norm(gm, model_name: str) -> None:
                 "batch statistics (LayerNorm, GroupNorm, RMSNorm).")
 
 
-def _function_notes(gm, functions: list[tuple[str, str]]) -> list[str]:
+_REPLICATED = "replicated on every rank"
+
+
+def _opaque_rows(gm) -> dict[str, str]:
+    """Opaque key -> how its node runs on a data axis: on each rank's rows (batch-local, `passes.batch_local`), or
+    replicated, and why."""
+    out = {}
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.autopar.opaque.default:
+            rows = node.meta.get(M.ROWS)
+            out[node.args[0]] = ("batch-local (its rows are independent: it runs on each rank's rows of the batch)"
+                                 if rows is not None and rows.local else
+                                 _REPLICATED + (f" (not batch-local: {rows.why})" if rows is not None else ""))
+    return out
+
+
+def _function_notes(gm, functions: list[tuple[str, str]], rows: dict[str, str]) -> list[str]:
     """One note per custom autograd.Function call kept as an opaque node: where it is and why."""
     from autopar.runtime import opaque
     why = dict(functions)
@@ -248,7 +265,8 @@ def _function_notes(gm, functions: list[tuple[str, str]]) -> list[str]:
             stack = list((node.meta.get("nn_module_stack") or {}).values())
             where = f" in {stack[-1][0]}" if stack and stack[-1][0] else ""
             notes.append(f"custom autograd.Function {opaque.describe(node.args[0]).path}{where} captured as one "
-                         f"opaque node, replicated on every rank, so that its own backward runs: {why[node.args[0]]}")
+                         f"opaque node, {rows.get(node.args[0], _REPLICATED)}, so that its own backward runs: "
+                         f"{why[node.args[0]]}")
     return notes
 
 
@@ -324,9 +342,13 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))
-    notes = [f"{path} captured as one opaque node, replicated on every rank: it is not traceable "
+    from autopar.inputs import batch_dims
+    from passes.batch_local import check_batch_locality
+    check_batch_locality(gm, users, next((b for b in batch_dims(shapes) if b), 0))
+    rows = _opaque_rows(gm)
+    notes = [f"{path} captured as one opaque node, {rows.get(k, _REPLICATED)}: it is not traceable "
              f"({opaque.describe(k).reason})" for path, k in keys.items()] + moe_notes
-    notes += _function_notes(gm, functions)
+    notes += _function_notes(gm, functions, rows)
     from autopar.index_checks import index_checks
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
                     ep.call_spec.out_spec, num_out, shapes, notes, index_checks=index_checks(gm, users))

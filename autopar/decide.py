@@ -51,10 +51,12 @@ def _cheapest_text(rows, chosen: Candidate) -> str:
             + (f" (as cheap as {', '.join(ties)}: ties break by candidate order)" if ties else ""))
 
 
-def auto_decisions(solution, forced: dict[str, Candidate], limit: float) -> tuple[Decision, ...]:
-    """The ILP's decisions from `solution.priced` (`autopar.solver.Priced`)."""
+def auto_decisions(solution, forced: dict[str, Candidate], limit: float, *, unsplit: tuple[str, ...] = ()
+                   ) -> tuple[Decision, ...]:
+    """The ILP's decisions from `solution.priced` (`autopar.solver.Priced`). `unsplit`: the ops without a sharding
+    rule that are not batch-local (`estimate.SiteStats.unsplit_ops`), which every data role prices whole."""
     pr = solution.priced
-    out = [_roles_decision(solution, pr.roles)]
+    out = [_roles_decision(solution, pr.roles, unsplit)]
     for cls, rows in zip(pr.classes, pr.rows):
         key = cls[0].key
         chosen = forced.get(key) or solution.choices[key]
@@ -95,7 +97,7 @@ def _coupling(key: str, cls, pr, solution, cheaper) -> str:
     return f"coupling: cheaper {', '.join(c.label for c, _ in cheaper)} ruled out: " + "; ".join(parts)
 
 
-def _roles_decision(solution, roles) -> Decision:
+def _roles_decision(solution, roles, unsplit: tuple[str, ...] = ()) -> Decision:
     rows, fits, faster = [], 0, []
     for data, seq, sol, why in roles:
         label = _roles_label(data, seq)
@@ -112,6 +114,10 @@ def _roles_decision(solution, roles) -> Decision:
           + (f" ({len(rows) - fits} had none)" if len(rows) > fits else ""))
     if faster:
         by = f"memory limit binding: {'; '.join(faster)} would be faster but no plan of it fits; " + by
+    if unsplit:  # `solver._unsplit_cost`
+        by += (f"; each assignment with data axes runs {_n(len(unsplit), 'op')} without a sharding rule that "
+               f"{'is' if len(unsplit) == 1 else 'are'} not batch-local ({', '.join(unsplit)}) whole on every data "
+               "rank, priced so: its compute not divided, its inputs and output gradients all-gathered")
     return Decision(keys=(ROLES_KEY,), kind="mesh", chosen=chosen, decided_by=by, candidates=tuple(rows))
 
 
@@ -196,6 +202,22 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
         axes = tuple((a, max(0.0, full - other_cost(other, m, fsdp=other_fsdp).comm_s)) for a, m in free.items())
         out.append(_site_estimate("(other)", solution.other, axes, mc))
     return tuple(out)
+
+
+def unsplit_ops(ctx: PassContext, mesh: MeshInfo, cluster, data_axes, seq_axes, optimizer: str) -> dict:
+    """`Estimate` fields for the ops without a sharding rule that are not batch-local (`passes.batch_local`): which
+    (`unsplit_ops`), and what the cost model charges for running them whole on every rank of the data axes
+    (`solver._unsplit_cost`): their compute, not divided (`unsplit_compute_s`), and the all-gathers of their inputs
+    and of their outputs' gradients (`unsplit_comm_s`). Nothing without data axes."""
+    from autopar.solver import _unsplit_cost
+
+    stats, other, _ = gather_stats(ctx)
+    if not data_axes or other.unsplit is None:
+        return {}
+    mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
+                      seq_axes=seq_axes)
+    (compute, comm), _ = _unsplit_cost(other, mc)
+    return dict(unsplit_ops=other.unsplit_ops, unsplit_compute_s=compute, unsplit_comm_s=comm)
 
 
 def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:

@@ -36,6 +36,7 @@ own module; how parameters are synchronised over the data axes in `autopar.forms
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -50,6 +51,8 @@ from cost_model.memory import state_bytes_per_element as element_state_bytes
 from autopar.layers import find_layers
 from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
+from passes import meta as M
+from passes.batch_local import batch_local, needs_row_check, tensor_inputs
 from passes.patterns import TRANSPARENT, parameters_only, tensor_bytes
 
 
@@ -179,9 +182,18 @@ class SiteStats:
     # of the row-parallel biases whose gradients that bucket sums (added after the reduce-scatter: partial)
     sequence_bucket_share: float = 0.0
     sequence_bias_bytes: float = 0.0
+    # other: the nodes without a sharding rule that are not batch-local (`passes.batch_local`), which run whole on
+    # every rank of the data axes (their FLOPs not divided), and the bytes of their batch-dependent inputs, which are
+    # all-gathered there; "node (op)" of each (`Estimate.unsplit_ops`)
+    unsplit: "SiteStats | None" = None
+    unsplit_gather_bytes: list[float] = field(default_factory=list)
+    unsplit_ops: tuple[str, ...] = ()
 
     def add_node(self, n: fx.Node) -> None:
         c = node_cost(n)
+        rows = n.meta.get(M.ROWS)  # an op node_cost counts no FLOPs for (an LSTM, an opaque node): measured at capture
+        if not c.flops and rows is not None and rows.flops:
+            c = dataclasses.replace(c, flops=int(rows.flops), kind="matmul")
         self.flops += c.flops
         if c.flops:
             self.compute_dtype = c.dtype
@@ -547,9 +559,16 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
         stats[site.key].sequence_bucket_share = 1 / len(norms)
         stats[site.key].sequence_bias_bytes = row_bias_bytes / len(norms)
     other = SiteStats()
+    batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
     for n in gm.graph.nodes:
         if n.op == "call_function" and n not in covered_nodes:
-            other.add_node(n)
+            if n in batch and needs_row_check(n) and batch_local(n) is None:  # gathered on the data axes
+                other.unsplit = other.unsplit or SiteStats()
+                other.unsplit.add_node(n)
+                other.unsplit_gather_bytes += [_bytes(a.meta.get("val")) for a in tensor_inputs(n) if a in batch]
+                other.unsplit_ops += (f"{n.name} ({n.target})",)
+            else:
+                other.add_node(n)
     for name, fqn in ctx.captured.param_fqns.items():
         if name not in owned:
             other.add_param(name, ph[name].meta["val"], name in synced, used=bool(ph[name].users))

@@ -12,8 +12,11 @@ Functions defined outside torch and autopar:
   forms around it;
 - otherwise (they differ, or the check cannot run: integer inputs, a kernel that needs an accelerator)
   the call becomes one opaque node (`autopar::opaque`, `autopar.runtime.opaque`) that runs the Function
-  itself, replicated on every rank (inputs gathered): forward calls `apply`, backward re-runs it under
-  autograd and differentiates through the Function's own backward. The capture notes say which and why.
+  itself: forward calls `apply`, backward re-runs it under autograd and differentiates through the
+  Function's own backward. Like every opaque node it is checked for independent rows (`passes.batch_local`:
+  its forward and its own backward, on random inputs of the traced shapes): batch-local (a straight-through
+  rounding), it runs on each rank's rows of the batch on a data axis; else (its backward mixes rows) it is
+  replicated on every rank (inputs gathered). The capture notes say which and why.
 
 The re-run in backward means a Function whose forward draws random numbers sees other draws there.
 """

@@ -149,14 +149,24 @@ class Estimate:
     # what the activation checkpointing levels change of the structures' saved activations per device (`sites`:
     # at level none), negative: the bytes a recomputing layer no longer keeps for backward
     checkpoint_saved_bytes: float = 0.0
+    # per-rank forward FLOPs over one device's, counted on the lowered program's local shapes (`passes.batch_local`:
+    # `Work.fraction`); None until the plan is lowered (`parallelize`, `autopar.plan(..., lower=True)`)
+    flop_fraction: float | None = None
+    # ops without a sharding rule that are not batch-local (`passes.batch_local`): they run whole on every rank of the
+    # data axes, and the cost model prices them so (their compute undivided, their inputs gathered)
+    unsplit_ops: tuple[str, ...] = ()
+    unsplit_compute_s: float = 0.0  # of compute_time_s: theirs, whole on every rank
+    unsplit_comm_s: float = 0.0  # of comm_time_s: the all-gathers of their inputs and of their outputs' gradients
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
+        flops = "" if self.flop_fraction is None else \
+            f", each rank runs {self.flop_fraction:.3f} of one device's FLOPs"
         return (f"cost model ({self.cluster}): {self.step_time_s * 1e3:.3f} ms/step "
                 f"(compute {self.compute_time_s * 1e3:.3f} ms, communication {self.comm_time_s * 1e3:.3f} ms{exposed}), "
                 f"{_fmt_bytes(self.memory_bytes_per_device)} per device of {_fmt_bytes(self.memory_limit_bytes)}"
                 f" ({'fits' if self.fits else 'DOES NOT FIT'}), {_fmt_bytes(self.comm_bytes_per_step)} sent per step (estimated)"
-                + (f"; {self.solver}" if self.solver else ""))
+                + flops + (f"; {self.solver}" if self.solver else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -411,7 +421,21 @@ def _explain(plan: "Plan", key: str | None) -> str:
         if not chosen:
             keys = [k for d in plan.decisions for k in d.keys]
             raise ValueError(f"explain({key!r}): no structure {key!r} in plan {plan.name!r}; keys: {', '.join(keys)}")
-    return "\n\n".join(_explain_one(d, key) for d in chosen)
+    text = "\n\n".join(_explain_one(d, key) for d in chosen)
+    return text + _explain_unsplit(plan) if key is None else text
+
+
+def _explain_unsplit(plan: "Plan") -> str:
+    """What the data axes leave whole (`Estimate.unsplit_ops`): the ops without a rule that are not batch-local,
+    and how the cost model priced them."""
+    est = plan.estimate
+    if est is None or not est.unsplit_ops:
+        return ""
+    return (f"\n\n(batch gathered) {len(est.unsplit_ops)} op(s) without a sharding rule are not batch-local (rows "
+            f"of the batch mix, or could not be checked: the plan's notes say which): {', '.join(est.unsplit_ops)}. "
+            f"They run whole on every rank of the data axes, their inputs gathered; the cost model prices that: "
+            f"{est.unsplit_compute_s * 1e3:.3f} ms of compute not divided, {est.unsplit_comm_s * 1e3:.3f} ms of "
+            "all-gathers per step (auto weighs it against plans that split the batch less).")
 
 
 def _explain_one(d: Decision, key: str | None) -> str:
@@ -556,6 +580,7 @@ _READERS = {
     (Directive, "kind"): _directive_kind,
     (Estimate, "per_site"): _rows(str, (int, float), int, what="a [structure, time s, memory bytes] row"),
     (Estimate, "sites"): _items(SiteEstimate),
+    (Estimate, "unsplit_ops"): _strs,
     (SiteEstimate, "comm_axes"): _rows(str, (int, float), what="an [axis name, seconds] pair such as [\"tp\", 0.001]"),
     (Plan, "decisions"): _items(Decision),
     (Plan, "checkpoint"): _rows(str, str, what="a [layer path, checkpoint level] pair such as [\"layers.0\", \"full\"]"),

@@ -39,7 +39,8 @@ from autopar.forms import checkpoint as ckpt
 from autopar.forms import fsdp as fsdp_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
-from autopar.decide import auto_decisions, hand_decisions, site_estimates
+from autopar.decide import auto_decisions, hand_decisions, site_estimates, unsplit_ops
+from autopar.estimate import gather_stats
 from autopar.layers import find_layers
 from autopar.plan import GATHER_KEEP, Decision, Directive, DirectiveKind, Estimate, Plan, Strategy
 from autopar.sites import Kind, PassContext, Site
@@ -468,7 +469,8 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
     if not explain:
         pass
     elif solution is not None:
-        decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes)
+        decisions = auto_decisions(solution, forced, estimate.memory_limit_bytes,
+                                   unsplit=gather_stats(ctx)[1].unsplit_ops)
     else:
         decisions = hand_decisions(ctx, mesh, clus, name, choices, data_axes, seq_axes, optimizer, forced, notes)
     if explain:
@@ -647,6 +649,7 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                         memory_bytes_per_device=int(solution.memory_bytes), comm_bytes_per_step=int(solution.comm_bytes),
                         fits=solution.memory_bytes <= limit, memory_limit_bytes=int(limit), cluster=clus.name,
                         per_site=per_site, solver=solver_note,
+                        **unsplit_ops(ctx, mesh, clus, data_axes, seq_axes, optimizer),
                         sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
                                              other_fsdp=name == "fsdp") if explain else ())
     return estimate, solution  # the solution: what explain reads of the checkpoint levels

@@ -188,12 +188,27 @@ def _data_sizes(mc: MeshCosting) -> tuple[int, ...]:
     return tuple(mc.size(a) for a in mc.data_axes)
 
 
+def _unsplit_cost(st: SiteStats, mc: MeshCosting) -> tuple[tuple[float, float], float]:
+    """((compute s, communication s), bytes sent) of the nodes without a rule that are not batch-local
+    (`SiteStats.unsplit`): their work whole on every rank, their batch-dependent inputs all-gathered on each data
+    axis forward and the gradient of the output they split again all-gathered backward (about as many bytes)."""
+    if st.unsplit is None:
+        return (0.0, 0.0), 0.0
+    compute, comm_s, comm_b = compute_s(st.unsplit, 1, mc.cluster), 0.0, 0.0
+    for a in mc.data_axes:
+        for nbytes in st.unsplit_gather_bytes:
+            t, b = mc.collective("all_gather", nbytes, a)
+            comm_s, comm_b = comm_s + 2 * t, comm_b + 2 * b
+    return (compute, comm_s), comm_b
+
+
 def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     """Nodes and parameters outside every site (data parallel only), the gradient buckets' fixed cost, and
     the reductions of gradients at batch boundaries. `fsdp`: its parameters are FSDP-sharded too (then no
     bucket is left to pay for: every site is FSDP in the plans that set it)."""
     compute = compute_s(st, mc.dp, mc.cluster)
     transient = 0.0
+    unsplit_s, unsplit_b = _unsplit_cost(st, mc)
     if fsdp:
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
@@ -217,6 +232,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         state = dp_form.state_bytes(mc, st.param_bytes)
         gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
+    compute, comm_s, comm_b = compute + unsplit_s[0], comm_s + unsplit_s[1], comm_b + unsplit_b
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in reducing:
         for nbytes, on_seq, mv in zip(st.boundary_grad_bytes, st.boundary_on_sequence, moved, strict=True):

@@ -13,7 +13,8 @@ placement per mesh axis) and knows its output placements (`outs`). An op registe
 | dropout (train)                 | `parallel_dropout`: one mask per shard, the same on replicas              |
 | cross_entropy_loss              | vocab-parallel (logits sharded on classes) or batch-sharded (global count)|
 | moe_experts                     | `moe_experts` in mode local / partial / a2a                               |
-| opaque                          | `run_opaque`: the module's own forward under autograd (no recompute)      |
+| opaque                          | `run_opaque`: the module's own forward under autograd (no recompute), on  |
+|                                 | the local rows when batch-local (`passes.batch_local`), else the batch    |
 | mse_loss, mean over shards      | local sum divided by the global count                                     |
 | scaled_dot_product_attention    | ring attention; GQA KV heads picked per rank; K/V before repeat_kv         |
 """

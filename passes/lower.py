@@ -52,6 +52,7 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
+from passes.batch_local import batch_local, batch_local_rule, gathered_why, on_batch_dims, record_work_pass
 from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.patterns import parameters_only, tensor_bytes
@@ -412,12 +413,17 @@ class _Lowerer:
             rule = _moe_rule(self.ctx.moe_axes[node.name])
         elif getattr(node.target, "__name__", "") == "local_expert_stack":
             rule = _local_stack_rule
-        if rule is None:
-            rule = replicate_rule
-            if any(p != R for t in tin for p in self.pl[t]) and node.target not in REPLICATED_ON_PURPOSE:
-                self.ctx.notes.append(
-                    f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: no sharding rule, "
-                    "its sharded inputs are gathered")
+        if rule is None:  # batch-local (capture found its rows independent: `passes.batch_local`), else replicated
+            rule = batch_local_rule if batch_local(node) is not None else replicate_rule
+            gathered = [ax for ax in range(len(self.axes)) if any(is_shard(self.pl[t][ax]) for t in tin) and (
+                rule is replicate_rule or not on_batch_dims(node.meta[M.ROWS], [self.pl[t][ax] for t in tin]))]
+            if gathered:
+                node.meta[M.GATHERED] = (str(node.target), tuple(self.axes[ax].name for ax in gathered))
+            if (gathered or (rule is replicate_rule and any(p != R for t in tin for p in self.pl[t]))) and \
+                    (node.target not in REPLICATED_ON_PURPOSE or batch_local(node) is not None):
+                node.meta[M.REPLICATED] = gathered_why(node)
+                self.ctx.notes.append(f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: "
+                                      f"{node.meta[M.REPLICATED]}, its sharded inputs are gathered")
         n_out = len(val) if multi else 1
         reqs = [[None] * len(self.axes) for _ in tin]
         outs = [[None] * len(self.axes) for _ in range(n_out)]
@@ -1227,6 +1233,7 @@ LOWER = [
     fused_parts_pass,
     insert_hints_pass,
     propagate_pass,
+    record_work_pass,
     fuse_gather_grad_reduce_pass,
     group_fsdp_gathers_pass,
     regather_linear_inputs_pass,

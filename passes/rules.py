@@ -22,8 +22,9 @@ Both kinds are checked the same way, op by op: `tests/test_rule_check.py` lowers
 every combination of input placements (R, S(d), `_StridedShard`, P; scalars and broadcasting) on simulated
 ranks and compares the output and every input gradient with the op on full inputs, fp64 (`tests/rule_check.py`).
 
-An op without a rule is replicated: every input is made `R` and the output is `R`; the lowering notes it
-("replicated ... no sharding rule, its sharded inputs are gathered"). Never a guess. Every op in the graphs of the
+An op without a rule runs on each rank's rows of the batch when capture found it batch-local (`passes.batch_local`:
+its rows independent, checked numerically); otherwise it is replicated: every input is made `R` and the output is
+`R`; the lowering notes it ("replicated ... no sharding rule ..., its sharded inputs are gathered"). Never a guess. Every op in the graphs of the
 test models (the Hugging Face zoo, `autopar.models`) has a rule or is in `REPLICATED_ON_PURPOSE`, with why
 (`tests/test_model_ops.py`).
 """
@@ -437,5 +438,6 @@ register(*FACTORIES)(replicate_rule)
 REPLICATED_ON_PURPOSE: dict[object, str] = {
     torch.ops.autopar.opaque.default: (
         "a submodule torch.export cannot trace (data-dependent control flow), or a custom autograd.Function kept "
-        "with its own backward, run whole on every rank; capture notes it ('captured as one opaque node')"),
+        "with its own backward, run whole on every rank unless batch-local (passes.batch_local: then on each rank's "
+        "rows); capture notes which ('captured as one opaque node')"),
 }

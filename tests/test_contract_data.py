@@ -122,8 +122,9 @@ def test_custom_autograd_function_keeps_its_own_backward(local_world, fp64, worl
     notes = [n for n in res.plan.notes if n.startswith("custom autograd.Function")]
     assert len(notes) == 2, res.plan.notes
     assert notes[0].startswith("custom autograd.Function test_contract_data.RoundSTE captured as one opaque node, "
-                               "replicated on every rank, so that its own backward runs: its backward is not the "
-                               "derivative of its forward (gradients differ by up to "), notes
+                               "batch-local (its rows are independent: it runs on each rank's rows of the batch), so "
+                               "that its own backward runs: its backward is not the derivative of its forward "
+                               "(gradients differ by up to "), notes
     assert "test_contract_data.ScaleGrad" in notes[1], notes
 
 

@@ -1,14 +1,20 @@
-"""Opaque submodules: a submodule that cannot be traced runs as one replicated graph node.
+"""Opaque submodules: a submodule that cannot be traced runs as one graph node, on each rank's rows when batch-local.
 
 `torch.export` cannot trace data-dependent Python control flow (branching on tensor values, loops
 over `nonzero()`). Rather than fail the whole model, capture replaces such a submodule's forward,
 for the duration of the trace, with a call of the custom op `autopar::opaque(key, inputs, params)`:
 its parameters stay graph inputs (so they keep their names and become DTensors), its output
-shapes come from one eager run on the example inputs. The lowering has no sharding rule for the op, so
-the node is replicated: inputs gathered, computed redundantly on every rank, output replicated; its
-local form (`passes.local_forms`) makes the node call `run_opaque`, the module's own forward with the
-local parameters under autograd, so backward is the module's own backward on what its forward saved:
-the forward runs once per step (the custom op's autograd, for a graph run unlowered, runs it under
+shapes come from one eager run on the example inputs. The op has no sharding rule; capture checks
+numerically whether its rows are independent (`passes.batch_local`: each row of its outputs, and of
+its inputs' gradients, from the same row alone). If so it is *batch-local*: on a data axis each rank
+runs it on its own rows of the batch, its parameters replicated (their gradients partial, reduced by data
+parallelism), and its fake kernel gives the outputs the rows its inputs have (`_out_shapes`: `out_meta`
+holds the example's, global shapes). Otherwise (it mixes rows: a batch mean, BatchNorm in training; or
+it draws random numbers, so it could not be checked) the node is replicated: inputs gathered, computed
+redundantly on every rank, output replicated. Either way its local form (`passes.local_forms`) makes the
+node call `run_opaque`, the module's own forward on the tensors it gets (local rows or gathered batch)
+with the local parameters under autograd, so backward is the module's own backward on what its forward
+saved: the forward runs once per step (the custom op's autograd, for a graph run unlowered, runs it under
 no_grad and recomputes it in backward: twice the forward's FLOPs, and a second draw of any dropout).
 """
 
@@ -28,8 +34,11 @@ class OpaqueModule:
     module: nn.Module
     param_names: list[str]
     out_spec: pytree.TreeSpec
-    out_meta: list[tuple[tuple[int, ...], torch.dtype]]
+    out_meta: list[tuple[tuple[int, ...], torch.dtype]]  # of the example (global) inputs
     reason: str
+    # batch-local (`passes.batch_local`): (the example's batch size, the batch dim of each input (params after the
+    # inputs; None: unbatched), of each output); None: not batch-local, or not checked
+    rows: tuple | None = None
 
 
 _OPAQUE: dict[str, OpaqueModule] = {}
@@ -55,8 +64,20 @@ def opaque(key: str, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> 
 
 @opaque.register_fake
 def _(key: str, inputs: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    entry = _OPAQUE[key]
     device = inputs[0].device if inputs else params[0].device
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in _OPAQUE[key].out_meta]
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in _out_shapes(entry, inputs)]
+
+
+def _out_shapes(entry: OpaqueModule, inputs: list[torch.Tensor]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The output shapes for these inputs: the example's, with a batch-local module's batch dims at the rows its
+    inputs have (the local shard's rows, on a rank of a data axis)."""
+    if entry.rows is None:
+        return entry.out_meta
+    batch, in_dims, out_dims = entry.rows
+    rows = next((x.shape[d] for x, d in zip(inputs, in_dims) if d is not None), batch)
+    return [(tuple(rows if i == d else s for i, s in enumerate(shape)), dtype)
+            for (shape, dtype), d in zip(entry.out_meta, out_dims)]
 
 
 def _setup(ctx, inputs, output):
