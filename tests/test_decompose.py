@@ -1,0 +1,126 @@
+"""Models built from torch's own norms keep their batch sharded: composite ops decompose into ops with rules.
+
+`passes.decompose.decompose_unruled_pass` (run at capture) replaces `rms_norm`, `group_norm`, `instance_norm`...
+(no sharding rule) by their decompositions into ops with rules. Each model runs under `dp` on 2 simulated ranks and
+is exact against one device in fp64 (the loss, every gradient, every parameter after an SGD step), the plan notes
+no op replicated for want of a rule, and the batch is never gathered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.capture import capture
+from equivalence import run_equivalence
+
+aten = torch.ops.aten
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d, eps=1e-6)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.up, self.gate, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False), \
+            nn.Linear(2 * d, d, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TorchLlama(nn.Module):
+    """A Llama written with torch's nn.RMSNorm and F.scaled_dot_product_attention."""
+
+    def __init__(self, vocab=32, d=16, heads=2, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids, labels):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), labels.flatten())
+
+
+class ConvNet(nn.Module):
+    """Conv2d + a torch norm (GroupNorm or InstanceNorm2d) image classifier."""
+
+    def __init__(self, norm: str, classes: int = 5):
+        super().__init__()
+        make = {"group": lambda c: nn.GroupNorm(2, c), "instance": lambda c: nn.InstanceNorm2d(c, affine=True)}[norm]
+        self.c1, self.n1 = nn.Conv2d(3, 8, 3, padding=1), make(8)
+        self.c2, self.n2 = nn.Conv2d(8, 8, 3, padding=1), make(8)
+        self.fc = nn.Linear(8, classes)
+
+    def forward(self, x, y):
+        x = F.relu(self.n1(self.c1(x)))
+        x = F.relu(self.n2(self.c2(x)))
+        return F.cross_entropy(self.fc(x.mean((2, 3))), y)
+
+
+def _llama():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return TorchLlama(), (torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g))
+
+
+def _convnet(norm):
+    def build():
+        torch.manual_seed(0)
+        g = torch.Generator().manual_seed(1)
+        return ConvNet(norm), (torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g))
+    return build
+
+
+MODELS = {"llama-nn.RMSNorm": (_llama, aten.rms_norm.default),
+          "conv-GroupNorm": (_convnet("group"), aten.group_norm.default),
+          "conv-InstanceNorm2d": (_convnet("instance"), aten.instance_norm.default)}
+
+
+NORM_PATH = {"llama-nn.RMSNorm": "blocks.0.norm1", "conv-GroupNorm": "n1", "conv-InstanceNorm2d": "n1"}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_torch_norms_decompose_at_capture(name, fp64):
+    build, op = MODELS[name]
+    model, inputs = build()
+    gm = capture(model, inputs, {}).gm
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert op not in targets, f"{op} left whole"
+    from passes.rules import rule_for
+    unruled = {str(t) for t in targets if isinstance(t, torch._ops.OpOverload) and rule_for(t) is None}
+    assert not unruled, unruled
+    # the decomposed nodes keep the module they came from
+    from autopar.sites import module_path
+    norm = NORM_PATH[name]
+    assert [n for n in gm.graph.nodes if n.op == "call_function" and module_path(n) == norm], f"no node of {norm}"
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_torch_norms_stay_batch_sharded_under_dp(name, local_world, fp64):
+    build, _ = MODELS[name]
+    model, inputs = build()
+    with local_world(2):
+        res = run_equivalence(model, inputs, (2,), ("dp",), plan="dp")
+    assert res.max_err() < 1e-9, (res.loss, res.ref_loss, res.grad_err, res.param_err)
+    assert res.grad_err and res.param_err
+    replicated = [n for n in res.plan.notes if "replicated" in n or "gathered" in n]
+    assert not replicated, replicated
+    # the batch is never gathered: no all-gather forward; backward, only instance norm's affine weights repeated per
+    # sample (`repeat(weight, [N])`, replicated, split to the batch shard) gather their gradient, N*C elements
+    gathers = [c for c in res.comms if c[0].startswith("all_gather")]
+    assert all(c[2] == "backward" and c[3] <= 4 * 8 for c in gathers), gathers
+    if name != "conv-InstanceNorm2d":
+        assert not gathers, gathers
