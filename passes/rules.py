@@ -53,11 +53,12 @@ OWN_RULES: dict[object, Rule] = {}
 
 
 def register(*targets) -> Callable[[Rule], Rule]:
-    """Register `fn` as autopar's own rule of `targets`; an op registers once (a second rule is an error)."""
+    """Register `fn` as autopar's own rule of `targets`; an op registers once (a second rule, own or derived, is an
+    error: own rules are registered before the derived ones, which skip the ops that have one)."""
     def deco(fn: Rule) -> Rule:
         for t in targets:
-            if t in OWN_RULES:
-                raise ValueError(f"a sharding rule for {t} is registered twice ({OWN_RULES[t].__name__}, {fn.__name__})")
+            if t in RULES:
+                raise ValueError(f"a sharding rule for {t} is registered twice ({RULES[t].__name__}, {fn.__name__})")
             OWN_RULES[t] = RULES[t] = fn
         return fn
     return deco

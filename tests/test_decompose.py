@@ -24,13 +24,15 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1, self.norm2 = nn.RMSNorm(d), nn.RMSNorm(d, eps=1e-6)
-        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.o = nn.Linear(d, d, bias=False)
         self.up, self.gate, self.down = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False), \
             nn.Linear(2 * d, d, bias=False)
 
     def forward(self, x):
         b, s, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        h = self.norm1(x)
+        q, k, v = (p(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for p in (self.q, self.k, self.v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
         h = self.norm2(x)
@@ -124,3 +126,17 @@ def test_torch_norms_stay_batch_sharded_under_dp(name, local_world, fp64):
     assert all(c[2] == "backward" and c[3] <= 4 * 8 for c in gathers), gathers
     if name != "conv-InstanceNorm2d":
         assert not gathers, gathers
+
+
+def test_decomposed_rms_norm_takes_megatron_sequence_parallelism(local_world, fp64):
+    """nn.RMSNorm decomposed is the `pow -> mean -> rsqrt -> mul` that `passes.norm` recognises: every norm of the
+    torch-built Llama is a norm site, and under megatron with `norm: sequence` each runs sequence-sharded, exact."""
+    model, inputs = _llama()
+    with local_world(2):
+        res = run_equivalence(model, inputs, (2,), ("tp",), plan="megatron", overrides={"norm": "sequence"}, steps=2)
+    assert res.max_err() < 1e-9, (res.loss, res.ref_loss, res.grad_err, res.param_err)
+    assert set(res.grad_err) == {n for n, _ in model.named_parameters()}
+    norms = [s for s in res.plan.strategies if s.kind == "norm"]
+    assert len(norms) == 2 * 2 + 1 and all(s.form == "sequence" and s.axis == "tp" for s in norms), norms
+    c = res.comm_counts
+    assert c.get("all_gather.forward", 0) > 2 * 2 and c.get("reduce_scatter.forward", 0) > 2 * 2, c
