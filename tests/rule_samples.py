@@ -494,6 +494,9 @@ add(aten._native_batch_norm_legit_no_training.default, make=lambda op: [
            no_grad=(3, 4))])
 add(aten.slice_scatter.default, make=lambda op: [Sample(op, (rand(4, 6), rand(4, 2), 1, 0, 2))])
 add(aten.diag.default, make=lambda op: [Sample(op, (rand(4, 4),))])
+# what `rms_norm`'s composite kernel calls on CUDA (on CPU it decomposes into pow/mean/rsqrt/mul)
+add(aten._fused_rms_norm.default, make=lambda op: [Sample(op, (rand(2, 4, 6), [6], rand(6), 1e-6), worlds=(2, 4)),
+                                                   Sample(op, (rand(4, 6), [6], None, None))])
 
 
 # ----------------------------------------------------------------------------- ops without a rule

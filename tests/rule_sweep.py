@@ -15,8 +15,10 @@ ones of `rule_samples.py` (at `rule_check.MAX_COMBOS`, on their axes). The op's 
 passes; one wrong case refuses it (`REFUSED`, with the case: the op stays without a rule, i.e. replicated or
 decomposed, never trusted). An op with no sample is `UNSAMPLED` (no rule either).
 
-`--write` regenerates `passes/checked_ops.py`; `tests/test_rule_sweep_*.py` re-check every checked op in `make test`
-(in chunks, one file each for xdist) and that the committed lists are this sweep's.
+`--write` regenerates `passes/checked_ops.py` (all ops: ~9 minutes on a busy 2-core machine); `--update --ops ...`
+re-checks some and keeps the other entries. In `make test`, `tests/test_rule_sweep.py` re-checks one of `CHUNKS`
+parts of the committed ops (a different part each day, every part within CHUNKS days; `RULE_SWEEP_PART=k` picks
+one, `RULECHECK_FULL=1` checks all), and `test_rule_check.py` that the committed lists name this torch's ops.
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ if __name__ == "__main__":
 
 # ----------------------------------------------------------------------------- make test: the committed lists, re-checked
 
-CHUNKS = 4  # tests/test_rule_sweep_{1..4}.py
+CHUNKS = 8  # `make test` re-checks one part a day (tests/test_rule_sweep.py)
 
 
 def chunk(k: int) -> list[str]:

@@ -132,7 +132,7 @@ if FULL:
 # values differentiably, or the op has no derivative): their check is forward only. Ops with integer or
 # boolean outputs (comparisons, argmax, one_hot) have no backward at all.
 FORWARD_ONLY = {"histc", "bincount", "detach", "detach_", "zeros_like", "ones_like", "full_like", "new_ones",
-                "new_zeros", "new_full", "new_empty", "type_as"}
+                "new_zeros", "new_full", "new_empty", "type_as", "remainder"}
 
 
 def test_forward_only_ops_are_the_known_ones(local_world, fp64):
