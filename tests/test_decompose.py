@@ -140,3 +140,57 @@ def test_decomposed_rms_norm_takes_megatron_sequence_parallelism(local_world, fp
     assert len(norms) == 2 * 2 + 1 and all(s.form == "sequence" and s.axis == "tp" for s in norms), norms
     c = res.comm_counts
     assert c.get("all_gather.forward", 0) > 2 * 2 and c.get("reduce_scatter.forward", 0) > 2 * 2, c
+
+
+class Mixed(nn.Module):
+    """Ops that must stay whole: an LSTM (batch-local, its decomposition unrolls time), linear and SDPA (the
+    recognisers need them), next to an nn.RMSNorm that decomposes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm, self.norm, self.proj = nn.LSTM(8, 8, batch_first=True), nn.RMSNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        q = self.proj(self.norm(h)).unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q).sum()
+
+
+def test_recurrent_and_ruled_ops_stay_whole(fp64):
+    gm = capture(Mixed(), (torch.randn(2, 4, 8),), {}).gm
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert {aten.lstm.input, aten.linear.default, aten.scaled_dot_product_attention.default} <= targets, targets
+    assert aten.rms_norm.default not in targets and aten.rsqrt.default in targets
+
+
+def test_a_decomposition_with_an_unruled_op_is_not_inlined(fp64):
+    """Where an op of the decomposition has no rule, the composite op stays whole (replicated, noted), not half
+    decomposed."""
+    from passes.rules import RULES
+    from rule_check import rules_replaced
+
+    with rules_replaced(lambda op: None if op is aten.rsqrt.default else RULES.get(op)):
+        gm = capture(nn.RMSNorm(8), (torch.randn(2, 4, 8),), {}).gm
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [aten.rms_norm.default], targets
+
+
+def test_as_strided_to_a_contiguous_layout_is_a_view():
+    """`native_group_norm`'s CPU decomposition reshapes by `as_strided`; of a contiguous value at offset 0 to the
+    contiguous strides of a shape with its element count, that is a view; any other as_strided stays (and then the
+    decomposition is refused: as_strided has no rule)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes.decompose import _as_strided_to_view
+
+    def f(x):
+        return x.as_strided([2, 6], [6, 1]), x.as_strided([2, 3], [6, 1]), x.t().contiguous().as_strided([12], [1])
+
+    sub = make_fx(f)(torch.randn(3, 4))
+    _as_strided_to_view(sub)
+    sub.recompile()
+    kinds = [n.target for n in sub.graph.nodes if n.op == "call_function"]
+    assert kinds.count(aten.view.default) == 2 and kinds.count(aten.as_strided.default) == 1, kinds
+    x = torch.randn(3, 4)
+    for got, want in zip(sub(x), f(x)):
+        assert torch.equal(got, want)
