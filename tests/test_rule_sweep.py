@@ -45,3 +45,22 @@ def test_committed_rule(name, k, local_world, fp64):
     elif bad:
         lines = "\n".join("  " + b for b in bad)
         pytest.fail(f"{name}: {len(bad)} of {ran} cases of its checked rule are wrong:\n{lines}", pytrace=False)
+
+
+@pytest.mark.parametrize("op, table, key", [
+    ("aten.broadcast_tensors.default", "DENY", "aten.broadcast_tensors.default"),  # DTensor's answer is wrong
+    ("aten.cumsum.default", "DIM_ARG", "aten.cumsum.default"),  # DTensor mishandles a negative scan dim
+])
+def test_the_sweep_refuses_a_wrong_dtensor_answer(op, table, key, local_world, fp64, monkeypatch):
+    """The sweep's check is what refuses: with the known fix of a DTensor bug undone (`passes.dtensor_rules`),
+    DTensor's raw answer for the op fails some case, so the op would be refused, never trusted."""
+    from passes import dtensor_rules as D
+    from passes.rules import op_named
+    from rule_samples import samples_for
+    from rule_sweep import check_op
+
+    target = op_named(op)
+    monkeypatch.setattr(D, table, {k: v for k, v in getattr(D, table).items() if k is not target})
+    monkeypatch.setattr(D, "_CACHE", {})
+    ran, bad, _ = check_op(target, samples_for(target), local_world)
+    assert ran and bad, f"{op}: {ran} cases, none wrong"
