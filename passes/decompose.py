@@ -5,11 +5,12 @@ rule (`passes.rules.rule_for`: autopar's own or DTensor's checked one) and is no
 random ops) is replaced by the op's decomposition, when it has one and every op of it has a rule; otherwise the node
 stays as it is (the lowering then replicates it, or a later fallback handles it). The computation is the op's own:
 its CompositeImplicitAutograd kernel (what autograd differentiates anyway: `rms_norm`, `group_norm`,
-`instance_norm`, `batch_norm`, `layer_norm` variants, the losses written in ATen, ...), traced on the node's fake
-values (`make_fx`; an in-place op on one of its own temporaries made out-of-place, any other in-place op refuses
-the decomposition), one level or more down to ops with rules (an
-inner composite op is traced through, an inner op with a rule is kept: `instance_norm` gives `native_batch_norm`, except where that op's rule cannot shard
-what its decomposition can, `DECOMPOSED_FURTHER`: `group_norm` gives `var_mean` per group, not `native_group_norm`).
+`instance_norm`, eval-mode `batch_norm`, the losses written in ATen, ...), traced on the node's fake values
+(`make_fx`; an in-place op on one of its own temporaries made out-of-place, any other in-place op refuses the
+decomposition), down to ops with rules: an inner composite op is traced through, an inner op with a rule is kept
+(`instance_norm` gives `native_batch_norm`), except where that op's rule cannot shard what its decomposition can
+(`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives `var_mean` per group, not `native_group_norm`;
+that decomposition's gradients are checked against one device in `tests/test_decompose.py`).
 
 Each new node takes the replaced node's meta (`nn_module_stack`, `stack_trace`, ... : the recognisers and the
 layer/FLOP accounting see the same module) with its own traced `val`. An RMSNorm decomposes into
