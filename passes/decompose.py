@@ -6,11 +6,14 @@ random ops) is replaced by the op's decomposition, when it has one and every op 
 stays as it is (the lowering then replicates it, or a later fallback handles it). The computation is the op's own:
 its CompositeImplicitAutograd kernel (what autograd differentiates anyway: `rms_norm`, `group_norm`,
 `instance_norm`, eval-mode `batch_norm`, the losses written in ATen, ...), traced on the node's fake values
-(`make_fx`; an in-place op on one of its own temporaries made out-of-place, any other in-place op refuses the
-decomposition), down to ops with rules: an inner composite op is traced through, an inner op with a rule is kept
+(`make_fx`; an in-place op on one of its own temporaries kept, out-of-place where that op has a rule; an in-place
+op on an input or a view refuses the decomposition), down to ops with rules: an inner composite op is traced through, an inner op with a rule is kept
 (`instance_norm` gives `native_batch_norm`), except where that op's rule cannot shard what its decomposition can
-(`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives `var_mean` per group, not `native_group_norm`;
-that decomposition's gradients are checked against one device in `tests/test_decompose.py`).
+(`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives `var_mean` per group, not `native_group_norm`);
+ops without a rule and without a CompositeImplicit kernel decompose by that table too where it is checked
+(`DECOMPOSED_FURTHER`: `hardswish`, `glu`, `pixel_shuffle`, `smooth_l1_loss`, `huber_loss`,
+`binary_cross_entropy_with_logits`, `log_sigmoid`, `prelu`); each of the table's decompositions used here gives
+the op's outputs and input gradients (fp64, `tests/test_decompose.py`).
 
 Each new node takes the replaced node's meta (`nn_module_stack`, `stack_trace`, ... : the recognisers and the
 layer/FLOP accounting see the same module) with its own traced `val`. An RMSNorm decomposes into
@@ -42,12 +45,17 @@ LEFT_WHOLE = {
     aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default,
 }
 _TRACED_META = ("val", "tensor_meta", "example_value")
-# Ops with a rule that cannot shard where the decomposition's ops can, decomposed further by torch._decomp's table
-# where they come out of a composite op's decomposition, with why.
+# Ops decomposed by torch._decomp's table (CompositeExplicit: their own kernel and derivative formula), with why.
+# The table's decompositions are written for tracing below autograd, so each one used here is checked to give the
+# op's outputs and input gradients (fp64, OpInfo samples: `tests/test_decompose.py`), not trusted.
 DECOMPOSED_FURTHER = {
     aten.native_group_norm.default: (
         "takes the batch size N, channels C and HxW as ints, which DTensor rewrites to local sizes and the lowering "
         "does not: its rule replicates a sharded batch; its decomposition (var_mean over each group) shards it"),
+    **{op: "no rule; its decomposition is pointwise math, reductions and views, which have rules" for op in (
+        aten.hardswish.default, aten.log_sigmoid_forward.default, aten.glu.default, aten.smooth_l1_loss.default,
+        aten.huber_loss.default, aten.binary_cross_entropy_with_logits.default, aten.pixel_shuffle.default,
+        aten._prelu_kernel.default)},
 }
 
 
@@ -131,18 +139,21 @@ def _out_of_place(op):
 
 
 def _functional(sub: fx.GraphModule) -> bool:
-    """In-place ops on the decomposition's own temporaries (`mean.add_(eps)`) made out-of-place: where the written
-    tensor is computed in the decomposition, is no view, and the in-place op is its only use. False where an
-    in-place op remains (it writes into an input or a view)."""
+    """In-place ops only on the decomposition's own temporaries (`mean.add_(eps)`): the written tensor computed in
+    the decomposition, no view, the in-place op its only use; made out-of-place where that op has a rule. False
+    where an in-place op writes into an input or a view (the decomposition is then refused)."""
+    from passes.rules import rule_for
+
     for n in list(sub.graph.nodes):
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.target._schema.is_mutable:
             continue
         x = n.args[0]
-        functional = _out_of_place(n.target)
-        if (functional is None or not isinstance(x, fx.Node) or x.op != "call_function" or len(x.users) != 1
+        if (not isinstance(x, fx.Node) or x.op != "call_function" or len(x.users) != 1
                 or not isinstance(x.target, torch._ops.OpOverload) or x.target.is_view):
             return False
-        n.target = functional
+        functional = _out_of_place(n.target)
+        if functional is not None and rule_for(functional) is not None:
+            n.target = functional
     return True
 
 

@@ -422,12 +422,18 @@ def _ffn_placements(node) -> list[Placement] | None:
     return [Shard(d + shift) if k == 1 else _StridedShard(d + shift, split_factor=k) for d, k in spec.ffn_dims]
 
 
-# Factories: no tensor input to follow (new_* take only their input's dtype and device), so replicated; DTensor
-# rewrites their size arguments to local sizes, which the lowering does not.
+# Factories: no tensor input to follow, so replicated; DTensor rewrites their size arguments to local sizes, which
+# the lowering does not.
 FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default, aten.zeros.default,
-             aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
-             aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default]
+             aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.lift_fresh_copy.default]
 register(*FACTORIES)(replicate_rule)
+
+
+@register(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
+def new_factory_rule(node, tin, ins, n) -> Decision:
+    """`x.new_zeros(size)`...: a replicated tensor of the global size; x gives only its dtype and device, so it stays
+    as it is (gathering it would move a sharded batch for nothing). No gradient flows to x."""
+    return list(ins), R
 
 # Ops without a rule on purpose (the lowering gathers their sharded inputs), each with why; the lowering does not
 # note them again where their replication is noted elsewhere.

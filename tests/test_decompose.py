@@ -72,6 +72,26 @@ class ConvNet(nn.Module):
         return F.cross_entropy(self.fc(x.mean((2, 3))), y)
 
 
+class TableNet(nn.Module):
+    """Modules whose ops decompose by torch._decomp's checked table (`DECOMPOSED_FURTHER`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.shuffle, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.PixelShuffle(2), nn.Hardswish()
+        self.fc, self.glu, self.prelu, self.out = nn.Linear(2 * 16 * 16, 8), nn.GLU(), nn.PReLU(), nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        h = self.act(self.shuffle(self.conv(x))).flatten(1)
+        z = self.out(self.prelu(self.glu(self.fc(h))))
+        return F.smooth_l1_loss(z, y) + F.binary_cross_entropy_with_logits(z, y.sigmoid()) + F.logsigmoid(z).mean()
+
+
+def _table_net():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return TableNet(), (torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 3, generator=g))
+
+
 def _llama():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -88,10 +108,12 @@ def _convnet(norm):
 
 MODELS = {"llama-nn.RMSNorm": (_llama, aten.rms_norm.default),
           "conv-GroupNorm": (_convnet("group"), aten.group_norm.default),
-          "conv-InstanceNorm2d": (_convnet("instance"), aten.instance_norm.default)}
+          "conv-InstanceNorm2d": (_convnet("instance"), aten.instance_norm.default),
+          "table-decomposed": (_table_net, aten.pixel_shuffle.default)}
 
 
-NORM_PATH = {"llama-nn.RMSNorm": "blocks.0.norm1", "conv-GroupNorm": "n1", "conv-InstanceNorm2d": "n1"}
+NORM_PATH = {"llama-nn.RMSNorm": "blocks.0.norm1", "conv-GroupNorm": "n1", "conv-InstanceNorm2d": "n1",
+             "table-decomposed": "shuffle"}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -194,3 +216,88 @@ def test_as_strided_to_a_contiguous_layout_is_a_view():
     x = torch.randn(3, 4)
     for got, want in zip(sub(x), f(x)):
         assert torch.equal(got, want)
+
+
+def _f64(*shape, pos=False, seed=0):
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed + len(shape)), dtype=torch.float64)
+    return t.abs() + 0.5 if pos else t
+
+
+# op -> (args, kwargs[, tensors not differentiated]): composite ops of torch.nn modules, and every op of passes.decompose.DECOMPOSED_FURTHER
+DECOMPOSED = {
+    aten.rms_norm.default: ((_f64(2, 4, 6), [6], _f64(6), None), {}),
+    aten.group_norm.default: ((_f64(2, 4, 3, 3), 2, _f64(4), _f64(4), 1e-5, False), {}),
+    aten.instance_norm.default: ((_f64(2, 4, 5), _f64(4), _f64(4), None, None, True, 0.1, 1e-5, False), {}),
+    aten.batch_norm.default: ((_f64(4, 3, 5), _f64(3), _f64(3), _f64(3), _f64(3, pos=True), False, 0.1, 1e-5,
+                               False), {}, (3, 4)),
+    aten.cosine_embedding_loss.default: ((_f64(4, 6), _f64(4, 6, seed=1), torch.tensor([1., -1., 1., -1.])), {}),
+    aten.prelu.default: ((_f64(2, 3, 4), _f64(3)), {}),
+    aten.log_sigmoid.default: ((_f64(4, 6),), {}),
+    aten.native_group_norm.default: ((_f64(2, 4, 9), _f64(4), _f64(4), 2, 4, 9, 2, 1e-5), {}),
+    aten.hardswish.default: ((_f64(4, 6) * 4,), {}),
+    aten.log_sigmoid_forward.default: ((_f64(4, 6),), {}),
+    aten.glu.default: ((_f64(4, 6), -1), {}),
+    aten.smooth_l1_loss.default: ((_f64(4, 6), _f64(4, 6, seed=1), 1, 0.5), {}),
+    aten.huber_loss.default: ((_f64(4, 6), _f64(4, 6, seed=1), 0, 0.7), {}),
+    aten.binary_cross_entropy_with_logits.default: ((_f64(4, 6), torch.rand(4, 6, dtype=torch.float64), _f64(6),
+                                                     _f64(6, pos=True), 1), {}, (2, 3)),
+    aten.pixel_shuffle.default: ((_f64(2, 8, 3, 3), 2), {}),
+    aten._prelu_kernel.default: ((_f64(2, 3, 4), _f64(3, 1)), {}),
+}
+
+
+def test_every_table_decomposition_is_checked():
+    from passes.decompose import DECOMPOSED_FURTHER
+
+    assert set(DECOMPOSED_FURTHER) <= set(DECOMPOSED)
+
+
+@pytest.mark.parametrize("op", list(DECOMPOSED), ids=str)
+def test_decompositions_give_the_ops_values_and_gradients(op):
+    """What the pass inlines (`passes.decompose.decomposition` of a one-node graph on fake values, its rewrites
+    included) against the op: every output and every input gradient, fp64, on real values."""
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from passes.decompose import decomposition
+
+    args, kwargs, *rest = DECOMPOSED[op]
+    no_grad = rest[0] if rest else ()
+    fake = FakeTensorMode()
+    g = fx.Graph()
+    flat, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    tensors = []
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Tensor):
+            ph = g.placeholder(f"in{len(tensors)}")
+            ph.meta["val"] = fake.from_tensor(a)
+            tensors.append(a)
+            flat[i] = ph
+    a, k = torch.utils._pytree.tree_unflatten(flat, spec)
+    node = g.call_function(op, tuple(a), dict(k))
+    with fake:
+        node.meta["val"] = op(*torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (a, k))[0], **k)
+    g.output(node)
+    sub = decomposition(node)
+    assert sub is not None, f"{op} did not decompose into ops with rules"
+    assert op not in {n.target for n in sub.graph.nodes}
+    leaves = [t.clone().requires_grad_(t.dtype.is_floating_point and i not in no_grad) for i, t in enumerate(tensors)]
+    it = iter(leaves)
+    full = [next(it) if isinstance(x, fx.Node) else x for x in flat]
+    a_full, k_full = torch.utils._pytree.tree_unflatten(full, spec)
+    want = op(*a_full, **k_full)
+    got = sub(*leaves)
+    want = [w for w in (want if isinstance(want, (list, tuple)) else [want]) if isinstance(w, torch.Tensor)]
+    got = [x for x in (got if isinstance(got, (list, tuple)) else [got]) if isinstance(x, torch.Tensor)]
+    assert len(got) == len(want)
+    for x, w in zip(got, want):
+        torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-12)
+    diff = [(x, w) for x, w in zip(got, want) if w.requires_grad]
+    cots = [torch.randn(w.shape, generator=torch.Generator().manual_seed(3), dtype=w.dtype) for _, w in diff]
+    needs = [t for t in leaves if t.requires_grad]
+    g_got = torch.autograd.grad([x for x, _ in diff], needs, cots, allow_unused=True)
+    g_want = torch.autograd.grad([w for _, w in diff], needs, cots, allow_unused=True)
+    for i, (x, w) in enumerate(zip(g_got, g_want)):
+        x = torch.zeros_like(needs[i]) if x is None else x
+        w = torch.zeros_like(needs[i]) if w is None else w
+        torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-12, msg=lambda m: f"gradient of input {i}: {m}")
