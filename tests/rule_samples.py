@@ -1,4 +1,5 @@
-"""Sample arguments for every op with a sharding rule (and for the extra ops real graphs hold).
+"""Hand-written sample arguments: for every op with an own rule, the ops the test models use, the ops of DTensor's
+registry that no OpInfo sample reaches (`opinfo_samples.py` generates the rest), and the extra ops real graphs hold.
 
 `samples_for(op)` gives the op's samples: several shapes, tensor-tensor and broadcasting operands,
 python numbers and 0-d tensors as operands, keyword variants (`keepdim`, `dim=-1`, `alpha`),
