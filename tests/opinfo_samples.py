@@ -2,8 +2,8 @@
 
 `opinfo_samples(ops)` maps each ATen overload of `ops` to `rule_check.Sample`s: every OpInfo's sample inputs
 (cpu; float64 where the OpInfo supports it, else int64, else bool; its in-place variant too) are run under a
-dispatch mode that records each ATen call at the top of the dispatcher (`_Recorder`): the overload hit, with its arguments as they were at that point (tensors cloned
-contiguous). A call of a wanted overload becomes a sample of that overload, whichever OpInfo made it (an OpInfo for
+dispatch mode that records each ATen call at the top of the dispatcher (`_Recorder`): the overload hit, with its
+arguments as they were at that point (tensors cloned contiguous). A call of a wanted overload becomes a sample of that overload, whichever OpInfo made it (an OpInfo for
 `F.normalize` yields samples of `linalg_vector_norm`, `clamp_min` and `div`). Which overload a sample hits is thus
 observed, never guessed from a name.
 
