@@ -7,9 +7,9 @@ stays as it is (the lowering then replicates it, or a later fallback handles it)
 its CompositeImplicitAutograd kernel (what autograd differentiates anyway: `rms_norm`, `group_norm`,
 `instance_norm`, eval-mode `batch_norm`, the losses written in ATen, ...), traced on the node's fake values
 (`make_fx`; an in-place op on one of its own temporaries kept, out-of-place where that op has a rule; an in-place
-op on an input or a view refuses the decomposition), down to ops with rules: an inner composite op is traced through, an inner op with a rule is kept
-(`instance_norm` gives `native_batch_norm`), except where that op's rule cannot shard what its decomposition can
-(`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives `var_mean` per group, not `native_group_norm`);
+op on an input or a view refuses the decomposition), down to ops with rules: an inner composite op is traced
+through, an inner op with a rule is kept (`instance_norm` gives `native_batch_norm`), except where that op's rule
+cannot shard what its decomposition can (`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives `var_mean` per group, not `native_group_norm`);
 ops without a rule and without a CompositeImplicit kernel decompose by that table too where it is checked
 (`DECOMPOSED_FURTHER`: `hardswish`, `glu`, `pixel_shuffle`, `smooth_l1_loss`, `huber_loss`,
 `binary_cross_entropy_with_logits`, `log_sigmoid`, `prelu`); each of the table's decompositions used here gives
@@ -145,7 +145,8 @@ def _functional(sub: fx.GraphModule) -> bool:
     from passes.rules import rule_for
 
     for n in list(sub.graph.nodes):
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not n.target._schema.is_mutable:
+        op = n.target
+        if n.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or not op._schema.is_mutable:
             continue
         x = n.args[0]
         if (not isinstance(x, fx.Node) or x.op != "call_function" or len(x.users) != 1

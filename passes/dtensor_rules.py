@@ -380,7 +380,8 @@ def _returns_tensors(op) -> bool:
 
 def candidate_ops() -> list:
     """The ops of DTensor's strategy registry a captured forward graph can hold, in a stable order: functional or
-    in-place overloads (no `out=` variants), returning tensors; not the optimizer's `_foreach_*`/`_fused_adam*`/`_fused_sgd*` ops,
+    in-place overloads (no `out=` variants), returning tensors; not the optimizer's `_foreach_*`, `_fused_adam*`,
+    `_fused_sgd*` ops,
     not backward ops (autograd derives the backward of the forward ops), not random ops (the lowering has its own
     per-shard streams for dropout; DTensor's random ops need its RNG tracker). These are the ops whose DTensor
     answer the rule check (`tests/rule_sweep.py`) is asked to check; those it passes are `passes.checked_ops`."""

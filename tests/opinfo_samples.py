@@ -3,8 +3,9 @@
 `opinfo_samples(ops)` maps each ATen overload of `ops` to `rule_check.Sample`s: every OpInfo's sample inputs
 (cpu; float64 where the OpInfo supports it, else int64, else bool; its in-place variant too) are run under a
 dispatch mode that records each ATen call at the top of the dispatcher (`_Recorder`): the overload hit, with its
-arguments as they were at that point (tensors cloned contiguous). A call of a wanted overload becomes a sample of that overload, whichever OpInfo made it (an OpInfo for
-`F.normalize` yields samples of `linalg_vector_norm`, `clamp_min` and `div`). Which overload a sample hits is thus
+arguments as they were at that point (tensors cloned contiguous). A call of a wanted overload becomes a sample of
+that overload, whichever OpInfo made it (an OpInfo for `F.normalize` yields samples of `linalg_vector_norm`,
+`clamp_min` and `div`). Which overload a sample hits is thus
 observed, never guessed from a name.
 
 Kept per overload: at most `PER_OP` samples, distinct by their argument signature (shapes, dtypes, python values),
@@ -153,5 +154,6 @@ def opinfo_samples(ops, infos=None) -> dict[object, list[Sample]]:
         items = sorted(by_sig.values(), key=lambda v: not _shardable(v[0], v[1]))  # stable: keeps OpInfo order
         items = [v for v in items if (str(op), v[2]) not in LEFT_OUT]
         check = "shape" if op._schema.name.split("::")[1] in UNINITIALISED else "exact"
-        out[op] = [Sample(op, args, kwargs, note=f"OpInfo {name}", check=check) for args, kwargs, name in items[:PER_OP]]
+        out[op] = [Sample(op, args, kwargs, note=f"OpInfo {name}", check=check)
+                   for args, kwargs, name in items[:PER_OP]]
     return out

@@ -1,4 +1,4 @@
-"""The rule check on every op DTensor knows how to shard; writes `passes/checked_ops.py`, the ops whose derived rule passed.
+"""The rule check on every op DTensor knows how to shard; writes `passes/checked_ops.py`, the ops it passed.
 
     PYTHONPATH=.:tests OMP_NUM_THREADS=1 python tests/rule_sweep.py [--ops aten.add.Tensor,...] [--write]
 
@@ -165,7 +165,7 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-# ----------------------------------------------------------------------------- make test: the committed lists, re-checked
+# ----------------------------------------------------------------------------- make test: the committed lists
 
 CHUNKS = 8  # `make test` re-checks one part a day (tests/test_rule_sweep.py)
 

@@ -223,7 +223,8 @@ def _f64(*shape, pos=False, seed=0):
     return t.abs() + 0.5 if pos else t
 
 
-# op -> (args, kwargs[, tensors not differentiated]): composite ops of torch.nn modules, and every op of passes.decompose.DECOMPOSED_FURTHER
+# op -> (args, kwargs[, tensors not differentiated]): composite ops of torch.nn modules, and every op of
+# passes.decompose.DECOMPOSED_FURTHER
 DECOMPOSED = {
     aten.rms_norm.default: ((_f64(2, 4, 6), [6], _f64(6), None), {}),
     aten.group_norm.default: ((_f64(2, 4, 3, 3), 2, _f64(4), _f64(4), 1e-5, False), {}),
