@@ -11,9 +11,9 @@ op on an input or a view refuses the decomposition), down to ops with rules: an 
 through, an inner op with a rule is kept (`instance_norm` gives `native_batch_norm`), except where that op's rule
 cannot shard what its decomposition can (`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives
 `var_mean` per group, not `native_group_norm`); ops without a rule and without a CompositeImplicit kernel
-decompose by that table too where it is checked (`DECOMPOSED_FURTHER`: `hardswish`, `glu`, `pixel_shuffle`, `smooth_l1_loss`, `huber_loss`,
-`binary_cross_entropy_with_logits`, `log_sigmoid`, `prelu`); each of the table's decompositions used here gives
-the op's outputs and input gradients (fp64, `tests/test_decompose.py`).
+decompose by that table too where it is checked (`DECOMPOSED_FURTHER`: `hardswish`, `glu`, `pixel_shuffle`,
+`smooth_l1_loss`, `huber_loss`, `binary_cross_entropy_with_logits`, `log_sigmoid`, `prelu`); each of the table's
+decompositions used here gives the op's outputs and input gradients (fp64, `tests/test_decompose.py`).
 
 Each new node takes the replaced node's meta (`nn_module_stack`, `stack_trace`, ... : the recognisers and the
 layer/FLOP accounting see the same module) with its own traced `val`. An RMSNorm decomposes into
