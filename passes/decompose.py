@@ -212,12 +212,27 @@ def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule) -> None:
     gm.graph.erase_node(node)
 
 
+def _signature(node: fx.Node) -> str:
+    """The node's op and arguments with tensors as their shape, dtype and device: a model's repeated layers (nine
+    RMSNorms of one shape) trace their decomposition once."""
+    def one(a):
+        v = _val(a)
+        if isinstance(v, torch.Tensor):
+            return ("T", tuple(v.shape), v.dtype, str(v.device), v.requires_grad)
+        return repr(v) if isinstance(a, fx.Node) else a
+    return repr((node.target, pytree.tree_map(one, (node.args, node.kwargs))))
+
+
 def decompose_unruled_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     changed = False
+    traced: dict[str, fx.GraphModule | None] = {}
     for node in list(gm.graph.nodes):
         if not _wanted(node):
             continue
-        sub = decomposition(node)
+        key = _signature(node)
+        if key not in traced:
+            traced[key] = decomposition(node)
+        sub = traced[key]
         if sub is not None:
             _inline(gm, node, sub)
             changed = True
