@@ -15,7 +15,7 @@ ones of `rule_samples.py` (at `rule_check.MAX_COMBOS`, on their axes). The op's 
 passes; one wrong case refuses it (`REFUSED`, with the case: the op stays without a rule, i.e. replicated or
 decomposed, never trusted). An op with no sample is `UNSAMPLED` (no rule either).
 
-`--write` regenerates `passes/checked_ops.py` (all ops: ~9 minutes on a busy 2-core machine); `--update --ops ...`
+`--write` regenerates `passes/checked_ops.py` (all ops: 5-9 minutes on a busy 2-core machine); `--update --ops ...`
 re-checks some and keeps the other entries. In `make test`, `tests/test_rule_sweep.py` re-checks one of `CHUNKS`
 parts of the committed ops (a different part each day, every part within CHUNKS days; `RULE_SWEEP_PART=k` picks
 one, `RULECHECK_FULL=1` checks all), and `test_rule_check.py` that the committed lists name this torch's ops.
