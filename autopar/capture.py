@@ -274,6 +274,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from autopar.runtime import opaque
+    from passes.decompose import decompose_unruled_pass
     from passes.moe import canonical_forwards, recognise_moe_modules
     if any(p.is_meta for p in model.parameters()):  # a meta-device model is traced on meta inputs (shapes only)
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
@@ -339,6 +340,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} for {name}")
     _refuse_parameter_mutation(gm, params, type(model).__name__)
     _refuse_train_batch_norm(gm, type(model).__name__)
+    gm = decompose_unruled_pass(gm)  # composite ops without a sharding rule, into ops with one (passes.decompose)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
     num_out = sum(1 for s in sig.output_specs if s.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT))

@@ -11,7 +11,7 @@ it). Only a computation that mixes rows (a batch mean, BatchNorm in training, a 
 its sharded inputs and runs whole on every rank.
 
 **Where it applies** (`check_batch_locality`, run at capture on every batch-dependent node): an ATen (or
-`torch.library` custom) op with no sharding rule (`passes.rules.RULES`), such as `aten.lstm.input`,
+`torch.library` custom) op with no sharding rule (`passes.rules.rule_for`), such as `aten.lstm.input`,
 `aten.gru.input`, `aten.rnn_tanh.input`; an opaque submodule (`autopar::opaque`: one torch.export cannot trace,
 `autopar.runtime.opaque`); a custom `autograd.Function` kept whole (`autopar.functions`, also an opaque node).
 The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule` is the lowering's rule for
@@ -112,10 +112,10 @@ def check_batch_locality(gm: fx.GraphModule, user_inputs: list[str], batch_size:
 def needs_row_check(node: fx.Node) -> bool:
     """A node the lowering has no rule for: an op without a registered rule, or an opaque node. (The lowering's
     own lookup, `passes.lower._Lowerer._call`, must agree: a node it finds a rule for never reads `meta.ROWS`.)"""
-    from passes.rules import RULES
+    from passes.rules import rule_for
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    return node.target is torch.ops.autopar.opaque.default or node.target not in RULES
+    return node.target is torch.ops.autopar.opaque.default or rule_for(node.target) is None
 
 
 def _batch_dependent(gm: fx.GraphModule, user_inputs: set[str]) -> set[fx.Node]:

@@ -50,9 +50,11 @@ without a rule), and `derive(...).reason` says why:
 - DTensor has no strategy for the op (neither registered nor through its decomposition), or raised.
 
 Decisions are cached by (op, input placements, axis size, input shapes/dtypes, other arguments): a
-model's repeated layers ask once. `passes.rules` registers `dtensor_rule` for the ops in `FROM_DTENSOR`.
-DTensor's own rules have bugs: `tests/test_rule_check.py` checks every entry of the rule table
-numerically, derived or own; `DENY` lists the ops whose DTensor answer it finds wrong (replicated, with
+model's repeated layers ask once. `passes.rules` registers `dtensor_rule` for the ops the rule check passed
+(`passes.checked_ops`, from the ops of `candidate_ops`).
+DTensor's own rules have bugs: `tests/rule_sweep.py` checks every derived entry numerically, `test_rule_check.py`
+every entry with hand-written samples; an op the sweep finds wrong is left without a rule (`checked_ops.REFUSED`);
+`DENY` lists the ops whose DTensor answer it finds wrong (replicated, with
 why) and `DIM_ARG` the ops asked with a normalised dim because DTensor mishandles a negative one.
 """
 
@@ -369,3 +371,34 @@ def registered(op) -> str:
     if isinstance(op, torch._ops.OpOverload) and DecompShardingStrategy.has_decomp(op):
         return "decomposition"
     return "none"
+
+
+def _returns_tensors(op) -> bool:
+    rets = op._schema.returns
+    return bool(rets) and all(str(r.type) in ("Tensor", "List[Tensor]", "Tensor[]") for r in rets)
+
+
+def candidate_ops() -> list:
+    """The ops of DTensor's strategy registry a captured forward graph can hold, in a stable order: functional or
+    in-place overloads (no `out=` variants), returning tensors; not the optimizer's `_foreach_*`, `_fused_adam*`,
+    `_fused_sgd*` ops,
+    not backward ops (autograd derives the backward of the forward ops), not random ops (the lowering has its own
+    per-shard streams for dropout; DTensor's random ops need its RNG tracker). These are the ops whose DTensor
+    answer the rule check (`tests/rule_sweep.py`) is asked to check; those it passes are `passes.checked_ops`."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    ops = set(prop.op_strategy_funcs) | set(prop.op_single_dim_strategy_funcs) | set(prop.op_to_rules)
+    keep = []
+    for op in ops:
+        if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":  # prims: not in captured graphs
+            continue
+        name, s = op.name(), op._schema
+        if "out" in op._overloadname or any(a.is_out for a in s.arguments):
+            continue
+        if any(k in name for k in ("_foreach_", "_fused_adam", "_fused_sgd", "_amp_", "backward")):
+            continue
+        if torch.Tag.nondeterministic_seeded in op.tags or not _returns_tensors(op):
+            continue
+        keep.append(op)
+    return sorted(keep, key=str)

@@ -56,7 +56,7 @@ from passes.batch_local import batch_local, batch_local_rule, gathered_why, on_b
 from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.patterns import parameters_only, tensor_bytes
-from passes.rules import REPLICATED_ON_PURPOSE, RULES, arg, replicate_rule, shape
+from passes.rules import REPLICATED_ON_PURPOSE, arg, replicate_rule, rule_for, shape
 
 aten = torch.ops.aten
 
@@ -402,7 +402,7 @@ class _Lowerer:
         multi = isinstance(val, (list, tuple))
         if not tin and not isinstance(val, torch.Tensor) and not multi:
             return
-        rule = RULES.get(node.target)
+        rule = rule_for(node.target)
         if node.target is placement_hint:
             spec = node.meta["autopar_hint"]
             rule = lambda node, tin, ins, n, ax: ([spec.get(ax, ins[0])], spec.get(ax, ins[0]))  # noqa: E731

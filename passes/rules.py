@@ -6,27 +6,32 @@ outputs). Rules never mutate the graph; the lowering inserts the collectives tha
 into the required one, and wraps an input that must be `R` in `grad_all_reduce` when the output is not `R` (its
 gradient is then partial).
 
-Where the rules come from:
-- **DTensor** (`FROM_DTENSOR`, one registration of `passes.dtensor_rules.dtensor_rule`): pointwise math and
-  activations, comparisons, logical and bitwise ops, copies and casts, in-place arithmetic, `where`, views and
-  shape ops, cat/stack, matmuls, reductions and scans, sort/topk, indexing (index, gather, scatter,
-  index_select), repeats and convolutions. The decision is DTensor's own strategy for the op, translated into
-  what the lowering realises (see that module: what falls back to replication and why). One policy is autopar's:
-  a `Partial` input is reduced at its first consumer (the lowering shares that reduction between consumers)
-  except where two partials are added, so DTensor is asked with the partial inputs replicated.
-- **autopar's own rules** (below), where DTensor has no strategy or its answer cannot be used, each with its
-  reason: fused-QKV splits, squeeze, device moves, dropout, `view_as`/`reshape_as`, linear/addmm, one_hot,
-  bincount, embedding, attention, losses, `broadcast_tensors`, MoE experts, factories.
+Where the rules come from (one lookup, `rule_for(op)`, which the lowering asks):
+- **autopar's own rules** (`OWN_RULES`, registered below by `register`), where DTensor has no strategy or its
+  answer cannot be used, each with its reason: fused-QKV splits, squeeze, device moves, dropout,
+  `view_as`/`reshape_as`, linear/addmm, one_hot, bincount, embedding, attention, losses, `broadcast_tensors`, MoE
+  experts, factories.
+- **DTensor** (`DERIVED`: `passes.dtensor_rules.dtensor_rule`) for every op of DTensor's strategy registry that a
+  captured forward graph can hold (`passes.dtensor_rules.candidate_ops`), and the composite ops models keep whole
+  (`layer_norm`, `matmul`, `softmax`...), **whose derived rule passed the rule check**: `passes.checked_ops.CHECKED`,
+  written by `tests/rule_sweep.py` (samples generated from torch's OpInfo database, and the hand-written ones of
+  `tests/rule_samples.py`), re-checked in `make test` (`tests/test_rule_sweep_*.py`). An op of the registry that the
+  check finds wrong (`REFUSED`) or cannot sample gets no rule: never trusted unchecked. The decision is DTensor's
+  own strategy for the op, translated into what the lowering realises (see that module: what falls back to
+  replication and why). One policy is autopar's: a `Partial` input is reduced at its first consumer (the lowering
+  shares that reduction between consumers) except where two partials are added, so DTensor is asked with the
+  partial inputs replicated.
 
-Both kinds are checked the same way, op by op: `tests/test_rule_check.py` lowers every op of this table under
-every combination of input placements (R, S(d), `_StridedShard`, P; scalars and broadcasting) on simulated
-ranks and compares the output and every input gradient with the op on full inputs, fp64 (`tests/rule_check.py`).
+Both kinds are checked the same way, op by op: `tests/rule_check.py` lowers the op under combinations of input
+placements (R, S(d), `_StridedShard`, P; scalars and broadcasting) on simulated ranks and compares the output and
+every input gradient with the op on full inputs, fp64.
 
-An op without a rule runs on each rank's rows of the batch when capture found it batch-local (`passes.batch_local`:
-its rows independent, checked numerically); otherwise it is replicated: every input is made `R` and the output is
-`R`; the lowering notes it ("replicated ... no sharding rule ..., its sharded inputs are gathered"). Never a guess. Every op in the graphs of the
-test models (the Hugging Face zoo, `autopar.models`) has a rule or is in `REPLICATED_ON_PURPOSE`, with why
-(`tests/test_model_ops.py`).
+An op without a rule is decomposed at capture into ops with rules where it has a decomposition
+(`passes.decompose`: `rms_norm`, `group_norm`, `instance_norm`...). One left without runs on each rank's rows of the
+batch when capture found it batch-local (`passes.batch_local`: its rows independent, checked numerically); otherwise
+it is replicated: every input is made `R` and the output is `R`; the lowering notes it ("replicated ... no sharding
+rule ..., its sharded inputs are gathered"). Never a guess. Every op in the graphs of the test models (the Hugging
+Face zoo, `autopar.models`) has a rule or is in `REPLICATED_ON_PURPOSE`, with why (`tests/test_model_ops.py`).
 """
 
 from __future__ import annotations
@@ -44,18 +49,36 @@ from passes.dtensor_rules import dtensor_rule
 aten = torch.ops.aten
 Decision = tuple[list[Placement], "Placement | list[Placement]"]
 Rule = Callable[[fx.Node, list[fx.Node], list[Placement], int], Decision]
-RULES: dict[object, Rule] = {}
+RULES: dict[object, Rule] = {}  # every op's rule: autopar's own (OWN_RULES) and the derived ones
+OWN_RULES: dict[object, Rule] = {}
 
 
 def register(*targets) -> Callable[[Rule], Rule]:
-    """Register `fn` as the rule of `targets`; an op registers once (a second rule for it is an error)."""
+    """Register `fn` as autopar's own rule of `targets`; an op registers once (a second rule, own or derived, is an
+    error: own rules are registered before the derived ones, which skip the ops that have one)."""
     def deco(fn: Rule) -> Rule:
         for t in targets:
             if t in RULES:
                 raise ValueError(f"a sharding rule for {t} is registered twice ({RULES[t].__name__}, {fn.__name__})")
-            RULES[t] = fn
+            OWN_RULES[t] = RULES[t] = fn
         return fn
     return deco
+
+
+def rule_for(op) -> Rule | None:
+    """The op's sharding rule: autopar's own if it has one, else DTensor's derived rule if the rule check passed it
+    (`passes.checked_ops`), else None (no rule: the lowering replicates the op; capture decomposes it first where
+    its decomposition has rules, `passes.decompose`)."""
+    return RULES.get(op)
+
+
+def op_named(name: str):
+    """The op of its printed name ("aten.add.Tensor"), or None where this torch has no such op."""
+    ns, packet, overload = name.split(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+    except AttributeError:
+        return None
 
 
 def shape(n) -> tuple[int, ...]:
@@ -86,7 +109,7 @@ def replicate_rule(node, tin, ins, n) -> Decision:
 
 # ----------------------------------------------------------------------------- derived from DTensor
 
-# Elementwise ops: also the ops an MLP region may hold (passes.mlp). All but `OWN_POINTWISE` come from DTensor.
+# Elementwise ops: also the ops an MLP region may hold (passes.mlp). All but `OWN_POINTWISE` have DTensor's rule.
 ELEMENTWISE = [
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.mul.Scalar, aten.div.Scalar, aten.rsub.Scalar, aten.neg.default, aten.pow.Tensor_Scalar,
@@ -107,32 +130,6 @@ ELEMENTWISE = [
     aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor, aten.sub_.Tensor, aten.div_.Scalar, aten.mul_.Scalar,
 ]
 OWN_POINTWISE = {aten.to.device, aten.to.dtype_layout, aten.dropout.default}
-
-FROM_DTENSOR = [op for op in ELEMENTWISE if op not in OWN_POINTWISE] + [
-    # more pointwise ops, and in-place writes (DTensor keeps the written tensor's placement)
-    aten.where.ScalarOther, aten.where.ScalarSelf, aten.min.other, aten.max.other, aten.clamp.Tensor,
-    aten.masked_fill_.Scalar, aten.fill_.Scalar, aten.fill_.Tensor, aten.copy_.default, aten.detach_.default,
-    # views and shape ops (their shape arguments are rewritten to local sizes by the lowering: `_local_shape`)
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-    aten.unflatten.int, aten.unsqueeze.default, aten.expand.default, aten.permute.default, aten.transpose.int,
-    aten.t.default, aten.swapaxes.default, aten.numpy_T.default, aten.select.int, aten.slice.Tensor,
-    aten.unbind.int, aten.cat.default, aten.stack.default, aten.repeat.default, aten.repeat_interleave.self_int,
-    aten.pad.default, aten.constant_pad_nd.default, aten.tril.default, aten.triu.default,
-    # matmuls and convolutions
-    aten.mm.default, aten.bmm.default, aten.matmul.default, aten.outer.default, aten.baddbmm.default,
-    aten.conv2d.default, aten.convolution.default,
-    # reductions, scans, normalisation, sorting
-    aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default, aten.amax.default,
-    aten.amin.default, aten.logsumexp.default, aten.argmax.default, aten.argmin.default, aten.cumsum.default,
-    aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
-    aten.layer_norm.default, aten.topk.default, aten.sort.default, aten.sort.stable, aten.histc.default,
-    aten.diff.default,
-    # indexing
-    aten.index.Tensor, aten.index_select.default, aten.gather.default, aten.scatter.src, aten.scatter.value,
-    aten.scatter_.src, aten.scatter_.value,
-]
-register(*FROM_DTENSOR)(dtensor_rule)
-
 
 # ----------------------------------------------------------------------------- autopar's own: pointwise
 
@@ -426,12 +423,18 @@ def _ffn_placements(node) -> list[Placement] | None:
     return [Shard(d + shift) if k == 1 else _StridedShard(d + shift, split_factor=k) for d, k in spec.ffn_dims]
 
 
-# Factories: no tensor input to follow (new_* take only their input's dtype and device), so replicated; DTensor
-# rewrites their size arguments to local sizes, which the lowering does not.
+# Factories: no tensor input to follow, so replicated; DTensor rewrites their size arguments to local sizes, which
+# the lowering does not.
 FACTORIES = [aten.arange.default, aten.arange.start, aten.arange.start_step, aten.ones.default, aten.zeros.default,
-             aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.new_ones.default,
-             aten.new_zeros.default, aten.new_full.default, aten.new_empty.default, aten.lift_fresh_copy.default]
+             aten.full.default, aten.empty.memory_format, aten.scalar_tensor.default, aten.lift_fresh_copy.default]
 register(*FACTORIES)(replicate_rule)
+
+
+@register(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
+def new_factory_rule(node, tin, ins, n) -> Decision:
+    """`x.new_zeros(size)`...: a replicated tensor of the global size; x gives only its dtype and device, so it stays
+    as it is (gathering it would move a sharded batch for nothing). No gradient flows to x."""
+    return list(ins), R
 
 # Ops without a rule on purpose (the lowering gathers their sharded inputs), each with why; the lowering does not
 # note them again where their replication is noted elsewhere.
@@ -441,3 +444,17 @@ REPLICATED_ON_PURPOSE: dict[object, str] = {
         "with its own backward, run whole on every rank unless batch-local (passes.batch_local: then on each rank's "
         "rows); capture notes which ('captured as one opaque node')"),
 }
+
+
+# ----------------------------------------------------------------------------- derived from DTensor
+
+def _derived() -> list:
+    """The ops of `passes.checked_ops.CHECKED` (DTensor's rule passed the rule check) without an own rule."""
+    from passes.checked_ops import CHECKED
+
+    ops = [op_named(name) for name in CHECKED]
+    return [op for op in ops if op is not None and op not in OWN_RULES]
+
+
+DERIVED = _derived()
+RULES.update({op: dtensor_rule for op in DERIVED})

@@ -1,4 +1,5 @@
-"""Sample arguments for every op with a sharding rule (and for the extra ops real graphs hold).
+"""Hand-written sample arguments: for every op with an own rule, the ops the test models use, the ops of DTensor's
+registry that no OpInfo sample reaches (`opinfo_samples.py` generates the rest), and the extra ops real graphs hold.
 
 `samples_for(op)` gives the op's samples: several shapes, tensor-tensor and broadcasting operands,
 python numbers and 0-d tensors as operands, keyword variants (`keepdim`, `dim=-1`, `alpha`),
@@ -455,6 +456,48 @@ add(aten.fill_.Tensor, make=lambda op: [Sample(op, (rand(4, 6), torch.tensor(0.5
 add(aten.masked_fill_.Scalar, make=lambda op: [Sample(op, (rand(4, 6), bools(4, 6), 0.0)),
                                                Sample(op, (ints(4, 6, low=-2), ints(4, 6) > 3, 0), note="int")])
 add(aten.detach_.default, make=lambda op: [Sample(op, (rand(4, 6),))])
+
+
+# ----------------------------------------------------------------------------- registry ops OpInfo does not reach
+
+# Ops of DTensor's registry that torch.nn models produce but no OpInfo sample reaches (in-place activations of
+# `inplace=True` modules, scalar overloads, 1-d pooling, batch norm's ATen forms): hand-written samples, checked
+# by the sweep (`rule_sweep.py`) and by `test_rule_check.py`.
+add(aten.relu_.default, aten.gelu_.default, aten.square_.default, aten.selu.default, aten.selu_.default,
+    aten.relu6_.default, aten.positive.default,
+    make=lambda op: [Sample(op, (rand(2, 4, 6),), worlds=(2, 4))])
+add(aten.hardtanh_.default, make=lambda op: [Sample(op, (rand(4, 6), -0.5, 0.5))])
+add(aten.clamp_max.default, aten.clamp_max_.default, make=lambda op: [Sample(op, (rand(4, 6), 0.3))])
+add(aten.clip.default, aten.clip_.default, make=lambda op: [Sample(op, (rand(4, 6), -0.5, 0.5))])
+add(aten.sub_.Scalar, make=lambda op: [Sample(op, (rand(4, 6), 0.5))])
+add(aten.eq_.Scalar, aten.ne_.Scalar, aten.lt_.Scalar, aten.le_.Scalar, aten.gt_.Scalar, aten.ge_.Scalar,
+    make=lambda op: [Sample(op, (rand(4, 6), 0.0))])
+add(aten.isfinite.default, make=lambda op: [Sample(op, (rand(4, 6),))])
+add(aten.pow.Scalar, make=lambda op: [Sample(op, (2.0, rand(4, 6)))])
+add(aten.float_power.Tensor_Tensor, make=lambda op: [Sample(op, (rand(4, 6, pos=True), rand(4, 6)))])
+add(aten.true_divide.Tensor, make=lambda op: [Sample(op, (rand(4, 6), rand(4, 6, pos=True)))])
+add(aten.div.Scalar_mode, make=lambda op: [Sample(op, (rand(4, 6) * 4, 3.0), {"rounding_mode": "floor"})])
+add(aten.bitwise_and.Scalar, aten.bitwise_or.Scalar, aten.bitwise_xor.Scalar,
+    make=lambda op: [Sample(op, (ints(4, 6), 3))])
+add(aten.fmod.Scalar, make=lambda op: [Sample(op, (rand(4, 6) * 4, 1.5))])
+add(aten.remainder.Scalar_Tensor, make=lambda op: [Sample(op, (3.0, rand(4, 6, pos=True)))])
+add(aten.avg_pool1d.default, make=lambda op: [Sample(op, (rand(4, 6, 8), [2]))])
+add(aten.adaptive_avg_pool1d.default, make=lambda op: [Sample(op, (rand(4, 6, 8), [4]))])
+add(aten.adaptive_max_pool1d.default, make=lambda op: [Sample(op, (rand(4, 6, 8), [4]))])
+add(aten.max_pool1d_with_indices.default, make=lambda op: [Sample(op, (rand(4, 6, 8), [2]))])
+add(aten.native_batch_norm.default, make=lambda op: [
+    Sample(op, (rand(2, 4, 5, 6), rand(4), rand(4), None, None, True, 0.1, 1e-5), note="training, no running stats",
+           worlds=(2, 4)),
+    Sample(op, (rand(1, 8, 5), None, None, None, None, True, 0.1, 1e-5), note="instance norm's: (1, N*C, L)"),
+])
+add(aten._native_batch_norm_legit_no_training.default, make=lambda op: [
+    Sample(op, (rand(4, 6, 5), rand(6), rand(6), rand(6), rand(6, pos=True), 0.1, 1e-5), note="eval",
+           no_grad=(3, 4))])
+add(aten.slice_scatter.default, make=lambda op: [Sample(op, (rand(4, 6), rand(4, 2), 1, 0, 2))])
+add(aten.diag.default, make=lambda op: [Sample(op, (rand(4, 4),))])
+# what `rms_norm`'s composite kernel calls on CUDA (on CPU it decomposes into pow/mean/rsqrt/mul)
+add(aten._fused_rms_norm.default, make=lambda op: [Sample(op, (rand(2, 4, 6), [6], rand(6), 1e-6), worlds=(2, 4)),
+                                                   Sample(op, (rand(4, 6), [6], None, None))])
 
 
 # ----------------------------------------------------------------------------- ops without a rule

@@ -1,6 +1,9 @@
 """Every sharding rule, checked numerically op by op, forward and backward, fp64 (see `rule_check.py`).
 
-- `test_rule[...]`: every op of `passes.rules.RULES`, the DTensor-derived entries and autopar's own alike. One
+- `test_rule[...]`: every op of `passes.rules.RULES` with hand-written samples (the ops the test models use, own
+  rules and DTensor-derived alike; every own rule has samples). The derived rules of the other ops are checked on
+  OpInfo-generated samples by the sweep (`rule_sweep.py`, re-checked by `test_rule_sweep_*.py`); here, that the
+  committed lists (`passes.checked_ops`) are the sweep's for this torch. One
   test per op and mesh-axis size: every sample of the op (`rule_samples.py`) under every combination of input
   placements (R, S(d) for each dim that divides, P for floating inputs, `_StridedShard` where a sample asks; at
   most `rule_check.MAX_COMBOS` per sample, in a fixed order), lowered by the real `lower_pass` and run on
@@ -26,15 +29,15 @@ import autopar  # noqa: F401  (import order: passes.rules needs autopar first)
 from autopar.spec import P, R, Shard
 from passes import meta as M
 from passes.dtensor_rules import dtensor_rule
-from passes.rules import RULES
+from passes.rules import DERIVED, OWN_RULES, RULES
 from rule_check import Sample, check_sample, rules_replaced
 from rule_samples import EXTRA_OPS, samples_for
 
 aten = torch.ops.aten
 FULL = os.environ.get("RULECHECK_FULL") == "1"
 MAX_COMBOS = 10**9 if FULL else None  # None: rule_check.MAX_COMBOS
-RULE_OPS = sorted(RULES, key=str)
-OWN_OPS = [op for op in RULE_OPS if RULES[op] is not dtensor_rule]
+RULE_OPS = sorted((op for op in RULES if samples_for(op)), key=str)
+OWN_OPS = sorted(OWN_RULES, key=str)
 
 
 def _cases(ops, worlds):
@@ -65,8 +68,29 @@ def assert_all_ok(op, outcomes) -> None:
 
 
 def test_every_rule_has_samples():
-    missing = [str(op) for op in RULE_OPS if not samples_for(op)]
-    assert not missing, f"ops in RULES without samples in tests/rule_samples.py: {missing}"
+    missing = [str(op) for op in OWN_OPS if not samples_for(op)]
+    assert not missing, f"ops with an own rule without samples in tests/rule_samples.py: {missing}"
+
+
+def test_every_rule_is_own_or_checked():
+    """The table holds autopar's own rules and the derived rules the sweep checked, nothing else."""
+    from passes.checked_ops import CHECKED
+
+    assert set(RULES) == set(OWN_RULES) | set(DERIVED)
+    assert all(RULES[op] is dtensor_rule and str(op) in CHECKED for op in DERIVED)
+
+
+def test_committed_sweep_is_this_torchs():
+    """`passes.checked_ops` names exactly the ops the sweep covers (DTensor's registry as this torch has it); a new
+    op, or one gone, asks for the list to be regenerated (`python tests/rule_sweep.py --write`)."""
+    from passes.checked_ops import CHECKED, REFUSED, UNSAMPLED
+    from rule_sweep import sweep_ops
+
+    committed = set(CHECKED) | set(REFUSED) | set(UNSAMPLED)
+    assert len(committed) == len(CHECKED) + len(REFUSED) + len(UNSAMPLED)
+    swept = {str(op) for op in sweep_ops()}
+    assert committed == swept, (f"new: {sorted(swept - committed)[:20]}; gone: {sorted(committed - swept)[:20]}: "
+                                "regenerate passes/checked_ops.py (python tests/rule_sweep.py --write)")
 
 
 @pytest.mark.parametrize("op, n", _cases(RULE_OPS, (2, 4)))
@@ -108,7 +132,7 @@ if FULL:
 # values differentiably, or the op has no derivative): their check is forward only. Ops with integer or
 # boolean outputs (comparisons, argmax, one_hot) have no backward at all.
 FORWARD_ONLY = {"histc", "bincount", "detach", "detach_", "zeros_like", "ones_like", "full_like", "new_ones",
-                "new_zeros", "new_full", "new_empty", "type_as"}
+                "new_zeros", "new_full", "new_empty", "type_as", "remainder"}
 
 
 def test_forward_only_ops_are_the_known_ones(local_world, fp64):
