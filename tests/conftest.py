@@ -67,7 +67,7 @@ LONGEST_FIRST = (
     "test_sequence_parallel.py",  # not measured: estimated from its tests
     "test_checkpoint_levels.py",  # 84
     "test_estimate.py",  # 79
-    "test_nn_census.py",  # 72 CPU s (2026-12-04: 39 rows x 4 plans + a 1-rank program per row; 13 min wall at load 60)
+    "test_nn_census.py",  # 58-72 CPU s (2026-12-04: 39 rows x 4 plans + a 1-rank program per row; 5-13 min wall at load 60)
     "test_contract_ranks.py",  # 66
     "test_moe.py",  # not measured: estimated from its tests
     "test_fsdp_layers.py",  # 55
