@@ -444,15 +444,28 @@ def gloo_pool(world_size: int, pg_timeout_s: float = _PG_TIMEOUT_S) -> GlooPool:
 
 
 def close_all_pools() -> None:
-    """Close every pool made by :func:`gloo_pool`; failures are reported as warnings, not raised."""
-    while _POOLS:
-        _, pool = _POOLS.popitem()
+    """Close every pool made by :func:`gloo_pool`, all at once (each waits for its workers' exit); failures are
+    reported as warnings, not raised."""
+    import threading
+    import warnings
+
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    errors: list[str] = []
+
+    def close(pool: GlooPool) -> None:
         try:
             pool.close()
         except Exception as e:  # noqa: BLE001 - shutting down; report and continue
-            import warnings
+            errors.append(f"closing {pool!r} failed: {e}")
 
-            warnings.warn(f"closing {pool!r} failed: {e}", RuntimeWarning, stacklevel=2)
+    threads = [threading.Thread(target=close, args=(pool,)) for pool in pools]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for error in errors:
+        warnings.warn(error, RuntimeWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------- worker process
@@ -501,8 +514,10 @@ def _worker_main(rank: int, world_size: int, fd: int, init_file: str, pg_timeout
                 dist.destroy_process_group()
             except BaseException:
                 error = traceback.format_exc()
-            reply("closed", error)
-            return 0 if error is None else 1
+            reply("closed", error)  # flushes this rank's output first
+            # Leave at once: the interpreter's own shutdown (torch, autopar and what jobs imported) takes seconds
+            # per rank on a loaded machine, and the pool waits for every rank's exit.
+            os._exit(0 if error is None else 1)
         _, ref, payload = msg
         try:
             args, kwargs = pickle.loads(payload)
