@@ -15,6 +15,9 @@ every rank:
   one data-parallel rank (differing only on non-data axes) passed the same values, and the unbatched inputs are the
   same everywhere. Decided on the digests gathered by `agree_on`: no collective unless they differ.
 - `agreed_seed`: the dropout stream's seed, rank 0's draw broadcast.
+- `agree_on_call`: at every call of the ParallelModule, one small all-reduce, left in flight until the program's
+  first collective: the call's shapes agree, no rank holds an out-of-range id, and under inputs="global" every rank
+  passed the same values (`input_digests` of every tensor input).
 
 The fingerprint parts (`PARTS`): the mesh (axis names, sizes, rank layout), the plan arguments (plan, overrides,
 memory_limit, cluster, inputs), the parameters and buffers (names, shapes, dtypes), the example inputs (structure,

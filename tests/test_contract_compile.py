@@ -10,8 +10,10 @@ expert-parallel MoE), on 2 gloo ranks in fp32, two ways of compiling:
 each with SGD and with AdamW, 3 steps next to the single-device model. Every step compares the loss, every
 parameter's gradient and every parameter after the step with one device, within the eager fp32 tolerance.
 
-The worker runs every cell of a plan in one call on the suite's shared pool (compiling costs tens of seconds on a
-CPU; inductor's graph cache makes the second optimizer's compile of the same program cheap). The default backend
+The worker runs every cell of a plan in one call on the suite's shared pool. Compiling is slow on a CPU host
+(inductor compiles C++ per graph; `pm`'s call falls into a dozen graphs): about 5 minutes per plan on a busy
+2-core machine, so the default suite runs only the fsdp cell that was wrong (`torch.compile(pm)`, SGD) and the
+whole matrix runs with AUTOPAR_COMPILE_MATRIX=1 (its last results are in README's "Errors and guarantees"). The default backend
 (inductor) is what is tested: the fsdp bug this file guards against was inductor's alone (the prefetched
 all-gather's input buffer reused for the next layer's activations across a graph break, `autopar.runtime.fsdp`).
 """
@@ -19,6 +21,7 @@ all-gather's input buffer reused for the next layer's activations across a graph
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -138,12 +141,33 @@ def compile_matrix(plan_id: str) -> dict:
     return {(mode, opt): _cell(make, axis, plan, overrides, mode, opt) for mode in MODES for opt in OPTIMIZERS}
 
 
-@pytest.mark.parametrize("plan_id", list(PLANS))
-def test_compiled_pm_and_compiled_step_equal_one_device(plan_id):
-    results = gloo_pool(2).call(compile_matrix, (plan_id,), timeout=900)
+def _assert_equal(plan_id: str, results: list[dict]) -> None:
     for rank, cells in enumerate(results):
         for (mode, opt), cell in cells.items():
             assert cell["error"] is None, f"rank {rank} {plan_id} {mode} {opt}: {cell['error']}"
             assert cell["grads"] == cell["params"], (rank, plan_id, mode, opt, cell)
             for what in ("loss", "grad", "param"):
                 assert cell[what] <= TOL, f"rank {rank} {plan_id} {mode} {opt}: {what} differs by {cell[what]:.3g}"
+
+
+def compiled_fsdp_cell() -> dict:
+    import torch._inductor.config
+    torch._inductor.config.compile_threads = 1
+    make, axis, plan, overrides = PLANS["fsdp"]
+    return {("compile(pm)", "SGD"): _cell(make, axis, plan, overrides, "compile(pm)", "SGD")}
+
+
+def test_compiled_pm_under_fsdp_equals_one_device():
+    """The regression of issue #26 (losses 6e-2 off from the second step), in the default suite: one cell, about a
+    minute on a busy 2-core machine. The whole matrix below is opt-in."""
+    _assert_equal("fsdp", gloo_pool(2).call(compiled_fsdp_cell, timeout=900))
+
+
+MATRIX = os.environ.get("AUTOPAR_COMPILE_MATRIX") == "1"
+
+
+@pytest.mark.skipif(not MATRIX, reason="the whole compile matrix takes 5 minutes per plan on a 2-core CPU machine "
+                                       "(inductor's C++ compiles): run it with AUTOPAR_COMPILE_MATRIX=1")
+@pytest.mark.parametrize("plan_id", list(PLANS))
+def test_compiled_pm_and_compiled_step_equal_one_device(plan_id):
+    _assert_equal(plan_id, gloo_pool(2).call(compile_matrix, (plan_id,), timeout=1800))

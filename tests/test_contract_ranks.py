@@ -324,6 +324,29 @@ def test_a_pending_agreement_runs_once_before_the_next_collective():
     assert ran == ["first", "at the end"]
 
 
+def test_input_digests_tell_apart_permuted_and_equal_sum_batches():
+    """The per-call digest (inputs="global"): equal tensors agree; rows swapped, values moved between positions with
+    the same sum, one bit flipped, or another dtype's bits differ; token ids, floats, bool and bf16 alike."""
+    from autopar.agree import input_digests
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    same = input_digests([ids.clone(), x.clone()])
+    assert torch.equal(input_digests([ids, x]), same) and same.dtype == torch.int64 and same.shape == (4,)
+    moved = ids.clone()
+    moved[0, 0], moved[0, 1] = moved[0, 0] + 1, moved[0, 1] - 1  # the same sum
+    flipped = x.clone()
+    flipped.view(torch.int32)[0, 0] ^= 1
+    for other in ([ids[[1, 0, 2, 3]], x], [moved, x]):  # equal plain sums: the weighted sum tells them apart
+        got = input_digests(other)
+        assert got[0] == same[0] and got[1] != same[1] and torch.equal(got[2:], same[2:]), (got, same)
+    assert not torch.equal(input_digests([ids, flipped])[2:], same[2:])
+    assert torch.equal(input_digests([ids, x.T.contiguous().T]), same)  # the same values in another layout
+    mask = torch.rand(4, 16, generator=torch.Generator().manual_seed(2)) > 0.5
+    assert not torch.equal(input_digests([mask]), input_digests([mask.flip(0)]))
+    half = x.to(torch.bfloat16)
+    assert torch.equal(input_digests([half]), input_digests([half.clone()]))
+
+
 # ----------------------------------------------------------------------------- inputs="local": the numbers
 
 def local_equivalence(shape, names, plan, steps=2, lr=0.1):
