@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -82,9 +84,31 @@ def _check_inputs_cost(quick: bool) -> None:
                 return train_step(pm, opt, inputs)
 
             times = interleaved({"check on": lambda: step(True), "check off": lambda: step(False)},
-                                warmup=3, iters=6 if quick else 60)
+                                warmup=3, iters=6 if quick else 60, budget_s=25 if quick else 120)
+            issue_s, settle_s = _check_alone(pm, inputs, 20 if quick else 200)
             if dist.get_rank() == 0:
                 report(f"check_inputs[{name} {plan} 2 ranks]", times, "check on", "check off")
+                off = statistics.median(times.wall_s["check off"])
+                print(f"  the check alone: {issue_s * 1e6:.0f} us per call to digest the batch and issue the all-reduce "
+                      f"({issue_s / off:.2%} of the check-off step), {settle_s * 1e6:.0f} us more to wait for it when "
+                      "nothing overlaps it", flush=True)
+
+
+def _check_alone(pm, inputs, n: int) -> tuple[float, float]:
+    """Seconds per call of the per-call check on its own: digesting and issuing (what a step pays; the all-reduce's
+    latency overlaps the program up to its first collective), and waiting for the all-reduce right away."""
+    cap = pm._current.captured
+    key = pm._key(inputs, {})
+    flat = list(inputs)
+    issue = settle = 0.0
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        done = pm._check_inputs(key, cap, flat, wait=False)
+        t1 = time.perf_counter()
+        done()
+        issue, settle = issue + t1 - t0, settle + time.perf_counter() - t1
+    return issue / n, settle / n
 
 
 def main() -> None:
