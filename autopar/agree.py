@@ -356,6 +356,7 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
     rank = dist.get_rank()
     device = _device(mesh)
     names = list(values or {})
+    same_batch = values is not None  # inputs="global"
     head = torch.tensor([digest, -digest, rank + 1 if error is not None else 0], dtype=torch.int64, device=device)
     data = input_digests(list(values.values())).to(device) if names else head[:0]
     mine = torch.cat([head, data, -data])
@@ -366,20 +367,20 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         work.wait()
         g, m = got.tolist(), mine.tolist()
         if g[0] != digest or -g[1] != digest:
+            must = ("with inputs='global' (the default) every rank must pass the same inputs" if same_batch else
+                    "with inputs='local' every rank must pass a shard of the same shapes, dtypes and non-tensor values")
             raise RankMismatchError(
-                f"rank {rank}: " + ("with inputs='local' every rank must pass a shard of the same shapes, dtypes and "
-                                    "non-tensor values" if not names else "with inputs='global' (the default) every "
-                                    "rank must pass the same inputs") +
+                f"rank {rank}: {must}" +
                 f" at each call, but the ranks differ at this call (this rank: {key[1]}). "
                 + ("A DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True "
-                   "on the sampler or DataLoader, or pad the last batch." if not names else
+                   "on the sampler or DataLoader, or pad the last batch." if not same_batch else
                    "Fix: give every rank the same whole batch, or, if each rank loads its own batch (e.g. with a "
                    "DistributedSampler, as for DDP), pass inputs='local' to parallelize."))
         n = len(data)
         if n and (g[3:3 + n] != m[3:3 + n] or [-x for x in g[3 + n:]] != m[3:3 + n]):
             raise _values_differ(names, data)
         if g[2]:
-            if names and error is not None:  # the same batch on every rank: every rank's error is one device's
+            if same_batch and error is not None:  # the same batch on every rank: every rank's error is one device's
                 raise IndexError(error)
             e = IndexError(f"rank {g[2] - 1}'s batch has a token id or label out of range (one device raises "
                            "IndexError there); every rank stops at this call")

@@ -53,7 +53,8 @@ def check_options(plan, cluster, memory_limit) -> int | None:
     return parse_bytes(memory_limit, "memory_limit")
 
 
-def check_given_plan(plan: Plan, source: str, info: MeshInfo, captured: Captured, names: set[str] | None = None) -> None:
+def check_given_plan(plan: Plan, source: str, info: MeshInfo, captured: Captured,
+                     names: set[str] | None = None) -> None:
     """A plan given (or loaded from `source`) fits this mesh, this model's parameters (`names`: all of their names,
     tied aliases too; a plan entry for any other name is refused), known kinds and forms, the tensors' shapes and
     this graph."""

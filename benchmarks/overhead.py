@@ -89,9 +89,9 @@ def _check_inputs_cost(quick: bool) -> None:
             if dist.get_rank() == 0:
                 report(f"check_inputs[{name} {plan} 2 ranks]", times, "check on", "check off")
                 off = statistics.median(times.wall_s["check off"])
-                print(f"  the check alone: {issue_s * 1e6:.0f} us per call to digest the batch and issue the all-reduce "
-                      f"({issue_s / off:.2%} of the check-off step), {settle_s * 1e6:.0f} us more to wait for it when "
-                      "nothing overlaps it", flush=True)
+                print(f"  the check alone: {issue_s * 1e6:.0f} us per call to digest the batch and issue the "
+                      f"all-reduce ({issue_s / off:.2%} of the check-off step), {settle_s * 1e6:.0f} us more to wait "
+                      "for it when nothing overlaps it", flush=True)
 
 
 def _check_alone(pm, inputs, n: int) -> tuple[float, float]:

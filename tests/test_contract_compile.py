@@ -13,9 +13,10 @@ parameter's gradient and every parameter after the step with one device, within 
 The worker runs every cell of a plan in one call on the suite's shared pool. Compiling is slow on a CPU host
 (inductor compiles C++ per graph; `pm`'s call falls into a dozen graphs): about 5 minutes per plan on a busy
 2-core machine, so the default suite runs only the fsdp cell that was wrong (`torch.compile(pm)`, SGD) and the
-whole matrix runs with AUTOPAR_COMPILE_MATRIX=1 (its last results are in README's "Errors and guarantees"). The default backend
-(inductor) is what is tested: the fsdp bug this file guards against was inductor's alone (the prefetched
-all-gather's input buffer reused for the next layer's activations across a graph break, `autopar.runtime.fsdp`).
+whole matrix runs with AUTOPAR_COMPILE_MATRIX=1 (its last results are in README's "Errors and guarantees").
+The default backend (inductor) is what is tested: the fsdp bug this file guards against was inductor's alone (the prefetched
+all-gather's input buffer reused for the next layer's activations across a graph break,
+`autopar.runtime.fsdp`).
 """
 
 from __future__ import annotations

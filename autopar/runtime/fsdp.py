@@ -146,7 +146,8 @@ class _Group:
     def __init__(self, shards, spec: _Spec, prev: "_Group | None"):
         self.shards, self.spec, self.prev = shards, spec, prev
         self.buffer: torch.Tensor | None = None  # gathered again in backward, dropped once its gradients are reduced
-        self.pending: tuple | None = None  # the backward prefetch (`_issue`'s pair), issued by the next group's first unpack
+        # the backward prefetch (`_issue`'s pair), issued by the next group's first unpack
+        self.pending: tuple | None = None
         self.packed = 0
 
     def regathered(self) -> torch.Tensor:
