@@ -250,6 +250,7 @@ class ParallelModule(nn.Module):
                 # directly: `DTensor.from_local` is an autograd function, tens of microseconds per parameter
                 p.grad = DTensor(local, g._spec, requires_grad=False) if isinstance(g, DTensor) else local
 
+    @torch._dynamo.disable  # under torch.compile(pm) too: host-side checks and an all-reduce left in flight, as eager
     def _check_inputs(self, key: tuple, cap: Captured, flat: list, wait: bool = True):
         """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`), and the
         ranks agree on the call in one all-reduce (`autopar.agree.agree_on_call`): on its shapes, and under

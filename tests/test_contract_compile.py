@@ -14,8 +14,8 @@ The worker runs every cell of a plan in one call on the suite's shared pool. Com
 (inductor compiles C++ per graph; `pm`'s call falls into a dozen graphs): about 5 minutes per plan on a busy
 2-core machine, so the default suite runs only the fsdp cell that was wrong (`torch.compile(pm)`, SGD) and the
 whole matrix runs with AUTOPAR_COMPILE_MATRIX=1 (its last results are in README's "Errors and guarantees").
-The default backend (inductor) is what is tested: the fsdp bug this file guards against was inductor's alone (the prefetched
-all-gather's input buffer reused for the next layer's activations across a graph break,
+The default backend (inductor) is what is tested: the fsdp bug this file guards against was inductor's alone (the
+prefetched all-gather's input buffer reused for the next layer's activations across a graph break,
 `autopar.runtime.fsdp`).
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 import torch
@@ -81,9 +82,10 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _cell(make, axis: str, plan: str, overrides, mode: str, opt_name: str) -> dict:
+def _cell(make, axis: str, plan: str, overrides, mode: str, opt_name: str, then_differ: bool = False) -> dict:
     """One cell: 3 steps of `mode` with `opt_name`; the worst relative error of the loss, the gradients and the
-    parameters over the steps, and the parameters compared (or the error the cell raised)."""
+    parameters over the steps, and the parameters compared (or the error the cell raised). `then_differ`: one more
+    compiled call with each rank's own batch, and what it raised ("differ")."""
     import autopar
     from torch.distributed.device_mesh import init_device_mesh
     torch.manual_seed(0)
@@ -129,7 +131,16 @@ def _cell(make, axis: str, plan: str, overrides, mode: str, opt_name: str) -> di
             worst["param"] = max(worst["param"], *(_err(_full(p.detach()), params[n].detach())
                                                    for n, p in pm.named_parameters()))
             names = set(grads)
-        return {**worst, "grads": len(names), "params": len(params), "error": None}
+        differ = None
+        if then_differ:
+            rank = torch.distributed.get_rank()
+            own = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(10 + rank))
+            try:
+                cpm(own, inputs[1])
+                differ = "no error"
+            except Exception as e:  # noqa: BLE001 - asserted by the test
+                differ = f"{type(e).__name__}: {e}"
+        return {**worst, "grads": len(names), "params": len(params), "error": None, "differ": differ}
     except Exception as e:  # noqa: BLE001 - reported per cell, asserted by the test
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -155,13 +166,18 @@ def compiled_fsdp_cell() -> dict:
     import torch._inductor.config
     torch._inductor.config.compile_threads = 1
     make, axis, plan, overrides = PLANS["fsdp"]
-    return {("compile(pm)", "SGD"): _cell(make, axis, plan, overrides, "compile(pm)", "SGD")}
+    return {("compile(pm)", "SGD"): _cell(make, axis, plan, overrides, "compile(pm)", "SGD", then_differ=True)}
 
 
 def test_compiled_pm_under_fsdp_equals_one_device():
-    """The regression of issue #26 (losses 6e-2 off from the second step), in the default suite: one cell, about a
-    minute on a busy 2-core machine. The whole matrix below is opt-in."""
-    _assert_equal("fsdp", gloo_pool(2).call(compiled_fsdp_cell, timeout=900))
+    """The regression of issue #26 (losses 6e-2 off from the second step), in the default suite: one cell, a minute
+    or two on a busy 2-core machine; then a compiled call with each rank's own batch raises on every rank (the
+    per-call check runs under compile too). The whole matrix below is opt-in."""
+    results = gloo_pool(2).call(compiled_fsdp_cell, timeout=900)
+    _assert_equal("fsdp", results)
+    for cells in results:
+        assert re.match(r"RankMismatchError: with inputs='global' .* different values of input 'tokens': ranks \[0\] "
+                        r"passed one value; ranks \[1\] passed another", cells["compile(pm)", "SGD"]["differ"]), cells
 
 
 MATRIX = os.environ.get("AUTOPAR_COMPILE_MATRIX") == "1"
