@@ -21,7 +21,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 examples/quickstart.py
 
 # --no-loadscope-reorder (pytest-xdist >= 3.8): files go to the workers in collection order, longest first
-# (tests/conftest.py: LONGEST_FIRST), not by their number of tests.
+# (tests/conftest.py: FILE_SECONDS), not by their number of tests.
 test: $(STAMP)
 	$(PY) -m pytest tests -q --durations=10 -n 2 --dist loadfile --no-loadscope-reorder
 

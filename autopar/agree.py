@@ -15,6 +15,9 @@ every rank:
   one data-parallel rank (differing only on non-data axes) passed the same values, and the unbatched inputs are the
   same everywhere. Decided on the digests gathered by `agree_on`: no collective unless they differ.
 - `agreed_seed`: the dropout stream's seed, rank 0's draw broadcast.
+- `agree_on_call`: at every call of the ParallelModule, one small all-reduce, left in flight until the program's
+  first collective: the call's shapes agree, no rank holds an out-of-range id, and under inputs="global" every rank
+  passed the same values (`input_digests` of every tensor input).
 
 The fingerprint parts (`PARTS`): the mesh (axis names, sizes, rank layout), the plan arguments (plan, overrides,
 memory_limit, cluster, inputs), the parameters and buffers (names, shapes, dtypes), the example inputs (structure,
@@ -31,6 +34,7 @@ import hashlib
 import json
 import os
 import pickle
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -327,12 +331,18 @@ def solve_on_rank0(make_plan) -> Plan:
     raise value
 
 
-def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wait: bool = True):
-    """inputs="local", at every call, one 24-byte all-reduce: the ranks pass shards of the same shapes, dtypes and
-    non-tensor values, and none holds an out-of-range id or label (`error`: one device's IndexError message for
-    this rank's shard, from `autopar.index_checks`). Ranks passing different shapes (a DistributedSampler's short
-    last batch) would lower different programs and wait in mismatched collectives, and a bad id raised on its rank
-    alone would leave the others waiting: both raise on every rank instead.
+def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wait: bool = True,
+                  values: dict[str, torch.Tensor] | None = None):
+    """At every call, one small all-reduce: the ranks pass inputs of the same shapes, dtypes and non-tensor values,
+    and none holds an out-of-range id or label (`error`: one device's IndexError message for this rank's inputs, from
+    `autopar.index_checks`). Ranks passing different shapes (a DistributedSampler's short last batch) would lower
+    different programs and wait in mismatched collectives, and a bad id raised on its rank alone would leave the
+    others waiting: both raise on every rank instead.
+
+    `values` (inputs="global": every rank must pass the same whole batch): the tensor inputs by name; their digests
+    (`input_digests`) ride in the same all-reduce, and ranks that passed different values raise `RankMismatchError`
+    on every rank, naming the first input that differs and which ranks passed which. inputs="local" passes none
+    (each data-parallel rank passes its own shard): 24 bytes.
 
     `wait=False` (a call whose program is already lowered, with no error of its own): the all-reduce is issued and
     a function returned that waits for it and raises as above; the caller runs it before this call's next
@@ -344,21 +354,35 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         return None
     digest = _digest([repr(key)])
     rank = dist.get_rank()
-    mine = torch.tensor([digest, -digest, rank + 1 if error is not None else 0], dtype=torch.int64,
-                        device=_device(mesh))
+    device = _device(mesh)
+    names = list(values or {})
+    same_batch = values is not None  # inputs="global"
+    head = torch.tensor([digest, -digest, rank + 1 if error is not None else 0], dtype=torch.int64, device=device)
+    data = input_digests(list(values.values())).to(device) if names else head[:0]
+    mine = torch.cat([head, data, -data])
     got = mine.clone()
     work = dist.all_reduce(got, op=dist.ReduceOp.MAX, async_op=True)
 
     def settle() -> None:
         work.wait()
-        if int(got[0]) != digest or -int(got[1]) != digest:
+        g, m = got.tolist(), mine.tolist()
+        if g[0] != digest or -g[1] != digest:
+            must = ("with inputs='global' (the default) every rank must pass the same inputs" if same_batch else
+                    "with inputs='local' every rank must pass a shard of the same shapes, dtypes and non-tensor values")
             raise RankMismatchError(
-                f"rank {rank}: with inputs='local' every rank must pass a shard of the same shapes, dtypes and "
-                f"non-tensor values at each call, but the ranks differ at this call (this rank: {key[1]}). A "
-                "DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True on "
-                "the sampler or DataLoader, or pad the last batch.")
-        if int(got[2]):
-            e = IndexError(f"rank {int(got[2]) - 1}'s batch has a token id or label out of range (one device raises "
+                f"rank {rank}: {must}" +
+                f" at each call, but the ranks differ at this call (this rank: {key[1]}). "
+                + ("A DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True "
+                   "on the sampler or DataLoader, or pad the last batch." if not same_batch else
+                   "Fix: give every rank the same whole batch, or, if each rank loads its own batch (e.g. with a "
+                   "DistributedSampler, as for DDP), pass inputs='local' to parallelize."))
+        n = len(data)
+        if n and (g[3:3 + n] != m[3:3 + n] or [-x for x in g[3 + n:]] != m[3:3 + n]):
+            raise _values_differ(names, data)
+        if g[2]:
+            if same_batch and error is not None:  # the same batch on every rank: every rank's error is one device's
+                raise IndexError(error)
+            e = IndexError(f"rank {g[2] - 1}'s batch has a token id or label out of range (one device raises "
                            "IndexError there); every rank stops at this call")
             if error is not None:
                 e.add_note(f"rank {rank}: {error}")  # one device's words, on the rank whose batch holds it
@@ -368,6 +392,64 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         settle()
         return None
     return settle
+
+
+_WEIGHTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()  # (numel, device) -> per-position weights, a few kept
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _weights(numel: int, device: torch.device) -> torch.Tensor:
+    key = (numel, str(device))
+    w = _WEIGHTS.get(key)
+    if w is None:
+        g = torch.Generator().manual_seed(0x5EED)  # the same weights on every rank
+        w = (torch.randint(-2**62, 2**62, (numel,), generator=g, dtype=torch.int64) | 1).to(device)
+        _WEIGHTS[key] = w
+        while len(_WEIGHTS) > 16:
+            _WEIGHTS.popitem(last=False)
+    _WEIGHTS.move_to_end(key)
+    return w
+
+
+def input_digests(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Two int64s per tensor, computed on its device without a host sync: the sum of its elements' bit patterns,
+    and their sum weighted by a fixed pseudo-random odd int64 per position, both modulo 2^64 (exact, so equal
+    tensors give equal digests whatever the reduction order), masked to 62 bits. Any dtype (token ids, floats,
+    bool); the weighted sum tells apart batches whose rows or values are permuted, which the plain sum does not."""
+    parts = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        bits = (flat.to(torch.uint8) if flat.dtype == torch.bool else flat.view(_BITS[flat.element_size()]))
+        bits = bits.to(torch.int64)
+        parts += [bits.sum(), (bits * _weights(bits.numel(), bits.device)).sum()]
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack(parts) & (2**62 - 1)
+
+
+def _values_differ(names: list[str], data: torch.Tensor) -> RankMismatchError:
+    """The ranks' digests, gathered (every rank saw the mismatch in the all-reduce, so every rank is here): which
+    input differs first, and which ranks passed which value of it."""
+    with _local_tensor_off():
+        rows = [torch.empty_like(data) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, data)
+    rows = [r.tolist() for r in rows]
+    first = next(i for i in range(len(names)) if len({tuple(r[2 * i:2 * i + 2]) for r in rows}) > 1)
+    by: dict[tuple, list[int]] = {}
+    for r, row in enumerate(rows):
+        by.setdefault(tuple(row[2 * first:2 * first + 2]), []).append(r)
+    groups = list(by.values())
+    told = "; ".join(f"ranks {_ranks(g)} passed {'one value' if i == 0 else 'another'}"
+                     for i, g in enumerate(groups[:4])) + ("; ..." if len(groups) > 4 else "")
+    return RankMismatchError(
+        "with inputs='global' (the default) every rank passes the same whole batch at every call and "
+        f"autopar splits it, but at this call the ranks passed different values of input {names[first]!r}: {told}. "
+        "Each rank would compute on its share of a different batch, a mixture no single batch gives. Fix: if each "
+        "rank loads its own batch (e.g. with a DistributedSampler, as for DDP), pass inputs='local' to parallelize; "
+        "otherwise give every rank the same batch (same data order and seed). To skip this check where the ranks are "
+        "known to agree: pm.check_inputs = False.")
 
 
 def agreed_seed(mesh: DeviceMesh) -> int:

@@ -62,7 +62,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
     t0 = time.perf_counter()
     with _local_tensor_off():
-        chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
+        chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit, _names(model))
     if progress:
         progress("solve", time.perf_counter() - t0)
     chosen = tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
@@ -132,7 +132,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
     if inputs == "global":
         check_input_values(agreement)
-    solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)  # noqa: E731
+    solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
+                                  _names(model))
     chosen = solve_on_rank0(solve)
     arrivals, call_shapes = {}, None
     if inputs == "local":
@@ -252,8 +253,15 @@ def _refuse_meta_moe(model: nn.Module) -> None:
             "autopar.plan(...) plans the meta model.")
 
 
-def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None) -> Plan:
-    """A named plan built for these sites, or a given / saved Plan checked against this model and mesh."""
+def _names(model) -> set[str]:
+    """Every name of the model's parameters (tied ones under each of theirs): what a given plan may place."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, memory_limit=None,
+                  names: set[str] | None = None) -> Plan:
+    """A named plan built for these sites, or a given / saved Plan checked against this model (`names`: its
+    parameters' names) and mesh."""
     if isinstance(plan, str) and plan in PLANS:
         flat_shapes = captured.example_shapes
         batch = dict(zip(captured.user_inputs, batch_dims(flat_shapes)))
@@ -274,5 +282,5 @@ def _resolve_plan(plan, ctx, info: MeshInfo, overrides, captured, cluster=None, 
     if overrides:
         raise ValueError(f"overrides apply to the named plans {PLANS}; edit a saved Plan directly")
     check_plan_precision(plan.precision, captured.precision, source)
-    check_given_plan(plan, source, info, captured)
+    check_given_plan(plan, source, info, captured, names)
     return plan

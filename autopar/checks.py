@@ -53,9 +53,11 @@ def check_options(plan, cluster, memory_limit) -> int | None:
     return parse_bytes(memory_limit, "memory_limit")
 
 
-def check_given_plan(plan: Plan, source: str, info: MeshInfo, captured: Captured) -> None:
-    """A plan given (or loaded from `source`) fits this mesh, this model's parameters, known kinds and forms, the
-    tensors' shapes and this graph."""
+def check_given_plan(plan: Plan, source: str, info: MeshInfo, captured: Captured,
+                     names: set[str] | None = None) -> None:
+    """A plan given (or loaded from `source`) fits this mesh, this model's parameters (`names`: all of their names,
+    tied aliases too; a plan entry for any other name is refused), known kinds and forms, the tensors' shapes and
+    this graph."""
     if tuple(plan.mesh) != tuple(zip(info.names, info.sizes)):
         raise ValueError(f"{source} was made for mesh {plan.mesh}, but this mesh is "
                          f"{tuple(zip(info.names, info.sizes))}. {_REDO}")
@@ -66,6 +68,11 @@ def check_given_plan(plan: Plan, source: str, info: MeshInfo, captured: Captured
         raise ValueError(f"{source} has no placement for this model's parameters {_few(missing)}"
                          + (f" and places parameters it does not have, {_few(extra)}" if extra else "")
                          + f": it was made for another model. {_REDO}")
+    unknown = sorted(theirs - mine - (names or set()))
+    if names is not None and unknown:
+        raise ValueError(f"{source} places parameters this model does not have, {_few(unknown)} (its other entries "
+                         "match the model): a hand edit, or a plan made for another model. Every entry must name a "
+                         f"parameter of this model. {_REDO}")
     for st in plan.strategies:
         try:
             form_of(Kind(st.kind), st.form)

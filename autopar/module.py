@@ -1,7 +1,9 @@
 """The parallel model users hold: `ParallelModule`, and how its parameters become DTensors.
 
 `pm(*inputs)` takes the same global inputs as the model (with `parallelize(..., inputs="local")`, each
-data-parallel rank's own shard of the batch) and returns the same outputs on every rank;
+data-parallel rank's own shard of the batch) and returns the same outputs on every rank; every call agrees with the
+other ranks on its shapes and, under inputs="global", on its values (`autopar.agree.agree_on_call`: one small
+all-reduce left in flight until the program's first collective; `pm.check_inputs = False` skips the values);
 parameters keep their fully-qualified names (tied weights stay tied) and are DTensors with the plan's
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. Making one installs DTensor's fast path for
@@ -66,6 +68,9 @@ class ParallelModule(nn.Module):
     """
 
     max_programs: int = 8
+    # inputs="global": every call checks that every rank passed the same values (a digest of each tensor input in
+    # the call's all-reduce, left in flight); False skips that check where the ranks are known to agree
+    check_inputs: bool = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str,
                  example_inputs=None, local: tuple | None = None):
@@ -245,21 +250,28 @@ class ParallelModule(nn.Module):
                 # directly: `DTensor.from_local` is an autograd function, tens of microseconds per parameter
                 p.grad = DTensor(local, g._spec, requires_grad=False) if isinstance(g, DTensor) else local
 
+    @torch._dynamo.disable  # under torch.compile(pm) too: host-side checks and an all-reduce left in flight, as eager
     def _check_inputs(self, key: tuple, cap: Captured, flat: list, wait: bool = True):
-        """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`);
-        under inputs="local" the ranks also agree on the call's shapes, in the same all-reduce. `wait=False`: that
-        all-reduce is left in flight where it can be (no error here); the function that settles it is returned."""
+        """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`), and the
+        ranks agree on the call in one all-reduce (`autopar.agree.agree_on_call`): on its shapes, and under
+        inputs="global" (unless `check_inputs` is off) on a digest of every tensor input's values, as each rank must
+        pass the same batch. `wait=False`: that all-reduce is left in flight where it can be (no error here); the
+        function that settles it is returned."""
         error = None
+        values = dict(zip(cap.user_inputs, flat))
         if cap.index_checks is not None:
-            values = dict(zip(cap.user_inputs, flat))
+            checked = values
             if self._local_axes is not None:  # this rank's shard, repeated to the global batch the program expects
                 names = list(values)
                 (repeated,), _ = global_example((tuple(values.values()),), {}, data_degree(
                     self._local_axes, mesh_info(self._mesh)))
-                values = dict(zip(names, repeated))
-            error = cap.index_checks(values)
+                checked = dict(zip(names, repeated))
+            error = cap.index_checks(checked)
         if self._local_axes is not None:
             return agree_on_call(key, self._mesh, error, wait=wait)
+        if self.check_inputs:
+            tensors = {n: v for n, v in values.items() if isinstance(v, torch.Tensor)}
+            return agree_on_call(key, self._mesh, error, wait=wait, values=tensors)
         if error is not None:
             raise IndexError(error)
         return None

@@ -84,7 +84,6 @@ from typing import Callable
 
 import networkx as nx
 import torch
-from ortools.sat.python import cp_model
 from torch import fx
 
 from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
@@ -936,6 +935,8 @@ def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, e
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
                ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float, kp: "KeepTerms | None" = None):
+    from ortools.sat.python import cp_model  # here, not at import: it costs ~1 s (it imports pandas)
+
     model = cp_model.CpModel()
     x = [[model.NewBoolVar(f"x{k}_{i}") for i in range(len(cs))] for k, cs in enumerate(cands)]
     for xs in x:

@@ -132,8 +132,29 @@ def load(pm, path, *, prefix: str | None = None, strict: bool = True):
 def _load_dcp(pm, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     state = pm.state_dict()
+    _check_dcp_shapes(state, dcp.FileSystemReader(str(path)).read_metadata(), path)
     dcp.load(state, checkpoint_id=str(path))
     pm.load_state_dict(state)
+
+
+def _check_dcp_shapes(state: dict, metadata, path: Path) -> None:
+    """Every tensor the checkpoint holds for a name of `state` has that tensor's global shape (DCP itself raises a
+    CheckpointException per rank with the sizes deep inside it). Every rank reads the same metadata: every rank
+    raises alike."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    saved = metadata.state_dict_metadata
+    wrong = [(k, tuple(saved[k].size), tuple(v.shape)) for k, v in state.items()
+             if isinstance(v, torch.Tensor) and isinstance(saved.get(k), TensorStorageMetadata)
+             and tuple(saved[k].size) != tuple(v.shape)]
+    if wrong:
+        (name, theirs, mine), more = wrong[0], len(wrong) - 1
+        raise ValueError(
+            f"autopar.load: the torch.distributed.checkpoint in {str(path)!r} holds {name} with shape {theirs}, but "
+            f"this model's {name} has shape {mine}" + (f" (and {more} more parameters differ: "
+                                                      f"{', '.join(k for k, _, _ in wrong[1:4])}"
+                                                      f"{', ...' if more > 3 else ''})" if more else "")
+            + ": it was saved from a model of another shape (another config). Fix: build the model with the config "
+            "the checkpoint was saved from, or load a checkpoint of this model.")
 
 
 def _safetensors_index(path: Path) -> dict[str, Path]:

@@ -4,23 +4,31 @@ On one rank nothing is communicated, so any difference in step time (forward + b
 step) is autopar's: the rewritten graph, DTensor parameters, input handling. Steps of the two
 alternate in one run; the ratio parallelize/eager of the median step times is printed (goal <= 1.05).
 
-    python benchmarks/overhead.py [--quick]
+`--check-inputs`: the per-call agreement that every rank passed the same batch (inputs="global", on by default:
+a digest of the inputs in the call's all-reduce, left in flight) costs nothing on one rank, where it is skipped.
+This mode measures it where it runs: 2 gloo ranks, the GPT and a Llama under "dp" and "megatron", one
+ParallelModule whose steps alternate with `pm.check_inputs` on and off in one run; the ratio on/off of the median
+step times is printed (goal <= 1.01).
+
+    python benchmarks/overhead.py [--quick] [--check-inputs]
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import autopar
-from autopar.models import GPT, GPTConfig
-from common import MLPStack, interleaved, report, train_step
+from autopar.models import GPT, GPTConfig, Llama, LlamaConfig
+from common import MLPStack, interleaved, launch, report, train_step
 
 BATCH = 4  # sequences per step in the transformer benchmark
 
@@ -56,7 +64,57 @@ def run(quick: bool) -> None:
              model, (tokens, torch.roll(tokens, -1, dims=1)), warmup=3, iters=6 if quick else 100)
 
 
+def _check_inputs_cost(quick: bool) -> None:
+    """On every rank of 2: per model and plan, steps with the per-call input check on and off, interleaved."""
+    gpt = GPTConfig(vocab_size=2048, seq_len=128, num_layers=4, num_heads=8, hidden=512, dropout=0.0)
+    llama = LlamaConfig(vocab_size=2048, seq_len=128, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
+                        ffn_hidden=1408)
+    for name, make, cfg in (("gpt", GPT, gpt), ("llama", Llama, llama)):
+        for plan in ("dp", "megatron"):
+            torch.manual_seed(0)
+            model = make(cfg)
+            tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len))
+            inputs = (tokens, torch.roll(tokens, -1, dims=1))
+            mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp" if plan == "dp" else "tp",))
+            pm = autopar.parallelize(model, mesh, inputs, plan=plan)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+            def step(on: bool):
+                pm.check_inputs = on
+                return train_step(pm, opt, inputs)
+
+            times = interleaved({"check on": lambda: step(True), "check off": lambda: step(False)},
+                                warmup=3, iters=6 if quick else 60, budget_s=25 if quick else 120)
+            issue_s, settle_s = _check_alone(pm, inputs, 20 if quick else 200)
+            if dist.get_rank() == 0:
+                report(f"check_inputs[{name} {plan} 2 ranks]", times, "check on", "check off")
+                off = statistics.median(times.wall_s["check off"])
+                print(f"  the check alone: {issue_s * 1e6:.0f} us per call to digest the batch and issue the "
+                      f"all-reduce ({issue_s / off:.2%} of the check-off step), {settle_s * 1e6:.0f} us more to wait "
+                      "for it when nothing overlaps it", flush=True)
+
+
+def _check_alone(pm, inputs, n: int) -> tuple[float, float]:
+    """Seconds per call of the per-call check on its own: digesting and issuing (what a step pays; the all-reduce's
+    latency overlaps the program up to its first collective), and waiting for the all-reduce right away."""
+    cap = pm._current.captured
+    key = pm._key(inputs, {})
+    flat = list(inputs)
+    issue = settle = 0.0
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        done = pm._check_inputs(key, cap, flat, wait=False)
+        t1 = time.perf_counter()
+        done()
+        issue, settle = issue + t1 - t0, settle + time.perf_counter() - t1
+    return issue / n, settle / n
+
+
 def main() -> None:
+    if "--check-inputs" in sys.argv:
+        launch(_check_inputs_cost, 2, "--quick" in sys.argv)
+        return
     torch.set_num_threads(1)  # as each rank in tp_vs_parallelize_module.py: steadier timings
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(d, 'store')}", rank=0, world_size=1)

@@ -10,20 +10,30 @@
 * After collection the objects alive (torch, autopar, the test modules) are frozen out of the cyclic garbage collector
   and it runs less often: FX graphs and DTensor specs churn many small objects, and the default thresholds spent
   ~10% of a LocalTensorMode test's CPU time re-scanning the imported modules.
-* The longest test files run first (``LONGEST_FIRST``): ``make test`` hands whole files to 2 workers in collection
-  order (``--dist loadfile --no-loadscope-reorder``), so a long file never starts last and runs alone at the end.
+* The longest test files run first (``FILE_SECONDS``, measured; a file not named there is estimated from its number
+  of tests): ``make test`` hands whole files to 2 workers in collection order (``--dist loadfile
+  --no-loadscope-reorder``), so a long file never starts last and runs alone at the end.
+* Torch runs one intra-op thread in each test process (see below).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_harness import close_all_pools
+
+# One intra-op thread per test process: `make test` runs 2 xdist workers on 2 cores, and torch's default (a thread per
+# core) oversubscribed them: OpenMP's idle threads spin between the small ops these tests run, which tripled the CPU
+# time of a LocalTensorMode file (45 s against 15 s user for the same tests, measured). Subprocesses (gloo pools,
+# torchrun) inherit the variable; they set it themselves too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 def set_fake_world(world_size: int) -> None:
@@ -57,36 +67,72 @@ def _local_world(world_size: int):
         yield mode
 
 
-# The slowest files, slowest first: each file alone, CPU seconds measured on 2026-12-02 (a loaded machine; gloo pools
-# spawned per file), ~ where its run timed out or was estimated from its tests. A rough order: refresh it when a file
-# grows. Scheduling the longest jobs first keeps the two workers' finishing times close; files not named run
-# afterwards, in their order.
-LONGEST_FIRST = (
-    "test_zoo.py",  # ~200 (timed out after 59 of its 64 tests)
-    "test_equivalence_local.py",  # ~120 (timed out after 60 of its 65 tests)
-    "test_sequence_parallel.py",  # not measured: estimated from its tests
-    "test_checkpoint_levels.py",  # 84
-    "test_estimate.py",  # 79
-    "test_nn_census.py",  # 58-72 CPU s (2026-12-04: 39 rows x 4 plans + a 1-rank program per row; 5-13 min wall at load 60)
-    "test_contract_ranks.py",  # 66
-    "test_moe.py",  # not measured: estimated from its tests
-    "test_fsdp_layers.py",  # 55
-    "test_equivalence_gloo.py",  # 53
-    "test_planning_shapes.py",  # 53
-    "test_two_axis_attention.py",  # not measured: estimated from its tests
-    "test_verify.py",  # 46
-    "test_tune.py",  # not measured: estimated from its tests
-    "test_solver.py",  # 41
-    "test_shapes.py",  # 41
-    "test_published_runs.py",  # 39
-    "test_meta.py",  # not measured: estimated from its tests
-    "test_contract_data.py",  # 34
-    "test_inspect.py",  # 34
-    "test_memory_estimate.py",  # 31
-    "test_mixed_precision.py",  # not measured: estimated from its tests
-    "test_sharding.py",  # 27
-    "test_grad_buckets.py",  # 27
-)
+# Seconds per file (its tests' durations summed, `--durations=0` of a `make test` run on 2026-12-04, a loaded machine):
+# the files run longest first. Refresh it when a file grows. A file not named here is estimated at
+# UNNAMED_SECONDS_PER_TEST per test (over the suite's mean, on purpose: a short file started early costs nothing, a
+# long one started last runs alone at the end).
+FILE_SECONDS = {
+    "test_sequence_parallel.py": 198,
+    "test_checkpoint_levels.py": 145,
+    "test_rule_check.py": 120,
+    "test_zoo.py": 117,
+    "test_tune.py": 96,
+    "test_two_axis_attention.py": 95,
+    "test_equivalence_local.py": 90,
+    "test_moe_dispatch.py": 86,
+    "test_estimate.py": 73,
+    "test_nn_census.py": 70,  # not from that run: 58-72 CPU s alone (2026-12-04, 39 rows x 4 plans + 1-rank programs)
+    "test_moe.py": 63,
+    "test_verify.py": 60,
+    "test_recognition.py": 57,
+    "test_meta.py": 52,
+    "test_solver.py": 44,
+    "test_shapes.py": 36,
+    "test_ring_hf.py": 36,
+    "test_tp_overlap.py": 34,
+    "test_dist_harness.py": 30,
+    "test_model_ops.py": 29,
+    "test_fsdp_layers.py": 24,
+    "test_sharding.py": 24,
+    "test_local_step.py": 23,
+    "test_inspect.py": 22,
+    "test_mixed_precision.py": 22,
+    "test_collectives.py": 20,
+    "test_published_runs.py": 20,
+    "test_contract_data.py": 19,
+    "test_tune_mirror.py": 18,
+    "test_contract_modes.py": 18,
+    "test_memory_estimate.py": 17,
+    "test_block_attention_kernel.py": 17,
+    "test_contract_ranks.py": 14,
+    "test_moe_flops.py": 13,
+    "test_dp_overhead.py": 11,
+    "test_attention_masks.py": 10,
+    "test_autoplan.py": 9,
+    "test_grad_buckets.py": 7,
+    "test_reduce_transient.py": 6,
+    "test_equivalence_gloo.py": 6,
+    "test_errors.py": 6,
+    "test_moe_permute_kernel.py": 6,
+    "test_checkpoint.py": 5,
+    "test_planning_shapes.py": 4,
+    "test_fake_mesh.py": 4,
+    "test_numerics_modes.py": 4,
+    "test_ring_attention.py": 4,
+    "test_capture.py": 3,
+    "test_cost_model.py": 3,
+    "test_structure.py": 2,
+    "test_embedding_forms.py": 2,
+    "test_dtensor_rules.py": 1,
+    "test_contract_errors.py": 1,
+    "test_timeline.py": 1,
+    "test_layers.py": 1,
+    "test_fsdp_dims.py": 1,
+    "test_scalar_ops.py": 1,
+    "test_to_locals.py": 1,
+}
+UNNAMED_SECONDS_PER_TEST = 2.0
+LONGEST_FIRST = tuple(FILE_SECONDS)  # the named files, slowest first (kept for readers of the old name)
 
 
 def pytest_collection_finish(session):
@@ -100,8 +146,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+    count: dict[str, int] = {}
+    for item in items:
+        count[item.path.name] = count.get(item.path.name, 0) + 1
+    seconds = {name: FILE_SECONDS.get(name, UNNAMED_SECONDS_PER_TEST * n) for name, n in count.items()}
+    items.sort(key=lambda item: -seconds[item.path.name])  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session")

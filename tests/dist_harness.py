@@ -444,15 +444,28 @@ def gloo_pool(world_size: int, pg_timeout_s: float = _PG_TIMEOUT_S) -> GlooPool:
 
 
 def close_all_pools() -> None:
-    """Close every pool made by :func:`gloo_pool`; failures are reported as warnings, not raised."""
-    while _POOLS:
-        _, pool = _POOLS.popitem()
+    """Close every pool made by :func:`gloo_pool`, all at once (each waits for its workers' exit); failures are
+    reported as warnings, not raised."""
+    import threading
+    import warnings
+
+    pools = list(_POOLS.values())
+    _POOLS.clear()
+    errors: list[str] = []
+
+    def close(pool: GlooPool) -> None:
         try:
             pool.close()
         except Exception as e:  # noqa: BLE001 - shutting down; report and continue
-            import warnings
+            errors.append(f"closing {pool!r} failed: {e}")
 
-            warnings.warn(f"closing {pool!r} failed: {e}", RuntimeWarning, stacklevel=2)
+    threads = [threading.Thread(target=close, args=(pool,)) for pool in pools]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for error in errors:
+        warnings.warn(error, RuntimeWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------- worker process
@@ -501,15 +514,20 @@ def _worker_main(rank: int, world_size: int, fd: int, init_file: str, pg_timeout
                 dist.destroy_process_group()
             except BaseException:
                 error = traceback.format_exc()
-            reply("closed", error)
-            return 0 if error is None else 1
+            reply("closed", error)  # flushes this rank's output first
+            # Leave at once: the interpreter's own shutdown (torch, autopar and what jobs imported) takes seconds
+            # per rank on a loaded machine, and the pool waits for every rank's exit.
+            os._exit(0 if error is None else 1)
         _, ref, payload = msg
+        groups = _groups()
         try:
             args, kwargs = pickle.loads(payload)
             result = pickle.dumps(_resolve(ref)(*args, **kwargs))
             outcome: tuple[str, Any] = ("ok", result)
         except BaseException:
             outcome = ("err", traceback.format_exc())
+        if _destroyed_since(groups):
+            _forget_destroyed_groups()
         try:
             reply(*outcome)  # before the barrier, so the parent hears about failures even if it hangs
             try:
@@ -520,6 +538,34 @@ def _worker_main(rank: int, world_size: int, fd: int, init_file: str, pg_timeout
             reply("synced", synced)
         except OSError:
             return 0  # parent went away
+
+
+def _groups() -> tuple[int, set[str]]:
+    """How many process groups were ever created, and the names of those alive."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    return world.group_count, set(world.pg_names.values())
+
+
+def _destroyed_since(before: tuple[int, set[str]]) -> bool:
+    """Whether a group alive then, or created since, is gone."""
+    count, names = before
+    now_count, now_names = _groups()
+    return bool(names - now_names) or len(now_names - names) < now_count - count
+
+
+def _forget_destroyed_groups() -> None:
+    """A job destroyed a process group (e.g. a mesh's own `dist.new_group`): DTensor's sharding propagation cache is
+    keyed by DeviceMesh equality, which ignores the mesh's groups, so a later job's equal mesh could be handed a
+    cached result naming the destroyed group ("Could not resolve the process group registered under the name N",
+    depending on which jobs ran before on this pool). Clear it, as tests/conftest.py does for the fake world."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch fast path's cache
+        torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def _die_with_parent() -> None:

@@ -395,6 +395,35 @@ def test_load_state_dict_of_wrong_shape_is_reported_by_torch(local_world):
             pm.load_state_dict(sd)
 
 
+def dcp_load_into_another_shape(path: str):
+    """Save a megatron GPT with torch.distributed.checkpoint, then `autopar.load` it into a GPT of another hidden size
+    (fsdp); returns what each rank raised."""
+    import torch.distributed.checkpoint as dcp
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    make = lambda hidden: GPT(GPTConfig(vocab_size=64, seq_len=8, num_layers=1, num_heads=2, hidden=hidden))  # noqa
+    torch.manual_seed(0)  # the same model and batch on every rank
+    inputs = (torch.randint(0, 64, (4, 8)), torch.randint(0, 64, (4, 8)))
+    dcp.save(autopar.parallelize(make(16), mesh, inputs, plan="megatron").state_dict(), checkpoint_id=path)
+    pm = autopar.parallelize(make(32), mesh, inputs, plan="fsdp")
+    try:
+        autopar.load(pm, path)
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_dcp_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
+    from dist_harness import gloo_pool
+    results = gloo_pool(2).run(dcp_load_into_another_shape, str(tmp_path / "ckpt"))
+    assert len(set(results)) == 1, results  # every rank raises the same
+    kind, message = results[0]
+    assert kind == "ValueError", results
+    assert re.search(r"autopar\.load: the torch\.distributed\.checkpoint in '.*ckpt' holds wte\.weight with shape "
+                     r"\(64, 16\), but this model's wte\.weight has shape \(64, 32\) \(and \d+ more parameters "
+                     r"differ: .*\): it was saved from a model of another shape.*Fix: build the model with the config",
+                     message), message
+
+
 def test_optimizer_built_on_the_original_model_is_refused_at_its_first_step(local_world):
     model, inputs = _gpt2(), _batch()
     with local_world(2):

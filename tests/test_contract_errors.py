@@ -124,6 +124,18 @@ def test_plan_of_another_model_names_the_parameters(saved):
         autopar.plan(other, MESH, (torch.randn(8, 16),), plan=str(saved[0]))
 
 
+def test_plan_with_an_extra_unknown_parameter_entry_names_it(tmp_path, saved):
+    """A hand edit that adds a placement for a parameter the model does not have is refused like the others (every
+    other entry matching the model)."""
+    d = copy.deepcopy(saved[1])
+    d["params"].append(["fc3.weight", d["params"][0][1]])
+    path = _write(tmp_path, json.dumps(d))
+    model, inputs = _mlp()
+    with pytest.raises(ValueError, match=rf"plan file '{path}' places parameters this model does not have, "
+                                         r"fc3\.weight \(its other entries match the model\).*Fix: re-plan"):
+        autopar.plan(model, MESH, inputs, plan=path)
+
+
 def test_plan_for_another_graph_or_mesh_names_the_file(saved):
     model, _ = _mlp()
     with pytest.raises(ValueError, match=rf"plan file '{saved[0]}' was made for another graph \(fingerprint \w+; this "

@@ -183,11 +183,60 @@ def local_batch_shorter_on_rank1():
     return lambda: pm(ids[:n], labels[:n])
 
 
+def _parallel_then_own_batches(plan="megatron", names=("tp",), permute=False):
+    """The DDP habit with inputs left "global": parallelize on one fixed example, then each rank calls with its own
+    batch (a DistributedSampler's); `permute`: rank 1's batch is rank 0's rows swapped (equal sums)."""
+    model, inputs = _gpt()
+    import autopar
+    pm = autopar.parallelize(model, _mesh((2,), names), inputs, plan=plan)
+    pm(*inputs).backward()  # a call on equal batches passes
+    ids, labels = _gpt(seed=dist.get_rank() + 1)[1]
+    if permute:
+        ids, labels = inputs[0].clone(), inputs[1].clone()
+        if dist.get_rank() == 1:
+            ids, labels = ids[[1, 0, 2, 3]], labels[[1, 0, 2, 3]]
+    return pm, ids, labels
+
+
+def global_call_batches_differ_under_tp():
+    pm, ids, labels = _parallel_then_own_batches()
+    return lambda: pm(ids, labels)
+
+
+def global_call_batches_differ_under_dp():
+    pm, ids, labels = _parallel_then_own_batches("dp", ("dp",))
+    return lambda: pm(ids, labels).backward()
+
+
+def global_call_rows_permuted():
+    pm, ids, labels = _parallel_then_own_batches("dp", ("dp",), permute=True)
+    return lambda: pm(ids, labels)
+
+
+def global_call_shapes_differ():
+    pm, ids, labels = _parallel_then_own_batches("dp", ("dp",))
+    n = 4 if dist.get_rank() == 0 else 2
+    return lambda: pm(ids[:n], labels[:n])
+
+
+def global_call_check_off():
+    """pm.check_inputs = False: the ranks are trusted to agree; no check, no error (here they do not, and the loss is
+    the mixture: the switch is the user's promise)."""
+    pm, ids, labels = _parallel_then_own_batches()
+    pm.check_inputs = False
+    return lambda: pm(ids, labels)
+
+
 def run_case(name):
     """Build the case's model and inputs, then time its parallelize call."""
     _warm_up()
     return _with_timeout(globals()[name]())
 
+
+_PER_CALL = (r"^with inputs='global' \(the default\) every rank passes the same whole batch at every call.*different "
+             r"values of input 'tokens': ranks \[0\] passed one value; ranks \[1\] passed another\..*Fix: if each "
+             r"rank loads its own batch \(e.g. with a DistributedSampler, as for DDP\), pass inputs='local'.*"
+             r"pm.check_inputs = False")
 
 CASES = {
     # name: (world, error type, message pattern)
@@ -215,6 +264,10 @@ CASES = {
                               r"batch \(e.g. with a DistributedSampler, as for DDP\), pass inputs='local'"),
     "bad_id_in_rank1s_rows": (2, "IndexError", r"^index out of range in self$"),
     "bad_label_in_rank1s_local_batch": (2, "IndexError", r"rank 1's batch has a token id or label out of range"),
+    "global_call_batches_differ_under_tp": (2, "RankMismatchError", _PER_CALL),
+    "global_call_batches_differ_under_dp": (2, "RankMismatchError", _PER_CALL),
+    "global_call_rows_permuted": (2, "RankMismatchError", _PER_CALL),
+    "global_call_check_off": (2, "ok", r"^$"),
     "tp_ranks_pass_different_data": (4, "RankMismatchError",
                                      r"(?s)inputs='local'.*differ only on the tensor/sequence/expert axes.*ranks \[0\] "
                                      r"have .*ranks \[1\] have .*ranks \[2\] have .*ranks \[3\] have"),
@@ -234,10 +287,12 @@ def test_every_rank_raises_the_same_error_within_the_timeout(case):
     assert max(seconds) < WITHIN_S, f"ranks took {seconds} s (process-group timeout {timeouts[0]} s)"
 
 
-def test_ranks_passing_different_shapes_at_a_call_all_raise():
+@pytest.mark.parametrize("case", ["local_batch_shorter_on_rank1", "global_call_shapes_differ"])
+def test_ranks_passing_different_shapes_at_a_call_all_raise(case):
     """The per-call agreement is left in flight while the program runs up to its first collective: ranks passing
-    different shapes still raise, every one, before any collective of the program starts (no hang, no wrong loss)."""
-    results = _pool(2).call(run_case, ("local_batch_shorter_on_rank1",), timeout=120)
+    different shapes still raise, every one, before any collective of the program starts (no hang, no wrong loss),
+    under inputs="local" (a short last shard) and "global" alike."""
+    results = _pool(2).call(run_case, (case,), timeout=120)
     kinds, messages, seconds, timeouts = zip(*results)
     assert set(kinds) == {"RankMismatchError"}, results
     assert all(re.search(r"the ranks differ at this call", m) for m in messages), messages
@@ -267,6 +322,29 @@ def test_a_pending_agreement_runs_once_before_the_next_collective():
     C.settle_pending()
     C.settle_pending()
     assert ran == ["first", "at the end"]
+
+
+def test_input_digests_tell_apart_permuted_and_equal_sum_batches():
+    """The per-call digest (inputs="global"): equal tensors agree; rows swapped, values moved between positions with
+    the same sum, one bit flipped, or another dtype's bits differ; token ids, floats, bool and bf16 alike."""
+    from autopar.agree import input_digests
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    same = input_digests([ids.clone(), x.clone()])
+    assert torch.equal(input_digests([ids, x]), same) and same.dtype == torch.int64 and same.shape == (4,)
+    moved = ids.clone()
+    moved[0, 0], moved[0, 1] = moved[0, 0] + 1, moved[0, 1] - 1  # the same sum
+    flipped = x.clone()
+    flipped.view(torch.int32)[0, 0] ^= 1
+    for other in ([ids[[1, 0, 2, 3]], x], [moved, x]):  # equal plain sums: the weighted sum tells them apart
+        got = input_digests(other)
+        assert got[0] == same[0] and got[1] != same[1] and torch.equal(got[2:], same[2:]), (got, same)
+    assert not torch.equal(input_digests([ids, flipped])[2:], same[2:])
+    assert torch.equal(input_digests([ids, x.T.contiguous().T]), same)  # the same values in another layout
+    mask = torch.rand(4, 16, generator=torch.Generator().manual_seed(2)) > 0.5
+    assert not torch.equal(input_digests([mask]), input_digests([mask.flip(0)]))
+    half = x.to(torch.bfloat16)
+    assert torch.equal(input_digests([half]), input_digests([half.clone()]))
 
 
 # ----------------------------------------------------------------------------- inputs="local": the numbers

@@ -530,7 +530,9 @@ class _GradSyncBucket(torch.autograd.Function):
         grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
                  for g, (s, d) in zip(grads, ctx.shapes)]
         flat = _flat_cat(grads)
-        if local_tensor_mode() is None and type(flat) is torch.Tensor:
+        # compiled (a train step under torch.compile runs its backward's frames through dynamo): the functional,
+        # out-of-place reduction, waited here; inductor cannot functionalize the in-place one
+        if local_tensor_mode() is None and type(flat) is torch.Tensor and not torch.compiler.is_compiling():
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
             flat = _c10d.all_reduce_(flat, "sum", ctx.axis.group_name)
             cast = any(g.dtype != d for g, (_, d) in zip(grads, ctx.shapes))  # a cast back reads the buffer now
@@ -588,7 +590,7 @@ def _flat_cat(grads: list[torch.Tensor]) -> torch.Tensor:
     """The gradients concatenated into one flat buffer (`pooled_empty`)."""
     parts = [g.reshape(-1) for g in grads]
     first = parts[0]
-    if any(type(p) is not torch.Tensor or p.dtype != first.dtype for p in parts) or first.device.type != "cpu":
+    if torch.compiler.is_compiling() or any(type(p) is not torch.Tensor or p.dtype != first.dtype for p in parts) or first.device.type != "cpu":
         return torch.cat(parts)
     return torch.cat(parts, out=pooled_empty(sum(p.numel() for p in parts), first.dtype, first))
 

@@ -59,16 +59,23 @@ def _copy_in(shards, dtype) -> torch.Tensor:
     return torch.cat([s.reshape(-1).to(dtype) if dtype is not None else s.reshape(-1) for s in shards])
 
 
-def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool) -> torch.Tensor:
-    """The flat buffer of `shards` copied in, its all-gather on the innermost axis issued (not waited)."""
+def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat buffer of `shards` copied in, its all-gather on the innermost axis issued (not waited): (the gather
+    in flight, the buffer it sends). The sent buffer travels with the pending gather until `_finish` has waited for
+    it. Under `torch.compile` the prefetch is issued in one compiled graph and waited for in another (a graph break
+    falls at `fsdp_gather`), and inductor keeps a collective's input from being reused only up to a wait in the
+    same graph: without the buffer among the issuing graph's outputs, inductor reuses its memory for the next
+    layer's activations while the all-gather still reads it, and the ranks receive those instead of the shards."""
     with torch.no_grad():
-        return C._issue_all_gather(_copy_in(shards, dtype), 0, axes[0], backward)
+        sent = _copy_in(shards, dtype)
+        return C._issue_all_gather(sent, 0, axes[0], backward), sent
 
 
-def _finish(pending: torch.Tensor, shards, spec: _Spec, backward: bool) -> torch.Tensor:
-    """Wait for the innermost gather, gather on the other axes, copy out: one buffer of every full parameter."""
+def _finish(pending: tuple[torch.Tensor, torch.Tensor], shards, spec: _Spec, backward: bool) -> torch.Tensor:
+    """Wait for the innermost gather (`pending`: `_issue`'s pair), gather on the other axes, copy out: one buffer of
+    every full parameter."""
     with torch.no_grad():
-        flat = C._wait(pending)
+        flat = C._wait(pending[0])
         for axis in spec.axes[1:]:
             flat = C._wait(C._issue_all_gather(flat, 0, axis, backward))
         ns = [a.size for a in reversed(spec.axes)]  # outermost first, as the gathered buffer is laid out
@@ -139,7 +146,8 @@ class _Group:
     def __init__(self, shards, spec: _Spec, prev: "_Group | None"):
         self.shards, self.spec, self.prev = shards, spec, prev
         self.buffer: torch.Tensor | None = None  # gathered again in backward, dropped once its gradients are reduced
-        self.pending: torch.Tensor | None = None  # the backward prefetch, issued by the next group's first unpack
+        # the backward prefetch (`_issue`'s pair), issued by the next group's first unpack
+        self.pending: tuple | None = None
         self.packed = 0
 
     def regathered(self) -> torch.Tensor:
@@ -250,8 +258,9 @@ class _Gather(torch.autograd.Function):
         return (None, None, *_reduce_scatter(grads, ctx.shards, ctx.spec))
 
 
-def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None) -> torch.Tensor:
-    """Issue the all-gather of a group's flat buffer of shards on the innermost data axis; `fsdp_gather` waits."""
+def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Issue the all-gather of a group's flat buffer of shards on the innermost data axis; `fsdp_gather` waits.
+    Returns the gather in flight and the buffer it sends (`_issue`: kept until the wait)."""
     return _issue(shards, tuple(resolve_axis(a) for a in axes), param_dtype, False)
 
 
