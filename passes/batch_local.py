@@ -138,6 +138,10 @@ def _outputs(node: fx.Node) -> list:
 
 
 def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLocality:
+    if node.target is torch.ops.autopar.opaque.default:
+        from autopar.runtime.opaque import describe
+        if describe(node.args[0]).not_rows:  # known never to split by rows (CTC's concatenated targets)
+            return RowLocality(False, describe(node.args[0]).not_rows)
     tin = tensor_inputs(node)
     outs = _outputs(node)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
