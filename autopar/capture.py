@@ -8,7 +8,9 @@ lifted constants become placeholders, mapped back to their fully-qualified names
 
 Hugging Face models are captured with their KV cache turned off (`config.use_cache = False`), wherever
 they sit in the module tree. A custom `torch.autograd.Function` whose backward is not the derivative of its
-forward is captured as one opaque node that runs it (`autopar.functions`).
+forward is captured as one opaque node that runs it (`autopar.functions`). A loss torch computes per row and then
+reduces, whose whole call cannot be traced (`F.ctc_loss`, `nn.CTCLoss`), is captured as its per-row loss (one opaque
+node, batch-local where its rows are) and the reduction in graph ops (`autopar.canonical_losses`).
 """
 
 from __future__ import annotations
