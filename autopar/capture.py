@@ -8,7 +8,9 @@ lifted constants become placeholders, mapped back to their fully-qualified names
 
 Hugging Face models are captured with their KV cache turned off (`config.use_cache = False`), wherever
 they sit in the module tree. A custom `torch.autograd.Function` whose backward is not the derivative of its
-forward is captured as one opaque node that runs it (`autopar.functions`).
+forward is captured as one opaque node that runs it (`autopar.functions`). A loss torch computes per row and then
+reduces, whose whole call cannot be traced (`F.ctc_loss`, `nn.CTCLoss`), is captured as its per-row loss (one opaque
+node, batch-local where its rows are) and the reduction in graph ops (`autopar.canonical_losses`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.canonical_losses import canonical_loss_notes, canonical_losses
 from autopar.captured import Captured
 from autopar.functions import custom_functions
 from passes import meta as M
@@ -285,8 +288,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     while True:
         functions: list[tuple[str, str]] = []  # (opaque key, why) of custom autograd.Functions kept whole
         try:
+            losses: list[tuple[str, str]] = []  # (opaque key, reduction) of losses captured per row, then reduced
             with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe), \
-                    custom_functions(functions), _no_stack_traces():
+                    custom_functions(functions), canonical_losses(losses), _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
@@ -350,7 +354,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     rows = _opaque_rows(gm)
     notes = [f"{path} captured as one opaque node, {rows.get(k, _REPLICATED)}: it is not traceable "
              f"({opaque.describe(k).reason})" for path, k in keys.items()] + moe_notes
-    notes += _function_notes(gm, functions, rows)
+    notes += _function_notes(gm, functions, rows) + canonical_loss_notes(gm, losses, rows)
     from autopar.index_checks import index_checks
     return Captured(gm, kinds, params, buffers, consts, users, ep.call_spec.in_spec or in_spec,
                     ep.call_spec.out_spec, num_out, shapes, notes, index_checks=index_checks(gm, users))

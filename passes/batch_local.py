@@ -14,6 +14,8 @@ its sharded inputs and runs whole on every rank.
 `torch.library` custom) op with no sharding rule (`passes.rules.rule_for`), such as `aten.lstm.input`,
 `aten.gru.input`, `aten.rnn_tanh.input`; an opaque submodule (`autopar::opaque`: one torch.export cannot trace,
 `autopar.runtime.opaque`); a custom `autograd.Function` kept whole (`autopar.functions`, also an opaque node).
+An opaque node known never to split by rows (`OpaqueModule.not_rows`: a CTC loss's targets concatenated in one 1-D
+tensor, `autopar.canonical_losses`) is not checked: it is not batch-local, for that reason.
 The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule` is the lowering's rule for
 such a node (`passes.lower`, where no rule is registered): on an axis where the inputs arrive split on their
 batch dims, every batched input is required split on its batch dim, every unbatched input replicated, and every
@@ -138,6 +140,10 @@ def _outputs(node: fx.Node) -> list:
 
 
 def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLocality:
+    if node.target is torch.ops.autopar.opaque.default:
+        from autopar.runtime.opaque import describe
+        if describe(node.args[0]).not_rows:  # known never to split by rows (CTC's concatenated targets)
+            return RowLocality(False, describe(node.args[0]).not_rows)
     tin = tensor_inputs(node)
     outs = _outputs(node)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):

@@ -39,6 +39,9 @@ class OpaqueModule:
     # batch-local (`passes.batch_local`): (the example's batch size, the batch dim of each input (params after the
     # inputs; None: unbatched), of each output); None: not batch-local, or not checked
     rows: tuple | None = None
+    # why its rows can never be split, whatever a numerical check would find (`autopar.canonical_losses`: CTC
+    # targets concatenated in one 1-D tensor); None: checked as usual
+    not_rows: str | None = None
 
 
 _OPAQUE: dict[str, OpaqueModule] = {}
