@@ -274,6 +274,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from autopar.runtime import opaque
+    from autopar.runtime.embedding_bag import embedding_bags_by_rows
     from passes.decompose import decompose_unruled_pass
     from passes.moe import canonical_forwards, recognise_moe_modules
     if any(p.is_meta for p in model.parameters()):  # a meta-device model is traced on meta inputs (shapes only)
@@ -286,7 +287,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         functions: list[tuple[str, str]] = []  # (opaque key, why) of custom autograd.Functions kept whole
         try:
             with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe), \
-                    custom_functions(functions), _no_stack_traces():
+                    custom_functions(functions), embedding_bags_by_rows(), _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context
