@@ -277,6 +277,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     from autopar.runtime import opaque
+    from autopar.runtime.embedding_bag import embedding_bags_by_rows
     from passes.decompose import decompose_unruled_pass
     from passes.moe import canonical_forwards, recognise_moe_modules
     if any(p.is_meta for p in model.parameters()):  # a meta-device model is traced on meta inputs (shapes only)
@@ -290,7 +291,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict, *, max_opaque: int = 16
         try:
             losses: list[tuple[str, str]] = []  # (opaque key, reduction) of losses captured per row, then reduced
             with _no_kv_cache(model), _opaque_forwards(model, keys), canonical_forwards(moe), \
-                    custom_functions(functions), canonical_losses(losses), _no_stack_traces():
+                    custom_functions(functions), canonical_losses(losses), embedding_bags_by_rows(), \
+                    _no_stack_traces():
                 ep = torch.export.export(model, args, kwargs, strict=False)
             break
         except Exception as e:  # noqa: BLE001 - re-raised with context

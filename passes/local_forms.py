@@ -15,6 +15,7 @@ placement per mesh axis) and knows its output placements (`outs`). An op registe
 | moe_experts                     | `moe_experts` in mode local / partial / a2a                               |
 | opaque                          | `run_opaque`: the module's own forward under autograd (no recompute), on  |
 |                                 | the local rows when batch-local (`passes.batch_local`), else the batch    |
+| embedding_bag_rows (2-D bags)   | `F.embedding_bag` itself under autograd, on the rows it gets              |
 | mse_loss, mean over shards      | local sum divided by the global count                                     |
 | scaled_dot_product_attention    | ring attention; GQA KV heads picked per rank; K/V before repeat_kv         |
 """
@@ -28,6 +29,7 @@ from torch import fx
 
 from autopar.plan import AttentionMode
 from autopar.runtime import ops as O
+from autopar.runtime.embedding_bag import embedding_bag_local
 from autopar.sites import module_path
 from autopar.spec import Partial, Replicate, _StridedShard, is_shard
 from passes.rules import arg, shape
@@ -147,6 +149,11 @@ def _local_moe(lw, node: fx.Node, reqs, outs) -> None:
 def _local_opaque(lw, node: fx.Node, reqs, outs) -> None:
     from autopar.runtime.opaque import run_opaque
     node.target = run_opaque
+
+
+@local_form(torch.ops.autopar.embedding_bag_rows.default)
+def _local_embedding_bag_rows(lw, node: fx.Node, reqs, outs) -> None:
+    node.target = embedding_bag_local
 
 
 @local_form(aten.mse_loss.default)

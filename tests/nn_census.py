@@ -698,6 +698,15 @@ def _numel(x) -> int:
     return n
 
 
+def _bag_gathers(args) -> int:
+    """Elements an EmbeddingBag op gathers or scatters: its indices (the first integer tensor) x the embedding dim
+    (the columns of its first floating matrix: the table in forward, the output's gradient in backward)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    indices = next(t for t in tensors if not t.is_floating_point())
+    rows = next(t for t in tensors if t.is_floating_point() and t.dim() == 2)
+    return _numel(indices) * int(rows.shape[1])
+
+
 class FlopCount:
     """A TorchDispatchMode counting, per ATen op, the FLOPs of what runs under it with the shapes it sees (under
     LocalTensorMode entered first: one simulated rank's local shapes, ranks being alike):
@@ -708,6 +717,10 @@ class FlopCount:
       factory of empty or constant tensors): one FLOP per element of its largest tensor, input or output (a
       pointwise op's output, a reduction's input, a norm's, an embedding's gather). Rough, but it sees a
       replicated norm, activation or pooling, which the matmul count alone would miss.
+
+    An EmbeddingBag op (`aten._embedding_bag*`, forward or backward) counts one FLOP per element it gathers or
+    scatters (indices x embedding dim), not its largest tensor: that is the table, of which it reads the indexed
+    rows only.
 
     Ops outside `aten` (custom ops: FlopCounterMode cannot see inside them) are listed in `opaque`."""
 
@@ -760,6 +773,8 @@ class FlopCount:
         elif func.namespace != "aten":
             if func.namespace not in ("_c10d_functional", "c10d", "_dtensor", "profiler"):
                 self.opaque[f"{func.namespace}.{name}"] += 1
+        elif name.startswith("_embedding_bag"):
+            self.other[name] += _bag_gathers(args)
         elif not func.is_view and name not in self._FREE and not name.startswith(("_foreach", "sym_")):
             sizes = [_numel(t) for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             if sizes:
