@@ -52,7 +52,7 @@ from autopar.layers import find_layers
 from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes import meta as M
-from passes.batch_local import batch_local, needs_row_check, tensor_inputs
+from passes.batch_local import batch_local, gathers_batch, tensor_inputs
 from passes.patterns import TRANSPARENT, parameters_only, tensor_bytes
 
 
@@ -562,7 +562,7 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
     batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
     for n in gm.graph.nodes:
         if n.op == "call_function" and n not in covered_nodes:
-            if n in batch and needs_row_check(n) and batch_local(n) is None:  # gathered on the data axes
+            if n in batch and gathers_batch(n) and batch_local(n) is None:  # gathered on the data axes
                 other.unsplit = other.unsplit or SiteStats()
                 other.unsplit.add_node(n)
                 other.unsplit_gather_bytes += [_bytes(a.meta.get("val")) for a in tensor_inputs(n) if a in batch]
