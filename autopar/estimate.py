@@ -182,7 +182,8 @@ class SiteStats:
     # of the row-parallel biases whose gradients that bucket sums (added after the reduce-scatter: partial)
     sequence_bucket_share: float = 0.0
     sequence_bias_bytes: float = 0.0
-    # other: the nodes without a sharding rule that are not batch-local (`passes.batch_local`), which run whole on
+    # other: the nodes that gather the batch (no rule, or a rule that gathers it) and are not batch-local
+    # (`passes.batch_local.gathers_batch`), which run whole on
     # every rank of the data axes (their FLOPs not divided), and the bytes of their batch-dependent inputs, which are
     # all-gathered there; "node (op)" of each (`Estimate.unsplit_ops`)
     unsplit: "SiteStats | None" = None

@@ -17,10 +17,13 @@ its sharded inputs and runs whole on every rank.
 and an op *with* a rule that gathers the batch (`rule_gathers_batch`: asked with its batch-dependent inputs split on
 their batch dims, the rule wants one replicated, as DTensor's for eval-mode `native_batch_norm` does). Whatever its
 rule, a batch-local node runs on the local shard of a data axis: the lowering uses `batch_local_rule` on any axis
-where the op's own rule would gather an input that arrives split on its batch dim. The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule` is the lowering's rule for
-such a node (`passes.lower`, where no rule is registered): on an axis where the inputs arrive split on their
-batch dims, every batched input is required split on its batch dim, every unbatched input replicated, and every
-output is split on its batch dim (an empty output, eval BatchNorm's saved statistics, replicated); elsewhere (an input split on another dim, strided) it is replicated.
+where the op's own rule would gather an input that arrives split on its batch dim; one that is not batch-local
+keeps its rule, and where that gathers the batch on a data axis it is said as for an op without a rule (a note,
+`meta.GATHERED`, the warning). The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule`
+is the lowering's rule for such a node (`passes.lower`): on an axis where the inputs arrive split on their batch
+dims, every batched input is required split on its batch dim, every unbatched input replicated, and every output
+is split on its batch dim (an empty output, eval BatchNorm's saved statistics, replicated); elsewhere (an input
+split on another dim, strided) it is replicated (an unruled node) or as its rule says.
 
 **The check** (`_row_check`), numerical, on random inputs of the traced shapes, CPU, fp64 where the op runs in
 fp64 (else the traced dtype); weights scaled as nn.Linear initialises them. The rows of the batched inputs are
@@ -49,8 +52,9 @@ kernel for the CPU only: one that cannot run there stays replicated, noted. The 
 
 **What a plan loses** (`record_work_pass`): after propagation, per node, the share of its work one rank does (the
 most-split of its tensors, local over global elements) gives the per-rank FLOP fraction of the plan (per-rank
-FLOPs over single-device FLOPs, `Work.fraction`, `Estimate.flop_fraction`), and the unruled nodes that gathered
-inputs split on a mesh axis (`meta.GATHERED`) the redundant work that `autopar.api.parallelize` warns about. The
+FLOPs over single-device FLOPs, `Work.fraction`, `Estimate.flop_fraction`), and the nodes that gathered inputs
+split on a mesh axis (`meta.GATHERED`: unruled ones, ruled ones that gather the batch on a data axis) the
+redundant work that `autopar.api.parallelize` warns about. The
 cost model prices those that are not batch-local whole on every data rank (`autopar.estimate.SiteStats.unsplit`).
 """
 

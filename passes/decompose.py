@@ -20,10 +20,10 @@ layer/FLOP accounting see the same module) with its own traced `val`. An RMSNorm
 `pow(x, 2) -> mean(-1, keepdim) -> add eps -> rsqrt -> mul`, the form `passes.norm` recognises.
 
 Left whole: ops with a rule (`linear`, `scaled_dot_product_attention`, `cross_entropy_loss`, `embedding`,
-`layer_norm`... : the recognisers need them whole), recurrent ops (`LEFT_WHOLE`: their decomposition unrolls
-the time loop; they are a batch-local computation, handled as one), `group_norm` (`LEFT_WHOLE`: batch-local, its
-fused kernel runs on each rank's rows; decomposed, it does several times the element work), random ops (their stream is the lowering's),
-decompositions of more than `MAX_NODES` ops, decompositions holding a constant tensor.
+`layer_norm`... : the recognisers need them whole), recurrent ops (`LEFT_WHOLE`: their decomposition unrolls the
+time loop; they are a batch-local computation, handled as one), `group_norm` (`LEFT_WHOLE`: batch-local, its fused
+kernel runs on each rank's rows; decomposed, it does several times the element work), random ops (their stream is
+the lowering's), decompositions of more than `MAX_NODES` ops, decompositions holding a constant tensor.
 
 One rewrite keeps decompositions free of `as_strided`, which has no rule (it addresses storage, not a shard):
 `as_strided(x, size, stride)` of a contiguous x at offset 0, to the contiguous strides of `size` with x's element
