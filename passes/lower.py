@@ -432,20 +432,18 @@ class _Lowerer:
                 self.ctx.notes.append(f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: "
                                       f"{node.meta[M.REPLICATED]}, its sharded inputs are gathered")
         n_out = len(val) if multi else 1
-        ruled_gathered: list[int] = []
         reqs = [[None] * len(self.axes) for _ in tin]
         outs = [[None] * len(self.axes) for _ in range(n_out)]
+        decisions = []
         for ax, size in enumerate(self.sizes):
             in_p = [self.pl[t][ax] for t in tin]
             req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
                 rule(node, tin, in_p, size)
             if node.target in _VIEWS and tin:
                 req, out = self._unflatten_strided(node, tin, in_p, ax, rule) or (req, out)
-            if rows_checked and gathers(in_p, req):
-                if batch_local(node) is not None and on_batch_dims(node.meta[M.ROWS], in_p):
-                    req, out = batch_local_rule(node, tin, in_p, size)
-                elif ax in self.data_axes:
-                    ruled_gathered.append(ax)
+            decisions.append((req, out))
+        ruled_gathered = self._batch_local_over_rule(node, tin, decisions) if rows_checked else []
+        for ax, (req, out) in enumerate(decisions):
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
@@ -480,6 +478,26 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _batch_local_over_rule(self, node: fx.Node, tin, decisions: list) -> list[int]:
+        """A node with a rule that capture found gathering the batch (`passes.batch_local.rule_gathers_batch`): on
+        each axis where its rule gathers an input that arrives split on its batch dim, a batch-local node takes
+        `batch_local_rule` instead (in `decisions`, in place), where the rule's decisions on the other axes hold
+        no partial value: a shard there is the op on slices of its inputs, equal to the slice of its output (the
+        rule), so its rows are those of the whole op's, independent (the check); a partial output is a sum of
+        per-rank terms whose rows the check did not see. The data axes where the batch stays gathered."""
+        def whole_values(req, out) -> bool:
+            return not any(isinstance(p, Partial) for p in list(req) + (out if isinstance(out, list) else [out]))
+
+        gathering = [ax for ax, (req, _) in enumerate(decisions) if gathers([self.pl[t][ax] for t in tin], req)]
+        rows = batch_local(node)
+        local = [ax for ax in gathering if rows is not None and on_batch_dims(rows, [self.pl[t][ax] for t in tin])]
+        if local and all(whole_values(*decisions[ax]) for ax in range(len(decisions))
+                         if ax not in gathering and self.sizes[ax] > 1):
+            for ax in local:
+                decisions[ax] = batch_local_rule(node, tin, [self.pl[t][ax] for t in tin], self.sizes[ax])
+            gathering = [ax for ax in gathering if ax not in local]
+        return [ax for ax in gathering if ax in self.data_axes]
 
     def _unflatten_strided(self, node: fx.Node, tin, in_p, ax: int, rule):
         """A strided shard's blocks are those of the local tensor: with its dim also sharded on other axes (the

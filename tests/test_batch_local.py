@@ -266,6 +266,22 @@ def test_lstm_on_the_data_axis_of_megatron(local_world, fp64):
     assert res.plan.estimate.flop_fraction <= 0.5 + 1e-9
 
 
+def test_ruled_batch_local_op_under_megatron(local_world, fp64):
+    """Eval BatchNorm under megatron on dp x tp: on the data axis, where its rule would gather the batch, it runs on
+    the local rows; on the model axis (its input replicated there) as its rule says."""
+    torch.manual_seed(0)
+    ref, batch = Wrapped(EvalBatchNorm()), _dense()
+    with local_world(4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_equivalence(ref, batch, (2, 2), ("dp", "tp"), plan="megatron")
+    assert res.max_err() < TOL, res
+    assert set(res.grad_err) == {n for n, _ in ref.named_parameters()}
+    (bn,) = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.aten.native_batch_norm.default]
+    assert bn.meta[M.PLACEMENTS][0] == (Shard(0), R), bn.meta[M.PLACEMENTS]
+    assert not [w for w in caught if "not parallel" in str(w.message)]
+    assert not [n for n in res.plan.notes if n.startswith("replicated")], res.plan.notes
+
+
 def _big_lstm():
     """An LSTM language model large enough that auto splits its batch on an H100 (planned on shapes only)."""
     model = RNNLM(nn.LSTM)
