@@ -178,11 +178,13 @@ def _with_work(chosen: Plan, gm, info: MeshInfo, *, warn: bool) -> Plan:
         more = f" and {len(found) - 8} more" if len(found) > 8 else ""
         warnings.warn(
             f"autopar: plan {chosen.name!r} leaves data axes {', '.join(axes)} not parallel for {len(found)} op(s) "
-            f"without a sharding rule that are not batch-local: {ops}{more}. Their batch-split inputs are gathered "
+            f"that gather the batch (no sharding rule, or a rule that gathers it) and are not batch-local: "
+            f"{ops}{more}. Their batch-split inputs are gathered "
             f"and they run whole on every rank: {share:.1%} of the model's FLOPs run redundantly; each rank runs "
             f"{work.fraction:.3f} of one device's FLOPs. Why, per op: the plan's notes ('replicated ...'). Fix: "
             "write the computation so that each row of the batch is computed from that row alone (then it runs on "
-            "each rank's rows), or give the op a sharding rule (passes.rules).", UserWarning, stacklevel=3)
+            "each rank's rows), or give the op a sharding rule that splits the batch (passes.rules).",
+            UserWarning, stacklevel=3)
     if chosen.estimate is not None:
         chosen = chosen.with_estimate(dataclasses.replace(chosen.estimate, flop_fraction=work.fraction))
     return chosen

@@ -115,9 +115,10 @@ def _roles_decision(solution, roles, unsplit: tuple[str, ...] = ()) -> Decision:
     if faster:
         by = f"memory limit binding: {'; '.join(faster)} would be faster but no plan of it fits; " + by
     if unsplit:  # `solver._unsplit_cost`
-        by += (f"; each assignment with data axes runs {_n(len(unsplit), 'op')} without a sharding rule that "
-               f"{'is' if len(unsplit) == 1 else 'are'} not batch-local ({', '.join(unsplit)}) whole on every data "
-               "rank, priced so: its compute not divided, its inputs and output gradients all-gathered")
+        by += (f"; each assignment with data axes runs {_n(len(unsplit), 'op')} that "
+               f"{'gathers' if len(unsplit) == 1 else 'gather'} the batch (no sharding rule, or a rule that gathers "
+               f"it) and {'is' if len(unsplit) == 1 else 'are'} not batch-local ({', '.join(unsplit)}) whole on every "
+               "data rank, priced so: its compute not divided, its inputs and output gradients all-gathered")
     return Decision(keys=(ROLES_KEY,), kind="mesh", chosen=chosen, decided_by=by, candidates=tuple(rows))
 
 
@@ -205,7 +206,8 @@ def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: 
 
 
 def unsplit_ops(ctx: PassContext, mesh: MeshInfo, cluster, data_axes, seq_axes, optimizer: str) -> dict:
-    """`Estimate` fields for the ops without a sharding rule that are not batch-local (`passes.batch_local`): which
+    """`Estimate` fields for the ops that gather the batch (no sharding rule, or a rule that gathers it) and are not
+    batch-local (`passes.batch_local.gathers_batch`): which
     (`unsplit_ops`), and what the cost model charges for running them whole on every rank of the data axes
     (`solver._unsplit_cost`): their compute, not divided (`unsplit_compute_s`), and the all-gathers of their inputs
     and of their outputs' gradients (`unsplit_comm_s`). Nothing without data axes."""

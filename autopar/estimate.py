@@ -52,7 +52,7 @@ from autopar.layers import find_layers
 from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes import meta as M
-from passes.batch_local import batch_local, needs_row_check, tensor_inputs
+from passes.batch_local import batch_local, gathers_batch, tensor_inputs
 from passes.patterns import TRANSPARENT, parameters_only, tensor_bytes
 
 
@@ -182,7 +182,8 @@ class SiteStats:
     # of the row-parallel biases whose gradients that bucket sums (added after the reduce-scatter: partial)
     sequence_bucket_share: float = 0.0
     sequence_bias_bytes: float = 0.0
-    # other: the nodes without a sharding rule that are not batch-local (`passes.batch_local`), which run whole on
+    # other: the nodes that gather the batch (no rule, or a rule that gathers it) and are not batch-local
+    # (`passes.batch_local.gathers_batch`), which run whole on
     # every rank of the data axes (their FLOPs not divided), and the bytes of their batch-dependent inputs, which are
     # all-gathered there; "node (op)" of each (`Estimate.unsplit_ops`)
     unsplit: "SiteStats | None" = None
@@ -562,7 +563,7 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
     batch = _batch_dependent(gm, set(ctx.captured.user_inputs))
     for n in gm.graph.nodes:
         if n.op == "call_function" and n not in covered_nodes:
-            if n in batch and needs_row_check(n) and batch_local(n) is None:  # gathered on the data axes
+            if n in batch and gathers_batch(n) and batch_local(n) is None:  # gathered on the data axes
                 other.unsplit = other.unsplit or SiteStats()
                 other.unsplit.add_node(n)
                 other.unsplit_gather_bytes += [_bytes(a.meta.get("val")) for a in tensor_inputs(n) if a in batch]

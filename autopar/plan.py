@@ -152,8 +152,9 @@ class Estimate:
     # per-rank forward FLOPs over one device's, counted on the lowered program's local shapes (`passes.batch_local`:
     # `Work.fraction`); None until the plan is lowered (`parallelize`, `autopar.plan(..., lower=True)`)
     flop_fraction: float | None = None
-    # ops without a sharding rule that are not batch-local (`passes.batch_local`): they run whole on every rank of the
-    # data axes, and the cost model prices them so (their compute undivided, their inputs gathered)
+    # ops that gather the batch (no sharding rule, or a rule that gathers it) and are not batch-local
+    # (`passes.batch_local.gathers_batch`): they run whole on every rank of the data axes, and the cost model prices
+    # them so (their compute undivided, their inputs gathered)
     unsplit_ops: tuple[str, ...] = ()
     unsplit_compute_s: float = 0.0  # of compute_time_s: theirs, whole on every rank
     unsplit_comm_s: float = 0.0  # of comm_time_s: the all-gathers of their inputs and of their outputs' gradients
@@ -426,12 +427,13 @@ def _explain(plan: "Plan", key: str | None) -> str:
 
 
 def _explain_unsplit(plan: "Plan") -> str:
-    """What the data axes leave whole (`Estimate.unsplit_ops`): the ops without a rule that are not batch-local,
+    """What the data axes leave whole (`Estimate.unsplit_ops`): the ops that gather the batch, not batch-local,
     and how the cost model priced them."""
     est = plan.estimate
     if est is None or not est.unsplit_ops:
         return ""
-    return (f"\n\n(batch gathered) {len(est.unsplit_ops)} op(s) without a sharding rule are not batch-local (rows "
+    return (f"\n\n(batch gathered) {len(est.unsplit_ops)} op(s) that gather the batch (no sharding rule, or a rule "
+            f"that gathers it) are not batch-local (rows "
             f"of the batch mix, or could not be checked: the plan's notes say which): {', '.join(est.unsplit_ops)}. "
             f"They run whole on every rank of the data axes, their inputs gathered; the cost model prices that: "
             f"{est.unsplit_compute_s * 1e3:.3f} ms of compute not divided, {est.unsplit_comm_s * 1e3:.3f} ms of "

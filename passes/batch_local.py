@@ -13,13 +13,19 @@ its sharded inputs and runs whole on every rank.
 **Where it applies** (`check_batch_locality`, run at capture on every batch-dependent node): an ATen (or
 `torch.library` custom) op with no sharding rule (`passes.rules.rule_for`), such as `aten.lstm.input`,
 `aten.gru.input`, `aten.rnn_tanh.input`; an opaque submodule (`autopar::opaque`: one torch.export cannot trace,
-`autopar.runtime.opaque`); a custom `autograd.Function` kept whole (`autopar.functions`, also an opaque node).
+`autopar.runtime.opaque`); a custom `autograd.Function` kept whole (`autopar.functions`, also an opaque node);
+and an op *with* a rule that gathers the batch (`rule_gathers_batch`: asked with its batch-dependent inputs split on
+their batch dims, the rule wants one replicated, as DTensor's for eval-mode `native_batch_norm` does). Whatever its
+rule, a batch-local node runs on the local shard of a data axis: the lowering uses `batch_local_rule` on any axis
+where the op's own rule would gather an input that arrives split on its batch dim; one that is not batch-local
+keeps its rule, and where that gathers the batch on a data axis it is said as for an op without a rule (a note,
+`meta.GATHERED`, the warning). The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule`
+is the lowering's rule for such a node (`passes.lower`): on an axis where the inputs arrive split on their batch
+dims, every batched input is required split on its batch dim, every unbatched input replicated, and every output
+is split on its batch dim (an empty output, eval BatchNorm's saved statistics, replicated); elsewhere (an input
+split on another dim, strided) it is replicated (an unruled node) or as its rule says.
 An opaque node known never to split by rows (`OpaqueModule.not_rows`: a CTC loss's targets concatenated in one 1-D
 tensor, `autopar.canonical_losses`) is not checked: it is not batch-local, for that reason.
-The result, a `RowLocality`, is stored on the node (`meta.ROWS`); `batch_local_rule` is the lowering's rule for
-such a node (`passes.lower`, where no rule is registered): on an axis where the inputs arrive split on their
-batch dims, every batched input is required split on its batch dim, every unbatched input replicated, and every
-output is split on its batch dim; elsewhere (an input split on another dim, strided) it is replicated.
 
 **The check** (`_row_check`), numerical, on random inputs of the traced shapes, CPU, fp64 where the op runs in
 fp64 (else the traced dtype); weights scaled as nn.Linear initialises them. The rows of the batched inputs are
@@ -48,8 +54,9 @@ kernel for the CPU only: one that cannot run there stays replicated, noted. The 
 
 **What a plan loses** (`record_work_pass`): after propagation, per node, the share of its work one rank does (the
 most-split of its tensors, local over global elements) gives the per-rank FLOP fraction of the plan (per-rank
-FLOPs over single-device FLOPs, `Work.fraction`, `Estimate.flop_fraction`), and the unruled nodes that gathered
-inputs split on a mesh axis (`meta.GATHERED`) the redundant work that `autopar.api.parallelize` warns about. The
+FLOPs over single-device FLOPs, `Work.fraction`, `Estimate.flop_fraction`), and the nodes that gathered inputs
+split on a mesh axis (`meta.GATHERED`: unruled ones, ruled ones that gather the batch on a data axis) the
+redundant work that `autopar.api.parallelize` warns about. The
 cost model prices those that are not batch-local whole on every data rank (`autopar.estimate.SiteStats.unsplit`).
 """
 
@@ -83,7 +90,7 @@ class RowLocality:
     local: bool
     why: str = ""
     in_dims: tuple[int | None, ...] = ()
-    out_dims: tuple[int, ...] = ()
+    out_dims: tuple[int | None, ...] = ()  # None: an empty output (eval BatchNorm's saved statistics), replicated
     flops: float = 0.0
 
 
@@ -98,13 +105,14 @@ class RowChecks:
 
 
 def check_batch_locality(gm: fx.GraphModule, user_inputs: list[str], batch_size: int) -> None:
-    """Set `meta.ROWS` on every batch-dependent node that has no sharding rule (an unruled op, an opaque node)."""
+    """Set `meta.ROWS` on every batch-dependent node that has no sharding rule (an unruled op, an opaque node) or
+    whose rule gathers the batch (`rule_gathers_batch`)."""
     if batch_size < 2:
         return
     checks = RowChecks(batch_size)
     batch = _batch_dependent(gm, set(user_inputs))
     for node in gm.graph.nodes:
-        if node in batch and needs_row_check(node):
+        if node in batch and (needs_row_check(node) or rule_gathers_batch(node, batch, batch_size)):
             node.meta[M.ROWS] = rows = _check_node(node, batch, checks)
             if rows.local and node.target is torch.ops.autopar.opaque.default:
                 from autopar.runtime.opaque import describe
@@ -118,6 +126,49 @@ def needs_row_check(node: fx.Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     return node.target is torch.ops.autopar.opaque.default or rule_for(node.target) is None
+
+
+_ASKED_RANKS = 2  # the axis size a rule is asked on at capture (`rule_gathers_batch`)
+
+
+def rule_gathers_batch(node: fx.Node, batch: set[fx.Node], batch_size: int) -> bool:
+    """A node whose sharding rule gathers the batch: asked (`passes.rules.rule_for`) with every batch-dependent
+    tensor input split on its batch dim (its first dim of the batch's size) over `_ASKED_RANKS` ranks, it requires
+    one of them replicated (BatchNorm's rule, derived from DTensor's, wants its input whole). Such a node is
+    row-checked too: batch-local, the lowering runs it on the local shard on that axis instead (`batch_local_rule`)."""
+    from autopar.spec import R, Shard, is_shard
+    from passes.rules import rule_for
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or \
+            batch_size % _ASKED_RANKS:
+        return False
+    rule = rule_for(node.target)
+    if rule is None or getattr(rule, "wants_axis", False):
+        return False
+    tin = tensor_inputs(node)
+    ins = []
+    for t in tin:
+        dim = next((d for d, s in enumerate(t.meta["val"].shape) if int(s) == batch_size), None) \
+            if t in batch else None
+        ins.append(R if dim is None else Shard(dim))
+    if not any(is_shard(p) for p in ins):
+        return False
+    try:
+        req, _ = rule(node, tin, ins, _ASKED_RANKS)
+    except Exception:  # noqa: BLE001 - a rule that cannot answer here is asked again by the lowering
+        return False
+    return gathers(ins, req)
+
+
+def gathers(ins, req) -> bool:
+    """Whether a decision requires replicated some input that arrives split."""
+    from autopar.spec import is_shard
+    return any(is_shard(p) and not is_shard(r) for p, r in zip(ins, req))
+
+
+def gathers_batch(node: fx.Node) -> bool:
+    """Whether the lowering gathers the node's batch-split inputs on a data axis unless it is batch-local: it has no
+    rule (or is opaque), or capture found that its rule gathers them (`rule_gathers_batch`: `meta.ROWS` set)."""
+    return needs_row_check(node) or M.ROWS in node.meta
 
 
 def _batch_dependent(gm: fx.GraphModule, user_inputs: set[str]) -> set[fx.Node]:
@@ -164,12 +215,15 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
         return checks.cache[key]
     call = _caller(node)
     rows = n if opaque else min(n, _CHECK_ROWS)
+    # a buffer or constant is not differentiated (BatchNorm's running statistics cannot be)
+    frozen = [t.op == "placeholder" and not t.meta["val"].requires_grad for t in tin]
     result, first = None, None
     with _buffers_kept(node):
         for assignment in itertools.islice(itertools.product(*options), _MAX_ASSIGNMENTS):
             if all(d is None for d in assignment):
                 continue
-            got = _row_check(call, [t.meta["val"] for t in tin], list(assignment), n, rows, _own_backward(node))
+            got = _row_check(call, [t.meta["val"] for t in tin], list(assignment), n, rows, _own_backward(node),
+                             frozen)
             if got.local:
                 result = got
                 break
@@ -242,10 +296,15 @@ def _caller(node: fx.Node):
     return run_op
 
 
-def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Generator) -> torch.Tensor:
+def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Generator, positive: bool = False
+            ) -> torch.Tensor:
     """Random values shaped like `v` with `rows` rows on its batch dim `dim`. An unbatched input (a weight) is scaled
     as nn.Linear initialises one, by 1/sqrt(its last dim): with unit weights a recurrence (an LSTM over many steps)
-    is chaotic, and rounding alone would tell a chunk's run from the whole one's."""
+    is chaotic, and rounding alone would tell a chunk's run from the whole one's. `positive` (a buffer: statistics
+    such as BatchNorm's running variance, whose negative values give NaN): uniform in [0.5, 1.5)."""
+    if positive and v.is_floating_point():
+        shape = [rows if d == dim else int(s) for d, s in enumerate(v.shape)]
+        return torch.rand(shape, generator=gen, dtype=dtype) + 0.5
     shape = [rows if d == dim else int(s) for d, s in enumerate(v.shape)]
     if v.dtype is torch.bool:
         return torch.rand(shape, generator=gen) < 0.5
@@ -255,7 +314,8 @@ def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Gener
     return torch.randn(shape, generator=gen, dtype=dtype) * scale
 
 
-def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int, grads: bool) -> RowLocality:
+def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int, grads: bool,
+               frozen: list[bool]) -> RowLocality:
     """Whether `call` is batch-local with input batch dims `in_dims` (the module docstring's test)."""
     from torch.utils._python_dispatch import _disable_current_modes
     numel = sum(math.prod(rows if d == in_dims[i] else int(s) for d, s in enumerate(v.shape))
@@ -269,7 +329,7 @@ def _row_check(call, vals: list[torch.Tensor], in_dims: list, n: int, rows: int,
             dtypes = list(dict.fromkeys((torch.float64, traced)))  # fp64 where the op runs in it
             for i, dtype in enumerate(dtypes):
                 try:
-                    return _row_check_in(call, vals, in_dims, n, rows, dtype, grads)
+                    return _row_check_in(call, vals, in_dims, n, rows, dtype, grads, frozen)
                 except (RuntimeError, TypeError, NotImplementedError):
                     if i == len(dtypes) - 1:
                         raise
@@ -297,11 +357,11 @@ class _FlopCount(TorchDispatchMode):
         return out
 
 
-def _row_check_in(call, vals, in_dims, n, rows, dtype, check_grads: bool) -> RowLocality:
+def _row_check_in(call, vals, in_dims, n, rows, dtype, check_grads: bool, frozen: list[bool]) -> RowLocality:
     gen = torch.Generator().manual_seed(0)
-    xs = [_random(v, d, rows, dtype, gen) for v, d in zip(vals, in_dims)]
-    for x in xs:
-        x.requires_grad_(x.is_floating_point())
+    xs = [_random(v, d, rows, dtype, gen, positive=f) for v, d, f in zip(vals, in_dims, frozen)]
+    for x, f in zip(xs, frozen):
+        x.requires_grad_(x.is_floating_point() and not f)
 
     def run(inputs, seed):
         torch.manual_seed(seed)
@@ -318,7 +378,8 @@ def _row_result(xs, whole, in_dims, rows, run, gen, dtype, check_grads: bool) ->
     rtol, atol = _TOLERANCE.get(dtype, (2e-2, 2e-2))
     close = lambda a, b: a.shape == b.shape and torch.allclose(a, b, rtol=rtol, atol=atol)  # noqa: E731
     wrt = [i for i, x in enumerate(xs) if x.requires_grad] if check_grads else []
-    cots = [torch.randn(w.shape, generator=gen, dtype=w.dtype) if w.is_floating_point() else None for w in whole]
+    cots = [torch.randn(w.shape, generator=gen, dtype=w.dtype) if w.is_floating_point() and w.numel() else None
+            for w in whole]
     grads = _grads(whole, cots, [xs[i] for i in wrt])
     perm = torch.randperm(rows, generator=gen)
     chunks = [perm[:1], perm[1:3], perm[3:]] if rows >= 4 else [perm[:1], perm[1:]]  # uneven where rows > 2
@@ -334,6 +395,10 @@ def _row_result(xs, whole, in_dims, rows, run, gen, dtype, check_grads: bool) ->
             return RowLocality(False, "it draws random numbers (runs with different seeds differ), so its rows "
                                       "cannot be checked")
         for k, (g, w) in enumerate(zip(got, whole)):
+            if w.numel() == 0:
+                if g.numel() != 0:
+                    return RowLocality(False, f"its output {k} is empty on all rows, not on fewer")
+                continue
             if out_dims[k] is None:
                 found = [d for d in range(w.dim()) if w.shape[d] == rows and g.shape[d] == len(idx)
                          and close(g.detach(), w.detach().index_select(d, idx))]
@@ -356,7 +421,7 @@ def _row_result(xs, whole, in_dims, rows, run, gen, dtype, check_grads: bool) ->
         full = torch.zeros_like(xs[i]) if grads[j] is None else grads[j]
         if in_dims[i] is None and not close(summed[j], full):
             return RowLocality(False, f"the gradient of its unbatched input {i} is not the sum over rows")
-    if any(d is None for d in out_dims):
+    if any(d is None and w.numel() for d, w in zip(out_dims, whole)):
         return RowLocality(False, "an output does not carry the batch")
     return RowLocality(True, "", tuple(in_dims), tuple(out_dims))
 
@@ -386,7 +451,7 @@ def batch_local_rule(node, tin, ins, n):
     if not on_batch_dims(rows, ins):
         return replicate_rule(node, tin, ins, n)
     req = [R if d is None else Shard(d) for d in rows.in_dims]
-    outs = [Shard(d) for d in rows.out_dims]
+    outs = [R if d is None else Shard(d) for d in rows.out_dims]
     return req, outs if isinstance(node.meta.get("val"), (list, tuple)) else outs[0]
 
 
@@ -397,14 +462,15 @@ def on_batch_dims(rows: RowLocality, ins) -> bool:
     return bool(split) and all(not isinstance(p, _StridedShard) and rows.in_dims[i] == p.dim for i, p in split)
 
 
-def gathered_why(node: fx.Node) -> str:
-    """Why a node with no rule gathers its split inputs."""
+def gathered_why(node: fx.Node, ruled: bool = False) -> str:
+    """Why a node with no rule (`ruled`: whose rule gathers the batch) gathers its split inputs."""
     rows = node.meta.get(M.ROWS)
+    head = "its sharding rule gathers the batch" if ruled else "no sharding rule"
     if rows is None:
-        return "no sharding rule"
+        return head
     if not rows.local:
-        return f"no sharding rule, and not batch-local ({rows.why})"
-    return f"no sharding rule, and its inputs are split on dims other than their batch dims {list(rows.in_dims)}"
+        return f"{head}, and not batch-local ({rows.why})"
+    return f"{head}, and its inputs are split on dims other than their batch dims {list(rows.in_dims)}"
 
 
 # ----------------------------------------------------------------------------- what the lowered plan runs per rank

@@ -4,13 +4,13 @@ Contract of `decompose_unruled_pass(gm, ctx=None) -> gm`: every `call_function` 
 rule (`passes.rules.rule_for`: autopar's own or DTensor's checked one) and is not left whole on purpose (`LEFT_WHOLE`,
 random ops) is replaced by the op's decomposition, when it has one and every op of it has a rule; otherwise the node
 stays as it is (the lowering then replicates it, or a later fallback handles it). The computation is the op's own:
-its CompositeImplicitAutograd kernel (what autograd differentiates anyway: `rms_norm`, `group_norm`,
+its CompositeImplicitAutograd kernel (what autograd differentiates anyway: `rms_norm`,
 `instance_norm`, eval-mode `batch_norm`, the losses written in ATen, ...), traced on the node's fake values
 (`make_fx`; an in-place op on one of its own temporaries kept, out-of-place where that op has a rule; an in-place
 op on an input or a view refuses the decomposition), down to ops with rules: an inner composite op is traced
 through, an inner op with a rule is kept (`instance_norm` gives `native_batch_norm`), except where that op's rule
-cannot shard what its decomposition can (`DECOMPOSED_FURTHER`, by torch._decomp's table: `group_norm` gives
-`var_mean` per group, not `native_group_norm`); ops without a rule and without a CompositeImplicit kernel
+cannot shard what its decomposition can (`DECOMPOSED_FURTHER`, by torch._decomp's table: `native_group_norm`
+called as such gives `var_mean` per group); ops without a rule and without a CompositeImplicit kernel
 decompose by that table too where it is checked (`DECOMPOSED_FURTHER`: `hardswish`, `glu`, `pixel_shuffle`,
 `smooth_l1_loss`, `huber_loss`, `binary_cross_entropy_with_logits`, `log_sigmoid`, `prelu`); each of the table's
 decompositions used here gives the op's outputs and input gradients (fp64, `tests/test_decompose.py`).
@@ -20,9 +20,10 @@ layer/FLOP accounting see the same module) with its own traced `val`. An RMSNorm
 `pow(x, 2) -> mean(-1, keepdim) -> add eps -> rsqrt -> mul`, the form `passes.norm` recognises.
 
 Left whole: ops with a rule (`linear`, `scaled_dot_product_attention`, `cross_entropy_loss`, `embedding`,
-`layer_norm`... : the recognisers need them whole), recurrent ops (`LEFT_WHOLE`: their decomposition unrolls
-the time loop; they are a batch-local computation, handled as one), random ops (their stream is the lowering's),
-decompositions of more than `MAX_NODES` ops, decompositions holding a constant tensor.
+`layer_norm`... : the recognisers need them whole), recurrent ops (`LEFT_WHOLE`: their decomposition unrolls the
+time loop; they are a batch-local computation, handled as one), `group_norm` (`LEFT_WHOLE`: batch-local, its fused
+kernel runs on each rank's rows; decomposed, it does several times the element work), random ops (their stream is
+the lowering's), decompositions of more than `MAX_NODES` ops, decompositions holding a constant tensor.
 
 One rewrite keeps decompositions free of `as_strided`, which has no rule (it addresses storage, not a shard):
 `as_strided(x, size, stride)` of a contiguous x at offset 0, to the contiguous strides of `size` with x's element
@@ -43,6 +44,10 @@ LEFT_WHOLE = {
     aten.lstm.input, aten.lstm.data, aten.gru.input, aten.gru.data, aten.rnn_tanh.input, aten.rnn_tanh.data,
     aten.rnn_relu.input, aten.rnn_relu.data, aten.lstm_cell.default, aten.gru_cell.default,
     aten.rnn_tanh_cell.default, aten.rnn_relu_cell.default,
+    # batch-local (checked at capture), so it runs on the local shard whole: torch's fused kernel, where the
+    # decomposition (var_mean per group, pointwise ops) does 3.4x its element work on CPU; one level down,
+    # `native_group_norm` takes the batch size as an int, which the lowering does not rewrite to the local one
+    aten.group_norm.default,
 }
 _TRACED_META = ("val", "tensor_meta", "example_value")
 # Ops decomposed by torch._decomp's table (CompositeExplicit: their own kernel and derivative formula), with why.

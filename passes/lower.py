@@ -52,7 +52,8 @@ from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedSh
                           is_shard, placement_from_str, with_dim)
 from cost_model.analytical import send_bytes
 from passes import meta as M
-from passes.batch_local import batch_local, batch_local_rule, gathered_why, on_batch_dims, record_work_pass
+from passes.batch_local import (batch_local, batch_local_rule, gathered_why, gathers, on_batch_dims,
+                                record_work_pass)
 from passes.checkpoint import checkpoint_layers_pass, walk
 from passes.local_forms import LOCAL_FORMS
 from passes.patterns import parameters_only, tensor_bytes
@@ -269,6 +270,9 @@ class _Lowerer:
         self.pl: dict[fx.Node, object] = {}
         self.cache: dict[tuple, fx.Node] = {}
         self._dropout_count = 0
+        # the data axes: where some user input is split on its batch dim (`autopar.inputs.data_axes`)
+        self.data_axes = {ax for name, pls in {**ctx.placements, **ctx.arrivals}.items() if name in ctx.user_inputs
+                          and isinstance(pls, tuple) for ax, p in enumerate(pls) if p == Shard(0)}
 
     # ------------------------------------------------------------------ collectives
     def _emit(self, fn, x: fx.Node, args: tuple, new_pls: tuple, before: fx.Node, ax: int) -> fx.Node:
@@ -413,6 +417,9 @@ class _Lowerer:
             rule = _moe_rule(self.ctx.moe_axes[node.name])
         elif getattr(node.target, "__name__", "") == "local_expert_stack":
             rule = _local_stack_rule
+        # a rule capture found gathering the batch (`passes.batch_local.rule_gathers_batch`): on an axis where it
+        # would gather an input split on its batch dim, a batch-local node runs on the local shard instead
+        rows_checked = rule is not None and rule is rule_for(node.target) and M.ROWS in node.meta
         if rule is None:  # batch-local (capture found its rows independent: `passes.batch_local`), else replicated
             rule = batch_local_rule if batch_local(node) is not None else replicate_rule
             gathered = [ax for ax in range(len(self.axes)) if any(is_shard(self.pl[t][ax]) for t in tin) and (
@@ -427,17 +434,26 @@ class _Lowerer:
         n_out = len(val) if multi else 1
         reqs = [[None] * len(self.axes) for _ in tin]
         outs = [[None] * len(self.axes) for _ in range(n_out)]
+        decisions = []
         for ax, size in enumerate(self.sizes):
             in_p = [self.pl[t][ax] for t in tin]
             req, out = rule(node, tin, in_p, size, ax) if getattr(rule, "wants_axis", False) else \
                 rule(node, tin, in_p, size)
             if node.target in _VIEWS and tin:
                 req, out = self._unflatten_strided(node, tin, in_p, ax, rule) or (req, out)
+            decisions.append((req, out))
+        ruled_gathered = self._batch_local_over_rule(node, tin, decisions) if rows_checked else []
+        for ax, (req, out) in enumerate(decisions):
             for i, p in enumerate(req):
                 reqs[i][ax] = p
             out_list = out if isinstance(out, list) else [out]
             for j, p in enumerate(out_list):
                 outs[j][ax] = p
+        if ruled_gathered:  # the batch gathered on a data axis by a rule: said as for an op without one
+            node.meta[M.GATHERED] = (str(node.target), tuple(self.axes[ax].name for ax in ruled_gathered))
+            node.meta[M.REPLICATED] = gathered_why(node, ruled=True)
+            self.ctx.notes.append(f"replicated {node.name} ({node.target}) in {module_path(node) or '<top>'}: "
+                                  f"{node.meta[M.REPLICATED]}, its sharded inputs are gathered")
         if node.target in _VIEWS and tin:
             outs[0] = self._local_split_factors(tin[0], reqs[0], outs[0], node)
         outs_t = [tuple(o) for o in outs]
@@ -462,6 +478,26 @@ class _Lowerer:
         self.pl[node] = outs_t if multi else outs_t[0]
         node.meta[M.PLACEMENTS] = self.pl[node]
         self._localize(node, [tuple(r) for r in reqs], outs_t)
+
+    def _batch_local_over_rule(self, node: fx.Node, tin, decisions: list) -> list[int]:
+        """A node with a rule that capture found gathering the batch (`passes.batch_local.rule_gathers_batch`): on
+        each axis where its rule gathers an input that arrives split on its batch dim, a batch-local node takes
+        `batch_local_rule` instead (in `decisions`, in place), where the rule's decisions on the other axes hold
+        no partial value: a shard there is the op on slices of its inputs, equal to the slice of its output (the
+        rule), so its rows are those of the whole op's, independent (the check); a partial output is a sum of
+        per-rank terms whose rows the check did not see. The data axes where the batch stays gathered."""
+        def whole_values(req, out) -> bool:
+            return not any(isinstance(p, Partial) for p in list(req) + (out if isinstance(out, list) else [out]))
+
+        gathering = [ax for ax, (req, _) in enumerate(decisions) if gathers([self.pl[t][ax] for t in tin], req)]
+        rows = batch_local(node)
+        local = [ax for ax in gathering if rows is not None and on_batch_dims(rows, [self.pl[t][ax] for t in tin])]
+        if local and all(whole_values(*decisions[ax]) for ax in range(len(decisions))
+                         if ax not in gathering and self.sizes[ax] > 1):
+            for ax in local:
+                decisions[ax] = batch_local_rule(node, tin, [self.pl[t][ax] for t in tin], self.sizes[ax])
+            gathering = [ax for ax in gathering if ax not in local]
+        return [ax for ax in gathering if ax in self.data_axes]
 
     def _unflatten_strided(self, node: fx.Node, tin, in_p, ax: int, rule):
         """A strided shard's blocks are those of the local tensor: with its dim also sharded on other axes (the

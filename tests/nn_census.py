@@ -807,8 +807,8 @@ LR = 0.1
 class Reference:
     """One device: the loss, every gradient, every parameter after one SGD step, the FLOPs of forward + backward of
     the model (`flops`) and of autopar's program for it on a 1-rank mesh (`program_flops`: the same capture and
-    decompositions as the ranks' program, e.g. nn.RMSNorm or GroupNorm written out in pointwise ops, which do more
-    element work than torch's fused kernel)."""
+    decompositions as the ranks' program, e.g. nn.RMSNorm written out in pointwise ops, which does more
+    element work than a fused kernel)."""
 
     loss: float
     grads: dict[str, torch.Tensor]

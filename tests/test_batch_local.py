@@ -1,6 +1,7 @@
-"""Batch-local computations (`passes.batch_local`): an op without a sharding rule, an opaque submodule or a custom
-autograd.Function kept whole runs on each rank's rows when capture finds its rows independent; one that mixes rows
-stays gathered, and `parallelize` warns naming it with the share of FLOPs run redundantly.
+"""Batch-local computations (`passes.batch_local`): an op without a sharding rule, an opaque submodule, a custom
+autograd.Function kept whole, or an op whose rule gathers the batch (eval BatchNorm) runs on each rank's rows when
+capture finds its rows independent; one that mixes rows (a softmax over the batch, ruled) stays gathered, and
+`parallelize` warns naming it with the share of FLOPs run redundantly.
 
 Each model is exact against one device (loss, every gradient, parameters after an SGD step, fp64) under dp and fsdp
 on 2 simulated ranks; the lowered graph's collectives show whether the batch stays split (no all-gather of an
@@ -154,6 +155,27 @@ class Wrapped(nn.Module):
         return ((self.down(h) - y) ** 2).mean()
 
 
+class EvalBatchNorm(nn.Module):
+    """BatchNorm on its running statistics (eval): an op with a sharding rule (DTensor's `native_batch_norm`) that
+    gathers the batch, though its rows are independent."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(H)), nn.Parameter(torch.randn(H))
+        self.register_buffer("mean", torch.randn(H))
+        self.register_buffer("var", torch.rand(H) + 0.5)
+
+    def forward(self, x):
+        return torch.nn.functional.batch_norm(x, self.mean, self.var, self.weight, self.bias, training=False)
+
+
+class SoftmaxOverBatch(nn.Module):
+    """A ruled op that mixes rows: softmax over the batch dim (its rule gathers the batch, rightly)."""
+
+    def forward(self, x):
+        return torch.softmax(x, 0)
+
+
 def _dense():
     g = torch.Generator().manual_seed(2)
     return torch.randn(8, H, generator=g, dtype=torch.float64), torch.randn(8, H, generator=g, dtype=torch.float64)
@@ -170,7 +192,10 @@ MODELS = {
     "custom-op-mixes-rows": (lambda: Wrapped(CustomOp(mixes=True)), _dense, False),
     "opaque-mixes-rows": (lambda: Wrapped(MixRows()), _dense, False),
     "function-backward-mixes-rows": (lambda: Wrapped(CenterGrad), _dense, False),
+    "ruled-row-local": (lambda: Wrapped(EvalBatchNorm()), _dense, True),
+    "ruled-mixes-rows": (lambda: Wrapped(SoftmaxOverBatch()), _dense, False),
 }
+GATHERED_OP = {"custom-op-mixes-rows": "autopar_test.center_rows.default", "ruled-mixes-rows": "aten.softmax.int"}
 
 
 def _run(ref, batch, plan):
@@ -221,8 +246,7 @@ def test_batch_local_runs_on_the_local_rows(local_world, fp64, name, plan):
         assert _gathers(res) >= 1, res.graph_counts
         assert len(said) == 1, said
         found, share = work.redundant(("dp",))
-        assert [op for _, op, _, _, _ in found] == \
-            ["autopar_test.center_rows.default" if "custom-op" in name else "autopar.opaque.default"], found
+        assert [op for _, op, _, _, _ in found] == [GATHERED_OP.get(name, "autopar.opaque.default")], found
         assert re.search(rf" {share:.1%} of the model's FLOPs run redundantly; each rank runs {fraction:.3f} ",
                          said[0]), said[0]
         assert fraction > 0.5
@@ -240,6 +264,22 @@ def test_lstm_on_the_data_axis_of_megatron(local_world, fp64):
     assert lstm.meta[M.PLACEMENTS] == [(Shard(0), R), (Shard(1), R), (Shard(1), R)], lstm.meta[M.PLACEMENTS]
     assert not [w for w in caught if "not parallel" in str(w.message)]
     assert res.plan.estimate.flop_fraction <= 0.5 + 1e-9
+
+
+def test_ruled_batch_local_op_under_megatron(local_world, fp64):
+    """Eval BatchNorm under megatron on dp x tp: on the data axis, where its rule would gather the batch, it runs on
+    the local rows; on the model axis (its input replicated there) as its rule says."""
+    torch.manual_seed(0)
+    ref, batch = Wrapped(EvalBatchNorm()), _dense()
+    with local_world(4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_equivalence(ref, batch, (2, 2), ("dp", "tp"), plan="megatron")
+    assert res.max_err() < TOL, res
+    assert set(res.grad_err) == {n for n, _ in ref.named_parameters()}
+    (bn,) = [n for n in res.graph_module.graph.nodes if n.target is torch.ops.aten.native_batch_norm.default]
+    assert bn.meta[M.PLACEMENTS][0] == (Shard(0), R), bn.meta[M.PLACEMENTS]
+    assert not [w for w in caught if "not parallel" in str(w.message)]
+    assert not [n for n in res.plan.notes if n.startswith("replicated")], res.plan.notes
 
 
 def _big_lstm():
@@ -274,8 +314,9 @@ def test_auto_splits_a_batch_local_lstm_and_prices_what_it_cannot():
     auto = autopar.plan(mixed, {"dp": 4}, dense, plan="auto", cluster="h100")
     assert dict(auto.inputs)["x"] == "R" and not auto.estimate.unsplit_ops, auto.inputs
     roles = auto.explain().split("\n\n")[0]
-    assert "each assignment with data axes runs 1 op without a sharding rule that is not batch-local (opaque " \
-           "(autopar.opaque.default)) whole on every data rank" in roles, roles
+    assert "each assignment with data axes runs 1 op that gathers the batch (no sharding rule, or a rule that " \
+           "gathers it) and is not batch-local (opaque (autopar.opaque.default)) whole on every data rank" in roles, \
+        roles
 
 
 def test_lstm_batch_dims_found_numerically():

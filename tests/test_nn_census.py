@@ -6,8 +6,8 @@ parameter after an SGD step equal the single-device model's (1e-10); and under `
 most 1/2 + 2% of the single-device FLOPs of forward + backward, counted with its local shapes
 (`nn_census.FlopCount`: torch's FLOP formulas, `aten._grouped_mm`, and one FLOP per element of every other
 computing ATen op; a custom op, whose inside no counter sees, fails the row): of the model's matmul FLOPs on one
-device, and of all FLOPs of autopar's own program on a 1-rank mesh (the same decompositions: nn.RMSNorm or
-GroupNorm written out in pointwise ops do more element work than torch's fused kernel), and no op or opaque node runs on the
+device, and of all FLOPs of autopar's own program on a 1-rank mesh (the same decompositions: nn.RMSNorm
+written out in pointwise ops does more element work than a fused kernel), and no op or opaque node runs on the
 gathered batch (the plan's "no sharding rule, its sharded inputs are gathered" / "opaque node, replicated on every
 rank" notes: a cheap one, a loss, fits in the 2%, but it is still not data parallel). A failing row names the
 values that differ, or the ops that run more than their share and what the plan gathered.
