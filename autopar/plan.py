@@ -25,6 +25,7 @@ import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, replace
 
+from autopar.pipeline_plan import PipelinePlan
 from autopar.spec import placements_from_str
 from autopar.units import fmt_bytes as _fmt_bytes
 
@@ -219,6 +220,8 @@ class Plan:
     precision: str = ""
     # (layer module path, activation checkpointing level) for every layer (`autopar.forms.checkpoint`)
     checkpoint: tuple[tuple[str, str], ...] = ()
+    # the pipeline over one mesh axis (`autopar.pipeline_plan`), or None: no axis is pipelined
+    pipeline: PipelinePlan | None = None
 
     def __post_init__(self):
         if self.precision:
@@ -565,6 +568,10 @@ def _estimate(v, path: str):
     return None if v is None else _from_dict(Estimate, v, path)
 
 
+def _pipeline(v, path: str):
+    return None if v is None else _from_dict(PipelinePlan, v, path)
+
+
 _REQUIRED = {(Plan, "params"), (Plan, "inputs")}  # defaulted in Python, but a saved plan without them lost them
 _PAIRS = _rows(str, str, what="a [name, placements] pair such as [\"h.0.fc.weight\", \"S(0)R\"]")
 _READERS = {
@@ -576,6 +583,8 @@ _READERS = {
     (Plan, "comms"): _items(CommRow),
     (Plan, "notes"): _strs,
     (Plan, "estimate"): _estimate,
+    (Plan, "pipeline"): _pipeline,
+    (PipelinePlan, "cut"): lambda v, path: tuple(_list(v, path)),
     (Strategy, "axes"): _strs,
     (Strategy, "params"): _PAIRS,
     (Strategy, "members"): _strs,
