@@ -101,6 +101,13 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
         if not isinstance(key, str):
             raise TypeError(f"override keys are a kind ({', '.join(kinds)}) or a module-path glob such as "
                             f"'h.*.attn', got {type(key).__name__} {key!r}")
+        if key == "pipeline":
+            from autopar.pipeline_plan import parse_pipeline
+            form, axis = parse_pipeline(value, tuple(mesh.names))
+            raise NotImplementedError(
+                f"override 'pipeline': {value!r}: pipeline parallelism is not implemented yet (issue #23: the plan "
+                f"contract autopar.pipeline_plan.PipelinePlan exists, the stage runtime does not). Fix for now: "
+                f"drop the 'pipeline' override and give axis {axis!r} another role (data or tensor parallel).")
         cand = _parse_value(value, mesh, mesh.names[-1])
         kind = Kind(key) if key in kinds else None
         if kind is not None and cand.form not in form_names(kind):

@@ -98,6 +98,10 @@ def test_overrides_unknown_key_form_axis_and_memory(world4):
             autopar.parallelize(model, mesh, inputs, overrides={"moe": "expert"})  # GPT has no MoE
         with pytest.raises(ValueError, match=r"axis 'dp' does not exist.*\('tp',\)"):
             autopar.parallelize(model, mesh, inputs, overrides={"attention": "heads@dp"})
+        with pytest.raises(ValueError, match=r"pipeline axis 'pp'.*not an axis of the mesh \(tp\)"):
+            autopar.parallelize(model, mesh, inputs, overrides={"pipeline": "1f1b@pp"})
+        with pytest.raises(NotImplementedError, match=r"pipeline parallelism is not implemented yet.*Fix"):
+            autopar.parallelize(model, mesh, inputs, overrides={"pipeline": "1f1b@tp"})
         with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 1\.00 KiB.*least memory any plan needs is "
                                                           r"\d+(\.\d+)? KiB.*Fix: raise memory_limit"):
             autopar.parallelize(model, mesh, inputs, memory_limit=1024)
