@@ -50,7 +50,7 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None, lower=False, progress=None, mp_policy=None) -> Plan:
+         overrides=None, lower=False, progress=None, mp_policy=None, microbatches=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
     and the model may live on the meta device. Returns the Plan with its cost estimate; `lower=True` also
     lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
@@ -59,6 +59,13 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     check_model(model)
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)
+    if isinstance(overrides, dict) and "pipeline" in overrides:
+        return _plan_pipeline(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
+                              overrides=overrides, lower=lower, precision=precision, microbatches=microbatches)
+    if microbatches is not None:
+        raise ValueError(f"microbatches={microbatches!r} splits the batch of a pipelined plan, but no axis is "
+                         "pipelined. Fix: add overrides={'pipeline': 'FORM@axis'} (e.g. '1f1b@pp'), or drop "
+                         "microbatches")
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
     t0 = time.perf_counter()
     with _local_tensor_off():
@@ -75,6 +82,23 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     if progress:
         progress("lower", time.perf_counter() - t0)
     return _with_work(chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes), gm, info, warn=False)
+
+
+def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, precision,
+                   microbatches) -> Plan:
+    """`plan` with a 'pipeline' override: planned and priced offline by the stage model
+    (`autopar.pipeline_estimate`); lowering a pipelined plan needs the stage runtime (issue #23), not built yet."""
+    from autopar.pipeline_estimate import plan_pipeline
+    info = mesh_info(mesh)
+    sizes = dict(zip(info.names, info.sizes))
+    if lower:
+        raise NotImplementedError(
+            "autopar.plan(..., lower=True) with a 'pipeline' override: lowering a pipelined plan needs the stage "
+            "runtime of issue #23, which is not built yet. Fix for now: plan with lower=False (the plan and its "
+            "estimate, no collectives listed)")
+    rest = {k: v for k, v in overrides.items() if k != "pipeline"} or None
+    return plan_pipeline(model, sizes, example_inputs, pipeline=overrides["pipeline"], microbatches=microbatches,
+                         plan=plan, cluster=cluster, memory_limit=memory_limit, overrides=rest, precision=precision)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,

@@ -127,6 +127,26 @@ class SiteEstimate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StageEstimate:
+    """One rank of a pipeline (`Plan.pipeline`): the stages it runs, per microbatch their time and saved
+    activations, the microbatches it holds in flight, its share of the step's tail and its peak memory
+    (`autopar.pipeline_estimate`, `cost_model.pipeline`)."""
+
+    key: str  # "pp=0": the rank's coordinate on the pipeline axis
+    stages: tuple[int, ...]  # the stage indices it runs (`PipelinePlan.stage_rank`)
+    layers: int  # layers it holds (of the model's repeated layers)
+    compute_s: float  # per microbatch: forward + backward of its stages (recompute, exposed model-axis collectives)
+    p2p_s: float  # per microbatch: the activations it sends forward and the gradients it sends back
+    tail_s: float  # after its last microbatch: exposed gradient reduction and gathers, and its optimizer step
+    parameters_bytes: int = 0
+    gradients_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0  # saved for backward by one microbatch through its stages (checkpoint levels applied)
+    in_flight: float = 0.0  # microbatches whose activations it holds at its peak (`cost_model.pipeline.in_flight`)
+    peak_bytes: int = 0  # its peak memory per device
+
+
+@dataclass(frozen=True, kw_only=True)
 class Estimate:
     """What the cost model predicts for one training step, per device."""
 
@@ -159,6 +179,12 @@ class Estimate:
     unsplit_ops: tuple[str, ...] = ()
     unsplit_compute_s: float = 0.0  # of compute_time_s: theirs, whole on every rank
     unsplit_comm_s: float = 0.0  # of comm_time_s: the all-gathers of their inputs and of their outputs' gradients
+    # a pipelined plan (`Plan.pipeline`): the slowest rank's idle time in the schedule, the bytes one rank sends per
+    # microbatch per stage boundary (the boundary activation, forward; its gradient backward as many), and per rank
+    # its stages' time and memory (memory_bytes_per_device: the largest rank's peak)
+    bubble_s: float = 0.0
+    p2p_bytes_per_microbatch: int = 0
+    stages: tuple[StageEstimate, ...] = ()
 
     def summary(self) -> str:
         exposed = "" if self.exposed_comm_s is None else f", {self.exposed_comm_s * 1e3:.3f} ms of it exposed"
@@ -591,6 +617,8 @@ _READERS = {
     (Directive, "kind"): _directive_kind,
     (Estimate, "per_site"): _rows(str, (int, float), int, what="a [structure, time s, memory bytes] row"),
     (Estimate, "sites"): _items(SiteEstimate),
+    (Estimate, "stages"): _items(StageEstimate),
+    (StageEstimate, "stages"): lambda v, path: tuple(_list(v, path)),
     (Estimate, "unsplit_ops"): _strs,
     (SiteEstimate, "comm_axes"): _rows(str, (int, float), what="an [axis name, seconds] pair such as [\"tp\", 0.001]"),
     (Plan, "decisions"): _items(Decision),

@@ -301,6 +301,16 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
     return _build(ctx, mesh, name, overrides, input_batch, data_axes=data_axes, exclude=exclude, **kw)[0]
 
 
+def build_priced(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, input_batch: dict[str, int],
+                 **kw):
+    """(the plan `name`, the solution its estimate priced: per-structure `Cost`s): what the pipeline's stage model
+    composes (`autopar.pipeline_estimate`). "auto" here is the ILP's best solution, not re-ranked against the hand
+    plans (each stage's plan is the ILP's)."""
+    if name not in PLANS:
+        raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, got {name!r}")
+    return _build(ctx, mesh, name, overrides, input_batch, **kw)
+
+
 RERANK_TOP = 3  # the ILP's best distinct solutions `auto` prices on the timeline (`solver.solve(top=)`)
 RERANKED_KEY = "(re-ranked)"  # the decision that says which candidate `auto` took
 
@@ -395,7 +405,9 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
            top: int = 1, explain: bool = True):
     """`build_plan` without re-ranking: (the plan, the ILP's solution or None). `top` ("auto"): the ILP's best
     distinct solutions re-ranked on the timeline (`solver.solve`); `explain=False`: without the decisions and the
-    per-structure breakdown (a candidate `_reranked` only compares)."""
+    per-structure breakdown (a candidate `_reranked` only compares). The solution returned is the one the estimate
+    priced: the ILP's for "auto", the hand plan's evaluation (`solver.evaluate`) otherwise (its `per_site` costs are
+    what `autopar.pipeline_estimate` composes into stages)."""
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
 
@@ -491,7 +503,7 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
                 graph=ctx.captured.fingerprint() if explain else "", notes=tuple(notes), estimate=estimate,
                 decisions=decisions,
-                checkpoint=tuple((la.path, levels[la.path].name) for la in layers)), solution
+                checkpoint=tuple((la.path, levels[la.path].name) for la in layers)), priced
 
 
 def _layers(ctx: PassContext):

@@ -1,0 +1,421 @@
+"""Offline planning and pricing of a pipelined plan (issue #23, deliverables 2 and 3): `autopar.plan(model, {"pp": 16,
+"dp": 128, "tp": 8}, inputs, overrides={"pipeline": "1f1b@pp"}, microbatches=32)`.
+
+The stage-level model. A pipeline cuts the model's repeated layers (`autopar.layers`: one `ModuleList` of layers of
+one class) into stages; every stage runs on the sub-mesh the pipeline axis leaves (here dp x tp) and takes, on it,
+the forms of the named plan (or of the ILP for "auto") for ONE microbatch (the global batch / m). Identical layers
+take identical forms, so the sub-mesh plan is made for the model cut down to its first layer and to its first two
+(`_truncated`: captured, recognised and solved in about a second each, whatever the model's depth): the difference
+of the two is one layer's cost (`Cost`: its compute, its model-axis collectives, its gradient reduction, its
+parameters, gradients, optimizer state and saved activations, what no structure holds between layers included), and
+the one-layer model less that layer is what comes before the layers (the embedding: stage 0) and after them (final
+norm, head, loss: the last stage), split by where each structure sits in the graph (what no structure holds outside
+the layers goes with the side holding more of the structures' compute). The checkpoint level of the layers is the
+sub-plan's: its recompute and the bytes it frees per layer scale with the layers of a stage.
+
+Per microbatch a stage takes its layers' forward + backward and the model-axis collectives nothing hides
+(`Cost.critical_s - hidden_s`, as `autopar.timeline` exposes them) plus its p2p: the boundary layer's output
+activation (the compute dtype, the microbatch's share of this rank: divided over the data and sequence axes, and over
+the tensor axis where the norms are sequence-parallel, Megatron's scatter-gather) sent to the next stage and its
+gradient back, each `cost_model.analytical.collective_time_s("p2p", ...)` on the pipeline axis' link. The cut is
+`balanced_cut` of those per-layer times with the embedding on the first stage and the head and loss on the last. The
+step, the bubble, the tail (gradient reduction after the last microbatch, the optimizer) and every rank's peak memory
+(its parameters, gradients, optimizer state, plus its in-flight microbatches' activations) are `cost_model.pipeline`'s
+closed forms; each rank's peak reuses `estimate.peak_bytes` on its stages' costs with the activations multiplied by
+its in-flight count.
+
+The plan this returns is for planning and estimating: its strategies, parameter placements and checkpoint levels are
+the one-layer plan's repeated over every layer (the pipeline axis replicated: a stage's parameters live on its
+sub-mesh), its `pipeline` says the form, microbatches and cut, and it has no graph fingerprint (the runtime re-plans
+on its own capture). `parallelize` does not run it yet: the stage runtime is not built (`planner.parse_overrides`
+raises NotImplementedError), and neither does `autopar.plan(..., lower=True)`.
+
+Not modelled: FSDP inside a stage keeps its gathered weights across the microbatches (reshard_after_forward=False, as
+torchtitan and Llama 3 run FSDP under pipelining), so its gathers are paid once per step and no re-gather per
+microbatch; a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
+first stage (Megatron keeps a copy on the last stage and all-reduces their gradients between the two); the slowdown of
+compute under overlapped communication (`Cluster.overlap_slowdown`) is not applied inside the pipeline.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from autopar.estimate import Cost, gather_stats, mesh_costing, optimizer_step_s, peak_bytes
+from autopar.layers import find_layers, layer_modules
+from autopar.pipeline_plan import PipelinePlan, balanced_cut, bubble_fraction, parse_pipeline
+from autopar.plan import Decision, CandidateRow, Plan, StageEstimate, Strategy
+from autopar.spec import R, fmt_placements, placements_from_str
+from autopar.units import fmt_bytes
+from cost_model import pipeline as pipe_cost
+
+PIPELINE_KEY = "pipeline"
+DECISION_KEY = "(pipeline)"
+
+_SUMMED = ("compute_s", "comm_s", "comm_bytes", "memory_bytes", "act_bytes", "transient_bytes", "bucket_bytes",
+           "gather_s", "reduce_s", "regather_s", "optimizer_s", "overlap_slowdown", "hidden_s")
+_LARGEST = ("peak_bytes", "reduce_transient_bytes")  # momentary: the largest counts, not the sum
+
+
+def _combine(costs, signs=None) -> Cost:
+    """The field-wise sum (times `signs`) of costs; a momentary buffer is the largest of theirs."""
+    costs = list(costs)
+    signs = signs or [1.0] * len(costs)
+    kw = {f: sum(s * getattr(c, f) for c, s in zip(costs, signs)) for f in _SUMMED}
+    kw.update({f: max((getattr(c, f) for c in costs), default=0.0) for f in _LARGEST})
+    return Cost(**kw)
+
+
+def _scaled(c: Cost, n: float) -> Cost:
+    return dataclasses.replace(c, **{f: getattr(c, f) * n for f in _SUMMED})
+
+
+def _with_activations(c: Cost, factor: float) -> Cost:
+    """c with its saved activations held `factor` times (microbatches in flight)."""
+    return dataclasses.replace(c, act_bytes=c.act_bytes * factor,
+                               memory_bytes=c.memory_bytes - c.act_bytes + c.act_bytes * factor)
+
+
+def exposed_s(c: Cost) -> float:
+    """Per microbatch: compute and the model-axis collectives no compute hides (`autopar.timeline`'s critical path)."""
+    return c.compute_s + max(0.0, c.critical_s - c.hidden_s)
+
+
+# ----------------------------------------------------------------------------- the model cut to its first layers
+
+def repeated_layers(model: nn.Module) -> tuple[str, list[nn.Module]]:
+    """(the path of the container holding the model's layers, the layers): one ModuleList/Sequential of layers of
+    one class, or a NotImplementedError / ValueError saying why the stage model cannot plan this model."""
+    found = layer_modules(model)
+    if not found:
+        raise ValueError(f"a pipeline cuts a model's repeated layers into stages, but {type(model).__name__} has "
+                         "none (no module in a ModuleList/Sequential, e.g. model.layers.0). Fix: drop the "
+                         "'pipeline' override, or hold the blocks in an nn.ModuleList")
+    parents = {path.rsplit(".", 1)[0] if "." in path else "" for path, _ in found}
+    classes = {type(m).__name__ for _, m in found}
+    if len(parents) != 1 or len(classes) != 1:
+        raise NotImplementedError(
+            f"pipeline planning prices every stage from one layer's plan, so the layers must be one list of one "
+            f"class; {type(model).__name__} has layers in {sorted(parents)} of classes {sorted(classes)}. Not "
+            "implemented yet: stages of mixed layers (issue #23)")
+    return parents.pop(), [m for _, m in found]
+
+
+def _truncated(model: nn.Module, parent: str, k: int) -> nn.Module:
+    """A shallow copy of `model` whose layer container `parent` holds only its first k layers; every other module
+    (and every parameter) is shared, nothing is allocated."""
+    root = copy.copy(model)
+    root._modules = dict(model._modules)
+    holder, names = root, parent.split(".") if parent else []
+    for name in names[:-1]:
+        child = copy.copy(holder._modules[name])
+        child._modules = dict(child._modules)
+        holder._modules[name] = child
+        holder = child
+    container = holder._modules[names[-1]] if names else root
+    short = type(container)(*list(container)[:k]) if isinstance(container, nn.Sequential) else \
+        nn.ModuleList(list(container)[:k])
+    if names:
+        holder._modules[names[-1]] = short
+    return root
+
+
+def _microbatch(example_inputs, batch: int, m: int):
+    """The example inputs of one microbatch: every tensor whose dim 0 is the batch cut to batch / m."""
+    def cut(x):
+        return x[: batch // m] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == batch else x
+    if isinstance(example_inputs, dict):
+        return {k: cut(v) for k, v in example_inputs.items()}
+    if isinstance(example_inputs, torch.Tensor):
+        return cut(example_inputs)
+    return tuple(cut(x) for x in example_inputs)
+
+
+def _batch_of(example_inputs) -> int:
+    xs = example_inputs.values() if isinstance(example_inputs, dict) else \
+        (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    for x in xs:
+        if isinstance(x, torch.Tensor) and x.dim():
+            return int(x.shape[0])
+    raise ValueError("a pipeline splits the batch into microbatches, but no example input is a batched tensor")
+
+
+# ----------------------------------------------------------------------------- one layer's cost, and the rest
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """What the stage model composes (per microbatch, per device of the sub-mesh)."""
+
+    layer: Cost  # one layer (what no structure holds between layers included)
+    first: Cost  # before the layers (embedding)
+    last: Cost  # after them (final norm, head, loss)
+    checkpoint: Cost | None  # one layer's checkpoint level: recompute, bytes it frees (negative), its transient
+    boundary_bytes: float  # one layer's output per rank (the p2p message), bytes
+    grad_share: float
+    param_share: float
+    sub_plan: Plan  # the one-layer model's plan on the sub-mesh
+
+
+def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam"):
+    from autopar.api import _local_tensor_off, _prepare
+    from autopar.inputs import batch_dims
+    from autopar.planner import build_priced
+    info, captured, ctx = _prepare(model, sub_sizes, inputs, precision=precision)
+    batch = dict(zip(captured.user_inputs, batch_dims(captured.example_shapes)))
+    shapes = dict(zip(captured.user_inputs, captured.example_shapes))
+    with _local_tensor_off():
+        made, sol = build_priced(ctx, info, plan, overrides, batch, cluster=cluster, optimizer=optimizer,
+                                 input_shapes=shapes)
+    return info, ctx, made, sol
+
+
+def _split(ctx, sol) -> tuple[list[Cost], list[Cost], list[list[Cost]]]:
+    """The sites' costs before the layers, after them, and per layer (graph order)."""
+    gm = ctx.captured.gm
+    layers = find_layers(gm, set(ctx.captured.param_fqns) | set(ctx.captured.buffer_fqns))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    first_node = min((order[by_name[x]] for la in layers for x in la.nodes), default=0)
+    pre, post, per_layer = [], [], [[] for _ in layers]
+    for s in ctx.planning_sites():
+        if s.key not in sol.per_site:
+            continue
+        c = sol.per_site[s.key]
+        idx = next((i for i, la in enumerate(layers) if s.key == la.path or s.key.startswith(la.path + ".")), None)
+        if idx is not None:
+            per_layer[idx].append(c)
+        elif order.get(s.node, 0) < first_node:
+            pre.append(c)
+        else:
+            post.append(c)
+    return pre, post, per_layer
+
+
+def _boundary_bytes(ctx, sol, sub_plan: Plan, info) -> float:
+    """The first layer's output activation, per rank of the sub-mesh: global microbatch bytes over the data and
+    sequence axes, and over an axis the norms are sequence-parallel on (the residual stream is split there)."""
+    gm = ctx.captured.gm
+    layers = find_layers(gm, set(ctx.captured.param_fqns) | set(ctx.captured.buffer_fqns))
+    if not layers:
+        return 0.0
+    inside = set(layers[0].nodes)
+    outs = [n for n in gm.graph.nodes if n.name in inside and any(u.name not in inside for u in n.users)]
+    val = outs[-1].meta.get("val") if outs else None
+    nbytes = float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
+    split = {*sol.data_axes, *sol.seq_axes}
+    split |= {a for s in sub_plan.strategies if s.kind == "norm" and "sequence" in s.form for a in s.axes}
+    return nbytes / math.prod(info.sizes[info.names.index(a)] for a in split if a in info.names)
+
+
+def layer_costs(model, sub_sizes: dict, mb_inputs, *, plan="megatron", cluster=None, overrides=None,
+                precision=None, optimizer="adam") -> LayerCosts:
+    """One layer's cost and the rest's, from the model cut to one and to two layers (module docstring)."""
+    parent, layers = repeated_layers(model)
+    one = _truncated(model, parent, 1)
+    info, ctx1, plan1, sol1 = _sub_plan(one, sub_sizes, mb_inputs, plan, cluster, overrides, precision, optimizer)
+    pre, post, per1 = _split(ctx1, sol1)
+    other1 = sol1.other or _combine([])
+    if len(layers) >= 2:
+        _, ctx2, _, sol2 = _sub_plan(_truncated(model, parent, 2), sub_sizes, mb_inputs, plan, cluster, overrides,
+                                     precision, optimizer)
+        _, _, per2 = _split(ctx2, sol2)
+        other2 = sol2.other or _combine([])
+        between = _combine([other2, other1], [1.0, -1.0])  # what no structure holds, per layer
+        between = dataclasses.replace(between, peak_bytes=0.0, reduce_transient_bytes=0.0)
+        layer = _combine(per2[-1] + [between])
+        ck2, ck1 = sol2.checkpoint_cost, sol1.checkpoint_cost
+        ck = None if ck2 is None else dataclasses.replace(
+            _combine([ck2, ck1] if ck1 is not None else [ck2], [1.0, -1.0] if ck1 is not None else [1.0]),
+            transient_bytes=ck2.transient_bytes)
+    else:
+        between = _combine([])
+        layer, ck = _combine(per1[0]), sol1.checkpoint_cost
+    fixed_other = _combine([other1, between], [1.0, -1.0])
+    pre_c, post_c = _combine(pre), _combine(post)
+    # what no structure holds outside the layers: with the side holding more of the structures' compute
+    if pre_c.compute_s > post_c.compute_s:
+        pre_c = _combine([pre_c, fixed_other])
+    else:
+        post_c = _combine([post_c, fixed_other])
+    stats, other, _ = gather_stats(ctx1)
+    from cost_model.hardware import load_cluster
+    mc = mesh_costing(ctx1, stats, other, info.names, info.sizes, sol1.data_axes, load_cluster(cluster, info.sizes),
+                      optimizer=optimizer, seq_axes=sol1.seq_axes)
+    if ck is not None:  # the level's transient is one layer's, its recompute and freed bytes scale with layers
+        ck = dataclasses.replace(ck, memory_bytes=ck.act_bytes + ck.transient_bytes)
+    return LayerCosts(layer=layer, first=pre_c, last=post_c, checkpoint=ck,
+                      boundary_bytes=_boundary_bytes(ctx1, sol1, plan1, info), grad_share=mc.grad_share(),
+                      param_share=mc.param_share(), sub_plan=plan1)
+
+
+# ----------------------------------------------------------------------------- the pipeline priced
+
+def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: int, num_layers: int, cluster,
+                   full_sizes: tuple[int, ...], full_names: tuple[str, ...], optimizer: str = "adam",
+                   memory_limit: float | None = None, cut: tuple[int, ...] | None = None):
+    """(PipelinePlan, Estimate fields) of `num_layers` layers on p ranks x v stages, m microbatches."""
+    from cost_model.analytical import collective_time_s
+    from cost_model.hardware import axis_link, load_cluster
+    clus = load_cluster(cluster, full_sizes)
+    n = p * v
+    ck = lc.checkpoint
+    layer_s = exposed_s(lc.layer) + (exposed_s(ck) if ck is not None else 0.0)
+    first_s, last_s = exposed_s(lc.first), exposed_s(lc.last)
+    if cut is None:
+        cut = balanced_cut([layer_s] * num_layers, n, first_s, last_s)
+    pplan = PipelinePlan(form, axis, m, v, tuple(cut))
+    link = axis_link(clus, full_sizes, full_names.index(axis))
+    p2p_one = collective_time_s("p2p", int(lc.boundary_bytes), 2, link) if p > 1 else 0.0
+    stage_cost, stage_ck, chunk_s, stage_p2p = [], [], [], []
+    for k in range(n):
+        layers = cut[k + 1] - cut[k]
+        parts = [_scaled(lc.layer, layers)] + ([lc.first] if k == 0 else []) + ([lc.last] if k == n - 1 else [])
+        c = _combine(parts)
+        stage_cost.append(c)
+        stage_ck.append(None if ck is None else dataclasses.replace(_scaled(ck, layers),
+                                                                    transient_bytes=ck.transient_bytes))
+        sends = (k < n - 1) + (k > 0)  # activation to the next stage, gradient to the previous one
+        stage_p2p.append(sends * p2p_one)
+        chunk_s.append(layers * layer_s + (first_s if k == 0 else 0.0) + (last_s if k == n - 1 else 0.0)
+                       + stage_p2p[-1])
+    rank_of = [pplan.stage_rank(k, p) for k in range(n)]
+    pipe_s, bubble_s = pipe_cost.pipeline_time(form, p, m, chunk_s, rank_of)
+    ranks = []
+    for r in range(p):
+        ks = [k for k in range(n) if rank_of[k] == r]
+        held = [stage_cost[k] for k in ks]
+        f = pipe_cost.in_flight(form, p, m, v, r)
+        cks = [stage_ck[k] for k in ks if stage_ck[k] is not None]
+        start = sum(c.act_bytes for c in cks) * f + max((c.transient_bytes for c in cks), default=0.0)
+        peak = peak_bytes([_with_activations(c, f) for c in held], lc.grad_share, start)
+        rank_cost = _combine(held)
+        compute = sum(chunk_s[k] - stage_p2p[k] for k in ks)
+        opt_s = optimizer_step_s(held, optimizer, clus)
+        tail = pipe_cost.tail_s(rank_cost.reduce_s, rank_cost.gather_s, opt_s, compute)
+        state = rank_cost.memory_bytes - rank_cost.act_bytes - rank_cost.transient_bytes
+        act = rank_cost.act_bytes + sum(c.act_bytes for c in cks)
+        ranks.append(StageEstimate(
+            key=f"{axis}={r}", stages=tuple(ks), layers=sum(cut[k + 1] - cut[k] for k in ks), compute_s=compute,
+            p2p_s=sum(stage_p2p[k] for k in ks), tail_s=tail, parameters_bytes=int(state * lc.param_share),
+            gradients_bytes=int(state * lc.grad_share),
+            optimizer_bytes=int(state * (1 - lc.param_share - lc.grad_share)), activations_bytes=int(act),
+            in_flight=f, peak_bytes=int(peak)))
+    step = pipe_s + max(s.tail_s for s in ranks)
+    memory = max(s.peak_bytes for s in ranks)
+    limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
+    slow = max(ranks, key=lambda s: s.compute_s)
+    compute_total = m * slow.compute_s
+    per_mb_comm = lc.layer.comm_s * num_layers / p + lc.first.comm_s + lc.last.comm_s  # slowest-rank approximation
+    fields = dict(step_time_s=step, compute_time_s=compute_total,
+                  comm_time_s=m * (per_mb_comm + slow.p2p_s) + max(s.tail_s for s in ranks),
+                  exposed_comm_s=max(0.0, step - compute_total - bubble_s),
+                  memory_bytes_per_device=int(memory), fits=memory <= limit, memory_limit_bytes=int(limit),
+                  cluster=clus.name, bubble_s=bubble_s, p2p_bytes_per_microbatch=int(lc.boundary_bytes),
+                  stages=tuple(ranks), comm_bytes_per_step=int(m * 2 * lc.boundary_bytes * (n - 1) / p))
+    return pplan, fields, dict(pipe_s=pipe_s, bubble_fraction=bubble_fraction(form, p, m, v), chunk_s=chunk_s)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def default_stages_per_rank(form: str) -> int:
+    return 2 if form in ("interleaved-1f1b", "zbv", "dualpipev") else 1
+
+
+def plan_pipeline(model: nn.Module, mesh: dict, example_inputs, *, pipeline: str, microbatches: int | None,
+                  stages_per_rank: int | None = None, plan="megatron", cluster=None, memory_limit=None,
+                  overrides=None, precision=None, optimizer: str = "adam") -> Plan:
+    """The priced pipelined plan of `model` on `mesh` (axis sizes), offline (module docstring)."""
+    names = tuple(mesh)
+    form, axis = parse_pipeline(pipeline, names)
+    if not isinstance(plan, str) or plan not in ("auto", "megatron", "dp", "fsdp"):
+        raise ValueError(f"a pipeline override plans its stages with a named plan ('auto', 'megatron', 'dp', "
+                         f"'fsdp'), got plan={plan!r}")
+    p = mesh[axis]
+    v = default_stages_per_rank(form) if stages_per_rank is None else stages_per_rank
+    parent, layers = repeated_layers(model)
+    batch = _batch_of(example_inputs)
+    if microbatches is None:
+        raise ValueError(f"pipeline {pipeline!r}: give microbatches= (the batch of {batch} is split into that many "
+                         "microbatches); the planner's own choice of the count is not implemented yet")
+    if not isinstance(microbatches, int) or microbatches < 1 or batch % microbatches:
+        raise ValueError(f"pipeline {pipeline!r}: microbatches={microbatches!r} must be a positive integer dividing "
+                         f"the batch ({batch}) so that every microbatch is alike. Fix: pick a divisor of {batch}")
+    if p * v > len(layers):
+        raise ValueError(f"pipeline {pipeline!r}: {p} ranks x {v} stages per rank = {p * v} stages, but "
+                         f"{type(model).__name__} has {len(layers)} layers ({parent}) and each stage needs one. Fix: "
+                         "fewer stages per rank, a smaller pipeline axis, or '1f1b'")
+    PipelinePlan(form, axis, microbatches, v)  # validates the form's stages per rank
+    sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
+    lc = layer_costs(model, sub, _microbatch(example_inputs, batch, microbatches), plan=plan, cluster=cluster,
+                     overrides=overrides, precision=precision, optimizer=optimizer)
+    pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=microbatches, v=v,
+                                          num_layers=len(layers), cluster=cluster, full_sizes=tuple(mesh.values()),
+                                          full_names=names, optimizer=optimizer, memory_limit=memory_limit)
+    return _full_plan(lc.sub_plan, pplan, fields, extra, mesh, sub, parent, len(layers))
+
+
+def _widen(pls: str, sub: dict, mesh: dict) -> str:
+    """Placements on the sub-mesh -> on the whole mesh: replicated over the pipeline axis (a stage's parameters
+    live on its stage's sub-mesh; inputs go whole to the stages that read them)."""
+    if tuple(sub) == tuple(mesh):
+        return pls
+    got = dict(zip(sub, placements_from_str(pls)))
+    return fmt_placements([got.get(a, R) for a in mesh])
+
+
+def _relabel(text: str, parent: str, i: int) -> str:
+    first = f"{parent}.0" if parent else "0"
+    if text == first or text.startswith(first + "."):
+        return (f"{parent}.{i}" if parent else str(i)) + text[len(first):]
+    return text
+
+
+def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, mesh: dict, sub: dict, parent: str,
+               num_layers: int) -> Plan:
+    """The one-layer sub-plan's choices over every layer and the whole mesh, with the pipeline and its estimate."""
+    first = f"{parent}.0" if parent else "0"
+    in_layer = lambda t: t == first or t.startswith(first + ".")  # noqa: E731
+    strategies, params = [], []
+    for s in sub_plan.strategies:
+        copies = range(num_layers) if in_layer(s.key) else [0]
+        for i in copies:
+            strategies.append(dataclasses.replace(
+                s, key=_relabel(s.key, parent, i), members=tuple(_relabel(x, parent, i) for x in s.members),
+                params=tuple((_relabel(f, parent, i), _widen(pl, sub, mesh)) for f, pl in s.params)))
+    for fqn, pl in sub_plan.params:
+        for i in (range(num_layers) if in_layer(fqn) else [0]):
+            params.append((_relabel(fqn, parent, i), _widen(pl, sub, mesh)))
+    (level,) = {lv for _, lv in sub_plan.checkpoint} or {"none"}
+    checkpoint = tuple((f"{parent}.{i}" if parent else str(i), level) for i in range(num_layers))
+    ranks = fields["stages"]
+    worst = max(ranks, key=lambda s: s.peak_bytes)
+    label = pplan.label
+    est = sub_plan.estimate
+    text = (f"pipeline {label}: {num_layers} layers cut {list(pplan.cut)} into {len(pplan.cut) - 1} stages "
+            f"({pplan.stages_per_rank} per rank), {pplan.microbatches} microbatches; bubble "
+            f"{fields['bubble_s'] * 1e3:.1f} ms of the {extra['pipe_s'] * 1e3:.1f} ms schedule (closed form "
+            f"{extra['bubble_fraction']:.1%} on equal stages), p2p {fmt_bytes(fields['p2p_bytes_per_microbatch'])} "
+            f"per microbatch per boundary, peak memory {fmt_bytes(worst.peak_bytes)} on {worst.key} "
+            f"({worst.in_flight:g} microbatches in flight); every stage plans its layers as the one-layer "
+            f"{sub_plan.name!r} plan on the sub-mesh {sub}")
+    rows = tuple(CandidateRow(label=f"{s.key}: stages {list(s.stages)}, {s.layers} layers, {s.in_flight:g} in flight",
+                              compute_s=s.compute_s * pplan.microbatches,
+                              comm_s=s.p2p_s * pplan.microbatches + s.tail_s, memory_bytes=s.peak_bytes)
+                 for s in ranks)
+    decision = Decision(keys=(DECISION_KEY,), kind=PIPELINE_KEY, chosen=label,
+                        decided_by=f"override: {label}, microbatches={pplan.microbatches}; the cut balances the "
+                                   "per-layer estimated time (embedding on the first stage, head and loss on the "
+                                   f"last): {text}", candidates=rows)
+    from autopar.plan import Estimate
+    estimate = Estimate(**fields, solver=f"pipeline over {pplan.axis}; sub-mesh plan: {est.solver}".rstrip("; "))
+    notes = tuple(sub_plan.notes) + (text, "planned offline for estimating: the stage runtime of issue #23 is not "
+                                     "built, so parallelize cannot run this plan yet")
+    return Plan(name=sub_plan.name, mesh=tuple(mesh.items()), strategies=tuple(strategies), params=tuple(params),
+                inputs=tuple((k, _widen(v, sub, mesh)) for k, v in sub_plan.inputs), directives=(), graph="",
+                notes=notes, estimate=estimate, decisions=sub_plan.decisions + (decision,),
+                precision=sub_plan.precision, checkpoint=checkpoint, pipeline=pplan)

@@ -1,0 +1,77 @@
+"""A pipeline step priced from its stages (issue #23, deliverable 3): the closed forms the planner composes.
+
+A pipeline over an axis of size p runs n = p * v stages (`autopar.pipeline_plan`); m microbatches go through every
+stage. Per microbatch, stage k takes `chunk_s[k]`: its layers' forward + backward (with the tensor-parallel
+collectives no compute hides) plus its point-to-point traffic, one activation sent forward and its gradient sent
+back per boundary (`p2p_s`). The schedule then takes (`pipeline_time`)
+
+    pipe_s = m * max_r R_r + (p - 1) * max_k chunk_s[k] * (1, or 0 for the zero-bubble V schedules)
+
+where R_r is the sum of the chunk times of the stages rank r runs (`PipelinePlan.stage_rank`). On equal stages this
+is the closed form exactly: the idle share bubble_s / pipe_s is (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1)
+for interleaved 1F1B (each chunk 1/v of a rank's layers), 0 for ZB-V / DualPipeV, whose F, B (input gradient) and W
+(weight gradient) passes the cost model takes as equal: a stage's backward is twice its forward, B and W one forward
+each (Qi et al. 2024, arXiv 2401.10241). With unequal stages the slowest rank sets the steady state and the slowest
+chunk the warm-up and drain: the "T = sum t_i + (B-1) max t_j" of Alpa's stage DP with every stage counted on its
+rank (`alpa/pipeline_parallel/stage_construction.py`).
+
+After the last microbatch each rank reduces its parameters' gradients over the remaining data axes and steps its
+optimizer (`tail_s`): the reduction overlaps the backward of the last microbatch (Megatron's `--overlap-grad-reduce`
+reduces its buckets during the last microbatch only; torch's schedules reduce once per step as FSDP2's
+`set_requires_gradient_sync(last)` does), the rest is exposed, then the optimizer step; FSDP's gathers overlap the
+first microbatch's forward. The step is pipe_s + the largest rank's tail.
+
+Memory (`in_flight`): a rank holds the saved activations of the microbatches it has run forward and not yet
+backward. 1F1B: stage s holds min(m, p - s) (PipeDream-flush, Narayanan et al. 2021 §2.2.1); GPipe all m;
+interleaved 1F1B: rank r runs 2(p - r - 1) + (v - 1) p warm-up chunk forwards before its first backward and holds
+one more (Megatron-LM `get_forward_backward_func` / `forward_backward_pipelining_with_interleaving`:
+num_warmup_microbatches; torch `ScheduleInterleaved1F1B`: warmup_ops), each chunk 1/v of the rank's layers, so
+rank 0 holds p (1 + (p - 1) / (p v)) microbatches' worth, the paper's (1 + (p-1)/(pv)) factor; ZB-V holds p on every
+rank, as 1F1B's first stage (Qi et al. 2024, Table 3: ZB-V peak activation memory p M_B). Capped by what exists:
+m microbatches (m v chunks).
+"""
+
+from __future__ import annotations
+
+# the V-shaped zero-bubble forms (`autopar.pipeline_plan.PIPELINE_FORMS`, which validates every form; cost_model
+# imports nothing of autopar)
+_V_SHAPED = ("zbv", "dualpipev")
+_FORMS = ("gpipe", "1f1b", "interleaved-1f1b", *_V_SHAPED)
+
+
+def in_flight(form: str, p: int, m: int, v: int, rank: int) -> float:
+    """The microbatches whose saved activations rank `rank` (0-based coordinate on the pipeline axis) holds at its
+    peak, in units of one microbatch through all the layers the rank runs (see the module docstring)."""
+    if form not in _FORMS:
+        raise ValueError(f"pipeline form {form!r} is not one of {', '.join(_FORMS)}")
+    if not 0 <= rank < p:
+        raise ValueError(f"rank {rank} is not a coordinate of a pipeline axis of size {p}")
+    if form == "gpipe":
+        return float(m)
+    if form == "1f1b":
+        return float(min(m, p - rank))
+    if form == "interleaved-1f1b":
+        chunks = 2 * (p - rank - 1) + (v - 1) * p + 1
+        return min(m * v, chunks) / v
+    return float(min(m, p))  # zbv, dualpipev
+
+
+def pipeline_time(form: str, p: int, m: int, chunk_s: list[float], rank_of: list[int]) -> tuple[float, float]:
+    """(pipe_s, bubble_s) of m microbatches through the stages whose per-microbatch times are `chunk_s` (p2p
+    included), stage k on rank `rank_of[k]` (module docstring). bubble_s is the slowest rank's idle time."""
+    if len(chunk_s) != len(rank_of) or not chunk_s:
+        raise ValueError(f"one time per stage and one rank per stage, got {len(chunk_s)} times, {len(rank_of)} ranks")
+    per_rank = [0.0] * p
+    for t, r in zip(chunk_s, rank_of):
+        per_rank[r] += t
+    busy = m * max(per_rank)
+    bubble = 0.0 if form in _V_SHAPED or p <= 1 else (p - 1) * max(chunk_s)
+    return busy + bubble, bubble
+
+
+def tail_s(reduce_s: float, gather_s: float, optimizer_s: float, rank_compute_s: float) -> float:
+    """What a rank adds after its last microbatch: the gradient reduction not hidden by that microbatch's backward
+    (2/3 of its forward + backward compute `rank_compute_s`), the FSDP gathers not hidden by the first microbatch's
+    forward (1/3), and its optimizer step."""
+    return (max(0.0, reduce_s - 2 / 3 * rank_compute_s) + max(0.0, gather_s - 1 / 3 * rank_compute_s)
+            + optimizer_s)
