@@ -105,8 +105,9 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
             from autopar.pipeline_plan import parse_pipeline
             form, axis = parse_pipeline(value, tuple(mesh.names))
             raise NotImplementedError(
-                f"override 'pipeline': {value!r}: pipeline parallelism is not implemented yet (issue #23: the plan "
-                f"contract autopar.pipeline_plan.PipelinePlan exists, the stage runtime does not). Fix for now: "
+                f"override 'pipeline': {value!r}: pipeline parallelism is not implemented yet in parallelize "
+                f"(issue #23: autopar.plan(model, mesh_sizes, inputs, overrides={{'pipeline': {value!r}}}, "
+                f"microbatches=m) plans and prices it offline, the stage runtime does not exist). Fix for now: "
                 f"drop the 'pipeline' override and give axis {axis!r} another role (data or tensor parallel).")
         cand = _parse_value(value, mesh, mesh.names[-1])
         kind = Kind(key) if key in kinds else None

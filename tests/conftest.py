@@ -116,6 +116,7 @@ FILE_SECONDS = {
     "test_autoplan.py": 9,
     "test_grad_buckets.py": 7,
     "test_reduce_transient.py": 6,
+    "test_pipeline_cost.py": 6,
     "test_equivalence_gloo.py": 6,
     "test_errors.py": 6,
     "test_moe_permute_kernel.py": 6,
