@@ -62,6 +62,18 @@ Sources of the published figures:
   shapes, so the TFLOP/s ratio depends on them only through the MFU the cost model assigns to their matmul
   sizes. Megatron ran DP with its distributed optimizer; the TP1 row is priced with autopar's `dp` plan
   (replicated optimizer state), the others with `megatron` (TP on "tp", DP on "dp").
+- Megatron-LM GPT with pipeline parallelism, the same README table (TP8, DP48, seq 4096, vocab 131072; shapes and
+  global batches as tabulated in notes/pipeline-zero-fp8.md §3.3, `images/model_table.png`, 2024-07): 70B (84
+  layers, hidden 8192, 64 heads) PP2 on 768 H100, batch 384: 419.7 TFLOP/s/GPU; 119B (92, 10240, 80) PP4 on 1536,
+  768: 420.5; 177B (96, 12288, 96) PP6 on 2304, 1152: 432.8; 314B (96, 16384, 128) PP8 on 3072, 1536: 474.4; 462B
+  (112, 18432, 144) PP16 on 6144, 3072: 459.9. The table states neither the microbatch size nor the virtual
+  pipeline stages; these rows ASSUME Megatron's interleaved 1F1B schedule (Narayanan et al. 2021 §2.2.2, the schedule
+  the table's runs use) with 2 stages per rank and one sequence per microbatch per data-parallel rank (m = batch /
+  48: 8 to 64 microbatches). They are planned as `megatron` on the dp x tp sub-mesh of one microbatch with a
+  `{"pipeline": "interleaved-1f1b@pp"}` override, priced by the stage model (`autopar.pipeline_estimate`: one
+  layer's plan over every layer, the balanced cut, the interleaved bubble, p2p on the inter-node links, each rank's
+  tail). Megatron ran its distributed optimizer (and fit in 80 GB); `megatron` replicates the optimizer state over
+  dp, so these rows' memory says DOES NOT FIT beyond PP2: their step time is what is compared.
 - torchtitan's 64-GPU run shards parameters over its 8 data-parallel ranks (FSDP 8 x TP 8); no hand plan
   does that (`megatron` is DP x TP), so that row prices `megatron` with torchtitan's sequence-parallel norms
   (`{"norm": "sequence@tp"}`) and says so in its forms.
@@ -91,7 +103,13 @@ PEAK_BF16 = 989e12  # H100 SXM dense bf16, as the h100 preset
 GPT_VOCAB, GPT_SEQ = 131072, 4096
 GPT_SHAPES = {  # ASSUMED (see the module docstring): layers, hidden, heads
     "1.7b": (24, 2048, 16), "7.1b": (30, 4096, 32), "16b": (32, 6144, 48), "32b": (36, 8192, 64),
+    # the pipelined rows, as the Megatron-LM README's model table gives them (notes/pipeline-zero-fp8.md §3.3)
+    "70b": (84, 8192, 64), "119b": (92, 10240, 80), "177b": (96, 12288, 96), "314b": (96, 16384, 128),
+    "462b": (112, 18432, 144),
 }
+# Megatron's pipelined rows: the interleaved schedule with 2 stages per rank and one sequence per microbatch per
+# data-parallel rank (ASSUMED: the table states neither the microbatch size nor the virtual stages)
+MLM_PP_FORM, MLM_PP_MICROBATCH = "interleaved-1f1b", 1
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,9 @@ class Run:
     mixed: bool = False
     compiled: bool = False  # torch.compile: elementwise ops fused (`llama_tt_meta`), else eager (`llama_tt_eager_meta`)
     overrides: tuple = ()  # (key, form) the plan takes beyond the named plan (the run's own layout)
+    # a pipelined run: 'FORM@axis' (the `pipeline` override, `autopar.pipeline_estimate`) and its microbatch count
+    pipeline: str = ""
+    microbatches: int = 0
 
     @property
     def gpus(self) -> int:
@@ -141,6 +162,19 @@ RUNS = (
         {"dp": 48, "tp": 4}, 192, GPT_SEQ, "megatron", 489.1, "TFLOP/s/GPU"),
     Run("mlm_gpt_32b_tp8", "Megatron-LM GPT 32B, TP8 x DP48, 384 H100", "gpt", {"size": "32b"},
         {"dp": 48, "tp": 8}, 192, GPT_SEQ, "megatron", 459.6, "TFLOP/s/GPU"),
+)
+
+
+def _mlm_pp(size: str, pp: int, batch: int, published: float) -> Run:
+    gpus = pp * 48 * 8
+    return Run(f"mlm_gpt_{size}_pp{pp}", f"Megatron-LM GPT {size.upper()}, TP8 x PP{pp} x DP48, {gpus} H100", "gpt",
+               {"size": size}, {"pp": pp, "dp": 48, "tp": 8}, batch, GPT_SEQ, "megatron", published, "TFLOP/s/GPU",
+               pipeline=f"{MLM_PP_FORM}@pp", microbatches=batch // (48 * MLM_PP_MICROBATCH))
+
+
+RUNS = RUNS + (
+    _mlm_pp("70b", 2, 384, 419.7), _mlm_pp("119b", 4, 768, 420.5), _mlm_pp("177b", 6, 1152, 432.8),
+    _mlm_pp("314b", 8, 1536, 474.4), _mlm_pp("462b", 16, 3072, 459.9),
 )
 PUBLISHED_SCALING = 5605.0 / 5762.0 - 1  # torchtitan FSDP 8 -> 128 GPUs: -2.7%
 
@@ -257,10 +291,12 @@ def price(run: Run, memory_limit=None) -> dict:
     model, inputs = build(run)
     out = {"run": run, "params": sum(p.numel() for p in model.parameters())}
     t0 = time.perf_counter()
+    overrides = plan_overrides(run) if run.plan != "auto" else None
+    if run.pipeline:
+        overrides = {**(overrides or {}), "pipeline": run.pipeline}
     try:
         p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit,
-                         overrides=plan_overrides(run) if run.plan != "auto" else None,
-                         mp_policy=mp_policy(run))
+                         overrides=overrides, mp_policy=mp_policy(run), microbatches=run.microbatches or None)
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
         return out
@@ -270,12 +306,22 @@ def price(run: Run, memory_limit=None) -> dict:
     tflops = flops_per_step(run, model) / step / run.gpus / 1e12
     predicted = tok_s_gpu if run.unit == "tok/s/GPU" else tflops
     out.update(plan_s=time.perf_counter() - t0, infeasible=None, step_s=step, compute_s=e.compute_time_s,
-               comm_s=e.comm_time_s, exposed_s=e.exposed_comm_s, terms=peak_terms(p),
+               comm_s=e.comm_time_s, exposed_s=e.exposed_comm_s, terms=stage_terms(p) if p.pipeline else peak_terms(p),
                levels=sorted({lv for _, lv in p.checkpoint}),
                mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
                limit_gib=e.memory_limit_bytes / GIB, tok_s_gpu=tok_s_gpu, tflops=tflops, mfu=tflops * 1e12 / PEAK_BF16,
-               predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p))
+               predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p),
+               bubble_s=e.bubble_s, pipeline=p.pipeline)
     return out
+
+
+def stage_terms(p) -> str:
+    """A pipelined plan's peak on its most loaded rank (`Estimate.stages`): model state plus the activations of the
+    microbatches it holds in flight."""
+    s = max(p.estimate.stages, key=lambda x: x.peak_bytes)
+    state = s.parameters_bytes + s.gradients_bytes + s.optimizer_bytes
+    return (f"{s.key}: {s.layers} layers, model state {state / GIB:.1f} + {s.in_flight:g} microbatches in flight x "
+            f"{s.activations_bytes / GIB:.1f} saved = peak {s.peak_bytes / GIB:.1f} GiB")
 
 
 def breakdown(run: Run) -> dict[str, float]:
@@ -346,6 +392,9 @@ def fmt_row(r: dict) -> str:
             f"{r['tflops']:.0f} TFLOP/s/GPU ({r['mfu']:.0%} of peak), {r['mem_gib']:.1f} GiB/device "
             f"({'fits' if r['fits'] else 'DOES NOT FIT'} {r['limit_gib']:.1f}); published {run.published:,.1f} "
             f"{run.unit}\n    forms: {r['forms']}"
+            + (f"\n    pipeline {r['pipeline'].label}: {r['pipeline'].microbatches} microbatches, "
+               f"{r['pipeline'].stages_per_rank} stages per rank, cut {list(r['pipeline'].cut)}, bubble "
+               f"{r['bubble_s'] * 1e3:.0f} ms; {r['terms']}" if r.get("pipeline") else "")
             + ("" if r["batch_ok"] else "\n    the batch does not divide over the plan's data axes: input replicated"))
 
 
@@ -397,8 +446,8 @@ def main(argv=None, priced: dict | None = None) -> dict:
               f"({r['mem_gib']:.1f} / {run.published_mem_gib} GiB{ok}; goal 0.80-1.20)")
 
     if parts:
-        print("\n== the predicted step by category, ms per device (`breakdown`)")
-        for run in runs:
+        print("\n== the predicted step by category, ms per device (`breakdown`; the pipelined rows: see their stages)")
+        for run in (r for r in runs if not r.pipeline):
             b = breakdown(run)
             print(f"  {run.name}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items()), flush=True)
     if markdown:

@@ -103,7 +103,7 @@ FILE_SECONDS = {
     "test_inspect.py": 22,
     "test_mixed_precision.py": 22,
     "test_collectives.py": 20,
-    "test_published_runs.py": 20,
+    "test_published_runs.py": 30,
     "test_contract_data.py": 19,
     "test_tune_mirror.py": 18,
     "test_contract_modes.py": 18,
