@@ -62,10 +62,76 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     if isinstance(overrides, dict) and "pipeline" in overrides:
         return _plan_pipeline(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
                               overrides=overrides, lower=lower, precision=precision, microbatches=microbatches)
+    if plan == "auto" and not lower:
+        return _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=memory_limit,
+                                     overrides=overrides, progress=progress, mp_policy=mp_policy,
+                                     precision=precision, microbatches=microbatches)
     if microbatches is not None:
         raise ValueError(f"microbatches={microbatches!r} splits the batch of a pipelined plan, but no axis is "
                          "pipelined. Fix: add overrides={'pipeline': 'FORM@axis'} (e.g. '1f1b@pp'), or drop "
                          "microbatches")
+    return _plan_unpipelined(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
+                             overrides=overrides, lower=lower, progress=progress, precision=precision)
+
+
+def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit, overrides, progress, mp_policy,
+                          precision, microbatches) -> Plan:
+    """`auto` offline: the ILP's plan on the whole mesh, weighed against pipelining an axis named like a pipeline
+    axis (`pipeline_estimate.PIPELINE_AXIS_NAMES`: "pp", ...) or, when no plan fits, any axis
+    (`pipeline_estimate.auto_pipeline`: schedule, microbatches, checkpoint level and cut, the ILP inside each stage);
+    the least estimated step that fits wins and its '(pipeline)' decision says what decided it (`Plan.explain`).
+    `parallelize` does not weigh a pipeline yet: the stage runtime of issue #23 is not built."""
+    from autopar import pipeline_estimate as pe
+    from autopar.solver import InfeasibleError
+    info = mesh_info(mesh)
+    sizes = dict(zip(info.names, info.sizes))
+    unpipelined, err = None, None
+    try:
+        unpipelined = _plan_unpipelined(model, mesh, example_inputs, plan="auto", cluster=cluster,
+                                        memory_limit=memory_limit, overrides=overrides, lower=False,
+                                        progress=progress, precision=precision)
+    except InfeasibleError as e:
+        err = e
+    # no plan fits: any axis, but only where dividing the least plan's memory by the axis' size could fit (a
+    # pipeline over p ranks holds at least about 1/p of it per device), each at its most microbatches only
+    limit = err.limit_bytes if err is not None else None
+    axes = [a for a in info.names if a in pe.PIPELINE_AXIS_NAMES and sizes[a] > 1] if err is None else \
+        [a for a in info.names if sizes[a] > 1 and not err.least_bytes / sizes[a] > limit]
+    if not axes:
+        if err is not None:
+            raise err
+        if microbatches is not None:
+            raise ValueError(f"microbatches={microbatches!r} splits the batch of a pipelined plan, but auto pipelines "
+                             f"only an axis named {' or '.join(map(repr, pe.PIPELINE_AXIS_NAMES))} (the mesh has "
+                             f"{', '.join(info.names)}). Fix: name the axis 'pp', give overrides={{'pipeline': "
+                             "'FORM@axis'}, or drop microbatches")
+        return unpipelined
+    tried, skipped = [], []
+    for axis in axes:
+        try:
+            tried += pe.auto_pipeline(model, sizes, example_inputs, axis, cluster=cluster, memory_limit=memory_limit,
+                                      overrides=overrides, precision=precision, microbatches=microbatches,
+                                      quick=err is not None)
+        except (ValueError, NotImplementedError) as e:  # noqa: PERF203 - a pipeline this model cannot take
+            skipped.append(f"pipeline over {axis!r}: {e}")
+    if not tried:
+        if err is not None:
+            raise err
+        return dataclasses.replace(unpipelined, notes=unpipelined.notes + tuple(skipped))
+    why = "" if err is None else f"no plan fits ({err})"
+    winner, decided, rows = pe.choose(tried, unpipelined, why)
+    if err is not None and not winner.fits:
+        raise err
+    if isinstance(winner, Plan):  # no pipeline: the plan as it was, with why the pipelines lost
+        from autopar.plan import Decision
+        d = Decision(keys=(pe.DECISION_KEY,), kind=pe.PIPELINE_KEY, chosen="no pipeline", decided_by=f"auto: {decided}",
+                     candidates=rows)
+        return dataclasses.replace(winner, decisions=winner.decisions + (d,), notes=winner.notes + tuple(skipped))
+    return pe.build_chosen(winner, decided, rows, sizes)
+
+
+def _plan_unpipelined(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, progress,
+                      precision) -> Plan:
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
     t0 = time.perf_counter()
     with _local_tensor_off():

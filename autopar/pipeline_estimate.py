@@ -161,11 +161,16 @@ class LayerCosts:
     sub_plan: Plan  # the one-layer model's plan on the sub-mesh
 
 
-def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam"):
+def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None):
     from autopar.api import _local_tensor_off, _prepare
     from autopar.inputs import batch_dims
     from autopar.planner import build_priced
-    info, captured, ctx = _prepare(model, sub_sizes, inputs, precision=precision)
+    if cache is not None and key in cache:  # captured once per (layers, microbatch): the search re-plans it
+        info, captured, ctx = cache[key]
+    else:
+        info, captured, ctx = _prepare(model, sub_sizes, inputs, precision=precision)
+        if cache is not None:
+            cache[key] = (info, captured, ctx)
     batch = dict(zip(captured.user_inputs, batch_dims(captured.example_shapes)))
     shapes = dict(zip(captured.user_inputs, captured.example_shapes))
     with _local_tensor_off():
@@ -213,16 +218,19 @@ def _boundary_bytes(ctx, sol, sub_plan: Plan, info) -> float:
 
 
 def layer_costs(model, sub_sizes: dict, mb_inputs, *, plan="megatron", cluster=None, overrides=None,
-                precision=None, optimizer="adam") -> LayerCosts:
-    """One layer's cost and the rest's, from the model cut to one and to two layers (module docstring)."""
+                precision=None, optimizer="adam", cache: dict | None = None) -> LayerCosts:
+    """One layer's cost and the rest's, from the model cut to one and to two layers (module docstring). `cache`: the
+    captures by (layers, microbatch batch), kept across calls for one model and sub-mesh (the `auto` search)."""
     parent, layers = repeated_layers(model)
     one = _truncated(model, parent, 1)
-    info, ctx1, plan1, sol1 = _sub_plan(one, sub_sizes, mb_inputs, plan, cluster, overrides, precision, optimizer)
+    mb = _batch_of(mb_inputs)
+    info, ctx1, plan1, sol1 = _sub_plan(one, sub_sizes, mb_inputs, plan, cluster, overrides, precision, optimizer,
+                                        cache, (1, mb))
     pre, post, per1 = _split(ctx1, sol1)
     other1 = sol1.other or _combine([])
     if len(layers) >= 2:
         _, ctx2, _, sol2 = _sub_plan(_truncated(model, parent, 2), sub_sizes, mb_inputs, plan, cluster, overrides,
-                                     precision, optimizer)
+                                     precision, optimizer, cache, (2, mb))
         _, _, per2 = _split(ctx2, sol2)
         other2 = sol2.other or _combine([])
         between = _combine([other2, other1], [1.0, -1.0])  # what no structure holds, per layer
@@ -376,7 +384,7 @@ def _relabel(text: str, parent: str, i: int) -> str:
 
 
 def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, mesh: dict, sub: dict, parent: str,
-               num_layers: int) -> Plan:
+               num_layers: int, decided_by: str | None = None, rows: tuple = (), name: str | None = None) -> Plan:
     """The one-layer sub-plan's choices over every layer and the whole mesh, with the pipeline and its estimate."""
     first = f"{parent}.0" if parent else "0"
     in_layer = lambda t: t == first or t.startswith(first + ".")  # noqa: E731
@@ -403,19 +411,148 @@ def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, m
             f"per microbatch per boundary, peak memory {fmt_bytes(worst.peak_bytes)} on {worst.key} "
             f"({worst.in_flight:g} microbatches in flight); every stage plans its layers as the one-layer "
             f"{sub_plan.name!r} plan on the sub-mesh {sub}")
-    rows = tuple(CandidateRow(label=f"{s.key}: stages {list(s.stages)}, {s.layers} layers, {s.in_flight:g} in flight",
+    ranks_rows = tuple(CandidateRow(label=f"{s.key}: stages {list(s.stages)}, {s.layers} layers, {s.in_flight:g} in flight",
                               compute_s=s.compute_s * pplan.microbatches,
                               comm_s=s.p2p_s * pplan.microbatches + s.tail_s, memory_bytes=s.peak_bytes)
                  for s in ranks)
     decision = Decision(keys=(DECISION_KEY,), kind=PIPELINE_KEY, chosen=label,
-                        decided_by=f"override: {label}, microbatches={pplan.microbatches}; the cut balances the "
-                                   "per-layer estimated time (embedding on the first stage, head and loss on the "
-                                   f"last): {text}", candidates=rows)
+                        decided_by=decided_by or (f"override: {label}, microbatches={pplan.microbatches}; the cut "
+                                                  "balances the per-layer estimated time (embedding on the first "
+                                                  f"stage, head and loss on the last): {text}"),
+                        candidates=tuple(rows) or ranks_rows)
     from autopar.plan import Estimate
     estimate = Estimate(**fields, solver=f"pipeline over {pplan.axis}; sub-mesh plan: {est.solver}".rstrip("; "))
     notes = tuple(sub_plan.notes) + (text, "planned offline for estimating: the stage runtime of issue #23 is not "
                                      "built, so parallelize cannot run this plan yet")
-    return Plan(name=sub_plan.name, mesh=tuple(mesh.items()), strategies=tuple(strategies), params=tuple(params),
+    return Plan(name=name or sub_plan.name, mesh=tuple(mesh.items()), strategies=tuple(strategies), params=tuple(params),
                 inputs=tuple((k, _widen(v, sub, mesh)) for k, v in sub_plan.inputs), directives=(), graph="",
                 notes=notes, estimate=estimate, decisions=sub_plan.decisions + (decision,),
                 precision=sub_plan.precision, checkpoint=checkpoint, pipeline=pplan)
+
+
+# ----------------------------------------------------------------------------- plan="auto": the pipeline role chosen
+
+# the schedules `auto` tries (form, stages per rank); DualPipeV is priced as ZB-V and left to an override
+AUTO_FORMS = (("1f1b", 1), ("interleaved-1f1b", 2), ("zbv", 2))
+PIPELINE_AXIS_NAMES = ("pp", "pipe", "pipeline")  # an axis so named is offered the pipeline role whatever fits
+
+
+def microbatch_candidates(batch: int, p: int, most: int = 3) -> list[int]:
+    """The microbatch counts `auto` tries: the smallest divisors of the batch at or above p, 2p and 4p (at least p
+    microbatches fill the pipeline; more shrink the bubble and each microbatch's matmuls)."""
+    divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+    out = []
+    for target in (p, 2 * p, 4 * p):
+        d = next((d for d in divisors if d >= target), None)
+        if d is not None and d not in out:
+            out.append(d)
+    return out[:most] or [batch]
+
+
+@dataclasses.dataclass
+class Tried:
+    label: str
+    step_s: float
+    bubble_s: float
+    p2p_s: float
+    memory_bytes: float
+    fits: bool
+    build: object = None  # () -> Plan
+
+
+def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cluster=None, memory_limit=None,
+                  overrides=None, precision=None, microbatches: int | None = None, optimizer: str = "adam",
+                  quick: bool = False) -> list[Tried]:
+    """Every pipeline over `axis` that `auto` weighs, priced: the outer search of Alpa's stage DP (Zheng et al.
+    2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count (and checkpoint
+    level, the next one tried only when no schedule fits at the one before), the ILP plans one microbatch of the
+    one- and two-layer model on the sub-mesh (`layer_costs`, plan "auto"); every schedule and its balanced cut is
+    then priced from those costs without solving again (`price_pipeline`). An outer search rather than one ILP:
+    the microbatch count changes the shapes the ILP prices, and the bubble and the in-flight activations multiply
+    the stage time and memory by functions of m, p and v that are not linear in the ILP's variables; identical
+    layers make every stage's forms the same, so one solve per microbatch size serves every schedule and cut.
+    `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all)."""
+    from autopar.forms import checkpoint as ckpt
+    p = mesh[axis]
+    parent, layers = repeated_layers(model)
+    batch = _batch_of(example_inputs)
+    ms = [microbatches] if microbatches else microbatch_candidates(batch, p)[-1:] if quick else \
+        microbatch_candidates(batch, p)
+    forced_level = any(ckpt.is_key(k) for k in (overrides or {}))
+    levels = [None] if forced_level else list(ckpt.LEVELS)
+    sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
+    tried: list[Tried] = []
+    cache: dict = {}
+    for m in ms:
+        if batch % m:
+            continue
+        mb = _microbatch(example_inputs, batch, m)
+        for lv in levels:
+            ov = dict(overrides or {})
+            if lv is not None:
+                ov[ckpt.KEY] = lv
+            lc = layer_costs(model, sub, mb, plan="auto", cluster=cluster, overrides=ov or None, precision=precision,
+                             optimizer=optimizer, cache=cache)
+            fit_here = False
+            for form, v in AUTO_FORMS:
+                if p * v > len(layers):
+                    continue
+                pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=m, v=v,
+                                                      num_layers=len(layers), cluster=cluster,
+                                                      full_sizes=tuple(mesh.values()), full_names=tuple(mesh),
+                                                      optimizer=optimizer, memory_limit=memory_limit)
+                slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
+                label = f"{form}@{axis}, {m} microbatches" + (f", checkpoint {lv}" if lv else "")
+                tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
+                                   fields["memory_bytes_per_device"], fields["fits"],
+                                   (lc, pplan, fields, extra, sub, parent, len(layers))))
+                fit_here |= fields["fits"]
+            if fit_here:
+                break
+    return tried
+
+
+def choose(tried: list[Tried], unpipelined: Plan | None, unpipelined_why: str = "") -> tuple[object, str, tuple]:
+    """(the winner: a Tried or the unpipelined Plan, what decided it, the rows for `Plan.explain`): the least
+    estimated step among those that fit; when none fits, the pipeline needing the least memory (it says so)."""
+    rows = [CandidateRow(label=t.label, compute_s=t.step_s - t.bubble_s - t.p2p_s, comm_s=t.p2p_s,
+                         memory_bytes=int(t.memory_bytes), time_s=t.step_s,
+                         excluded="" if t.fits else f"does not fit: {fmt_bytes(t.memory_bytes)} per device")
+            for t in tried]
+    cands: list[tuple[float, str, object, float, float]] = [(t.step_s, t.label, t, t.bubble_s, t.p2p_s)
+                                                            for t in tried if t.fits]
+    if unpipelined is not None:
+        e = unpipelined.estimate
+        rows.append(CandidateRow(label="no pipeline (auto on the whole mesh)", compute_s=e.compute_time_s,
+                                 comm_s=e.exposed_comm_s or 0.0, memory_bytes=e.memory_bytes_per_device,
+                                 time_s=e.step_time_s, excluded="" if e.fits else "does not fit"))
+        if e.fits:
+            cands.append((e.step_time_s, "no pipeline", unpipelined, 0.0, 0.0))
+    elif unpipelined_why:
+        rows.append(CandidateRow(label="no pipeline (auto on the whole mesh)", excluded=unpipelined_why))
+    if not cands:
+        best = min(tried, key=lambda t: t.memory_bytes)
+        return best, (f"no candidate fits the memory limit; {best.label} needs the least "
+                      f"({fmt_bytes(best.memory_bytes)} per device)"), tuple(rows)
+    cands.sort(key=lambda c: c[0])
+    step, label, winner, bubble, p2p = cands[0]
+    why = f"the least estimated step among {len(cands)} that fit: {label} {step * 1e3:.1f} ms"
+    if isinstance(winner, Tried):
+        mem = winner.memory_bytes
+        why += f" (bubble {bubble * 1e3:.1f} ms, p2p {p2p * 1e3:.1f} ms, peak {fmt_bytes(mem)} per device)"
+    if len(cands) > 1:
+        s2, l2, w2, b2, _ = cands[1]
+        why += f"; the next, {l2}, {s2 * 1e3:.1f} ms ({s2 / step - 1:+.1%})"
+        if isinstance(winner, Tried) and isinstance(w2, Tried) and abs(b2 - bubble) > 1e-12:
+            why += f", bubble {b2 * 1e3:.1f} ms"
+    if unpipelined is None and unpipelined_why:
+        why += f"; without a pipeline: {unpipelined_why}"
+    elif unpipelined is not None and not unpipelined.estimate.fits:
+        why += "; without a pipeline the plan does not fit the memory limit"
+    return winner, why, tuple(rows)
+
+
+def build_chosen(t: Tried, why: str, rows: tuple, mesh: dict) -> Plan:
+    lc, pplan, fields, extra, sub, parent, n = t.build
+    return _full_plan(lc.sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}", rows=rows,
+                      name="auto")

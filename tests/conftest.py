@@ -87,6 +87,7 @@ FILE_SECONDS = {
     "test_moe.py": 63,
     "test_precision_inputs.py": 38,  # not from that run: measured alone, 2026-12-04 (a gloo test against FSDP2)
     "test_batch_local.py": 35,  # not from that run: measured alone, 2026-12-04 (one gloo test)
+    "test_pipeline_cost.py": 21,
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day
     "test_verify.py": 60,
     "test_recognition.py": 57,
@@ -116,7 +117,6 @@ FILE_SECONDS = {
     "test_autoplan.py": 9,
     "test_grad_buckets.py": 7,
     "test_reduce_transient.py": 6,
-    "test_pipeline_cost.py": 6,
     "test_equivalence_gloo.py": 6,
     "test_errors.py": 6,
     "test_moe_permute_kernel.py": 6,

@@ -229,3 +229,58 @@ def test_microbatch_inputs_cut_only_batched_tensors():
     x, y = torch.zeros(8, 3), torch.zeros(5)
     a, b = _microbatch((x, y), 8, 4)
     assert a.shape == (2, 3) and b.shape == (5,)
+
+
+def _mid_gpt():
+    cfg = GPTConfig(vocab_size=8192, seq_len=512, num_layers=4, num_heads=8, hidden=1024)
+    with torch.device("meta"):
+        model = GPT(cfg).to(torch.bfloat16)
+        ids = torch.zeros(8, 512, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def _pipeline_decision(p):
+    (d,) = [d for d in p.decisions if d.keys == ("(pipeline)",)]
+    fitting = [r for r in d.candidates if not r.excluded]
+    assert d.chosen in {r.label.split(",")[0] if r.label[0] != "n" else "no pipeline" for r in fitting}
+    best = min(fitting, key=lambda r: r.step_s)
+    assert d.chosen == (best.label.split(",")[0] if best.label[0] != "n" else "no pipeline")  # the fastest that fits
+    return d
+
+
+def test_auto_weighs_the_pp_axis_and_keeps_the_faster_unpipelined_plan():
+    model, inputs = _mid_gpt()
+    p = autopar.plan(model, {"pp": 4, "tp": 2}, inputs, plan="auto", cluster="h100", microbatches=8)
+    d = _pipeline_decision(p)
+    assert p.pipeline is None and d.chosen == "no pipeline"
+    assert "the least estimated step" in d.decided_by and "1f1b@pp, 8 microbatches" in d.decided_by
+    assert any(r.label.startswith("1f1b@pp") for r in d.candidates)
+    assert "(pipeline)" in p.explain()
+
+
+def test_auto_pipelines_when_no_plan_fits_otherwise():
+    """Under a limit below the least memory of every unpipelined plan (155 MB on pp4 x tp2) but above what a
+    pipeline's stage needs, auto pipelines the axis and says why; below that too, it raises as before."""
+    model, inputs = _mid_gpt()
+    p = autopar.plan(model, {"pp": 4, "tp": 2}, inputs, plan="auto", cluster="h100", microbatches=8,
+                     memory_limit=130e6)
+    d = _pipeline_decision(p)
+    assert p.pipeline is not None and p.pipeline.form == "1f1b" and p.pipeline.cut == (0, 1, 2, 3, 4)
+    assert p.estimate.fits and p.estimate.memory_bytes_per_device <= 130e6 and p.name == "auto"
+    assert "without a pipeline: no plan fits" in d.decided_by and "bubble" in d.decided_by
+    with pytest.raises(autopar.InfeasibleError, match="no plan fits"):
+        autopar.plan(model, {"pp": 4, "tp": 2}, inputs, plan="auto", cluster="h100", microbatches=8,
+                     memory_limit=20e6)
+
+
+def test_auto_microbatches_need_a_pipeline_axis():
+    model, inputs = _gpt(layers=2)
+    with pytest.raises(ValueError, match="auto pipelines only an axis named 'pp'"):
+        autopar.plan(model, {"dp": 2, "tp": 2}, inputs, plan="auto", cluster="h100", microbatches=2)
+
+
+def test_microbatch_candidates():
+    from autopar.pipeline_estimate import microbatch_candidates
+    assert microbatch_candidates(64, 4) == [4, 8, 16]
+    assert microbatch_candidates(12, 4) == [4, 12]  # smallest divisors at or above p, 2p, 4p
+    assert microbatch_candidates(3, 4) == [3]
