@@ -421,7 +421,8 @@ def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, m
                                                   f"stage, head and loss on the last): {text}"),
                         candidates=tuple(rows) or ranks_rows)
     from autopar.plan import Estimate
-    estimate = Estimate(**fields, solver=f"pipeline over {pplan.axis}; sub-mesh plan: {est.solver}".rstrip("; "))
+    estimate = Estimate(**fields, solver=f"pipeline over {pplan.axis}" + (f"; sub-mesh plan: {est.solver}"
+                                                                          if est.solver else ""))
     notes = tuple(sub_plan.notes) + (text, "planned offline for estimating: the stage runtime of issue #23 is not "
                                      "built, so parallelize cannot run this plan yet")
     return Plan(name=name or sub_plan.name, mesh=tuple(mesh.items()), strategies=tuple(strategies), params=tuple(params),

@@ -284,3 +284,26 @@ def test_microbatch_candidates():
     assert microbatch_candidates(64, 4) == [4, 8, 16]
     assert microbatch_candidates(12, 4) == [4, 12]  # smallest divisors at or above p, 2p, 4p
     assert microbatch_candidates(3, 4) == [3]
+
+
+def test_a_126_layer_405b_model_plans_on_16384_gpus_in_seconds():
+    """Issue #23: offline, a Llama-3.1-405B-shaped model (126 layers) on pp16 x dp128 x tp8 plans in seconds: every
+    stage from one layer's plan, whatever the depth."""
+    from autopar.models import Llama, LlamaConfig
+    cfg = LlamaConfig(vocab_size=128256, seq_len=8192, num_layers=126, num_heads=128, num_kv_heads=8, hidden=16384,
+                      ffn_hidden=53248, rope_theta=500000.0, attention="sdpa")
+    with torch.device("meta"):
+        model = Llama(cfg).to(torch.bfloat16)
+        ids = torch.zeros(2048, 8192, dtype=torch.long)
+    t0 = time.perf_counter()
+    p = autopar.plan(model, {"pp": 16, "dp": 128, "tp": 8}, (ids, ids), plan="megatron", cluster="h100",
+                     overrides={"pipeline": "1f1b@pp", "checkpoint": "full"}, microbatches=16)
+    assert time.perf_counter() - t0 < 30
+    cut = p.pipeline.cut
+    assert len(cut) == 17 and cut[-1] == 126 and all(7 <= b - a <= 8 for a, b in zip(cut, cut[1:]))
+    assert len(p.checkpoint) == 126 and {lv for _, lv in p.checkpoint} == {"full"}
+    assert len(p.estimate.stages) == 16 and p.estimate.stages[0].in_flight == 16
+    # one sequence per microbatch per dp rank: a (1, 8192, 16384) bf16 activation crosses each boundary
+    assert p.estimate.p2p_bytes_per_microbatch == 8192 * 16384 * 2
+    # 16 microbatches on 16 stages: the 1F1B bubble is about (p-1)/(m+p-1) of the schedule
+    assert p.estimate.bubble_s / p.estimate.step_time_s == pytest.approx(15 / 31, rel=0.05)
