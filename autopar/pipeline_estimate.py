@@ -274,12 +274,13 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
     ck = lc.checkpoint
     layer_s = exposed_s(lc.layer) + (exposed_s(ck) if ck is not None else 0.0)
     first_s, last_s = exposed_s(lc.first), exposed_s(lc.last)
+    layer_c = lc.layer.compute_s + (ck.compute_s if ck is not None else 0.0)
     if cut is None:
         cut = balanced_cut([layer_s] * num_layers, n, first_s, last_s)
     pplan = PipelinePlan(form, axis, m, v, tuple(cut))
     link = axis_link(clus, full_sizes, full_names.index(axis))
     p2p_one = collective_time_s("p2p", int(lc.boundary_bytes), 2, link) if p > 1 else 0.0
-    stage_cost, stage_ck, chunk_s, stage_p2p = [], [], [], []
+    stage_cost, stage_ck, chunk_s, stage_p2p, stage_compute = [], [], [], [], []
     for k in range(n):
         layers = cut[k + 1] - cut[k]
         parts = [_scaled(lc.layer, layers)] + ([lc.first] if k == 0 else []) + ([lc.last] if k == n - 1 else [])
@@ -291,6 +292,8 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         stage_p2p.append(sends * p2p_one)
         chunk_s.append(layers * layer_s + (first_s if k == 0 else 0.0) + (last_s if k == n - 1 else 0.0)
                        + stage_p2p[-1])
+        stage_compute.append(layers * layer_c + (lc.first.compute_s if k == 0 else 0.0)
+                             + (lc.last.compute_s if k == n - 1 else 0.0))
     rank_of = [pplan.stage_rank(k, p) for k in range(n)]
     pipe_s, bubble_s = pipe_cost.pipeline_time(form, p, m, chunk_s, rank_of)
     ranks = []
@@ -302,26 +305,33 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         start = sum(c.act_bytes for c in cks) * f + max((c.transient_bytes for c in cks), default=0.0)
         peak = peak_bytes([_with_activations(c, f) for c in held], lc.grad_share, start)
         rank_cost = _combine(held)
-        compute = sum(chunk_s[k] - stage_p2p[k] for k in ks)
+        compute = sum(stage_compute[k] for k in ks)
+        exposed = sum(chunk_s[k] - stage_p2p[k] - stage_compute[k] for k in ks)
         opt_s = optimizer_step_s(held, optimizer, clus)
-        tail = pipe_cost.tail_s(rank_cost.reduce_s, rank_cost.gather_s, opt_s, compute)
+        tail = pipe_cost.tail_s(rank_cost.reduce_s, rank_cost.gather_s, opt_s, compute + exposed)
         state = rank_cost.memory_bytes - rank_cost.act_bytes - rank_cost.transient_bytes
         act = rank_cost.act_bytes + sum(c.act_bytes for c in cks)
         ranks.append(StageEstimate(
             key=f"{axis}={r}", stages=tuple(ks), layers=sum(cut[k + 1] - cut[k] for k in ks), compute_s=compute,
-            p2p_s=sum(stage_p2p[k] for k in ks), tail_s=tail, parameters_bytes=int(state * lc.param_share),
+            p2p_s=sum(stage_p2p[k] for k in ks), tail_s=tail, exposed_s=exposed, optimizer_s=opt_s,
+            sync_s=rank_cost.gather_s + rank_cost.reduce_s, parameters_bytes=int(state * lc.param_share),
             gradients_bytes=int(state * lc.grad_share),
             optimizer_bytes=int(state * (1 - lc.param_share - lc.grad_share)), activations_bytes=int(act),
             in_flight=f, peak_bytes=int(peak)))
-    step = pipe_s + max(s.tail_s for s in ranks)
+    last = max(ranks, key=lambda s: s.tail_s)  # the rank that ends the step
+    slow = max(ranks, key=lambda s: s.compute_s + s.exposed_s + s.p2p_s)  # the rank that sets the steady state
+    step = pipe_s + last.tail_s
     memory = max(s.peak_bytes for s in ranks)
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
-    slow = max(ranks, key=lambda s: s.compute_s)
-    compute_total = m * slow.compute_s
-    per_mb_comm = lc.layer.comm_s * num_layers / p + lc.first.comm_s + lc.last.comm_s  # slowest-rank approximation
-    fields = dict(step_time_s=step, compute_time_s=compute_total,
-                  comm_time_s=m * (per_mb_comm + slow.p2p_s) + max(s.tail_s for s in ranks),
-                  exposed_comm_s=max(0.0, step - compute_total - bubble_s),
+    # step = compute + exposed communication + bubble, exactly: the slowest rank's microbatches, the last rank's tail
+    compute_total = m * slow.compute_s + last.optimizer_s
+    exposed_total = m * (slow.exposed_s + slow.p2p_s) + last.tail_s - last.optimizer_s
+    # communication, hidden or not: the slowest rank's model-axis collectives and p2p per microbatch (the checkpoint
+    # level's re-issued ones included), and the last rank's synchronisation of its parameters
+    comm_total = m * sum(stage_cost[k].critical_s + (stage_ck[k].comm_s if stage_ck[k] is not None else 0.0)
+                         + stage_p2p[k] for k in slow.stages) + last.sync_s
+    fields = dict(step_time_s=step, compute_time_s=compute_total, comm_time_s=comm_total,
+                  exposed_comm_s=exposed_total,
                   memory_bytes_per_device=int(memory), fits=memory <= limit, memory_limit_bytes=int(limit),
                   cluster=clus.name, bubble_s=bubble_s, p2p_bytes_per_microbatch=int(lc.boundary_bytes),
                   stages=tuple(ranks), comm_bytes_per_step=int(m * 2 * lc.boundary_bytes * (n - 1) / p))

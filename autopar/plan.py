@@ -135,9 +135,12 @@ class StageEstimate:
     key: str  # "pp=0": the rank's coordinate on the pipeline axis
     stages: tuple[int, ...]  # the stage indices it runs (`PipelinePlan.stage_rank`)
     layers: int  # layers it holds (of the model's repeated layers)
-    compute_s: float  # per microbatch: forward + backward of its stages (recompute, exposed model-axis collectives)
+    compute_s: float  # per microbatch: forward + backward of its stages (the checkpoint level's recompute included)
     p2p_s: float  # per microbatch: the activations it sends forward and the gradients it sends back
     tail_s: float  # after its last microbatch: exposed gradient reduction and gathers, and its optimizer step
+    exposed_s: float = 0.0  # per microbatch: its stages' model-axis collectives no compute hides
+    optimizer_s: float = 0.0  # of tail_s: its optimizer step
+    sync_s: float = 0.0  # its parameters' synchronisation over the data axes, once per step (of it, tail_s exposes some)
     parameters_bytes: int = 0
     gradients_bytes: int = 0
     optimizer_bytes: int = 0

@@ -2,10 +2,12 @@
 of issues #11, memory, and #12, step time). It measures what the cost model predicts today; it changes
 nothing and hides nothing.
 
-    python benchmarks/published_runs.py [--quick] [--markdown] [--breakdown]
+    python benchmarks/published_runs.py [--quick] [--markdown] [--breakdown] [--auto]
         # --quick: the 8-GPU torchtitan row only (its step time and memory; no auto)
         # --breakdown: each row's predicted step by category (matmul, attention, elementwise by dtype, copies,
         #   optimizer step, overlap contention, recompute, exposed communication) beside the published step
+        # --auto: each pipelined Megatron row planned by `auto` on the same GPUs and batch (the pipeline role, its
+        #   schedule, microbatches and checkpoint level chosen), its step against the published configuration's
 
 Every model is built whole (every layer) on the meta device in bf16 with its published shapes and planned
 with `autopar.plan(model, mesh_sizes, meta inputs of the global batch, plan=..., cluster=<the run's preset>)`;
@@ -445,11 +447,32 @@ def main(argv=None, priced: dict | None = None) -> dict:
         print(f"RATIO published_mem_{run.name} predicted/published = {r['mem_gib'] / run.published_mem_gib:.2f} "
               f"({r['mem_gib']:.1f} / {run.published_mem_gib} GiB{ok}; goal 0.80-1.20)")
 
+    autos_pp = []
+    if "--auto" in argv:  # issue #23 item 5: auto on the same GPUs and batch against the published configuration
+        print("\n== auto (the pipeline role, schedule, microbatches and checkpoint level its own) vs the published "
+              "pipelined configuration, same cost model")
+        for r in results:
+            run = r["run"]
+            if not run.pipeline or r["infeasible"]:
+                continue
+            a = price(replace(run, plan="auto", pipeline="", microbatches=0))
+            autos_pp.append((r, a))
+            print(fmt_row(a), flush=True)
     if parts:
         print("\n== the predicted step by category, ms per device (`breakdown`; the pipelined rows: see their stages)")
         for run in (r for r in runs if not r.pipeline):
             b = breakdown(run)
             print(f"  {run.name}: " + ", ".join(f"{k} {v:.0f}" for k, v in b.items()), flush=True)
+    for r, a in autos_pp:
+        run = r["run"]
+        if a["infeasible"]:
+            print(f"RATIO auto_vs_published_{run.name} = INFEASIBLE (least {a['least_gib']:.0f} GiB)")
+            continue
+        what = a["pipeline"].label + f" m={a['pipeline'].microbatches}" if a.get("pipeline") else "no pipeline"
+        print(f"RATIO auto_vs_published_{run.name} published-config step / auto step = "
+              f"{r['step_s'] / a['step_s']:.3f} (auto: {what}, {a['step_s'] * 1e3:.0f} ms, "
+              f"{'fits' if a['fits'] else 'DOES NOT FIT'} {a['mem_gib']:.0f} GiB; published config "
+              f"{r['step_s'] * 1e3:.0f} ms, {'fits' if r['fits'] else 'DOES NOT FIT'} {r['mem_gib']:.0f} GiB)")
     if markdown:
         print("\n| run | published | predicted | predicted / published | predicted memory |")
         print("|---|---|---|---|---|")

@@ -133,10 +133,14 @@ def test_step_bubble_p2p_and_cut():
     assert one > 0 and f["p2p_bytes_per_microbatch"] == 64 * 2**20
     sends = [1, 2, 2, 1]
     assert [s.p2p_s for s in f["stages"]] == pytest.approx([n * one for n in sends])
-    times = [s.compute_s + s.p2p_s for s in f["stages"]]
+    times = [s.compute_s + s.exposed_s + s.p2p_s for s in f["stages"]]
     assert extra["pipe_s"] == pytest.approx(8 * max(times) + 3 * max(times))
     assert f["bubble_s"] == pytest.approx(3 * max(times))
     assert f["step_time_s"] == pytest.approx(extra["pipe_s"] + max(s.tail_s for s in f["stages"]))
+    # the step is its compute, its exposed communication and its bubble, exactly
+    assert f["step_time_s"] == pytest.approx(f["compute_time_s"] + f["exposed_comm_s"] + f["bubble_s"], rel=1e-12)
+    slow = max(f["stages"], key=lambda s: s.compute_s + s.exposed_s + s.p2p_s)
+    assert f["comm_time_s"] == pytest.approx(8 * slow.p2p_s)  # no collective but the p2p in these costs
 
 
 def _gpt(layers=4, batch=8):
@@ -183,6 +187,8 @@ def test_offline_plan_with_a_pipeline_override():
     # one microbatch of 2 sequences over dp 2 per rank: a (1, 16, 32) fp32 activation per boundary
     assert e.p2p_bytes_per_microbatch == 1 * 16 * 32 * 4
     assert e.step_time_s > e.bubble_s > 0
+    assert e.step_time_s == pytest.approx(e.compute_time_s + e.exposed_comm_s + e.bubble_s, rel=1e-9)
+    assert all(s.exposed_s > 0 and s.sync_s > 0 for s in e.stages)  # tp collectives; dp gradient reduction
     # every layer's structures and parameters are in the plan, on the whole mesh (replicated over pp)
     keys = {s.key for s in p.strategies}
     assert {f"h.{i}.attn" for i in range(6)} <= keys
