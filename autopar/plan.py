@@ -332,6 +332,10 @@ class Plan:
             lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
         if self.precision:
             lines.append(f"mixed precision: {self.precision}")
+        if self.pipeline is not None:
+            pp = self.pipeline
+            lines.append(f"pipeline: {pp.label}, {pp.microbatches} microbatches, {pp.stages_per_rank} stage(s) per "
+                         f"rank, layer cut {list(pp.cut)}")
         if self.checkpoint:
             lines.append("activation checkpointing: " + self.checkpoint_summary())
         if self.comms:

@@ -197,6 +197,7 @@ def test_offline_plan_with_a_pipeline_override():
     assert all(pl.startswith("R") and len(pl) >= 3 for pl in fqns.values())
     assert [lv for _, lv in p.checkpoint] == ["none"] * 6
     assert "pipeline 1f1b@pp" in p.explain() and "(pipeline)" in p.explain()
+    assert f"pipeline: 1f1b@pp, 4 microbatches, 1 stage(s) per rank, layer cut {list(pp.cut)}" in p.table()
     back = Plan.from_json(p.to_json())
     assert back == p and json.loads(p.to_json())["pipeline"]["cut"] == list(pp.cut)
 
