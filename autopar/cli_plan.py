@@ -43,6 +43,9 @@ def add_parser(sub) -> None:
     p.add_argument("--plan", default="auto", help="auto (the ILP), megatron, dp, fsdp, or a saved plan's path")
     p.add_argument("--override", action="append", default=[], metavar="KEY=FORM",
                    help="force a form, e.g. attention=heads@tp or 'layers.*.mlp=replicate' (repeatable)")
+    p.add_argument("--microbatches", type=int, help="microbatches of a pipelined plan (--override "
+                   "pipeline=1f1b@pp, or auto on a mesh with a pp axis); a pipelined plan is not lowered (its stage "
+                   "runtime, issue #23, is not built)")
     p.add_argument("--out", help="write the plan as JSON")
     p.add_argument("--html", help="write a self-contained HTML report")
     p.add_argument("--explain", nargs="?", const=ALL, metavar="KEY",
@@ -65,11 +68,14 @@ def run(args: argparse.Namespace) -> int:
         load_factory(args.model, args.batch, args.seq)
     say(f"build: {time.perf_counter() - t0:.1f} s ({_count(model)} parameters)")
     try:  # the user's mistakes are ValueErrors that say what to fix: print them, not a traceback
+        from autopar.pipeline_estimate import PIPELINE_AXIS_NAMES
+        pipelined = bool(overrides and "pipeline" in overrides) or args.microbatches is not None or (
+            args.plan == "auto" and any(a in PIPELINE_AXIS_NAMES for a in mesh))
         plan = autopar.plan(model, mesh, inputs, plan=args.plan, cluster=args.cluster, memory_limit=limit,
-                            overrides=overrides, lower=not args.no_lower,
-                            progress=lambda stage, s: say(f"{stage}: {s:.1f} s"))
+                            overrides=overrides, lower=not args.no_lower and not pipelined,
+                            progress=lambda stage, s: say(f"{stage}: {s:.1f} s"), microbatches=args.microbatches)
         explained = plan.explain(None if args.explain == ALL else args.explain) if args.explain else ""
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"python -m autopar plan: {e}") from None
     print(plan.table())
     if args.out:

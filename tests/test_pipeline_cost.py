@@ -314,3 +314,17 @@ def test_a_126_layer_405b_model_plans_on_16384_gpus_in_seconds():
     assert p.estimate.p2p_bytes_per_microbatch == 8192 * 16384 * 2
     # 16 microbatches on 16 stages: the 1F1B bubble is about (p-1)/(m+p-1) of the schedule
     assert p.estimate.bubble_s / p.estimate.step_time_s == pytest.approx(15 / 31, rel=0.05)
+
+
+def test_cli_plans_a_pipeline_offline(tmp_path, capsys):
+    from autopar.__main__ import main
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "pp=2,tp=2", "--cluster", "h100",
+                 "--plan", "megatron", "--override", "pipeline=1f1b@pp", "--microbatches", "2", "--batch", "4",
+                 "--seq", "32", "--quiet", "--out", str(out)]) == 0
+    plan = Plan.load(str(out))
+    assert plan.pipeline.label == "1f1b@pp" and plan.pipeline.microbatches == 2
+    assert "pipeline: 1f1b@pp, 2 microbatches" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="microbatches=3 must be a positive integer dividing the batch"):
+        main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "pp=2,tp=2", "--plan", "megatron",
+              "--override", "pipeline=1f1b@pp", "--microbatches", "3", "--batch", "4", "--seq", "32", "--quiet"])
