@@ -280,6 +280,7 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
     pplan = PipelinePlan(form, axis, m, v, tuple(cut))
     link = axis_link(clus, full_sizes, full_names.index(axis))
     p2p_one = collective_time_s("p2p", int(lc.boundary_bytes), 2, link) if p > 1 else 0.0
+    rank_of = [pplan.stage_rank(k, p) for k in range(n)]
     stage_cost, stage_ck, chunk_s, stage_p2p, stage_compute = [], [], [], [], []
     for k in range(n):
         layers = cut[k + 1] - cut[k]
@@ -288,13 +289,14 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         stage_cost.append(c)
         stage_ck.append(None if ck is None else dataclasses.replace(_scaled(ck, layers),
                                                                     transient_bytes=ck.transient_bytes))
-        sends = (k < n - 1) + (k > 0)  # activation to the next stage, gradient to the previous one
+        # its activation to the next stage, its input's gradient to the previous one: over the link unless that stage
+        # is on the same rank (the turn of a V-shaped schedule)
+        sends = (k < n - 1 and rank_of[k + 1] != rank_of[k]) + (k > 0 and rank_of[k - 1] != rank_of[k])
         stage_p2p.append(sends * p2p_one)
         chunk_s.append(layers * layer_s + (first_s if k == 0 else 0.0) + (last_s if k == n - 1 else 0.0)
                        + stage_p2p[-1])
         stage_compute.append(layers * layer_c + (lc.first.compute_s if k == 0 else 0.0)
                              + (lc.last.compute_s if k == n - 1 else 0.0))
-    rank_of = [pplan.stage_rank(k, p) for k in range(n)]
     pipe_s, bubble_s = pipe_cost.pipeline_time(form, p, m, chunk_s, rank_of)
     ranks = []
     for r in range(p):

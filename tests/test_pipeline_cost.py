@@ -133,6 +133,9 @@ def test_step_bubble_p2p_and_cut():
     assert one > 0 and f["p2p_bytes_per_microbatch"] == 64 * 2**20
     sends = [1, 2, 2, 1]
     assert [s.p2p_s for s in f["stages"]] == pytest.approx([n * one for n in sends])
+    # V-shaped on 2 ranks: stages 0, 3 on rank 0 and 1, 2 on rank 1; the turn 1 -> 2 stays on rank 1
+    _, zbv, _ = _price(lc, form="zbv", p=2, m=8, v=2, layers=8)
+    assert [s.p2p_s for s in zbv["stages"]] == pytest.approx([2 * one, 2 * one])
     times = [s.compute_s + s.exposed_s + s.p2p_s for s in f["stages"]]
     assert extra["pipe_s"] == pytest.approx(8 * max(times) + 3 * max(times))
     assert f["bubble_s"] == pytest.approx(3 * max(times))
