@@ -331,3 +331,16 @@ def test_cli_plans_a_pipeline_offline(tmp_path, capsys):
     with pytest.raises(SystemExit, match="microbatches=3 must be a positive integer dividing the batch"):
         main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "pp=2,tp=2", "--plan", "megatron",
               "--override", "pipeline=1f1b@pp", "--microbatches", "3", "--batch", "4", "--seq", "32", "--quiet"])
+
+
+def test_stage_model_state_follows_the_forms_on_the_remaining_axes():
+    """A stage's parameters, gradients and optimizer state are its sub-mesh plan's: replicated over dp under `dp`,
+    sharded over it under `fsdp` (half on dp=2), and the same layers on each rank either way."""
+    model, inputs = _gpt(layers=4)
+    kw = dict(cluster="h100", overrides={"pipeline": "1f1b@pp"}, microbatches=2)
+    dp = autopar.plan(model, {"pp": 2, "dp": 2}, inputs, plan="dp", **kw).estimate.stages
+    fsdp = autopar.plan(model, {"pp": 2, "dp": 2}, inputs, plan="fsdp", **kw).estimate.stages
+    for a, b in zip(dp, fsdp):
+        assert a.layers == b.layers and a.parameters_bytes > 0
+        assert b.parameters_bytes == pytest.approx(a.parameters_bytes / 2, rel=0.05)
+        assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / 2, rel=0.05)
