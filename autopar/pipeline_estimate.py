@@ -34,7 +34,9 @@ Not modelled: FSDP inside a stage keeps its gathered weights across the microbat
 torchtitan and Llama 3 run FSDP under pipelining), so its gathers are paid once per step and no re-gather per
 microbatch; a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
 first stage (Megatron keeps a copy on the last stage and all-reduces their gradients between the two); the slowdown of
-compute under overlapped communication (`Cluster.overlap_slowdown`) is not applied inside the pipeline.
+compute under overlapped communication (`Cluster.overlap_slowdown`) is not applied inside the pipeline; the ranks do
+not finish at once (1F1B's last stage drains first), the step ends with the largest tail; `comm_bytes_per_step`
+counts the p2p bytes only (a stage's collectives are in its structures' costs).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from torch import nn
 from autopar.estimate import Cost, gather_stats, mesh_costing, optimizer_step_s, peak_bytes
 from autopar.layers import find_layers, layer_modules
 from autopar.pipeline_plan import PipelinePlan, balanced_cut, bubble_fraction, parse_pipeline
-from autopar.plan import Decision, CandidateRow, Plan, StageEstimate, Strategy
+from autopar.plan import CandidateRow, Decision, Plan, StageEstimate
 from autopar.spec import R, fmt_placements, placements_from_str
 from autopar.units import fmt_bytes
 from cost_model import pipeline as pipe_cost
