@@ -78,7 +78,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
-                memory_limit=None, inputs="global", mp_policy=None) -> ParallelModule:
+                memory_limit=None, inputs="global", mp_policy=None, microbatches=None,
+                stages_per_rank=None) -> ParallelModule:
     """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
 
     Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
@@ -109,6 +110,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy`, run as FSDP2 runs it whatever the plan
     (`autopar.precision`): the parameters stay in their dtype (the optimizer's masters), compute and FSDP gathers in
     `param_dtype`, gradient reductions in `reduce_dtype`, gradients in the parameters' dtype. None: the model's dtypes.
+
+    `overrides={"pipeline": "FORM@axis"}` pipelines the model's layers over that mesh axis (issue #23; forms
+    `autopar.pipeline_runtime.IMPLEMENTED`), the batch cut into `microbatches` (default: the number of stages) and
+    `stages_per_rank` stages per rank (interleaved-1f1b: default 2); the other axes are data parallel (`plan="dp"`).
+    The result is an `autopar.pipeline_runtime.PipelineModule`: its call contract is in that module's docstring.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -122,6 +128,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
+    if isinstance(overrides, dict) and "pipeline" in overrides:
+        from autopar.pipeline_runtime import parallelize_pipeline
+        return parallelize_pipeline(model, mesh, example_inputs, value=overrides["pipeline"],
+                                    microbatches=microbatches, stages_per_rank=stages_per_rank, plan=plan,
+                                    overrides=overrides, inputs=inputs, mp_policy=mp_policy)
+    if microbatches is not None or stages_per_rank is not None:
+        raise ValueError(f"microbatches={microbatches!r} / stages_per_rank={stages_per_rank!r} apply to a pipelined "
+                         "model only: pass overrides={'pipeline': 'FORM@axis'} too, or drop them")
     _refuse_meta_moe(model)
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)

@@ -1,0 +1,624 @@
+"""Pipeline parallelism at run time (issue #23): the captured graph cut into stages, run on torch's schedules.
+
+`parallelize(model, mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@pp"}, microbatches=4)` comes here
+(`parallelize_pipeline`). The contract it keeps (DESIGN.md §1, issue #23):
+
+- **Stages from the captured graph.** The model is captured (`autopar.capture`) on one *microbatch*'s shapes and
+  its repeated layers found (`autopar.layers.find_layers`); `balanced_cut` cuts them into `p * v` stages by their
+  forward FLOPs (torch's own `flop_counter` formulas, run per node on meta tensors), the nodes before the first
+  layer (embedding) going with stage 0 and those after the last (final norm, head, loss) with the last stage.
+  Why the graph and not the `nn.Module`: what runs between the layers lives only in the model's `forward` code
+  (Llama's rotary tables, GPT's position embedding, the loss), so a module cannot be cut without rewriting that
+  code, while the captured graph has every op, each tagged with its module path; and unlike
+  `torch.distributed.pipelining.pipeline()` it does not trace the model a second time (that tracer has open
+  failures on HF models, notes/pipeline-zero-fp8.md §7). Each stage is an `fx.GraphModule` of its nodes, run by one
+  `torch.distributed.pipelining.PipelineStage`; torch's schedules (`ScheduleGPipe`, `Schedule1F1B`,
+  `ScheduleInterleaved1F1B`) run them. Values that cross a stage boundary and depend on no parameter (rotary
+  tables, masks, positions: computed from inputs, buffers and constants only, no random op) are recomputed in
+  the stage that uses them rather than sent; every stage gets the microbatch's user inputs (the schedule's
+  kwargs), so the p2p traffic is the activations that carry gradients: per microbatch and boundary, one send of
+  each forward (`b_mb * s * h` for a transformer) and one of its gradient backward.
+- **The loss and `backward()`.** A call in train mode with grad enabled runs the whole schedule, forward and
+  backward of every microbatch, inside the call (that is how pipelining overlaps them); the gradients it leaves
+  are taken off the stage's parameters, summed over the stage's data-parallel ranks (one all-reduce of one flat
+  bucket per data axis), and held by the returned loss's autograd node. `loss.backward()` *releases* them: the
+  node's backward returns `grad_output * gradient` for each of this rank's parameters, so autograd accumulates them
+  into `.grad` as for any leaf: `(c * loss).backward()` gives c times the gradient, two calls then two backwards
+  accumulate, and a loss never backpropagated leaves no gradient (the computed ones are dropped with it). The
+  returned loss is the **global** loss on every rank (the last stage's microbatch losses summed, then one
+  all-reduce over the pipeline axis and one per data axis; other ranks add zero). Under `torch.no_grad()` or
+  `pm.eval()` the schedule runs forward only (`schedule.eval`).
+- **Microbatch losses combine exactly.** The loss at the graph's output is rewritten to its sum form (a mean
+  `cross_entropy` or `mse_loss` becomes `reduction="sum"`) and each microbatch's sum is multiplied by
+  1 / (the global count the mean divides by): for cross-entropy the valid (not `ignore_index`) targets of the whole
+  batch, counted before the step from the targets' own subgraph (which depends on the inputs only), so ignored
+  labels spread unevenly over microbatches and data ranks weigh exactly as on one device. Other outputs raise
+  `NotImplementedError` (a model that returns logits, several outputs, an auxiliary loss added to the loss).
+- **Parameters** keep their names on every rank (`pm.named_parameters()` matches the model's). Each is a `DTensor`
+  on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
+  (`autopar.dtensors.owned_tensor`): whole there, empty elsewhere, so `torch.optim` (which skips a parameter
+  without a gradient, as every other stage's is here), `state_dict` and `full_tensor()` on the owning ranks work.
+  The stage's program runs on plain leaves that share the DTensors' local storage.
+
+Not implemented here (each raises `NotImplementedError` saying so): the `zbv` and `dualpipev` forms, tensor or
+other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only), a parameter
+used by two stages (tied embedding and head, GPT-2), `inputs="local"`, `mp_policy`, calls whose shapes differ from
+the example's, the planner choosing a pipeline (`plan="auto"`) and its cost model (`autopar.estimate`'s work).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autopar.pipeline_plan import PIPELINE_FORMS, PipelinePlan, balanced_cut, parse_pipeline
+
+IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b")
+aten = torch.ops.aten
+_MEAN, _SUM = 1, 2  # ATen's reduction enum
+
+
+def check_form(form: str, value: str) -> None:
+    """Raise NotImplementedError for a pipeline form the runtime does not run (yet)."""
+    if form not in IMPLEMENTED:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r}: the {form!r} pipeline schedule is not implemented yet (issue #23); "
+            f"implemented: {', '.join(IMPLEMENTED)}. Fix: use one of those, e.g. '1f1b@{value.split('@', 1)[1]}'.")
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def parallelize_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs, *, value: str, microbatches,
+                         stages_per_rank, plan, overrides: dict, inputs: str, mp_policy) -> "PipelineModule":
+    """`autopar.parallelize` with a `pipeline` override; see the module docstring. Every check runs on every rank;
+    an error on one rank is raised on every rank (`autopar.agree`)."""
+    from torch.distributed._local_tensor import local_tensor_mode
+    names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+    form, axis = parse_pipeline(value, names)
+    check_form(form, value)
+    if local_tensor_mode() is not None:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r} under LocalTensorMode (simulated ranks): a pipeline sends activations "
+            "point to point between processes, which simulated ranks do not have. Fix: run on real processes "
+            "(torchrun, or gloo workers).")
+    error, built = None, None
+    try:
+        built = _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan,
+                       overrides, inputs, mp_policy)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    _agree(error, mesh)
+    return built
+
+
+def _agree(error: BaseException | None, mesh: DeviceMesh) -> None:
+    """One all-gather of a flag: if any rank failed, every rank raises the first failing rank's error."""
+    from autopar.agree import _raise_everywhere
+    from autopar.dtensors import mesh_device
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=mesh_device(mesh))
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, flag)
+    failed = [r for r, f in enumerate(flags) if int(f)]
+    if failed:
+        _raise_everywhere(error, failed, len(flags), "while building the pipeline")
+
+
+def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan, overrides,
+           inputs, mp_policy):
+    from autopar.capture import capture, split_example_inputs
+    from autopar.inputs import batch_dims
+    from autopar.layers import find_layers
+
+    value = f"{form}@{axis}"
+    if plan != "dp":
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only data parallelism on "
+            "the remaining mesh axes is implemented yet (issue #23), not the planner's or a named plan's other "
+            "forms. Fix: plan='dp'.")
+    rest = {k: v for k, v in (overrides or {}).items() if k != "pipeline"}
+    if rest:
+        raise NotImplementedError(f"overrides {sorted(rest)} with a 'pipeline' override: forms inside a pipeline "
+                                  "stage are not implemented yet (issue #23); the other axes are data parallel. "
+                                  "Fix: drop them.")
+    if inputs != "global":
+        raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
+                                  "passes the whole batch. Fix: inputs='global'.")
+    if mp_policy is not None:
+        raise NotImplementedError("mp_policy with a 'pipeline' override is not implemented yet. Fix: drop mp_policy.")
+    p = mesh.size(names.index(axis))
+    if stages_per_rank is None:
+        stages_per_rank = 2 if form == "interleaved-1f1b" else 1
+    if microbatches is None:
+        microbatches = p * stages_per_rank
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    data = [n for n in names if n != axis]
+    degree = 1
+    for n in data:
+        degree *= mesh.size(names.index(n))
+
+    args, kwargs = split_example_inputs(example_inputs)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if not all(isinstance(a, torch.Tensor) for a in flat):
+        raise NotImplementedError("a 'pipeline' override with non-tensor inputs is not implemented yet; got "
+                                  f"{[type(a).__name__ for a in flat]}. Fix: pass tensors only.")
+    sizes = batch_dims([tuple(a.shape) for a in flat])
+    batch = next((b for b in sizes if b), 0)
+    if not batch or batch % (degree * microbatches):
+        raise ValueError(
+            f"override 'pipeline': {value!r}: the batch of {batch} rows does not split into {microbatches} "
+            f"microbatches on each of the {degree} data-parallel rank(s) of mesh axes {data or '()'} "
+            f"({degree} x {microbatches} = {degree * microbatches} must divide it). Fix: choose microbatches "
+            f"dividing {batch // degree if batch % degree == 0 else batch} (the batch per data-parallel rank), or a "
+            "batch that is a multiple of data-parallel degree x microbatches.")
+    rows = batch // (degree * microbatches)
+    mb_flat = [a[:rows] if b else a for a, b in zip(flat, sizes)]
+    mb_args, mb_kwargs = pytree.tree_unflatten(mb_flat, spec)
+    captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    state = set(captured.param_fqns) | set(captured.buffer_fqns)
+    layers = find_layers(captured.gm, state)
+    n_stages = p * stages_per_rank
+    if len(layers) < n_stages:
+        raise ValueError(
+            f"override 'pipeline': {value!r} runs {n_stages} stages ({p} ranks on axis {axis!r} x {stages_per_rank} "
+            f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
+            f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
+            f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
+    split = _Split(captured, layers, n_stages)
+    pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                         cut=split.cut)
+    return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
+                          shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
+                          data_axes=tuple(data))
+
+
+# ----------------------------------------------------------------------------- the cut
+
+def _meta(v):
+    if isinstance(v, torch.Tensor):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    return v
+
+
+def _node_flops(node: fx.Node) -> int:
+    """Forward FLOPs of one node by torch's `flop_counter` formulas, run on meta tensors (composite ops such as
+    `aten.linear` counted through their decomposition); 0 for ops without a formula or that do not run on meta
+    (the count only balances the cut, it never changes what runs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: _meta(n.meta.get("val")))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            node.target(*a, **k)
+    except Exception:  # noqa: BLE001 - see above
+        return 0
+    return counter.get_total_flops()
+
+
+def _is_random(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+class _Split:
+    """The captured graph's nodes assigned to stages, and what crosses each boundary.
+
+    `stage[node]`: the stage of each call_function node (its layer's; a node outside the layers goes with the
+    layer before it, or stage 0 before the first). `free`: nodes computed from inputs, buffers and constants only
+    (no parameter, no random op): recomputed where used. `acts[t]`: for t >= 1, the values stage t receives from
+    stage t-1, in graph order (the non-free values made before stage t and used at or after it)."""
+
+    def __init__(self, captured, layers, n_stages: int):
+        gm = captured.gm
+        self.captured, self.n_stages = captured, n_stages
+        flops = {n.name: _node_flops(n) for n in gm.graph.nodes}
+        layer_of = {name: i for i, l in enumerate(layers) for name in l.nodes}
+        costs = [float(sum(flops[n] for n in l.nodes)) for l in layers]
+        nodes = list(gm.graph.nodes)
+        first_layer = min(i for i, n in enumerate(nodes) if n.name in layer_of)
+        pre = post = 0.0
+        current = None
+        for i, n in enumerate(nodes):
+            if n.name in layer_of:
+                current = layer_of[n.name]
+            elif current is None:
+                pre += flops[n.name]
+            elif current == len(layers) - 1:
+                post += flops[n.name]
+        self.cut = balanced_cut(costs, n_stages, first=pre, last=post)
+        stage_of_layer = {i: k for k in range(n_stages) for i in range(self.cut[k], self.cut[k + 1])}
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.stage: dict[fx.Node, int] = {}
+        self.free: set[fx.Node] = set()
+        kinds = {name: kind for name, kind, _ in captured.input_kinds}
+        current = 0
+        for i, n in enumerate(nodes):
+            if n.op == "placeholder":
+                if kinds[n.name] != "param":
+                    self.free.add(n)
+                continue
+            if n.op == "output":
+                continue
+            if n.op != "call_function":
+                raise NotImplementedError(f"pipeline stages of a graph with a {n.op!r} node ({n.name}) are not "
+                                          "implemented")
+            if n.name in layer_of:
+                current = stage_of_layer[layer_of[n.name]]
+            self.stage[n] = current
+            if not _is_random(n) and all(u in self.free for u in n.all_input_nodes):
+                self.free.add(n)
+        for n, s in self.stage.items():
+            for u in n.all_input_nodes:
+                if u in self.stage and u not in self.free and self.stage[u] > s:
+                    raise NotImplementedError(
+                        f"pipeline stages: node {n.name} (stage {s}) uses {u.name} of the later stage "
+                        f"{self.stage[u]}: the model's layers do not run one after another, which a pipeline needs")
+        (out,) = [n for n in nodes if n.op == "output"]
+        self.output = out
+        uses: dict[fx.Node, set[int]] = {}
+        for n, s in self.stage.items():
+            for u in n.all_input_nodes:
+                uses.setdefault(u, set()).add(s)
+        self.params_of: dict[int, list[str]] = {k: [] for k in range(n_stages)}  # stage -> parameter placeholders
+        for ph, fqn in captured.param_fqns.items():
+            used = sorted(uses.get(captured.placeholder(ph), ()))
+            if len(used) > 1:
+                raise NotImplementedError(
+                    f"parameter {fqn!r} is used by pipeline stages {used} (e.g. an embedding tied to the output "
+                    "head, as GPT-2's): a parameter shared across stages is not implemented yet (issue #23). Fix: "
+                    "untie it, or pipeline a model without weights shared between distant layers.")
+            self.params_of[used[0] if used else 0].append(ph)
+        self.acts: dict[int, list[fx.Node]] = {t: [] for t in range(n_stages)}
+        for u, used in uses.items():
+            if u not in self.stage or u in self.free:
+                continue
+            for t in range(self.stage[u] + 1, max(used) + 1):
+                self.acts[t].append(u)
+        for t in self.acts:
+            self.acts[t].sort(key=self.order.__getitem__)
+        self.loss = self._loss_node()
+
+    def _loss_node(self) -> fx.Node:
+        """The loss at the graph's single output: cross-entropy or MSE, which the stage rewrites to a sum."""
+        outs = pytree.tree_leaves(self.output.args)
+        cap = self.captured
+        if cap.num_user_outputs != 1 or len(outs) != 1 or not isinstance(outs[0], fx.Node) or \
+                tuple(outs[0].meta["val"].shape) != ():
+            raise NotImplementedError(
+                "a 'pipeline' override needs a model whose forward returns its scalar loss (the last stage computes "
+                f"it per microbatch); this one returns {cap.num_user_outputs} output(s). Fix: return the loss, e.g. "
+                "F.cross_entropy(logits, labels), from forward.")
+        loss = outs[0]
+        if loss.target is aten.cross_entropy_loss.default:
+            a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
+            a.update(loss.kwargs)
+            if a.get("weight") is not None or a.get("label_smoothing", 0.0) or \
+                    loss.args[1].meta["val"].dtype.is_floating_point:
+                raise NotImplementedError(
+                    "a pipelined cross-entropy with class weights, label smoothing or probability targets is not "
+                    "implemented yet: its exact combination over microbatches is not written. Fix: plain class-index "
+                    "targets (ignore_index is fine).")
+            return loss
+        if loss.target is aten.mse_loss.default:
+            return loss
+        raise NotImplementedError(
+            f"the model's loss is computed by {loss.target} ({loss.name}): a pipeline combines the microbatch "
+            "losses exactly for a loss returned straight from cross_entropy or mse_loss only (not e.g. a sum of a "
+            "loss and an auxiliary loss) yet. Fix: return F.cross_entropy(...) or F.mse_loss(...) from forward.")
+
+    def reduction(self) -> int:
+        loss = self.loss
+        if loss.target is aten.cross_entropy_loss.default:
+            return loss.args[3] if len(loss.args) > 3 else loss.kwargs.get("reduction", _MEAN)
+        return loss.args[2] if len(loss.args) > 2 else loss.kwargs.get("reduction", _MEAN)
+
+    def count(self, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What one microbatch's mean divides by: its valid targets (cross-entropy), its elements (MSE), computed
+        from the inputs, buffers and constants in `env` (by placeholder name)."""
+        loss = self.loss
+        if loss.target is aten.mse_loss.default:
+            return torch.tensor(float(loss.args[0].meta["val"].numel()))
+        target = loss.args[1]
+        if target not in self.free:
+            raise NotImplementedError("a cross-entropy whose targets are computed from parameters cannot be counted "
+                                      "before the pipeline runs")
+        values: dict[fx.Node, object] = {}
+        for n in sorted(self._ancestors([target]), key=self.order.__getitem__):
+            if n.op == "placeholder":
+                values[n] = env[n.name]
+            else:
+                a, k = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                values[n] = n.target(*a, **k)
+        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
+        return (values[target] != ignore).sum()
+
+    def _ancestors(self, roots) -> set[fx.Node]:
+        seen, todo = set(), list(roots)
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+        return seen
+
+    def stage_graph(self, k: int) -> tuple[fx.GraphModule, list[str], list[str], list[str]]:
+        """Stage k's program: (graph module, its received activations' names, the user inputs it reads, the state
+        (parameter, buffer, constant placeholders) it reads). Its placeholders are in that order; it returns the
+        activations of stage k+1 (a tuple), or, on the last stage, the loss in its sum form."""
+        gm = self.captured.gm
+        own = [n for n, s in self.stage.items() if s == k]
+        received = set(self.acts[k])
+        # what the stage computes: its nodes, and the free values it uses from earlier stages (recomputed)
+        todo, body = list(own), set(own)
+        while todo:
+            n = todo.pop()
+            for u in n.all_input_nodes:
+                if u.op == "placeholder" or u in body or u in received:
+                    continue
+                assert u in self.free, f"{u.name} crosses into stage {k} without being sent"
+                body.add(u)
+                todo.append(u)
+        outs = self.acts[k + 1] if k + 1 < self.n_stages else [self.loss]
+        for u in outs:
+            if u not in body and u not in received:
+                assert u in self.free or u.op == "placeholder", u
+        phs = {u for n in body for u in n.all_input_nodes if u.op == "placeholder"}
+        kinds = {name: kind for name, kind, _ in self.captured.input_kinds}
+        user = sorted((u for u in phs if kinds[u.name] == "input"), key=self.order.__getitem__)
+        st = sorted((u for u in phs if kinds[u.name] != "input"), key=self.order.__getitem__)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for u in [*self.acts[k], *user, *st]:
+            env[u] = g.placeholder(u.name)
+            env[u].meta = dict(u.meta)
+        for n in sorted(body, key=self.order.__getitem__):
+            new = g.node_copy(n, env.__getitem__)
+            if n is self.loss and self.reduction() == _MEAN:  # the microbatch's sum; the schedule's loss_fn weighs it
+                i = 3 if n.target is aten.cross_entropy_loss.default else 2
+                new.args = (*new.args[:i], _SUM, *new.args[i + 1:]) if len(new.args) > i else new.args
+                if len(n.args) <= i:
+                    new.kwargs = {**new.kwargs, "reduction": _SUM}
+            env[n] = new
+        if k + 1 < self.n_stages:
+            g.output(tuple(env[u] for u in outs))
+        else:
+            g.output(env[self.loss])
+        g.lint()
+        return fx.GraphModule(gm, g), [u.name for u in self.acts[k]], [u.name for u in user], [u.name for u in st]
+
+
+# ----------------------------------------------------------------------------- the module
+
+class _StageModule(nn.Module):
+    """One stage as `PipelineStage` runs it: `forward(*received, **user_inputs)`. Its parameters are plain leaves
+    sharing the storage of the ParallelModule's DTensors (the schedule accumulates their gradients)."""
+
+    def __init__(self, gm: fx.GraphModule, acts: list[str], user: list[str], state_names: list[str],
+                 state: dict[str, torch.Tensor], leaves: dict[str, nn.Parameter]):
+        super().__init__()
+        self.gm, self.acts, self.user = gm, acts, user
+        self.state_names = state_names  # the graph's state placeholders, in order: parameters (leaves) and the rest
+        self._state = state  # buffers and constants: read-only, not registered (they are the pm's)
+        for name, leaf in leaves.items():
+            self.register_parameter(name, leaf)
+
+    def forward(self, *received, **inputs):
+        values = [self._parameters[n] if n in self._parameters else self._state[n] for n in self.state_names]
+        return self.gm(*received, *(inputs[n] for n in self.user), *values)
+
+
+class _ReleaseGrads(torch.autograd.Function):
+    """The pipelined loss: forward returns the global loss; backward returns grad_output x the gradients the
+    schedule already computed, for this rank's parameters (DTensors), so autograd accumulates them into `.grad`."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, *params):
+        ctx.grads = grads
+        ctx.specs = [q._spec for q in params]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from autopar.dtensors import _grad_dtensor
+        out = [None if g is None else _grad_dtensor(g * grad_output.to(g.dtype), spec)
+               for g, spec in zip(ctx.grads, ctx.specs)]
+        return (None, None, *out)
+
+
+class PipelineModule(nn.Module):
+    """The pipelined model: `pm(*inputs)` returns the global loss on every rank (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
+                 flat_spec, shapes, batched, data_axes):
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+        from torch.distributed.tensor import Replicate
+        from autopar.dtensors import mesh_device, owned_tensor
+        from autopar.spec import Owned
+
+        names = tuple(mesh.mesh_dim_names)
+        self._mesh, self._plan, self._split = mesh, pplan, split
+        self._spec, self._shapes, self._batched, self._data_axes = flat_spec, shapes, batched, data_axes
+        self._user_inputs = list(captured.user_inputs)
+        ax = names.index(pplan.axis)
+        p = mesh.size(ax)
+        me = mesh.get_local_rank(ax)
+        self._local_stages = [k for k in range(pplan.n_stages(p)) if pplan.stage_rank(k, p) == me]
+        device = mesh_device(mesh)
+        full = dict(model.named_parameters())
+        self._owned: dict[str, nn.Parameter] = {}  # parameter placeholder -> this rank's DTensor parameter
+        stage_of = {ph: k for k, phs in split.params_of.items() for ph in phs}
+        for ph, fqn in captured.param_fqns.items():
+            placements = [Owned(pplan.stage_rank(stage_of[ph], p)) if i == ax else Replicate()
+                          for i in range(mesh.ndim)]
+            param = nn.Parameter(owned_tensor(full[fqn].detach(), mesh, placements), requires_grad=True)
+            self._register(fqn, param)
+            if stage_of[ph] in self._local_stages:
+                self._owned[ph] = param
+        buffers = dict(model.named_buffers())
+        state: dict[str, torch.Tensor] = {}
+        for ph, fqn in captured.buffer_fqns.items():
+            buf = buffers[fqn].detach().clone().to(device)
+            self._register(fqn, buf, buffer=True)
+            state[ph] = buf
+        for ph, t in captured.constants.items():
+            state[ph] = t.to(device)
+        self._leaves: dict[str, nn.Parameter] = {}
+        for ph, param in self._owned.items():
+            leaf = nn.Parameter(param._local_tensor)
+            assert leaf.data_ptr() == param._local_tensor.data_ptr()
+            self._leaves[ph] = leaf
+        group = mesh.get_group(ax)
+        self._stages = []
+        for k in self._local_stages:
+            gm, acts, user, st = split.stage_graph(k)
+            leaves = {n: self._leaves[n] for n in st if n in self._leaves}
+            sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
+            self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+        chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
+        loss_fn = _weigh
+        if pplan.form in ("gpipe", "1f1b"):
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+            cls = ScheduleGPipe if pplan.form == "gpipe" else Schedule1F1B
+            self._schedule = cls(self._stages[0], pplan.microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunk,
+                                 scale_grads=False)
+        else:
+            from torch.distributed.pipelining import ScheduleInterleaved1F1B
+            self._schedule = ScheduleInterleaved1F1B(self._stages, pplan.microbatches, loss_fn=loss_fn,
+                                                     kwargs_chunk_spec=chunk, scale_grads=False)
+        self._is_last = pplan.n_stages(p) - 1 in self._local_stages
+        self._loss_dtype = split.loss.meta["val"].dtype
+        self._state = state
+
+    def _register(self, fqn: str, value, buffer: bool = False) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for part in path:
+            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if buffer:
+            mod.register_buffer(leaf, value)
+        else:
+            mod.register_parameter(leaf, value)
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The pipeline run: form, axis, microbatches, stages per rank and the layer cut."""
+        return self._plan
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def local_stages(self) -> list[int]:
+        return list(self._local_stages)
+
+    def _local_batch(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of the global batch: its coordinate over the data axes (row-major) picks a slice."""
+        names = tuple(self._mesh.mesh_dim_names)
+        index, degree = 0, 1
+        for n in self._data_axes:
+            i = names.index(n)
+            index = index * self._mesh.size(i) + self._mesh.get_local_rank(i)
+            degree *= self._mesh.size(i)
+        return [a.chunk(degree)[index] if b else a for a, b in zip(flat, self._batched)]
+
+    def _weight(self, flat: list[torch.Tensor]) -> torch.Tensor:
+        """1 / the global count a mean divides by (1 for a sum): the same on every rank (every rank has the whole
+        batch), counted per microbatch of the whole batch on its own shapes."""
+        if self._split.reduction() != _MEAN:
+            return torch.tensor(1.0, dtype=self._loss_dtype)
+        n = next(len(a) for a, b in zip(flat, self._batched) if b)
+        rows = self._rows(flat)
+        total = 0
+        for start in range(0, n, rows):
+            env = {name: (a[start:start + rows] if b else a) for name, a, b in zip(self._user_inputs, flat,
+                                                                                   self._batched)}
+            env.update(self._state)
+            total = total + self._split.count(env)
+        return 1.0 / torch.as_tensor(total, dtype=self._loss_dtype)
+
+    def _rows(self, flat) -> int:
+        """Rows of one microbatch."""
+        n = next(len(a) for a, b in zip(flat, self._batched) if b)
+        degree = 1
+        names = tuple(self._mesh.mesh_dim_names)
+        for a in self._data_axes:
+            degree *= self._mesh.size(names.index(a))
+        return n // (degree * self._plan.microbatches)
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
+        if spec != self._spec or shapes != self._shapes:
+            raise NotImplementedError(
+                f"a pipelined model called with inputs of shapes {shapes}, not the example's {self._shapes}: "
+                "re-cutting the stages for new shapes is not implemented yet (issue #23). Fix: call it with the "
+                "example's shapes, or parallelize again for these.")
+        local = self._local_batch(flat)
+        weight = self._weight(flat)
+        w = weight.reshape(1).expand(self._plan.microbatches).contiguous()
+        mb_kwargs = dict(zip(self._user_inputs, local))
+        losses: list[torch.Tensor] = []
+        train = self.training and torch.is_grad_enabled()
+        if train:
+            for leaf in self._leaves.values():
+                leaf.grad = None
+            self._schedule.step(target=w, losses=losses, return_outputs=False, **mb_kwargs)
+        else:
+            with torch.no_grad():
+                self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
+        total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
+            torch.zeros((), dtype=self._loss_dtype)
+        total = self._sum_over_mesh(total.to(self._loss_dtype))
+        if not train:
+            return total
+        grads = [leaf.grad for leaf in self._leaves.values()]
+        for leaf in self._leaves.values():
+            leaf.grad = None
+        grads = self._sum_over_data(grads)
+        return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
+        for i in range(self._mesh.ndim):
+            if self._mesh.size(i) > 1:
+                dist.all_reduce(t, group=self._mesh.get_group(i))
+        return t
+
+    def _sum_over_data(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The stage's gradients summed over its data-parallel ranks: one all-reduce of one flat bucket per data
+        axis (the loss is already weighed by the global count, so a sum is the gradient)."""
+        names = tuple(self._mesh.mesh_dim_names)
+        axes = [names.index(a) for a in self._data_axes if self._mesh.size(names.index(a)) > 1]
+        present = [g for g in grads if g is not None]
+        if not axes or not present:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in present])
+        for i in axes:
+            dist.all_reduce(flat, group=self._mesh.get_group(i))
+        out, offset = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return out
+
+
+def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss_fn: one microbatch's loss sum x 1 / the global count (its `target` chunk, shape (1,))."""
+    return loss_sum * weight.reshape(())
+
+
+__all__ = ["IMPLEMENTED", "PipelineModule", "check_form", "parallelize_pipeline"]

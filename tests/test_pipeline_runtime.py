@@ -1,0 +1,125 @@
+"""Pipeline parallelism at run time (issue #23, `autopar.pipeline_runtime`) on real gloo processes, fp64.
+
+Every case trains one step of the pipelined model next to the single-device model on every rank: the loss (the
+global loss, on every rank), every parameter's gradient (each on the ranks of its stage; every parameter checked
+on some rank) and every parameter after an AdamW step. The p2p sends of the schedule are counted (count and bytes
+per microbatch and boundary) by wrapping `torch.distributed.pipelining.schedules._batch_p2p`, through which torch's
+schedules issue every send and receive.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import gloo_pool
+
+TOL = 1e-10
+
+
+def _llama(layers: int):
+    from autopar.models import Llama, LlamaConfig
+    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
+
+
+def _batch(batch: int = 8, ignored: bool = True):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (batch, 16), generator=g)
+    labels = torch.randint(0, 128, (batch, 16), generator=g)
+    if ignored:  # ignored labels spread unevenly over the microbatches (and data-parallel ranks)
+        labels[0, :11] = -100
+        labels[1, 3:] = -100
+        labels[batch - 1, :2] = -100
+    return tokens, labels
+
+
+class _P2P:
+    """Records (op, numel, bytes) of every p2p op the schedules issue."""
+
+    def __enter__(self):
+        import torch.distributed.pipelining.schedules as S
+        self.ops, self._orig = [], S._batch_p2p
+
+        def wrapped(ops, desc=None):
+            for op in ops:
+                self.ops.append((op.op.__name__, op.tensor.numel(), op.tensor.numel() * op.tensor.element_size()))
+            return self._orig(ops, desc)
+        S._batch_p2p = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed.pipelining.schedules as S
+        S._batch_p2p = self._orig
+
+
+def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, batch: int = 8, scale: float = 1.0,
+                 stages_per_rank=None):
+    """On each rank: loss, gradient and AdamW-step errors against one device, the p2p ops of the step and the
+    parameters this rank checked."""
+    import copy
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import autopar
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama(layers)
+        model = copy.deepcopy(ref)
+        tokens, labels = _batch(batch)
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp",
+                                 overrides={"pipeline": f"{form}@pp"}, microbatches=microbatches,
+                                 stages_per_rank=stages_per_rank)
+        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        ref_loss = ref(tokens, labels)
+        (scale * ref_loss).backward()
+        with _P2P() as rec:
+            loss = pm(tokens, labels)
+        (scale * loss).backward()
+        errs = {"loss": abs(float(loss) - float(ref_loss))}
+        refs = dict(ref.named_parameters())
+        mine = []
+        for n, p in pm.named_parameters():
+            assert isinstance(p, DTensor)
+            if p.device_mesh.get_coordinate() is None:  # another stage's
+                assert p.grad is None and p.to_local().numel() == 0
+                continue
+            mine.append(n)
+            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+        torch.optim.AdamW(ref.parameters(), lr=0.01).step()
+        torch.optim.AdamW(pm.parameters(), lr=0.01).step()
+        for n, p in pm.named_parameters():
+            if n in mine:
+                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        return {"errs": errs, "p2p": rec.ops, "mine": mine, "cut": pm.plan.cut, "stages": pm.local_stages,
+                "rank": dist.get_rank(), "all": sorted(refs)}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _check(results):
+    seen = set()
+    for r in results:
+        bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
+        assert not bad, f"rank {r['rank']}: {bad}"
+        seen |= set(r["mine"])
+    assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
+
+
+H, S = 32, 16  # hidden, sequence
+
+
+@pytest.mark.parametrize("form", ["gpipe", "1f1b"])
+def test_pp2_matches_one_device_and_sends_one_activation_per_microbatch(form):
+    m, batch = 4, 8
+    results = gloo_pool(2).run(_equivalence, form, 4, (2,), ("pp",), m, batch)
+    _check(results)
+    assert results[0]["cut"] == (0, 2, 4)
+    mb_bytes = batch // m * S * H * 8
+    # stage 0 sends each microbatch's hidden state and receives its gradient; the rotary tables are recomputed
+    assert sorted(results[0]["p2p"]) == sorted([("isend", mb_bytes // 8, mb_bytes)] * m
+                                               + [("irecv", mb_bytes // 8, mb_bytes)] * m)
+    assert sorted(results[1]["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
+                                               + [("isend", mb_bytes // 8, mb_bytes)] * m)
