@@ -52,6 +52,24 @@ class _P2P:
         S._batch_p2p = self._orig
 
 
+class _AllReduces:
+    """Records (numel, group size) of every all-reduce."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.calls, self._orig = [], dist.all_reduce
+
+        def wrapped(t, *a, group=None, **k):
+            self.calls.append((t.numel(), dist.get_world_size(group)))
+            return self._orig(t, *a, group=group, **k)
+        dist.all_reduce = wrapped
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        dist.all_reduce = self._orig
+
+
 def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, batch: int = 8, scale: float = 1.0,
                  stages_per_rank=None):
     """On each rank: loss, gradient and AdamW-step errors against one device, the p2p ops of the step and the
@@ -74,8 +92,10 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
                                  stages_per_rank=stages_per_rank)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         ref_loss = ref(tokens, labels)
-        (scale * ref_loss).backward()
-        with _P2P() as rec:
+        ref_loss.backward()
+        for q in ref.parameters():  # the contract: (c * loss).backward() gives c times the gradient (the model's
+            q.grad.mul_(scale)      # attention softmax runs in fp32: backpropagating c * loss there differs at 1e-9)
+        with _P2P() as rec, _AllReduces() as reduces:
             loss = pm(tokens, labels)
         (scale * loss).backward()
         errs = {"loss": abs(float(loss) - float(ref_loss))}
@@ -93,7 +113,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         for n, p in pm.named_parameters():
             if n in mine:
                 errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
-        return {"errs": errs, "p2p": rec.ops, "mine": mine, "cut": pm.plan.cut, "stages": pm.local_stages,
+        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut, "stages": pm.local_stages,
                 "rank": dist.get_rank(), "all": sorted(refs)}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -123,3 +143,30 @@ def test_pp2_matches_one_device_and_sends_one_activation_per_microbatch(form):
                                                + [("irecv", mb_bytes // 8, mb_bytes)] * m)
     assert sorted(results[1]["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
                                                + [("isend", mb_bytes // 8, mb_bytes)] * m)
+
+
+def test_five_layers_on_two_stages_and_a_scaled_loss():
+    m, batch = 2, 4
+    results = gloo_pool(2).run(_equivalence, "1f1b", 5, (2,), ("pp",), m, batch, 3.0)
+    _check(results)
+    assert results[0]["cut"] == (0, 3, 5)  # the head's FLOPs weigh on the last stage
+    assert results[0]["stages"] == [0] and results[1]["stages"] == [1]
+    # the global loss: one all-reduce of one scalar over the pipeline axis, nothing else
+    assert results[0]["reduces"] == results[1]["reduces"] == [(1, 2)]
+
+
+def test_pp2_x_dp2_matches_one_device():
+    m, batch = 2, 8
+    results = gloo_pool(4).run(_equivalence, "1f1b", 4, (2, 2), ("pp", "dp"), m, batch)
+    _check(results)
+    numel = {r["rank"]: sum(_numel(n) for n in r["mine"]) for r in results}
+    mb_bytes = batch // (2 * m) * S * H * 8
+    for r in results:
+        # the loss over pp and dp, then the stage's gradients in one bucket over dp
+        assert r["reduces"] == [(1, 2), (1, 2), (numel[r["rank"]], 2)], r["reduces"]
+        assert sorted(r["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
+                                          + [("isend", mb_bytes // 8, mb_bytes)] * m)
+
+
+def _numel(name: str) -> int:
+    return dict(_llama(4).named_parameters())[name].numel()
