@@ -170,3 +170,15 @@ def test_pp2_x_dp2_matches_one_device():
 
 def _numel(name: str) -> int:
     return dict(_llama(4).named_parameters())[name].numel()
+
+
+def test_interleaved_1f1b_two_stages_per_rank():
+    m, batch = 4, 8
+    results = gloo_pool(2).run(_equivalence, "interleaved-1f1b", 4, (2,), ("pp",), m, batch, 1.0, 2)
+    _check(results)
+    assert results[0]["cut"] == (0, 1, 2, 3, 4)
+    assert results[0]["stages"] == [0, 2] and results[1]["stages"] == [1, 3]  # round-robin, as torch places them
+    mb = batch // m * S * H
+    # three boundaries (0->1, 1->2, 2->3), each crossed by every microbatch's activation and then its gradient
+    for r in results:
+        assert sorted(r["p2p"]) == sorted([("irecv", mb, 8 * mb)] * 3 * m + [("isend", mb, 8 * mb)] * 3 * m)
