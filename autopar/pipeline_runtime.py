@@ -169,7 +169,11 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
             f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
             f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
-    split = _Split(captured, layers, n_stages)
+    names_of: dict[int, list[str]] = {}
+    for n, q in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(q), []).append(n)
+    tied = {n: [m for m in names if m != n] for names in names_of.values() for n in names if len(names) > 1}
+    split = _Split(captured, layers, n_stages, tied)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
@@ -214,7 +218,7 @@ class _Split:
     (no parameter, no random op): recomputed where used. `acts[t]`: for t >= 1, the values stage t receives from
     stage t-1, in graph order (the non-free values made before stage t and used at or after it)."""
 
-    def __init__(self, captured, layers, n_stages: int):
+    def __init__(self, captured, layers, n_stages: int, tied: dict[str, list[str]] | None = None):
         gm = captured.gm
         self.captured, self.n_stages = captured, n_stages
         flops = {n.name: _node_flops(n) for n in gm.graph.nodes}
@@ -269,8 +273,9 @@ class _Split:
         for ph, fqn in captured.param_fqns.items():
             used = sorted(uses.get(captured.placeholder(ph), ()))
             if len(used) > 1:
+                also = (tied or {}).get(fqn)
                 raise NotImplementedError(
-                    f"parameter {fqn!r} is used by pipeline stages {used} (e.g. an embedding tied to the output "
+                    f"parameter {fqn!r}{f' (tied to {also[0]!r})' if also else ''} is used by pipeline stages {used} (e.g. an embedding tied to the output "
                     "head, as GPT-2's): a parameter shared across stages is not implemented yet (issue #23). Fix: "
                     "untie it, or pipeline a model without weights shared between distant layers.")
             self.params_of[used[0] if used else 0].append(ph)
@@ -442,6 +447,7 @@ class PipelineModule(nn.Module):
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
         from torch.distributed.tensor import Replicate
         from autopar.dtensors import mesh_device, owned_tensor
+        from autopar.module import _non_persistent
         from autopar.spec import Owned
 
         names = tuple(mesh.mesh_dim_names)
@@ -467,7 +473,8 @@ class PipelineModule(nn.Module):
         state: dict[str, torch.Tensor] = {}
         for ph, fqn in captured.buffer_fqns.items():
             buf = buffers[fqn].detach().clone().to(device)
-            self._register(fqn, buf, buffer=True)
+            persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
+            self._register(fqn, buf, buffer=True, persistent=persistent)
             state[ph] = buf
         for ph, t in captured.constants.items():
             state[ph] = t.to(device)
@@ -498,7 +505,7 @@ class PipelineModule(nn.Module):
         self._loss_dtype = split.loss.meta["val"].dtype
         self._state = state
 
-    def _register(self, fqn: str, value, buffer: bool = False) -> None:
+    def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
         mod: nn.Module = self
         for part in path:
@@ -506,7 +513,7 @@ class PipelineModule(nn.Module):
                 mod.add_module(part, nn.Module())
             mod = getattr(mod, part)
         if buffer:
-            mod.register_buffer(leaf, value)
+            mod.register_buffer(leaf, value, persistent=persistent)
         else:
             mod.register_parameter(leaf, value)
 

@@ -182,3 +182,91 @@ def test_interleaved_1f1b_two_stages_per_rank():
     # three boundaries (0->1, 1->2, 2->3), each crossed by every microbatch's activation and then its gradient
     for r in results:
         assert sorted(r["p2p"]) == sorted([("irecv", mb, 8 * mb)] * 3 * m + [("isend", mb, 8 * mb)] * 3 * m)
+
+
+def _contract():
+    """The call contract beyond one step: no backward leaves no gradient; no_grad and eval run forward only (no
+    gradient sent back) and return the global loss; two calls then two backwards accumulate; state_dict keeps the
+    model's keys."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama(2)
+        model = copy.deepcopy(ref)
+        tokens, labels = _batch(4)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp", overrides={"pipeline": "1f1b@pp"},
+                                 microbatches=2)
+        ref_loss = ref(tokens, labels)
+        ref_loss.backward()
+        out = {"keys": list(pm.state_dict()) == list(model.state_dict())}
+        loss = pm(tokens, labels)  # never backpropagated
+        out["unused"] = (all(p.grad is None for p in pm.parameters()), abs(float(loss) - float(ref_loss)))
+        del loss
+        with torch.no_grad(), _P2P() as rec:
+            loss = pm(tokens, labels)
+        out["no_grad"] = (loss.grad_fn is None, abs(float(loss) - float(ref_loss)), sorted({op for op, *_ in rec.ops}))
+        pm.eval()
+        with _P2P() as rec:
+            loss = pm(tokens, labels)
+        out["eval"] = (loss.grad_fn is None, abs(float(loss) - float(ref_loss)), sorted({op for op, *_ in rec.ops}),
+                       all(p.grad is None for p in pm.parameters()))
+        pm.train()
+        a, b = pm(tokens, labels), pm(tokens, labels)
+        a.backward()
+        b.backward()
+        refs = dict(ref.named_parameters())
+        out["twice"] = max(float((p.grad.full_tensor() - 2 * refs[n].grad).abs().max())
+                           for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None)
+        return out
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_backward_releases_the_gradients_and_no_grad_or_eval_run_forward_only():
+    for rank, r in enumerate(gloo_pool(2).run(_contract)):
+        assert r["keys"]
+        assert r["unused"][0] and r["unused"][1] <= TOL
+        assert r["no_grad"][0] and r["no_grad"][1] <= TOL
+        assert r["eval"][0] and r["eval"][1] <= TOL and r["eval"][3]
+        # forward only: stage 0 only sends, stage 1 only receives
+        assert r["no_grad"][2] == r["eval"][2] == (["isend"] if rank == 0 else ["irecv"])
+        assert r["twice"] <= TOL
+
+
+def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int = 8, plan="dp"):
+    """The message every rank raised, by type."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+    from autopar.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = _llama(1) if model == "llama1" else _llama(2) if model == "llama2" else GPT(GPTConfig())
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    try:
+        autopar.parallelize(m, mesh, _batch(batch), plan=plan, overrides={"pipeline": value},
+                            microbatches=microbatches)
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, expected", [
+    (("llama2", (2,), ("pp",), "1f1b@pp", 3), ("ValueError", r"batch of 8 rows does not split into 3 microbatches.*"
+                                                              r"Fix: choose microbatches")),
+    (("llama2", (2,), ("pp",), "gpipe@pp", 4, 6), ("ValueError", r"batch of 6 rows does not split into 4 microbatches")),
+    (("llama1", (2,), ("pp",), "1f1b@pp", 2), ("ValueError", r"runs 2 stages .* has 1 repeated layer\(s\) "
+                                                             r"\(layers\.0\).*Fix")),
+    (("llama2", (2,), ("dp",), "1f1b@pp", 2), ("ValueError", r"pipeline axis 'pp'.*not an axis of the mesh \(dp\)")),
+    (("llama2", (2,), ("pp",), "zbv@pp", 2), ("NotImplementedError", r"'zbv' pipeline schedule is not implemented")),
+    (("gpt", (2,), ("pp",), "1f1b@pp", 2), ("NotImplementedError", r"'lm_head\.weight' \(tied to 'wte\.weight'\) is used "
+                                                                  r"by pipeline stages \[0, 1\].*Fix: untie")),
+])
+def test_clear_errors_on_every_rank(case, expected):
+    import re
+    for r in gloo_pool(2).run(_error, *case):
+        assert r is not None and r[0] == expected[0] and re.search(expected[1], r[1], re.S), r
