@@ -72,7 +72,6 @@ def _local_world(world_size: int):
 # UNNAMED_SECONDS_PER_TEST per test (over the suite's mean, on purpose: a short file started early costs nothing, a
 # long one started last runs alone at the end).
 FILE_SECONDS = {
-    "test_pipeline_runtime.py": 60,  # 2- and 4-rank gloo pools; 77 s measured at load 11 on 2 cores
     "test_sequence_parallel.py": 198,
     "test_checkpoint_levels.py": 145,
     "test_rule_check.py": 120,
@@ -90,6 +89,7 @@ FILE_SECONDS = {
     "test_batch_local.py": 35,  # not from that run: measured alone, 2026-12-04 (one gloo test)
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day
     "test_verify.py": 60,
+    "test_pipeline_runtime.py": 60,  # 2- and 4-rank gloo pools; 77 s measured at load 11 on 2 cores
     "test_recognition.py": 57,
     "test_meta.py": 52,
     "test_solver.py": 44,
