@@ -13,7 +13,7 @@
   `torch.distributed.pipelining.pipeline()` it does not trace the model a second time (that tracer has open
   failures on HF models, notes/pipeline-zero-fp8.md §7). Each stage is an `fx.GraphModule` of its nodes, run by one
   `torch.distributed.pipelining.PipelineStage`; torch's schedules (`ScheduleGPipe`, `Schedule1F1B`,
-  `ScheduleInterleaved1F1B`) run them. Values that cross a stage boundary and depend on no parameter (rotary
+  `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`) run them. Values that cross a stage boundary and depend on no parameter (rotary
   tables, masks, positions: computed from inputs, buffers and constants only, no random op) are recomputed in
   the stage that uses them rather than sent; every stage gets the microbatch's user inputs (the schedule's
   kwargs), so the p2p traffic is the activations that carry gradients: per microbatch and boundary, one send of
@@ -40,7 +40,8 @@
   without a gradient, as every other stage's is here), `state_dict` and `full_tensor()` on the owning ranks work.
   The stage's program runs on plain leaves that share the DTensors' local storage.
 
-Not implemented here (each raises `NotImplementedError` saying so): the `zbv` and `dualpipev` forms, tensor or
+`zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a stage that uses a weight
+twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`, tensor or
 other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only), a parameter
 used by two stages (tied embedding and head, GPT-2), `inputs="local"`, `mp_policy`, calls whose shapes differ from
 the example's, the planner choosing a pipeline (`plan="auto"`) and its cost model (`autopar.estimate`'s work).
@@ -58,7 +59,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.pipeline_plan import PIPELINE_FORMS, PipelinePlan, balanced_cut, parse_pipeline
 
-IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b")
+IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # ATen's reduction enum
 
@@ -132,7 +133,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
         raise NotImplementedError("mp_policy with a 'pipeline' override is not implemented yet. Fix: drop mp_policy.")
     p = mesh.size(names.index(axis))
     if stages_per_rank is None:
-        stages_per_rank = 2 if form == "interleaved-1f1b" else 1
+        stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
     if microbatches is None:
         microbatches = p * stages_per_rank
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
@@ -487,6 +488,8 @@ class PipelineModule(nn.Module):
         self._stages = []
         for k in self._local_stages:
             gm, acts, user, st = split.stage_graph(k)
+            if pplan.form == "zbv":
+                _refuse_shared_weights(gm, [n for n in st if n in self._leaves], captured.param_fqns)
             leaves = {n: self._leaves[n] for n in st if n in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
@@ -498,9 +501,10 @@ class PipelineModule(nn.Module):
             self._schedule = cls(self._stages[0], pplan.microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunk,
                                  scale_grads=False)
         else:
-            from torch.distributed.pipelining import ScheduleInterleaved1F1B
-            self._schedule = ScheduleInterleaved1F1B(self._stages, pplan.microbatches, loss_fn=loss_fn,
-                                                     kwargs_chunk_spec=chunk, scale_grads=False)
+            from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+            cls = ScheduleInterleaved1F1B if pplan.form == "interleaved-1f1b" else ScheduleZBVZeroBubble
+            self._schedule = cls(self._stages, pplan.microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunk,
+                                 scale_grads=False)
         self._is_last = pplan.n_stages(p) - 1 in self._local_stages
         self._loss_dtype = split.loss.meta["val"].dtype
         self._state = state
@@ -621,6 +625,19 @@ class PipelineModule(nn.Module):
             out.append(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         return out
+
+
+def _refuse_shared_weights(gm: fx.GraphModule, params: list[str], fqns: dict[str, str]) -> None:
+    """Zero-bubble schedules split each backward into the input gradient and, later, the weight gradient
+    (`torch.distributed.pipelining._backward.stage_backward_weight`); that split is known to be wrong for a weight
+    used twice (issue #23), so a stage whose program uses a parameter at two places is refused under `zbv`."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.target in params and len(node.users) > 1:
+            raise NotImplementedError(
+                f"pipeline form 'zbv': parameter {fqns[node.target]!r} is used {len(node.users)} times in its stage "
+                f"({', '.join(u.name for u in node.users)}); torch's zero-bubble split of the backward into input and "
+                "weight gradients is known to be wrong for a weight used twice, so autopar does not run it. Fix: "
+                "use '1f1b' or 'interleaved-1f1b' for this model.")
 
 
 def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,19 @@ def _llama(layers: int):
     return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
 
 
+class Twice(torch.nn.Module):
+    """Blocks that use their weight twice, and a mean-squared-error loss."""
+
+    def __init__(self, layers: int = 4, dim: int = 8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = x + b(torch.tanh(b(x)))
+        return torch.nn.functional.mse_loss(x, y)
+
+
 def _batch(batch: int = 8, ignored: bool = True):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (batch, 16), generator=g)
@@ -83,9 +96,9 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama(layers)
+        ref = _llama(layers) if isinstance(layers, int) else Twice()
         model = copy.deepcopy(ref)
-        tokens, labels = _batch(batch)
+        tokens, labels = _batch(batch) if isinstance(layers, int) else (torch.randn(batch, 8), torch.randn(batch, 8))
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp",
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=microbatches,
@@ -184,6 +197,24 @@ def test_interleaved_1f1b_two_stages_per_rank():
         assert sorted(r["p2p"]) == sorted([("irecv", mb, 8 * mb)] * 3 * m + [("isend", mb, 8 * mb)] * 3 * m)
 
 
+def test_zbv_zero_bubble_v_shaped():
+    m, batch = 4, 8
+    results = gloo_pool(2).run(_equivalence, "zbv", 4, (2,), ("pp",), m, batch, 1.0, 2)
+    _check(results)
+    assert results[0]["stages"] == [0, 3] and results[1]["stages"] == [1, 2]  # V-shaped
+    mb = batch // m * S * H
+    # boundaries 0->1 and 2->3 cross ranks; 1->2 stays on rank 1 (no p2p)
+    for r in results:
+        assert sorted(r["p2p"]) == sorted([("irecv", mb, 8 * mb)] * 2 * m + [("isend", mb, 8 * mb)] * 2 * m)
+
+
+def test_mse_loss_and_a_weight_used_twice():
+    # 1f1b: exact (the mean over all microbatches' elements); zbv refuses it (torch's split backward)
+    _check(gloo_pool(2).run(_equivalence, "1f1b", "twice", (2,), ("pp",), 2, 4))
+    for r in gloo_pool(2).run(_error, "twice", (2,), ("pp",), "zbv@pp", 2):
+        assert r[0] == "NotImplementedError" and "'blocks.0.weight' is used 2 times" in r[1], r
+
+
 def _contract():
     """The call contract beyond one step: no backward leaves no gradient; no_grad and eval run forward only (no
     gradient sent back) and return the global loss; two calls then two backwards accumulate; state_dict keeps the
@@ -245,10 +276,12 @@ def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int =
     from autopar.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    m = _llama(1) if model == "llama1" else _llama(2) if model == "llama2" else GPT(GPTConfig())
+    m = _llama(1) if model == "llama1" else _llama(2) if model == "llama2" else Twice() if model == "twice" else \
+        GPT(GPTConfig())
+    inputs = (torch.randn(batch, 8), torch.randn(batch, 8)) if model == "twice" else _batch(batch)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     try:
-        autopar.parallelize(m, mesh, _batch(batch), plan=plan, overrides={"pipeline": value},
+        autopar.parallelize(m, mesh, inputs, plan=plan, overrides={"pipeline": value},
                             microbatches=microbatches)
     except Exception as e:  # noqa: BLE001 - returned to the test
         return type(e).__name__, str(e)
@@ -262,7 +295,8 @@ def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int =
     (("llama1", (2,), ("pp",), "1f1b@pp", 2), ("ValueError", r"runs 2 stages .* has 1 repeated layer\(s\) "
                                                              r"\(layers\.0\).*Fix")),
     (("llama2", (2,), ("dp",), "1f1b@pp", 2), ("ValueError", r"pipeline axis 'pp'.*not an axis of the mesh \(dp\)")),
-    (("llama2", (2,), ("pp",), "zbv@pp", 2), ("NotImplementedError", r"'zbv' pipeline schedule is not implemented")),
+    (("llama2", (2,), ("pp",), "dualpipev@pp", 2), ("NotImplementedError", r"'dualpipev' pipeline schedule is not "
+                                                                       r"implemented")),
     (("gpt", (2,), ("pp",), "1f1b@pp", 2), ("NotImplementedError", r"'lm_head\.weight' \(tied to 'wte\.weight'\) is used "
                                                                   r"by pipeline stages \[0, 1\].*Fix: untie")),
 ])
