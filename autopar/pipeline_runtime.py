@@ -329,7 +329,7 @@ class _Split:
         from the inputs, buffers and constants in `env` (by placeholder name)."""
         loss = self.loss
         if loss.target is aten.mse_loss.default:
-            return torch.tensor(float(loss.args[0].meta["val"].numel()))
+            return torch.tensor(float(loss.args[0].meta["val"].numel()))  # moved with the sum below
         target = loss.args[1]
         if target not in self.free:
             raise NotImplementedError("a cross-entropy whose targets are computed from parameters cannot be counted "
@@ -466,7 +466,7 @@ class PipelineModule(nn.Module):
         for ph, fqn in captured.param_fqns.items():
             placements = [Owned(pplan.stage_rank(stage_of[ph], p)) if i == ax else Replicate()
                           for i in range(mesh.ndim)]
-            param = nn.Parameter(owned_tensor(full[fqn].detach(), mesh, placements), requires_grad=True)
+            param = nn.Parameter(owned_tensor(full[fqn].detach().to(device), mesh, placements), requires_grad=True)
             self._register(fqn, param)
             if stage_of[ph] in self._local_stages:
                 self._owned[ph] = param
@@ -508,6 +508,7 @@ class PipelineModule(nn.Module):
         self._is_last = pplan.n_stages(p) - 1 in self._local_stages
         self._loss_dtype = split.loss.meta["val"].dtype
         self._state = state
+        self._device = device
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -548,7 +549,7 @@ class PipelineModule(nn.Module):
         """1 / the global count a mean divides by (1 for a sum): the same on every rank (every rank has the whole
         batch), counted per microbatch of the whole batch on its own shapes."""
         if self._split.reduction() != _MEAN:
-            return torch.tensor(1.0, dtype=self._loss_dtype)
+            return torch.tensor(1.0, dtype=self._loss_dtype, device=self._device)
         n = next(len(a) for a, b in zip(flat, self._batched) if b)
         rows = self._rows(flat)
         total = 0
@@ -557,7 +558,7 @@ class PipelineModule(nn.Module):
                                                                                    self._batched)}
             env.update(self._state)
             total = total + self._split.count(env)
-        return 1.0 / torch.as_tensor(total, dtype=self._loss_dtype)
+        return 1.0 / torch.as_tensor(total, dtype=self._loss_dtype, device=self._device)
 
     def _rows(self, flat) -> int:
         """Rows of one microbatch."""
@@ -576,6 +577,7 @@ class PipelineModule(nn.Module):
                 f"a pipelined model called with inputs of shapes {shapes}, not the example's {self._shapes}: "
                 "re-cutting the stages for new shapes is not implemented yet (issue #23). Fix: call it with the "
                 "example's shapes, or parallelize again for these.")
+        flat = [a.to(self._device) for a in flat]  # the mesh's device (the user's batch may be on the host)
         local = self._local_batch(flat)
         weight = self._weight(flat)
         w = weight.reshape(1).expand(self._plan.microbatches).contiguous()
@@ -590,7 +592,7 @@ class PipelineModule(nn.Module):
             with torch.no_grad():
                 self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
         total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
-            torch.zeros((), dtype=self._loss_dtype)
+            torch.zeros((), dtype=self._loss_dtype, device=self._device)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
         if not train:
             return total

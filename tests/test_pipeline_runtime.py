@@ -35,6 +35,27 @@ class Twice(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class Skip(torch.nn.Module):
+    """Every block also reads the input projection x0 (a value that depends on parameters): under 4 stages x0
+    crosses every boundary, passed through stages 1 and 2 to stage 3."""
+
+    def __init__(self, layers: int = 4, dim: int = 8):
+        super().__init__()
+        self.inp = torch.nn.Linear(dim, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x, y):
+        x0 = torch.tanh(self.inp(x))
+        x = x0
+        for i, b in enumerate(self.blocks):
+            x = torch.tanh(b(x)) + (x0 if i in (0, len(self.blocks) - 1) else 0)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _model(name):
+    return _llama(name) if isinstance(name, int) else {"twice": Twice, "skip": Skip}[name]()
+
+
 def _batch(batch: int = 8, ignored: bool = True):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (batch, 16), generator=g)
@@ -96,7 +117,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama(layers) if isinstance(layers, int) else Twice()
+        ref = _model(layers)
         model = copy.deepcopy(ref)
         tokens, labels = _batch(batch) if isinstance(layers, int) else (torch.randn(batch, 8), torch.randn(batch, 8))
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -213,6 +234,18 @@ def test_mse_loss_and_a_weight_used_twice():
     _check(gloo_pool(2).run(_equivalence, "1f1b", "twice", (2,), ("pp",), 2, 4))
     for r in gloo_pool(2).run(_error, "twice", (2,), ("pp",), "zbv@pp", 2):
         assert r[0] == "NotImplementedError" and "'blocks.0.weight' is used 2 times" in r[1], r
+
+
+def test_a_value_passed_through_stages():
+    m, batch = 2, 4
+    results = gloo_pool(2).run(_equivalence, "interleaved-1f1b", "skip", (2,), ("pp",), m, batch, 1.0, 2)
+    _check(results)
+    rows = batch // m * 8
+    # x and x0 cross each of the 3 boundaries forward, their gradients backward (x0's passed back through
+    # stages 2 and 1): each rank sends and receives 2 tensors x 3 boundaries x m microbatches
+    for r in results:
+        assert sorted(r["p2p"]) == sorted([("irecv", rows, 8 * rows)] * 2 * 3 * m
+                                          + [("isend", rows, 8 * rows)] * 2 * 3 * m)
 
 
 def _contract():
