@@ -439,7 +439,10 @@ class _ReleaseGrads(torch.autograd.Function):
 
 
 class PipelineModule(nn.Module):
-    """The pipelined model: `pm(*inputs)` returns the global loss on every rank (see the module docstring)."""
+    """The pipelined model: `pm(*inputs)` returns the global loss on every rank (see the module docstring).
+    `check_inputs` (True): the ranks check at each call that they pass the same batch (`_check_call`)."""
+
+    check_inputs = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
                  flat_spec, shapes, batched, data_axes):
@@ -509,6 +512,7 @@ class PipelineModule(nn.Module):
         self._loss_dtype = split.loss.meta["val"].dtype
         self._state = state
         self._device = device
+        self._captured = captured
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -550,14 +554,9 @@ class PipelineModule(nn.Module):
         batch), counted per microbatch of the whole batch on its own shapes."""
         if self._split.reduction() != _MEAN:
             return torch.tensor(1.0, dtype=self._loss_dtype, device=self._device)
-        n = next(len(a) for a, b in zip(flat, self._batched) if b)
-        rows = self._rows(flat)
         total = 0
-        for start in range(0, n, rows):
-            env = {name: (a[start:start + rows] if b else a) for name, a, b in zip(self._user_inputs, flat,
-                                                                                   self._batched)}
-            env.update(self._state)
-            total = total + self._split.count(env)
+        for mb in self._microbatches(flat):
+            total = total + self._split.count({**mb, **self._state})
         return 1.0 / torch.as_tensor(total, dtype=self._loss_dtype, device=self._device)
 
     def _rows(self, flat) -> int:
@@ -578,6 +577,7 @@ class PipelineModule(nn.Module):
                 "re-cutting the stages for new shapes is not implemented yet (issue #23). Fix: call it with the "
                 "example's shapes, or parallelize again for these.")
         flat = [a.to(self._device) for a in flat]  # the mesh's device (the user's batch may be on the host)
+        self._check_call(flat, shapes)
         local = self._local_batch(flat)
         weight = self._weight(flat)
         w = weight.reshape(1).expand(self._plan.microbatches).contiguous()
@@ -601,6 +601,29 @@ class PipelineModule(nn.Module):
             leaf.grad = None
         grads = self._sum_over_data(grads)
         return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _microbatches(self, flat: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The whole batch's microbatches (over every data-parallel rank), by placeholder name."""
+        n, rows = next(len(a) for a, b in zip(flat, self._batched) if b), self._rows(flat)
+        return [{name: (a[start:start + rows] if b else a) for name, a, b in zip(self._user_inputs, flat,
+                                                                                  self._batched)}
+                for start in range(0, n, rows)]
+
+    def _check_call(self, flat: list[torch.Tensor], shapes) -> None:
+        """Before any stage runs: an out-of-range token id or label raises one device's IndexError on every rank
+        (`autopar.index_checks`, on every microbatch: every rank has the whole batch), and the ranks agree that
+        they pass the same batch (`autopar.agree.agree_on_call`: one all-reduce of digests), so neither a bad id
+        seen by one stage nor different batches leave the other stages waiting for p2p that never comes."""
+        from autopar.agree import agree_on_call
+        checks = self._captured.index_checks
+        if checks is not None:
+            for mb in self._microbatches(flat):
+                error = checks(mb)
+                if error is not None:
+                    raise IndexError(error)
+        if self.check_inputs:
+            agree_on_call(("pipeline", f"inputs of shapes {shapes}"), self._mesh, None,
+                          values=dict(zip(self._user_inputs, flat)))
 
     def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
         for i in range(self._mesh.ndim):

@@ -185,8 +185,8 @@ def test_five_layers_on_two_stages_and_a_scaled_loss():
     _check(results)
     assert results[0]["cut"] == (0, 3, 5)  # the head's FLOPs weigh on the last stage
     assert results[0]["stages"] == [0] and results[1]["stages"] == [1]
-    # the global loss: one all-reduce of one scalar over the pipeline axis, nothing else
-    assert results[0]["reduces"] == results[1]["reduces"] == [(1, 2)]
+    # the ranks' agreement on the call (digests of the batch), then the global loss: one scalar over the pipeline
+    assert results[0]["reduces"] == results[1]["reduces"] == [(_agreement(batch), 2), (1, 2)]
 
 
 def test_pp2_x_dp2_matches_one_device():
@@ -196,10 +196,17 @@ def test_pp2_x_dp2_matches_one_device():
     numel = {r["rank"]: sum(_numel(n) for n in r["mine"]) for r in results}
     mb_bytes = batch // (2 * m) * S * H * 8
     for r in results:
-        # the loss over pp and dp, then the stage's gradients in one bucket over dp
-        assert r["reduces"] == [(1, 2), (1, 2), (numel[r["rank"]], 2)], r["reduces"]
+        # the agreement, the loss over pp and dp, then the stage's gradients in one bucket over dp
+        assert r["reduces"] == [(_agreement(batch), 4), (1, 2), (1, 2), (numel[r["rank"]], 2)], r["reduces"]
         assert sorted(r["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
                                           + [("isend", mb_bytes // 8, mb_bytes)] * m)
+
+
+def _agreement(batch: int) -> int:
+    """The numel of `autopar.agree.agree_on_call`'s all-reduce for this batch: a key digest pair and an error slot,
+    then the inputs' digests and their negation."""
+    from autopar.agree import input_digests
+    return 3 + 2 * input_digests(list(_batch(batch))).numel()
 
 
 def _numel(name: str) -> int:
@@ -251,8 +258,9 @@ def test_a_value_passed_through_stages():
 def _contract():
     """The call contract beyond one step: no backward leaves no gradient; no_grad and eval run forward only (no
     gradient sent back) and return the global loss; two calls then two backwards accumulate; state_dict keeps the
-    model's keys."""
+    model's keys; an out-of-range id, or ranks passing different batches, raise on every rank."""
     import copy
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
@@ -286,12 +294,22 @@ def _contract():
         refs = dict(ref.named_parameters())
         out["twice"] = max(float((p.grad.full_tensor() - 2 * refs[n].grad).abs().max())
                            for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None)
+        bad, other = tokens.clone(), tokens.clone()
+        bad[3, 5] = 999  # out of the vocabulary: stage 0 alone would raise, stage 1 would wait for its activation
+        other[0, 0] = (other[0, 0] + dist.get_rank()) % 128  # rank 1 passes another batch
+        for name, t in (("bad", bad), ("other", other)):
+            try:
+                pm(t, labels)
+                out[name] = None
+            except Exception as e:  # noqa: BLE001 - returned to the test
+                out[name] = (type(e).__name__, str(e))
+        out["after"] = abs(float(pm(tokens, labels)) - float(ref_loss))  # nothing left waiting
         return out
     finally:
         torch.set_default_dtype(torch.float32)
 
 
-def test_backward_releases_the_gradients_and_no_grad_or_eval_run_forward_only():
+def test_backward_releases_the_gradients_no_grad_or_eval_run_forward_only_and_bad_calls_raise_everywhere():
     for rank, r in enumerate(gloo_pool(2).run(_contract)):
         assert r["keys"]
         assert r["unused"][0] and r["unused"][1] <= TOL
@@ -300,6 +318,10 @@ def test_backward_releases_the_gradients_and_no_grad_or_eval_run_forward_only():
         # forward only: stage 0 only sends, stage 1 only receives
         assert r["no_grad"][2] == r["eval"][2] == (["isend"] if rank == 0 else ["irecv"])
         assert r["twice"] <= TOL
+        # checked before any stage runs, raised on every rank
+        assert r["bad"][0] == "IndexError" and "index out of range" in r["bad"][1], r["bad"]
+        assert r["other"][0] == "RankMismatchError" and "every rank passes the same whole batch" in r["other"][1]
+        assert r["after"] <= TOL
 
 
 def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int = 8, plan="dp"):
