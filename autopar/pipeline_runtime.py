@@ -13,11 +13,11 @@
   `torch.distributed.pipelining.pipeline()` it does not trace the model a second time (that tracer has open
   failures on HF models, notes/pipeline-zero-fp8.md §7). Each stage is an `fx.GraphModule` of its nodes, run by one
   `torch.distributed.pipelining.PipelineStage`; torch's schedules (`ScheduleGPipe`, `Schedule1F1B`,
-  `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`) run them. Values that cross a stage boundary and depend on no parameter (rotary
-  tables, masks, positions: computed from inputs, buffers and constants only, no random op) are recomputed in
-  the stage that uses them rather than sent; every stage gets the microbatch's user inputs (the schedule's
-  kwargs), so the p2p traffic is the activations that carry gradients: per microbatch and boundary, one send of
-  each forward (`b_mb * s * h` for a transformer) and one of its gradient backward.
+  `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`) run them. Values that cross a stage boundary and depend on
+  no parameter (rotary tables, masks, positions: computed from inputs, buffers and constants only, no random op)
+  are recomputed in the stage that uses them rather than sent; every stage gets the microbatch's user inputs (the
+  schedule's kwargs), so the p2p traffic is the activations that carry gradients: per microbatch and boundary,
+  one send of each forward (`b_mb * s * h` for a transformer) and one of its gradient backward.
 - **The loss and `backward()`.** A call in train mode with grad enabled runs the whole schedule, forward and
   backward of every microbatch, inside the call (that is how pipelining overlaps them); the gradients it leaves
   are taken off the stage's parameters, summed over the stage's data-parallel ranks (one all-reduce of one flat
@@ -40,16 +40,21 @@
   without a gradient, as every other stage's is here), `state_dict` and `full_tensor()` on the owning ranks work.
   The stage's program runs on plain leaves that share the DTensors' local storage.
 
-`zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a stage that uses a weight
-twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`, tensor or
-other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only), a parameter
-used by two stages (tied embedding and head, GPT-2), `inputs="local"`, `mp_policy`, calls whose shapes differ from
-the example's, the planner choosing a pipeline (`plan="auto"`) and its cost model (`autopar.estimate`'s work).
+Errors reach every rank: building checks everything it can before its first collective and agrees on failure
+(one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
+batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation
+after that would still leave its peers waiting in p2p until the process group's timeout (torch's schedules have
+no cross-rank error path).
+
+`zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
+twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
+tensor or other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only); a
+parameter used by two stages (tied embedding and head, GPT-2); `inputs="local"`; `mp_policy`; calls whose shapes
+differ from the example's; the planner choosing a pipeline (`plan="auto"`, `autopar.plan`) and its cost model
+(`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan` run (form, axis, microbatches, cut), not a `Plan`.
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.distributed as dist
@@ -57,7 +62,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.pipeline_plan import PIPELINE_FORMS, PipelinePlan, balanced_cut, parse_pipeline
+from autopar.pipeline_plan import PipelinePlan, balanced_cut, parse_pipeline
 
 IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 aten = torch.ops.aten
@@ -175,6 +180,8 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
         names_of.setdefault(id(q), []).append(n)
     tied = {n: [m for m in names if m != n] for names in names_of.values() for n in names if len(names) > 1}
     split = _Split(captured, layers, n_stages, tied)
+    if form == "zbv":  # before any collective of the construction: every rank refuses alike
+        _refuse_shared_weights(captured)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
@@ -276,9 +283,10 @@ class _Split:
             if len(used) > 1:
                 also = (tied or {}).get(fqn)
                 raise NotImplementedError(
-                    f"parameter {fqn!r}{f' (tied to {also[0]!r})' if also else ''} is used by pipeline stages {used} (e.g. an embedding tied to the output "
-                    "head, as GPT-2's): a parameter shared across stages is not implemented yet (issue #23). Fix: "
-                    "untie it, or pipeline a model without weights shared between distant layers.")
+                    f"parameter {fqn!r}{f' (tied to {also[0]!r})' if also else ''} is used by pipeline stages "
+                    f"{used} (e.g. an embedding tied to the output head, as GPT-2's): a parameter shared across "
+                    "stages is not implemented yet (issue #23). Fix: untie it, or pipeline a model without weights "
+                    "shared between distant layers.")
             self.params_of[used[0] if used else 0].append(ph)
         self.acts: dict[int, list[fx.Node]] = {t: [] for t in range(n_stages)}
         for u, used in uses.items():
@@ -491,8 +499,6 @@ class PipelineModule(nn.Module):
         self._stages = []
         for k in self._local_stages:
             gm, acts, user, st = split.stage_graph(k)
-            if pplan.form == "zbv":
-                _refuse_shared_weights(gm, [n for n in st if n in self._leaves], captured.param_fqns)
             leaves = {n: self._leaves[n] for n in st if n in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
@@ -652,14 +658,16 @@ class PipelineModule(nn.Module):
         return out
 
 
-def _refuse_shared_weights(gm: fx.GraphModule, params: list[str], fqns: dict[str, str]) -> None:
+def _refuse_shared_weights(captured) -> None:
     """Zero-bubble schedules split each backward into the input gradient and, later, the weight gradient
     (`torch.distributed.pipelining._backward.stage_backward_weight`); that split is known to be wrong for a weight
-    used twice (issue #23), so a stage whose program uses a parameter at two places is refused under `zbv`."""
-    for node in gm.graph.find_nodes(op="placeholder"):
-        if node.target in params and len(node.users) > 1:
+    used twice (issue #23), so a model whose program uses a parameter at two places is refused under `zbv` (a
+    parameter's uses are all in one stage: `_Split` refuses one shared by two)."""
+    for ph, fqn in captured.param_fqns.items():
+        node = captured.placeholder(ph)
+        if len(node.users) > 1:
             raise NotImplementedError(
-                f"pipeline form 'zbv': parameter {fqns[node.target]!r} is used {len(node.users)} times in its stage "
+                f"pipeline form 'zbv': parameter {fqn!r} is used {len(node.users)} times in its stage "
                 f"({', '.join(u.name for u in node.users)}); torch's zero-bubble split of the backward into input and "
                 "weight gradients is known to be wrong for a weight used twice, so autopar does not run it. Fix: "
                 "use '1f1b' or 'interleaved-1f1b' for this model.")

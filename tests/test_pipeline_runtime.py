@@ -147,7 +147,8 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         for n, p in pm.named_parameters():
             if n in mine:
                 errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
-        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut, "stages": pm.local_stages,
+        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut,
+                "stages": pm.local_stages,
                 "rank": dist.get_rank(), "all": sorted(refs)}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -346,14 +347,15 @@ def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int =
 @pytest.mark.parametrize("case, expected", [
     (("llama2", (2,), ("pp",), "1f1b@pp", 3), ("ValueError", r"batch of 8 rows does not split into 3 microbatches.*"
                                                               r"Fix: choose microbatches")),
-    (("llama2", (2,), ("pp",), "gpipe@pp", 4, 6), ("ValueError", r"batch of 6 rows does not split into 4 microbatches")),
+    (("llama2", (2,), ("pp",), "gpipe@pp", 4, 6), ("ValueError", r"batch of 6 rows does not split into 4 "
+                                                                 r"microbatches")),
     (("llama1", (2,), ("pp",), "1f1b@pp", 2), ("ValueError", r"runs 2 stages .* has 1 repeated layer\(s\) "
                                                              r"\(layers\.0\).*Fix")),
     (("llama2", (2,), ("dp",), "1f1b@pp", 2), ("ValueError", r"pipeline axis 'pp'.*not an axis of the mesh \(dp\)")),
     (("llama2", (2,), ("pp",), "dualpipev@pp", 2), ("NotImplementedError", r"'dualpipev' pipeline schedule is not "
                                                                        r"implemented")),
-    (("gpt", (2,), ("pp",), "1f1b@pp", 2), ("NotImplementedError", r"'lm_head\.weight' \(tied to 'wte\.weight'\) is used "
-                                                                  r"by pipeline stages \[0, 1\].*Fix: untie")),
+    (("gpt", (2,), ("pp",), "1f1b@pp", 2), ("NotImplementedError", r"'lm_head\.weight' \(tied to 'wte\.weight'\) "
+                                                                  r"is used by pipeline stages \[0, 1\].*Fix: untie")),
 ])
 def test_clear_errors_on_every_rank(case, expected):
     import re
