@@ -38,7 +38,10 @@
   on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
   (`autopar.dtensors.owned_tensor`): whole there, empty elsewhere, so `torch.optim` (which skips a parameter
   without a gradient, as every other stage's is here), `state_dict` and `full_tensor()` on the owning ranks work.
-  The stage's program runs on plain leaves that share the DTensors' local storage.
+  The stage's program runs on plain leaves that share the DTensors' local storage. A weight used by stages on
+  several ranks (GPT-2's embedding tied to its head) is whole on each of them (a DTensor on the sub-mesh of those
+  ranks, `_shared_mesh`); each computes its stages' part of the gradient and one all-reduce over them sums the
+  parts, so every holder has the single-device gradient and steps alike.
 
 Errors reach every rank: building checks everything it can before its first collective and agrees on failure
 (one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
@@ -48,10 +51,10 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-tensor or other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only); a
-parameter used by two stages (tied embedding and head, GPT-2); `inputs="local"`; `mp_policy`; calls whose shapes
-differ from the example's; the planner choosing a pipeline (`plan="auto"`, `autopar.plan`) and its cost model
-(`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan` run (form, axis, microbatches, cut), not a `Plan`.
+tensor or other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only);
+`inputs="local"`; `mp_policy`; calls whose shapes differ from the example's; the planner choosing a pipeline
+(`plan="auto"`, `autopar.plan`) and its cost model (`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan`
+run (form, axis, microbatches, cut), not a `Plan`.
 """
 
 from __future__ import annotations
@@ -175,13 +178,9 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
             f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
             f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
-    names_of: dict[int, list[str]] = {}
-    for n, q in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(q), []).append(n)
-    tied = {n: [m for m in names if m != n] for names in names_of.values() for n in names if len(names) > 1}
-    split = _Split(captured, layers, n_stages, tied)
+    split = _Split(captured, layers, n_stages)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
-        _refuse_shared_weights(captured)
+        _refuse_shared_weights(model, captured)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
@@ -226,7 +225,7 @@ class _Split:
     (no parameter, no random op): recomputed where used. `acts[t]`: for t >= 1, the values stage t receives from
     stage t-1, in graph order (the non-free values made before stage t and used at or after it)."""
 
-    def __init__(self, captured, layers, n_stages: int, tied: dict[str, list[str]] | None = None):
+    def __init__(self, captured, layers, n_stages: int):
         gm = captured.gm
         self.captured, self.n_stages = captured, n_stages
         flops = {n.name: _node_flops(n) for n in gm.graph.nodes}
@@ -277,17 +276,10 @@ class _Split:
         for n, s in self.stage.items():
             for u in n.all_input_nodes:
                 uses.setdefault(u, set()).add(s)
-        self.params_of: dict[int, list[str]] = {k: [] for k in range(n_stages)}  # stage -> parameter placeholders
-        for ph, fqn in captured.param_fqns.items():
-            used = sorted(uses.get(captured.placeholder(ph), ()))
-            if len(used) > 1:
-                also = (tied or {}).get(fqn)
-                raise NotImplementedError(
-                    f"parameter {fqn!r}{f' (tied to {also[0]!r})' if also else ''} is used by pipeline stages "
-                    f"{used} (e.g. an embedding tied to the output head, as GPT-2's): a parameter shared across "
-                    "stages is not implemented yet (issue #23). Fix: untie it, or pipeline a model without weights "
-                    "shared between distant layers.")
-            self.params_of[used[0] if used else 0].append(ph)
+        # parameter placeholder -> the stages that use it (one, or several: a weight tied across stages); an
+        # unused parameter goes with stage 0
+        self.stages_of: dict[str, tuple[int, ...]] = {
+            ph: tuple(sorted(uses.get(captured.placeholder(ph), ()))) or (0,) for ph in captured.param_fqns}
         self.acts: dict[int, list[fx.Node]] = {t: [] for t in range(n_stages)}
         for u, used in uses.items():
             if u not in self.stage or u in self.free:
@@ -471,16 +463,29 @@ class PipelineModule(nn.Module):
         me = mesh.get_local_rank(ax)
         self._local_stages = [k for k in range(pplan.n_stages(p)) if pplan.stage_rank(k, p) == me]
         device = mesh_device(mesh)
-        full = dict(model.named_parameters())
-        self._owned: dict[str, nn.Parameter] = {}  # parameter placeholder -> this rank's DTensor parameter
-        stage_of = {ph: k for k, phs in split.params_of.items() for ph in phs}
-        for ph, fqn in captured.param_fqns.items():
-            placements = [Owned(pplan.stage_rank(stage_of[ph], p)) if i == ax else Replicate()
-                          for i in range(mesh.ndim)]
-            param = nn.Parameter(owned_tensor(full[fqn].detach().to(device), mesh, placements), requires_grad=True)
-            self._register(fqn, param)
-            if stage_of[ph] in self._local_stages:
-                self._owned[ph] = param
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        self._owned: dict[str, nn.Parameter] = {}  # representative placeholder -> this rank's DTensor parameter
+        self._leaf_of: dict[str, str] = {}  # every parameter placeholder -> its tensor's representative placeholder
+        self._shared: dict[str, DeviceMesh] = {}  # representative -> the mesh of the ranks whose stages share it
+        for names, phs in _param_groups(model, captured):
+            used = [ph for ph in phs if captured.placeholder(ph).users]
+            stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
+            rep = (used or phs)[0]
+            owners = sorted({pplan.stage_rank(k, p) for k in stages})
+            value = tensors[names[0]].detach().to(device)
+            if len(owners) == 1:
+                placements = [Owned(owners[0]) if i == ax else Replicate() for i in range(mesh.ndim)]
+                dt = owned_tensor(value, mesh, placements)
+            else:
+                self._shared[rep] = _shared_mesh(mesh, ax, tuple(owners))
+                dt = _shared_tensor(value, mesh, self._shared[rep], me in owners)
+            param = nn.Parameter(dt, requires_grad=True)
+            for ph in phs:
+                self._leaf_of[ph] = rep
+            if any(k in self._local_stages for k in stages):
+                self._owned[rep] = param
+            for name in names:
+                self._register(name, param)
         buffers = dict(model.named_buffers())
         state: dict[str, torch.Tensor] = {}
         for ph, fqn in captured.buffer_fqns.items():
@@ -499,7 +504,7 @@ class PipelineModule(nn.Module):
         self._stages = []
         for k in self._local_stages:
             gm, acts, user, st = split.stage_graph(k)
-            leaves = {n: self._leaves[n] for n in st if n in self._leaves}
+            leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
@@ -606,6 +611,7 @@ class PipelineModule(nn.Module):
         for leaf in self._leaves.values():
             leaf.grad = None
         grads = self._sum_over_data(grads)
+        grads = self._sum_over_sharing_stages(grads)
         return _ReleaseGrads.apply(total, grads, *self._owned.values())
 
     def _microbatches(self, flat: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -637,6 +643,22 @@ class PipelineModule(nn.Module):
                 dist.all_reduce(t, group=self._mesh.get_group(i))
         return t
 
+    def _sum_over_sharing_stages(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A weight used by stages on several ranks (tied embedding and head): each rank's gradient is its stages'
+        part; summed over those ranks (one all-reduce per such weight, on its sharing mesh's pipeline dim), every
+        holder has the whole gradient and steps alike. Every rank builds the same list (all such weights, in the
+        same order); the ranks outside a weight's sharing mesh skip it."""
+        out = list(grads)
+        index = {ph: i for i, ph in enumerate(self._leaves)}
+        for ph, sub in self._shared.items():
+            if ph not in index:
+                continue
+            i = index[ph]
+            g = out[i] if out[i] is not None else torch.zeros_like(self._leaves[ph])
+            dist.all_reduce(g, group=sub.get_group(0))
+            out[i] = g
+        return out
+
     def _sum_over_data(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The stage's gradients summed over its data-parallel ranks: one all-reduce of one flat bucket per data
         axis (the loss is already weighed by the global count, so a sum is the gradient)."""
@@ -658,19 +680,60 @@ class PipelineModule(nn.Module):
         return out
 
 
-def _refuse_shared_weights(captured) -> None:
+def _param_groups(model: nn.Module, captured) -> list[tuple[list[str], list[str]]]:
+    """Per parameter tensor of the model, in its order: (every name it has, every placeholder the capture gave it).
+    Tied weights are one tensor under several names, which export may lift as several placeholders (GPT's
+    `wte.weight` unused and `lm_head.weight` used by both the lookup and the head)."""
+    ph_of = {fqn: ph for ph, fqn in captured.param_fqns.items()}
+    groups: dict[int, tuple[list[str], list[str]]] = {}
+    for name, q in model.named_parameters(remove_duplicate=False):
+        names, phs = groups.setdefault(id(q), ([], []))
+        names.append(name)
+        if name in ph_of:
+            phs.append(ph_of[name])
+    return [g for g in groups.values() if g[1]]
+
+
+_SHARED_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _shared_mesh(mesh: DeviceMesh, ax: int, owners: tuple[int, ...]) -> DeviceMesh:
+    """The ranks whose coordinate on the pipeline axis `ax` is one of `owners`, as a mesh whose first dim runs over
+    those owners (named `<axis>_shared`) and whose other dims are the other axes. Every rank builds every such mesh,
+    in the same order (creating its process groups is collective)."""
+    key = (id(mesh), ax, owners)
+    if key not in _SHARED_MESHES:
+        ranks = mesh.mesh.index_select(ax, torch.tensor(owners)).movedim(ax, 0)
+        names = list(mesh.mesh_dim_names)
+        names = [f"{names[ax]}_shared"] + names[:ax] + names[ax + 1:]
+        _SHARED_MESHES[key] = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
+    return _SHARED_MESHES[key]
+
+
+def _shared_tensor(full: torch.Tensor, mesh: DeviceMesh, sub: DeviceMesh, holder: bool):
+    """A parameter that stages on several ranks use: rank 0's value (broadcast over the whole mesh, as
+    `owned_tensor`), whole on the ranks of `sub` (replicated there), empty elsewhere."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local()
+    if not holder:
+        local = local.new_empty(0)
+    return DTensor.from_local(local.clone(), sub, [Replicate()] * sub.ndim, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _refuse_shared_weights(model: nn.Module, captured) -> None:
     """Zero-bubble schedules split each backward into the input gradient and, later, the weight gradient
     (`torch.distributed.pipelining._backward.stage_backward_weight`); that split is known to be wrong for a weight
-    used twice (issue #23), so a model whose program uses a parameter at two places is refused under `zbv` (a
-    parameter's uses are all in one stage: `_Split` refuses one shared by two)."""
-    for ph, fqn in captured.param_fqns.items():
-        node = captured.placeholder(ph)
-        if len(node.users) > 1:
+    used twice (issue #23), so a model whose program uses a parameter (under any of its tied names) at two places is
+    refused under `zbv`."""
+    for names, phs in _param_groups(model, captured):
+        users = [u.name for ph in phs for u in captured.placeholder(ph).users]
+        if len(users) > 1:
             raise NotImplementedError(
-                f"pipeline form 'zbv': parameter {fqn!r} is used {len(node.users)} times in its stage "
-                f"({', '.join(u.name for u in node.users)}); torch's zero-bubble split of the backward into input and "
-                "weight gradients is known to be wrong for a weight used twice, so autopar does not run it. Fix: "
-                "use '1f1b' or 'interleaved-1f1b' for this model.")
+                f"pipeline form 'zbv': parameter {names[0]!r} is used {len(users)} times ({', '.join(users)}); "
+                "torch's zero-bubble split of the backward into input and weight gradients is known to be wrong for "
+                "a weight used twice, so autopar does not run it. Fix: use '1f1b' or 'interleaved-1f1b' for this "
+                "model.")
 
 
 def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

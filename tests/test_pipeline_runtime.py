@@ -52,8 +52,13 @@ class Skip(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+def _gpt():
+    from autopar.models import GPT, GPTConfig
+    return GPT(GPTConfig(num_layers=2))
+
+
 def _model(name):
-    return _llama(name) if isinstance(name, int) else {"twice": Twice, "skip": Skip}[name]()
+    return _llama(name) if isinstance(name, int) else {"twice": Twice, "skip": Skip, "gpt": _gpt}[name]()
 
 
 def _batch(batch: int = 8, ignored: bool = True):
@@ -119,7 +124,8 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
     try:
         ref = _model(layers)
         model = copy.deepcopy(ref)
-        tokens, labels = _batch(batch) if isinstance(layers, int) else (torch.randn(batch, 8), torch.randn(batch, 8))
+        tokens, labels = _batch(batch) if layers == "gpt" or isinstance(layers, int) else \
+            (torch.randn(batch, 8), torch.randn(batch, 8))
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp",
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=microbatches,
@@ -190,15 +196,18 @@ def test_five_layers_on_two_stages_and_a_scaled_loss():
     assert results[0]["reduces"] == results[1]["reduces"] == [(_agreement(batch), 2), (1, 2)]
 
 
-def test_pp2_x_dp2_matches_one_device():
+@pytest.mark.parametrize("model", [4, "gpt"])
+def test_pp2_x_dp2_matches_one_device(model):
     m, batch = 2, 8
-    results = gloo_pool(4).run(_equivalence, "1f1b", 4, (2, 2), ("pp", "dp"), m, batch)
+    results = gloo_pool(4).run(_equivalence, "1f1b", model, (2, 2), ("pp", "dp"), m, batch)
     _check(results)
-    numel = {r["rank"]: sum(_numel(n) for n in r["mine"]) for r in results}
+    numel = {r["rank"]: sum(_numel(model, n) for n in r["mine"]) for r in results}
     mb_bytes = batch // (2 * m) * S * H * 8
     for r in results:
-        # the agreement, the loss over pp and dp, then the stage's gradients in one bucket over dp
-        assert r["reduces"] == [(_agreement(batch), 4), (1, 2), (1, 2), (numel[r["rank"]], 2)], r["reduces"]
+        # the agreement, the loss over pp and dp, then the stage's gradients in one bucket over dp (and GPT's
+        # tied embedding and head summed over pp)
+        tied = [(128 * H, 2)] if model == "gpt" else []
+        assert r["reduces"] == [(_agreement(batch), 4), (1, 2), (1, 2), (numel[r["rank"]], 2)] + tied, r["reduces"]
         assert sorted(r["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
                                           + [("isend", mb_bytes // 8, mb_bytes)] * m)
 
@@ -210,8 +219,8 @@ def _agreement(batch: int) -> int:
     return 3 + 2 * input_digests(list(_batch(batch))).numel()
 
 
-def _numel(name: str) -> int:
-    return dict(_llama(4).named_parameters())[name].numel()
+def _numel(model, name: str) -> int:
+    return dict(_model(model).named_parameters())[name].numel()
 
 
 def test_interleaved_1f1b_two_stages_per_rank():
@@ -242,6 +251,18 @@ def test_mse_loss_and_a_weight_used_twice():
     _check(gloo_pool(2).run(_equivalence, "1f1b", "twice", (2,), ("pp",), 2, 4))
     for r in gloo_pool(2).run(_error, "twice", (2,), ("pp",), "zbv@pp", 2):
         assert r[0] == "NotImplementedError" and "'blocks.0.weight' is used 2 times" in r[1], r
+
+
+def test_a_weight_tied_across_stages():
+    # GPT's embedding is its output head: stage 0 looks it up, stage 1 projects with it; each holds it, the two
+    # gradient parts are summed over the pipeline axis, and both ranks step it alike
+    m, batch = 2, 4
+    results = gloo_pool(2).run(_equivalence, "1f1b", "gpt", (2,), ("pp",), m, batch)
+    _check(results)
+    for r in results:
+        assert "wte.weight" in r["mine"]
+        # the agreement, the loss, then the tied weight's gradient (128 x 32) over the pipeline axis
+        assert r["reduces"] == [(_agreement(batch), 2), (1, 2), (128 * 32, 2)], r["reduces"]
 
 
 def test_a_value_passed_through_stages():
@@ -354,8 +375,6 @@ def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int =
     (("llama2", (2,), ("dp",), "1f1b@pp", 2), ("ValueError", r"pipeline axis 'pp'.*not an axis of the mesh \(dp\)")),
     (("llama2", (2,), ("pp",), "dualpipev@pp", 2), ("NotImplementedError", r"'dualpipev' pipeline schedule is not "
                                                                        r"implemented")),
-    (("gpt", (2,), ("pp",), "1f1b@pp", 2), ("NotImplementedError", r"'lm_head\.weight' \(tied to 'wte\.weight'\) "
-                                                                  r"is used by pipeline stages \[0, 1\].*Fix: untie")),
 ])
 def test_clear_errors_on_every_rank(case, expected):
     import re
