@@ -502,11 +502,13 @@ class PipelineModule(nn.Module):
             self._leaves[ph] = leaf
         group = mesh.get_group(ax)
         self._stages = []
+        self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
         for k in self._local_stages:
             gm, acts, user, st = split.stage_graph(k)
             leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+            self._stage_modules[k] = sub
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
         loss_fn = _weigh
         if pplan.form in ("gpipe", "1f1b"):
@@ -601,7 +603,10 @@ class PipelineModule(nn.Module):
             self._schedule.step(target=w, losses=losses, return_outputs=False, **mb_kwargs)
         else:
             with torch.no_grad():
-                self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
+                if self._plan.form == "zbv":
+                    losses = self._forward_only(local, weight)
+                else:
+                    self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
         total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
@@ -613,6 +618,42 @@ class PipelineModule(nn.Module):
         grads = self._sum_over_data(grads)
         grads = self._sum_over_sharing_stages(grads)
         return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _forward_only(self, local: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor]:
+        """The microbatches' weighted losses (on the rank of the last stage), forward only: microbatch after
+        microbatch, stage after stage in stage order, blocking p2p where consecutive stages sit on different ranks
+        (every rank walks the same order, so each send meets its receive). For `zbv`, whose torch schedule cannot
+        run forward only (torch 2.13: `ScheduleZBVZeroBubble.eval` asserts "can't steal_bwd_input if this stage
+        doesn't have backward")."""
+        names = tuple(self._mesh.mesh_dim_names)
+        ax = names.index(self._plan.axis)
+        p, me, group = self._mesh.size(ax), self._mesh.get_local_rank(ax), self._mesh.get_group(ax)
+        n = self._plan.n_stages(p)
+        where = [self._plan.stage_rank(k, p) for k in range(n)]
+        m = self._plan.microbatches
+        rows = next(len(a) for a, b in zip(local, self._batched) if b) // m
+        losses = []
+        for i in range(m):
+            inputs = {name: (a[i * rows:(i + 1) * rows] if b else a)
+                      for name, a, b in zip(self._user_inputs, local, self._batched)}
+            carried: tuple = ()
+            for k in range(n):
+                if where[k] == me:
+                    out = self._stage_modules[k](*carried, **inputs)
+                    if k == n - 1:
+                        losses.append(_weigh(out, weight))
+                        continue
+                    carried = tuple(out)
+                    if where[k + 1] != me:
+                        for t in carried:
+                            dist.send(t.contiguous(), dst=dist.get_global_rank(group, where[k + 1]), group=group)
+                        carried = ()
+                elif k + 1 < n and where[k + 1] == me:  # stage k's outputs are stage k+1's inputs
+                    carried = tuple(torch.empty(u.meta["val"].shape, dtype=u.meta["val"].dtype, device=self._device)
+                                    for u in self._split.acts[k + 1])
+                    for t in carried:
+                        dist.recv(t, src=dist.get_global_rank(group, where[k]), group=group)
+        return losses
 
     def _microbatches(self, flat: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """The whole batch's microbatches (over every data-parallel rank), by placeholder name."""

@@ -139,6 +139,8 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
             loss = pm(tokens, labels)
         (scale * loss).backward()
         errs = {"loss": abs(float(loss) - float(ref_loss))}
+        with torch.no_grad():  # forward only, on this schedule too
+            errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref_loss))
         refs = dict(ref.named_parameters())
         mine = []
         for n, p in pm.named_parameters():
