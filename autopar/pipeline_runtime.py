@@ -500,7 +500,7 @@ class PipelineModule(nn.Module):
             leaf = nn.Parameter(param._local_tensor)
             assert leaf.data_ptr() == param._local_tensor.data_ptr()
             self._leaves[ph] = leaf
-        group = mesh.get_group(ax)
+        group = self._p2p_group = _p2p_group(mesh, ax)
         self._stages = []
         self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
         for k in self._local_stages:
@@ -627,7 +627,7 @@ class PipelineModule(nn.Module):
         doesn't have backward")."""
         names = tuple(self._mesh.mesh_dim_names)
         ax = names.index(self._plan.axis)
-        p, me, group = self._mesh.size(ax), self._mesh.get_local_rank(ax), self._mesh.get_group(ax)
+        p, me, group = self._mesh.size(ax), self._mesh.get_local_rank(ax), self._p2p_group
         n = self._plan.n_stages(p)
         where = [self._plan.stage_rank(k, p) for k in range(n)]
         m = self._plan.microbatches
@@ -735,6 +735,25 @@ def _param_groups(model: nn.Module, captured) -> list[tuple[list[str], list[str]
     return [g for g in groups.values() if g[1]]
 
 
+_P2P_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _p2p_group(mesh: DeviceMesh, ax: int) -> dist.ProcessGroup:
+    """This rank's line along the pipeline axis as a process group of its own, for the stages' p2p only: a group
+    on which ranks send different numbers of messages (a middle stage twice an end one) must not carry
+    collectives too (gloo's DETAIL debug wrapper, for one, checks every collective's sequence number per group).
+    Every rank creates every line's group, in the same order (`new_group` is collective)."""
+    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), ax)  # the layout, not id()
+    if key not in _P2P_GROUPS:
+        lines = mesh.mesh.movedim(ax, -1).reshape(-1, mesh.size(ax))
+        me = dist.get_rank()
+        for line in lines.tolist():
+            g = dist.new_group(line)
+            if me in line:
+                _P2P_GROUPS[key] = g
+    return _P2P_GROUPS[key]
+
+
 _SHARED_MESHES: dict[tuple, DeviceMesh] = {}
 
 
@@ -742,7 +761,8 @@ def _shared_mesh(mesh: DeviceMesh, ax: int, owners: tuple[int, ...]) -> DeviceMe
     """The ranks whose coordinate on the pipeline axis `ax` is one of `owners`, as a mesh whose first dim runs over
     those owners (named `<axis>_shared`) and whose other dims are the other axes. Every rank builds every such mesh,
     in the same order (creating its process groups is collective)."""
-    key = (id(mesh), ax, owners)
+    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh_dim_names),
+           ax, owners)
     if key not in _SHARED_MESHES:
         ranks = mesh.mesh.index_select(ax, torch.tensor(owners)).movedim(ax, 0)
         names = list(mesh.mesh_dim_names)

@@ -214,6 +214,19 @@ def test_pp2_x_dp2_matches_one_device(model):
                                           + [("isend", mb_bytes // 8, mb_bytes)] * m)
 
 
+@pytest.mark.parametrize("form", ["gpipe", "1f1b"])
+def test_pp4_matches_one_device(form):
+    m, batch = 4, 8
+    results = gloo_pool(4).run(_equivalence, form, 4, (4,), ("pp",), m, batch)
+    _check(results)
+    assert results[0]["cut"] == (0, 1, 2, 3, 4) and [r["stages"] for r in results] == [[0], [1], [2], [3]]
+    mb = batch // m * S * H
+    for r in results:  # an end stage talks to one neighbour, a middle one to two
+        peers = 1 if r["rank"] in (0, 3) else 2
+        assert sorted(r["p2p"]) == sorted([("irecv", mb, 8 * mb)] * peers * m + [("isend", mb, 8 * mb)] * peers * m)
+        assert r["reduces"] == [(_agreement(batch), 4), (1, 4)]
+
+
 def _agreement(batch: int) -> int:
     """The numel of `autopar.agree.agree_on_call`'s all-reduce for this batch: a key digest pair and an error slot,
     then the inputs' digests and their negation."""
