@@ -288,6 +288,11 @@ class _Split:
                 self.acts[t].append(u)
         for t in self.acts:
             self.acts[t].sort(key=self.order.__getitem__)
+            for u in self.acts[t]:
+                if not isinstance(u.meta.get("val"), torch.Tensor):
+                    raise NotImplementedError(
+                        f"pipeline stages: {u.name} ({u.target}) crosses from stage {t - 1} to stage {t} but is a "
+                        f"{type(u.meta.get('val')).__name__}, not a tensor; only tensors are sent between stages")
         self.loss = self._loss_node()
 
     def _loss_node(self) -> fx.Node:
