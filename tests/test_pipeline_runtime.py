@@ -395,3 +395,48 @@ def test_clear_errors_on_every_rank(case, expected):
     import re
     for r in gloo_pool(2).run(_error, *case):
         assert r is not None and r[0] == expected[0] and re.search(expected[1], r[1], re.S), r
+
+
+ZOO = ("llama", "gpt2", "gpt_neox", "bert", "vit")  # decoders (gpt2: tied embedding and head), an encoder, images
+
+
+def _zoo(families):
+    """Per family as users hold it (tests/zoo.py: fp64, the loss a module returns), under 1f1b on pp2: the loss,
+    every gradient and every parameter after an AdamW step against one device, within the family's tolerance."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import autopar
+    import zoo
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    out = {}
+    for family in families:
+        torch.manual_seed(0)
+        ref, inputs, tol = getattr(zoo, family)()
+        pm = autopar.parallelize(copy.deepcopy(ref), mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@pp"},
+                                 microbatches=2)
+        ref(**inputs).backward()
+        loss = pm(**inputs)
+        loss.backward()
+        errs = {"loss": abs(float(loss) - float(ref(**inputs)))}
+        refs = dict(ref.named_parameters())
+        mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None]
+        for n, p in pm.named_parameters():
+            assert isinstance(p, DTensor)
+            if n in mine:
+                errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+        torch.optim.AdamW(ref.parameters(), lr=0.01).step()
+        torch.optim.AdamW(pm.parameters(), lr=0.01).step()
+        for n, p in pm.named_parameters():
+            if n in mine:
+                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        out[family] = {"bad": {k: v for k, v in errs.items() if not v <= tol}, "mine": mine, "all": sorted(refs)}
+    return out
+
+
+def test_five_zoo_families_under_1f1b():
+    results = gloo_pool(2).run(_zoo, ZOO)
+    for family in ZOO:
+        assert not any(r[family]["bad"] for r in results), (family, [r[family]["bad"] for r in results])
+        assert set(results[0][family]["mine"]) | set(results[1][family]["mine"]) == set(results[0][family]["all"])
