@@ -37,7 +37,8 @@
 - **Parameters** keep their names on every rank (`pm.named_parameters()` matches the model's). Each is a `DTensor`
   on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
   (`autopar.dtensors.owned_tensor`): whole there, empty elsewhere, so `torch.optim` (which skips a parameter
-  without a gradient, as every other stage's is here), `state_dict` and `full_tensor()` on the owning ranks work.
+  without a gradient, as every other stage's is here), `state_dict`, `load_state_dict` of the single-device
+  model's full tensors (`_full_to_placed`) and `full_tensor()` on the owning ranks work.
   The stage's program runs on plain leaves that share the DTensors' local storage. A weight used by stages on
   several ranks (GPT-2's embedding tied to its head) is whole on each of them (a DTensor on the sub-mesh of those
   ranks, `_shared_mesh`); each computes its stages' part of the gradient and one all-reduce over them sums the
@@ -531,6 +532,7 @@ class PipelineModule(nn.Module):
         self._state = state
         self._device = device
         self._captured = captured
+        self._register_load_state_dict_pre_hook(_full_to_placed, with_module=True)
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
@@ -800,6 +802,24 @@ def _refuse_shared_weights(model: nn.Module, captured) -> None:
                 "torch's zero-bubble split of the backward into input and weight gradients is known to be wrong for "
                 "a weight used twice, so autopar does not run it. Fix: use '1f1b' or 'interleaved-1f1b' for this "
                 "model.")
+
+
+def _full_to_placed(module, state_dict, prefix, *_):
+    """`load_state_dict` pre-hook: a plain full tensor (the single-device model's `state_dict()`) becomes this rank's
+    part of the parameter's DTensor (whole where its stage runs, empty elsewhere), copied in place into the storage
+    the stages' leaves share."""
+    from torch.distributed.tensor import DTensor
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or \
+                tuple(value.shape) != tuple(param.shape):
+            continue  # a DTensor loads as it is; a size mismatch is load_state_dict's to report
+        local = value.detach().to(dtype=param.dtype, device=param.to_local().device)
+        if param.device_mesh.get_coordinate() is None:
+            local = local.new_empty(0)
+        state_dict[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride())
 
 
 def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -295,7 +295,8 @@ def test_a_value_passed_through_stages():
 def _contract():
     """The call contract beyond one step: no backward leaves no gradient; no_grad and eval run forward only (no
     gradient sent back) and return the global loss; two calls then two backwards accumulate; state_dict keeps the
-    model's keys; an out-of-range id, or ranks passing different batches, raise on every rank."""
+    model's keys and load_state_dict takes the single-device model's; an out-of-range id, or ranks passing different
+    batches, raise on every rank."""
     import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -341,6 +342,10 @@ def _contract():
             except Exception as e:  # noqa: BLE001 - returned to the test
                 out[name] = (type(e).__name__, str(e))
         out["after"] = abs(float(pm(tokens, labels)) - float(ref_loss))  # nothing left waiting
+        other = _llama(2)  # other weights, loaded from a single-device state dict into the stages
+        pm.load_state_dict(other.state_dict())
+        with torch.no_grad():
+            out["loaded"] = abs(float(pm(tokens, labels)) - float(other(tokens, labels)))
         return out
     finally:
         torch.set_default_dtype(torch.float32)
@@ -359,6 +364,7 @@ def test_backward_releases_the_gradients_no_grad_or_eval_run_forward_only_and_ba
         assert r["bad"][0] == "IndexError" and "index out of range" in r["bad"][1], r["bad"]
         assert r["other"][0] == "RankMismatchError" and "every rank passes the same whole batch" in r["other"][1]
         assert r["after"] <= TOL
+        assert r["loaded"] <= TOL
 
 
 def _error(model: str, mesh_shape, names, value: str, microbatches, batch: int = 8, plan="dp"):
