@@ -38,7 +38,8 @@
   on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
   (`autopar.dtensors.owned_tensor`): whole there, empty elsewhere, so `torch.optim` (which skips a parameter
   without a gradient, as every other stage's is here), `state_dict`, `load_state_dict` of the single-device
-  model's full tensors (`_full_to_placed`) and `full_tensor()` on the owning ranks work.
+  model's full tensors (`_full_to_placed`) and `full_tensor()` on the owning ranks work. Gradient clipping is
+  `pm.clip_grad_norm_`: torch's `clip_grad_norm_` on `pm.parameters()` would see only this rank's stages.
   The stage's program runs on plain leaves that share the DTensors' local storage. A weight used by stages on
   several ranks (GPT-2's embedding tied to its head) is whole on each of them (a DTensor on the sub-mesh of those
   ranks, `_shared_mesh`); each computes its stages' part of the gradient and one all-reduce over them sums the
@@ -473,6 +474,7 @@ class PipelineModule(nn.Module):
         self._owned: dict[str, nn.Parameter] = {}  # representative placeholder -> this rank's DTensor parameter
         self._leaf_of: dict[str, str] = {}  # every parameter placeholder -> its tensor's representative placeholder
         self._shared: dict[str, DeviceMesh] = {}  # representative -> the mesh of the ranks whose stages share it
+        self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -484,6 +486,7 @@ class PipelineModule(nn.Module):
                 dt = owned_tensor(value, mesh, placements)
             else:
                 self._shared[rep] = _shared_mesh(mesh, ax, tuple(owners))
+                self._first_holder[rep] = owners[0]
                 dt = _shared_tensor(value, mesh, self._shared[rep], me in owners)
             param = nn.Parameter(dt, requires_grad=True)
             for ph in phs:
@@ -690,6 +693,41 @@ class PipelineModule(nn.Module):
             if self._mesh.size(i) > 1:
                 dist.all_reduce(t, group=self._mesh.get_group(i))
         return t
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """`torch.nn.utils.clip_grad_norm_` over the whole pipelined model; returns the total norm (a plain tensor,
+        the same on every rank). Call this one: torch's own on `pm.parameters()` sees only this rank's stages'
+        gradients (each stage's DTensors live on their own sub-mesh, which no DTensor reduction spans), so it
+        would clip by this rank's part of the norm. Each weight counts once: a data-parallel replica's gradient
+        is the same (summed) gradient, and a weight tied across stages is counted by its first holder; one
+        all-reduce over the pipeline axis."""
+        names = tuple(self._mesh.mesh_dim_names)
+        ax = names.index(self._plan.axis)
+        me = self._mesh.get_local_rank(ax)
+        grads = [q.grad.to_local() for q in self._owned.values() if q.grad is not None]
+        counted = [q.grad.to_local() for rep, q in self._owned.items()
+                   if q.grad is not None and self._first_holder.get(rep, me) == me]
+        norm_type = float(norm_type)
+        dtype = grads[0].dtype if grads else self._loss_dtype
+        if counted:
+            part = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in counted]),
+                                            norm_type).to(dtype)
+        else:
+            part = torch.zeros((), dtype=dtype, device=self._device)
+        if norm_type == float("inf"):
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(ax))
+            total = part
+        else:
+            part = part ** norm_type
+            dist.all_reduce(part, group=self._mesh.get_group(ax))
+            total = part ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the pipelined model's gradients is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
 
     def _sum_over_sharing_stages(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """A weight used by stages on several ranks (tied embedding and head): each rank's gradient is its stages'

@@ -110,7 +110,7 @@ class _AllReduces:
 
 
 def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, batch: int = 8, scale: float = 1.0,
-                 stages_per_rank=None):
+                 stages_per_rank=None, clip: float | None = None):
     """On each rank: loss, gradient and AdamW-step errors against one device, the p2p ops of the step and the
     parameters this rank checked."""
     import copy
@@ -150,6 +150,12 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
                 continue
             mine.append(n)
             errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+        if clip is not None:  # the total norm, and each gradient after clipping
+            errs["norm"] = abs(float(pm.clip_grad_norm_(clip)) - float(torch.nn.utils.clip_grad_norm_(ref.parameters(),
+                                                                                                      clip)))
+            for n, p in pm.named_parameters():
+                if n in mine:
+                    errs[f"clipped grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         torch.optim.AdamW(ref.parameters(), lr=0.01).step()
         torch.optim.AdamW(pm.parameters(), lr=0.01).step()
         for n, p in pm.named_parameters():
@@ -201,7 +207,7 @@ def test_five_layers_on_two_stages_and_a_scaled_loss():
 @pytest.mark.parametrize("model", [4, "gpt"])
 def test_pp2_x_dp2_matches_one_device(model):
     m, batch = 2, 8
-    results = gloo_pool(4).run(_equivalence, "1f1b", model, (2, 2), ("pp", "dp"), m, batch)
+    results = gloo_pool(4).run(_equivalence, "1f1b", model, (2, 2), ("pp", "dp"), m, batch, clip=0.05)
     _check(results)
     numel = {r["rank"]: sum(_numel(model, n) for n in r["mine"]) for r in results}
     mb_bytes = batch // (2 * m) * S * H * 8
@@ -272,7 +278,7 @@ def test_a_weight_tied_across_stages():
     # GPT's embedding is its output head: stage 0 looks it up, stage 1 projects with it; each holds it, the two
     # gradient parts are summed over the pipeline axis, and both ranks step it alike
     m, batch = 2, 4
-    results = gloo_pool(2).run(_equivalence, "1f1b", "gpt", (2,), ("pp",), m, batch)
+    results = gloo_pool(2).run(_equivalence, "1f1b", "gpt", (2,), ("pp",), m, batch, clip=0.05)
     _check(results)
     for r in results:
         assert "wte.weight" in r["mine"]
