@@ -80,7 +80,7 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
     axis (`pipeline_estimate.PIPELINE_AXIS_NAMES`: "pp", ...) or, when no plan fits, any axis
     (`pipeline_estimate.auto_pipeline`: schedule, microbatches, checkpoint level and cut, the ILP inside each stage);
     the least estimated step that fits wins and its '(pipeline)' decision says what decided it (`Plan.explain`).
-    `parallelize` does not weigh a pipeline yet: the stage runtime of issue #23 is not built."""
+    `parallelize(plan='auto')` does not weigh a pipeline yet: it runs one when an override names it."""
     from autopar import pipeline_estimate as pe
     from autopar.solver import InfeasibleError
     info = mesh_info(mesh)
@@ -153,22 +153,24 @@ def _plan_unpipelined(model, mesh, example_inputs, *, plan, cluster, memory_limi
 def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, precision,
                    microbatches) -> Plan:
     """`plan` with a 'pipeline' override: planned and priced offline by the stage model
-    (`autopar.pipeline_estimate`); lowering a pipelined plan needs the stage runtime (issue #23), not built yet."""
+    (`autopar.pipeline_estimate`); `autopar.parallelize` runs it (`autopar.pipeline_runtime`); `lower=True` is refused."""
     from autopar.pipeline_estimate import plan_pipeline
     info = mesh_info(mesh)
     sizes = dict(zip(info.names, info.sizes))
     if lower:
         raise NotImplementedError(
-            "autopar.plan(..., lower=True) with a 'pipeline' override: lowering a pipelined plan needs the stage "
-            "runtime of issue #23, which is not built yet. Fix for now: plan with lower=False (the plan and its "
-            "estimate, no collectives listed)")
+            "autopar.plan(..., lower=True) with a 'pipeline' override: a pipelined plan is not lowered offline; the "
+            "stage runtime of issue #23 lowers each stage on its own capture inside autopar.parallelize. Fix: plan "
+            "with lower=False (the plan and its estimate), or autopar.parallelize(model, mesh, inputs, plan='dp', "
+            "overrides={'pipeline': ...}, microbatches=m) to run it")
     rest = {k: v for k, v in overrides.items() if k != "pipeline"} or None
     return plan_pipeline(model, sizes, example_inputs, pipeline=overrides["pipeline"], microbatches=microbatches,
                          plan=plan, cluster=cluster, memory_limit=memory_limit, overrides=rest, precision=precision)
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
-                memory_limit=None, inputs="global", mp_policy=None) -> ParallelModule:
+                memory_limit=None, inputs="global", mp_policy=None, microbatches=None,
+                stages_per_rank=None) -> ParallelModule:
     """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
 
     Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
@@ -199,6 +201,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy`, run as FSDP2 runs it whatever the plan
     (`autopar.precision`): the parameters stay in their dtype (the optimizer's masters), compute and FSDP gathers in
     `param_dtype`, gradient reductions in `reduce_dtype`, gradients in the parameters' dtype. None: the model's dtypes.
+
+    `overrides={"pipeline": "FORM@axis"}` pipelines the model's layers over that mesh axis (issue #23; forms
+    `autopar.pipeline_runtime.IMPLEMENTED`), the batch cut into `microbatches` (default: the number of stages) and
+    `stages_per_rank` stages per rank (interleaved-1f1b: default 2); the other axes are data parallel (`plan="dp"`).
+    The result is an `autopar.pipeline_runtime.PipelineModule`: its call contract is in that module's docstring.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -212,6 +219,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
+    if isinstance(overrides, dict) and "pipeline" in overrides:
+        from autopar.pipeline_runtime import parallelize_pipeline
+        return parallelize_pipeline(model, mesh, example_inputs, value=overrides["pipeline"],
+                                    microbatches=microbatches, stages_per_rank=stages_per_rank, plan=plan,
+                                    overrides=overrides, inputs=inputs, mp_policy=mp_policy)
+    if microbatches is not None or stages_per_rank is not None:
+        raise ValueError(f"microbatches={microbatches!r} / stages_per_rank={stages_per_rank!r} apply to a pipelined "
+                         "model only: pass overrides={'pipeline': 'FORM@axis'} too, or drop them")
     _refuse_meta_moe(model)
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)

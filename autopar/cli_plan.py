@@ -44,8 +44,8 @@ def add_parser(sub) -> None:
     p.add_argument("--override", action="append", default=[], metavar="KEY=FORM",
                    help="force a form, e.g. attention=heads@tp or 'layers.*.mlp=replicate' (repeatable)")
     p.add_argument("--microbatches", type=int, help="microbatches of a pipelined plan (--override "
-                   "pipeline=1f1b@pp, or auto on a mesh with a pp axis); a pipelined plan is not lowered (its stage "
-                   "runtime, issue #23, is not built)")
+                   "pipeline=1f1b@pp, or auto on a mesh with a pp axis); a pipelined plan is not lowered offline "
+                   "(autopar.parallelize runs it)")
     p.add_argument("--out", help="write the plan as JSON")
     p.add_argument("--html", help="write a self-contained HTML report")
     p.add_argument("--explain", nargs="?", const=ALL, metavar="KEY",

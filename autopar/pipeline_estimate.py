@@ -27,8 +27,8 @@ its in-flight count.
 The plan this returns is for planning and estimating: its strategies, parameter placements and checkpoint levels are
 the one-layer plan's repeated over every layer (the pipeline axis replicated: a stage's parameters live on its
 sub-mesh), its `pipeline` says the form, microbatches and cut, and it has no graph fingerprint (the runtime re-plans
-on its own capture). `parallelize` does not run it yet: the stage runtime is not built (`planner.parse_overrides`
-raises NotImplementedError), and neither does `autopar.plan(..., lower=True)`.
+on its own capture). `parallelize` with the same override runs the pipeline on its own capture
+(`autopar.pipeline_runtime`, plan='dp' inside the stages so far); `autopar.plan(..., lower=True)` does not lower it.
 
 Not modelled: FSDP inside a stage keeps its gathered weights across the microbatches (reshard_after_forward=False, as
 torchtitan and Llama 3 run FSDP under pipelining), so its gathers are paid once per step and no re-gather per
@@ -437,8 +437,8 @@ def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, m
     from autopar.plan import Estimate
     estimate = Estimate(**fields, solver=f"pipeline over {pplan.axis}" + (f"; sub-mesh plan: {est.solver}"
                                                                           if est.solver else ""))
-    notes = tuple(sub_plan.notes) + (text, "planned offline for estimating: the stage runtime of issue #23 is not "
-                                     "built, so parallelize cannot run this plan yet")
+    notes = tuple(sub_plan.notes) + (text, "planned offline for estimating: autopar.parallelize runs the pipeline on its "
+                                     "own capture (autopar.pipeline_runtime)")
     return Plan(name=name or sub_plan.name, mesh=tuple(mesh.items()), strategies=tuple(strategies), params=tuple(params),
                 inputs=tuple((k, _widen(v, sub, mesh)) for k, v in sub_plan.inputs), directives=(), graph="",
                 notes=notes, estimate=estimate, decisions=sub_plan.decisions + (decision,),

@@ -103,12 +103,17 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
                             f"'h.*.attn', got {type(key).__name__} {key!r}")
         if key == "pipeline":
             from autopar.pipeline_plan import parse_pipeline
+            from autopar.pipeline_runtime import IMPLEMENTED, check_form
             form, axis = parse_pipeline(value, tuple(mesh.names))
+            check_form(form, value)
+            # autopar.parallelize runs the implemented forms (autopar.pipeline_runtime) before planning; here a
+            # pipeline would have to be planned and priced (autopar.plan, autopar.tune), which is not written yet
             raise NotImplementedError(
-                f"override 'pipeline': {value!r}: pipeline parallelism is not implemented yet in parallelize "
-                f"(issue #23: autopar.plan(model, mesh_sizes, inputs, overrides={{'pipeline': {value!r}}}, "
-                f"microbatches=m) plans and prices it offline, the stage runtime does not exist). Fix for now: "
-                f"drop the 'pipeline' override and give axis {axis!r} another role (data or tensor parallel).")
+                f"override 'pipeline': {value!r} is not taken on this path (autopar.tune, or a plan lowered "
+                f"without the pipeline runtime; issue #23). autopar.parallelize runs the forms "
+                f"{', '.join(IMPLEMENTED)} with plan='dp', and autopar.plan(model, mesh_sizes, inputs, "
+                f"overrides={{'pipeline': {value!r}}}, microbatches=m) plans and prices it offline. Fix: use one of "
+                f"those, or drop the override and give axis {axis!r} another role.")
         cand = _parse_value(value, mesh, mesh.names[-1])
         kind = Kind(key) if key in kinds else None
         if kind is not None and cand.form not in form_names(kind):

@@ -228,7 +228,7 @@ def test_pipeline_errors():
         autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@cp"}, microbatches=2)
     with pytest.raises(ValueError, match="no axis is pipelined"):
         autopar.plan(model, mesh, inputs, plan="megatron", microbatches=2)
-    with pytest.raises(NotImplementedError, match="stage runtime of issue #23"):
+    with pytest.raises(NotImplementedError, match="pipelined plan is not lowered offline"):
         autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"}, microbatches=2,
                      lower=True)
     with pytest.raises(ValueError, match="give microbatches="):

@@ -1,0 +1,868 @@
+"""Pipeline parallelism at run time (issue #23): the captured graph cut into stages, run on torch's schedules.
+
+`parallelize(model, mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@pp"}, microbatches=4)` comes here
+(`parallelize_pipeline`). The contract it keeps (DESIGN.md §1, issue #23):
+
+- **Stages from the captured graph.** The model is captured (`autopar.capture`) on one *microbatch*'s shapes and
+  its repeated layers found (`autopar.layers.find_layers`); `balanced_cut` cuts them into `p * v` stages by their
+  forward FLOPs (torch's own `flop_counter` formulas, run per node on meta tensors), the nodes before the first
+  layer (embedding) going with stage 0 and those after the last (final norm, head, loss) with the last stage.
+  Why the graph and not the `nn.Module`: what runs between the layers lives only in the model's `forward` code
+  (Llama's rotary tables, GPT's position embedding, the loss), so a module cannot be cut without rewriting that
+  code, while the captured graph has every op, each tagged with its module path; and unlike
+  `torch.distributed.pipelining.pipeline()` it does not trace the model a second time (that tracer has open
+  failures on HF models, notes/pipeline-zero-fp8.md §7). Each stage is an `fx.GraphModule` of its nodes, run by one
+  `torch.distributed.pipelining.PipelineStage`; torch's schedules (`ScheduleGPipe`, `Schedule1F1B`,
+  `ScheduleInterleaved1F1B`, `ScheduleZBVZeroBubble`) run them. Values that cross a stage boundary and depend on
+  no parameter (rotary tables, masks, positions: computed from inputs, buffers and constants only, no random op)
+  are recomputed in the stage that uses them rather than sent; every stage gets the microbatch's user inputs (the
+  schedule's kwargs), so the p2p traffic is the activations that carry gradients: per microbatch and boundary,
+  one send of each forward (`b_mb * s * h` for a transformer) and one of its gradient backward.
+- **The loss and `backward()`.** A call in train mode with grad enabled runs the whole schedule, forward and
+  backward of every microbatch, inside the call (that is how pipelining overlaps them); the gradients it leaves
+  are taken off the stage's parameters, summed over the stage's data-parallel ranks (one all-reduce of one flat
+  bucket per data axis), and held by the returned loss's autograd node. `loss.backward()` *releases* them: the
+  node's backward returns `grad_output * gradient` for each of this rank's parameters, so autograd accumulates them
+  into `.grad` as for any leaf: `(c * loss).backward()` gives c times the gradient, two calls then two backwards
+  accumulate, and a loss never backpropagated leaves no gradient (the computed ones are dropped with it). The
+  returned loss is the **global** loss on every rank (the last stage's microbatch losses summed, then one
+  all-reduce over the pipeline axis and one per data axis; other ranks add zero). Under `torch.no_grad()` or
+  `pm.eval()` the schedule runs forward only (`schedule.eval`).
+- **Microbatch losses combine exactly.** The loss at the graph's output is rewritten to its sum form (a mean
+  `cross_entropy` or `mse_loss` becomes `reduction="sum"`) and each microbatch's sum is multiplied by
+  1 / (the global count the mean divides by): for cross-entropy the valid (not `ignore_index`) targets of the whole
+  batch, counted before the step from the targets' own subgraph (which depends on the inputs only), so ignored
+  labels spread unevenly over microbatches and data ranks weigh exactly as on one device. Other outputs raise
+  `NotImplementedError` (a model that returns logits, several outputs, an auxiliary loss added to the loss).
+- **Parameters** keep their names on every rank (`pm.named_parameters()` matches the model's). Each is a `DTensor`
+  on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
+  (`autopar.dtensors.owned_tensor`): whole there, empty elsewhere, so `torch.optim` (which skips a parameter
+  without a gradient, as every other stage's is here), `state_dict`, `load_state_dict` of the single-device
+  model's full tensors (`_full_to_placed`) and `full_tensor()` on the owning ranks work. Gradient clipping is
+  `pm.clip_grad_norm_`: torch's `clip_grad_norm_` on `pm.parameters()` would see only this rank's stages.
+  The stage's program runs on plain leaves that share the DTensors' local storage. A weight used by stages on
+  several ranks (GPT-2's embedding tied to its head) is whole on each of them (a DTensor on the sub-mesh of those
+  ranks, `_shared_mesh`); each computes its stages' part of the gradient and one all-reduce over them sums the
+  parts, so every holder has the single-device gradient and steps alike.
+
+Errors reach every rank: building checks everything it can before its first collective and agrees on failure
+(one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
+batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation
+after that would still leave its peers waiting in p2p until the process group's timeout (torch's schedules have
+no cross-rank error path).
+
+`zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
+twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
+tensor or other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only);
+`inputs="local"`; `mp_policy`; calls whose shapes differ from the example's; the planner choosing a pipeline
+(`plan="auto"`, `autopar.plan`) and its cost model (`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan`
+run (form, axis, microbatches, cut), not a `Plan`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autopar.pipeline_plan import PipelinePlan, balanced_cut, parse_pipeline
+
+IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+aten = torch.ops.aten
+_MEAN, _SUM = 1, 2  # ATen's reduction enum
+
+
+def check_form(form: str, value: str) -> None:
+    """Raise NotImplementedError for a pipeline form the runtime does not run (yet)."""
+    if form not in IMPLEMENTED:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r}: the {form!r} pipeline schedule is not implemented yet (issue #23); "
+            f"implemented: {', '.join(IMPLEMENTED)}. Fix: use one of those, e.g. '1f1b@{value.split('@', 1)[1]}'.")
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def parallelize_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs, *, value: str, microbatches,
+                         stages_per_rank, plan, overrides: dict, inputs: str, mp_policy) -> "PipelineModule":
+    """`autopar.parallelize` with a `pipeline` override; see the module docstring. Every check runs on every rank;
+    an error on one rank is raised on every rank (`autopar.agree`)."""
+    from torch.distributed._local_tensor import local_tensor_mode
+    names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+    form, axis = parse_pipeline(value, names)
+    check_form(form, value)
+    if local_tensor_mode() is not None:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r} under LocalTensorMode (simulated ranks): a pipeline sends activations "
+            "point to point between processes, which simulated ranks do not have. Fix: run on real processes "
+            "(torchrun, or gloo workers).")
+    error, built = None, None
+    try:
+        built = _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan,
+                       overrides, inputs, mp_policy)
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    _agree(error, mesh)
+    return built
+
+
+def _agree(error: BaseException | None, mesh: DeviceMesh) -> None:
+    """One all-gather of a flag: if any rank failed, every rank raises the first failing rank's error."""
+    from autopar.agree import _raise_everywhere
+    from autopar.dtensors import mesh_device
+    flag = torch.tensor([1 if error is not None else 0], dtype=torch.int64, device=mesh_device(mesh))
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, flag)
+    failed = [r for r, f in enumerate(flags) if int(f)]
+    if failed:
+        _raise_everywhere(error, failed, len(flags), "while building the pipeline")
+
+
+def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan, overrides,
+           inputs, mp_policy):
+    from autopar.capture import capture, split_example_inputs
+    from autopar.inputs import batch_dims
+    from autopar.layers import find_layers
+
+    value = f"{form}@{axis}"
+    if plan != "dp":
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only data parallelism on "
+            "the remaining mesh axes is implemented yet (issue #23), not the planner's or a named plan's other "
+            "forms. Fix: plan='dp'.")
+    rest = {k: v for k, v in (overrides or {}).items() if k != "pipeline"}
+    if rest:
+        raise NotImplementedError(f"overrides {sorted(rest)} with a 'pipeline' override: forms inside a pipeline "
+                                  "stage are not implemented yet (issue #23); the other axes are data parallel. "
+                                  "Fix: drop them.")
+    if inputs != "global":
+        raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
+                                  "passes the whole batch. Fix: inputs='global'.")
+    if mp_policy is not None:
+        raise NotImplementedError("mp_policy with a 'pipeline' override is not implemented yet. Fix: drop mp_policy.")
+    p = mesh.size(names.index(axis))
+    if stages_per_rank is None:
+        stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
+    if microbatches is None:
+        microbatches = p * stages_per_rank
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
+    data = [n for n in names if n != axis]
+    degree = 1
+    for n in data:
+        degree *= mesh.size(names.index(n))
+
+    args, kwargs = split_example_inputs(example_inputs)
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if not all(isinstance(a, torch.Tensor) for a in flat):
+        raise NotImplementedError("a 'pipeline' override with non-tensor inputs is not implemented yet; got "
+                                  f"{[type(a).__name__ for a in flat]}. Fix: pass tensors only.")
+    sizes = batch_dims([tuple(a.shape) for a in flat])
+    batch = next((b for b in sizes if b), 0)
+    if not batch or batch % (degree * microbatches):
+        raise ValueError(
+            f"override 'pipeline': {value!r}: the batch of {batch} rows does not split into {microbatches} "
+            f"microbatches on each of the {degree} data-parallel rank(s) of mesh axes {data or '()'} "
+            f"({degree} x {microbatches} = {degree * microbatches} must divide it). Fix: choose microbatches "
+            f"dividing {batch // degree if batch % degree == 0 else batch} (the batch per data-parallel rank), or a "
+            "batch that is a multiple of data-parallel degree x microbatches.")
+    rows = batch // (degree * microbatches)
+    mb_flat = [a[:rows] if b else a for a, b in zip(flat, sizes)]
+    mb_args, mb_kwargs = pytree.tree_unflatten(mb_flat, spec)
+    captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    state = set(captured.param_fqns) | set(captured.buffer_fqns)
+    layers = find_layers(captured.gm, state)
+    n_stages = p * stages_per_rank
+    if len(layers) < n_stages:
+        raise ValueError(
+            f"override 'pipeline': {value!r} runs {n_stages} stages ({p} ranks on axis {axis!r} x {stages_per_rank} "
+            f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
+            f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
+            f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
+    split = _Split(captured, layers, n_stages)
+    if form == "zbv":  # before any collective of the construction: every rank refuses alike
+        _refuse_shared_weights(model, captured)
+    pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
+                         cut=split.cut)
+    return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
+                          shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
+                          data_axes=tuple(data))
+
+
+# ----------------------------------------------------------------------------- the cut
+
+def _meta(v):
+    if isinstance(v, torch.Tensor):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    return v
+
+
+def _node_flops(node: fx.Node) -> int:
+    """Forward FLOPs of one node by torch's `flop_counter` formulas, run on meta tensors (composite ops such as
+    `aten.linear` counted through their decomposition); 0 for ops without a formula or that do not run on meta
+    (the count only balances the cut, it never changes what runs)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    a, k = fx.node.map_arg((node.args, node.kwargs), lambda n: _meta(n.meta.get("val")))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            node.target(*a, **k)
+    except Exception:  # noqa: BLE001 - see above
+        return 0
+    return counter.get_total_flops()
+
+
+def _is_random(node: fx.Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in node.target.tags
+
+
+class _Split:
+    """The captured graph's nodes assigned to stages, and what crosses each boundary.
+
+    `stage[node]`: the stage of each call_function node (its layer's; a node outside the layers goes with the
+    layer before it, or stage 0 before the first). `free`: nodes computed from inputs, buffers and constants only
+    (no parameter, no random op): recomputed where used. `acts[t]`: for t >= 1, the values stage t receives from
+    stage t-1, in graph order (the non-free values made before stage t and used at or after it)."""
+
+    def __init__(self, captured, layers, n_stages: int):
+        gm = captured.gm
+        self.captured, self.n_stages = captured, n_stages
+        flops = {n.name: _node_flops(n) for n in gm.graph.nodes}
+        layer_of = {name: i for i, l in enumerate(layers) for name in l.nodes}
+        costs = [float(sum(flops[n] for n in l.nodes)) for l in layers]
+        nodes = list(gm.graph.nodes)
+        first_layer = min(i for i, n in enumerate(nodes) if n.name in layer_of)
+        pre = post = 0.0
+        current = None
+        for i, n in enumerate(nodes):
+            if n.name in layer_of:
+                current = layer_of[n.name]
+            elif current is None:
+                pre += flops[n.name]
+            elif current == len(layers) - 1:
+                post += flops[n.name]
+        self.cut = balanced_cut(costs, n_stages, first=pre, last=post)
+        stage_of_layer = {i: k for k in range(n_stages) for i in range(self.cut[k], self.cut[k + 1])}
+        self.order = {n: i for i, n in enumerate(nodes)}
+        self.stage: dict[fx.Node, int] = {}
+        self.free: set[fx.Node] = set()
+        kinds = {name: kind for name, kind, _ in captured.input_kinds}
+        current = 0
+        for i, n in enumerate(nodes):
+            if n.op == "placeholder":
+                if kinds[n.name] != "param":
+                    self.free.add(n)
+                continue
+            if n.op == "output":
+                continue
+            if n.op != "call_function":
+                raise NotImplementedError(f"pipeline stages of a graph with a {n.op!r} node ({n.name}) are not "
+                                          "implemented")
+            if n.name in layer_of:
+                current = stage_of_layer[layer_of[n.name]]
+            self.stage[n] = current
+            if not _is_random(n) and all(u in self.free for u in n.all_input_nodes):
+                self.free.add(n)
+        for n, s in self.stage.items():
+            for u in n.all_input_nodes:
+                if u in self.stage and u not in self.free and self.stage[u] > s:
+                    raise NotImplementedError(
+                        f"pipeline stages: node {n.name} (stage {s}) uses {u.name} of the later stage "
+                        f"{self.stage[u]}: the model's layers do not run one after another, which a pipeline needs")
+        (out,) = [n for n in nodes if n.op == "output"]
+        self.output = out
+        uses: dict[fx.Node, set[int]] = {}
+        for n, s in self.stage.items():
+            for u in n.all_input_nodes:
+                uses.setdefault(u, set()).add(s)
+        # parameter placeholder -> the stages that use it (one, or several: a weight tied across stages); an
+        # unused parameter goes with stage 0
+        self.stages_of: dict[str, tuple[int, ...]] = {
+            ph: tuple(sorted(uses.get(captured.placeholder(ph), ()))) or (0,) for ph in captured.param_fqns}
+        self.acts: dict[int, list[fx.Node]] = {t: [] for t in range(n_stages)}
+        for u, used in uses.items():
+            if u not in self.stage or u in self.free:
+                continue
+            for t in range(self.stage[u] + 1, max(used) + 1):
+                self.acts[t].append(u)
+        for t in self.acts:
+            self.acts[t].sort(key=self.order.__getitem__)
+            for u in self.acts[t]:
+                if not isinstance(u.meta.get("val"), torch.Tensor):
+                    raise NotImplementedError(
+                        f"pipeline stages: {u.name} ({u.target}) crosses from stage {t - 1} to stage {t} but is a "
+                        f"{type(u.meta.get('val')).__name__}, not a tensor; only tensors are sent between stages")
+        self.loss = self._loss_node()
+
+    def _loss_node(self) -> fx.Node:
+        """The loss at the graph's single output: cross-entropy or MSE, which the stage rewrites to a sum."""
+        outs = pytree.tree_leaves(self.output.args)
+        cap = self.captured
+        if cap.num_user_outputs != 1 or len(outs) != 1 or not isinstance(outs[0], fx.Node) or \
+                tuple(outs[0].meta["val"].shape) != ():
+            raise NotImplementedError(
+                "a 'pipeline' override needs a model whose forward returns its scalar loss (the last stage computes "
+                f"it per microbatch); this one returns {cap.num_user_outputs} output(s). Fix: return the loss, e.g. "
+                "F.cross_entropy(logits, labels), from forward.")
+        loss = outs[0]
+        if loss.target is aten.cross_entropy_loss.default:
+            a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
+            a.update(loss.kwargs)
+            if a.get("weight") is not None or a.get("label_smoothing", 0.0) or \
+                    loss.args[1].meta["val"].dtype.is_floating_point:
+                raise NotImplementedError(
+                    "a pipelined cross-entropy with class weights, label smoothing or probability targets is not "
+                    "implemented yet: its exact combination over microbatches is not written. Fix: plain class-index "
+                    "targets (ignore_index is fine).")
+            return loss
+        if loss.target is aten.mse_loss.default:
+            return loss
+        raise NotImplementedError(
+            f"the model's loss is computed by {loss.target} ({loss.name}): a pipeline combines the microbatch "
+            "losses exactly for a loss returned straight from cross_entropy or mse_loss only (not e.g. a sum of a "
+            "loss and an auxiliary loss) yet. Fix: return F.cross_entropy(...) or F.mse_loss(...) from forward.")
+
+    def reduction(self) -> int:
+        loss = self.loss
+        if loss.target is aten.cross_entropy_loss.default:
+            return loss.args[3] if len(loss.args) > 3 else loss.kwargs.get("reduction", _MEAN)
+        return loss.args[2] if len(loss.args) > 2 else loss.kwargs.get("reduction", _MEAN)
+
+    def count(self, env: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What one microbatch's mean divides by: its valid targets (cross-entropy), its elements (MSE), computed
+        from the inputs, buffers and constants in `env` (by placeholder name)."""
+        loss = self.loss
+        if loss.target is aten.mse_loss.default:
+            return torch.tensor(float(loss.args[0].meta["val"].numel()))  # moved with the sum below
+        target = loss.args[1]
+        if target not in self.free:
+            raise NotImplementedError("a cross-entropy whose targets are computed from parameters cannot be counted "
+                                      "before the pipeline runs")
+        values: dict[fx.Node, object] = {}
+        for n in sorted(self._ancestors([target]), key=self.order.__getitem__):
+            if n.op == "placeholder":
+                values[n] = env[n.name]
+            else:
+                a, k = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                values[n] = n.target(*a, **k)
+        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
+        return (values[target] != ignore).sum()
+
+    def _ancestors(self, roots) -> set[fx.Node]:
+        seen, todo = set(), list(roots)
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+        return seen
+
+    def stage_graph(self, k: int) -> tuple[fx.GraphModule, list[str], list[str], list[str]]:
+        """Stage k's program: (graph module, its received activations' names, the user inputs it reads, the state
+        (parameter, buffer, constant placeholders) it reads). Its placeholders are in that order; it returns the
+        activations of stage k+1 (a tuple), or, on the last stage, the loss in its sum form."""
+        gm = self.captured.gm
+        own = [n for n, s in self.stage.items() if s == k]
+        received = set(self.acts[k])
+        # what the stage computes: its nodes, and the free values it uses from earlier stages (recomputed)
+        todo, body = list(own), set(own)
+        while todo:
+            n = todo.pop()
+            for u in n.all_input_nodes:
+                if u.op == "placeholder" or u in body or u in received:
+                    continue
+                assert u in self.free, f"{u.name} crosses into stage {k} without being sent"
+                body.add(u)
+                todo.append(u)
+        outs = self.acts[k + 1] if k + 1 < self.n_stages else [self.loss]
+        for u in outs:
+            if u not in body and u not in received:
+                assert u in self.free or u.op == "placeholder", u
+        phs = {u for n in body for u in n.all_input_nodes if u.op == "placeholder"}
+        kinds = {name: kind for name, kind, _ in self.captured.input_kinds}
+        user = sorted((u for u in phs if kinds[u.name] == "input"), key=self.order.__getitem__)
+        st = sorted((u for u in phs if kinds[u.name] != "input"), key=self.order.__getitem__)
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for u in [*self.acts[k], *user, *st]:
+            env[u] = g.placeholder(u.name)
+            env[u].meta = dict(u.meta)
+        for n in sorted(body, key=self.order.__getitem__):
+            new = g.node_copy(n, env.__getitem__)
+            if n is self.loss and self.reduction() == _MEAN:  # the microbatch's sum; the schedule's loss_fn weighs it
+                i = 3 if n.target is aten.cross_entropy_loss.default else 2
+                new.args = (*new.args[:i], _SUM, *new.args[i + 1:]) if len(new.args) > i else new.args
+                if len(n.args) <= i:
+                    new.kwargs = {**new.kwargs, "reduction": _SUM}
+            env[n] = new
+        if k + 1 < self.n_stages:
+            g.output(tuple(env[u] for u in outs))
+        else:
+            g.output(env[self.loss])
+        g.lint()
+        return fx.GraphModule(gm, g), [u.name for u in self.acts[k]], [u.name for u in user], [u.name for u in st]
+
+
+# ----------------------------------------------------------------------------- the module
+
+class _StageModule(nn.Module):
+    """One stage as `PipelineStage` runs it: `forward(*received, **user_inputs)`. Its parameters are plain leaves
+    sharing the storage of the ParallelModule's DTensors (the schedule accumulates their gradients)."""
+
+    def __init__(self, gm: fx.GraphModule, acts: list[str], user: list[str], state_names: list[str],
+                 state: dict[str, torch.Tensor], leaves: dict[str, nn.Parameter]):
+        super().__init__()
+        self.gm, self.acts, self.user = gm, acts, user
+        self.state_names = state_names  # the graph's state placeholders, in order: parameters (leaves) and the rest
+        self._state = state  # buffers and constants: read-only, not registered (they are the pm's)
+        for name, leaf in leaves.items():
+            self.register_parameter(name, leaf)
+
+    def forward(self, *received, **inputs):
+        values = [self._parameters[n] if n in self._parameters else self._state[n] for n in self.state_names]
+        return self.gm(*received, *(inputs[n] for n in self.user), *values)
+
+
+class _ReleaseGrads(torch.autograd.Function):
+    """The pipelined loss: forward returns the global loss; backward returns grad_output x the gradients the
+    schedule already computed, for this rank's parameters (DTensors), so autograd accumulates them into `.grad`."""
+
+    @staticmethod
+    def forward(ctx, loss, grads, *params):
+        ctx.grads = grads
+        ctx.specs = [q._spec for q in params]
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from autopar.dtensors import _grad_dtensor
+        out = [None if g is None else _grad_dtensor(g * grad_output.to(g.dtype), spec)
+               for g, spec in zip(ctx.grads, ctx.specs)]
+        return (None, None, *out)
+
+
+class PipelineModule(nn.Module):
+    """The pipelined model: `pm(*inputs)` returns the global loss on every rank (see the module docstring).
+    `check_inputs` (True): the ranks check at each call that they pass the same batch (`_check_call`)."""
+
+    check_inputs = True
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
+                 flat_spec, shapes, batched, data_axes):
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+        from torch.distributed.tensor import Replicate
+        from autopar.dtensors import mesh_device, owned_tensor
+        from autopar.module import _non_persistent
+        from autopar.spec import Owned
+
+        names = tuple(mesh.mesh_dim_names)
+        self._mesh, self._plan, self._split = mesh, pplan, split
+        self._spec, self._shapes, self._batched, self._data_axes = flat_spec, shapes, batched, data_axes
+        self._user_inputs = list(captured.user_inputs)
+        ax = names.index(pplan.axis)
+        p = mesh.size(ax)
+        me = mesh.get_local_rank(ax)
+        self._local_stages = [k for k in range(pplan.n_stages(p)) if pplan.stage_rank(k, p) == me]
+        device = mesh_device(mesh)
+        tensors = dict(model.named_parameters(remove_duplicate=False))
+        self._owned: dict[str, nn.Parameter] = {}  # representative placeholder -> this rank's DTensor parameter
+        self._leaf_of: dict[str, str] = {}  # every parameter placeholder -> its tensor's representative placeholder
+        self._shared: dict[str, DeviceMesh] = {}  # representative -> the mesh of the ranks whose stages share it
+        self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
+        for names, phs in _param_groups(model, captured):
+            used = [ph for ph in phs if captured.placeholder(ph).users]
+            stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
+            rep = (used or phs)[0]
+            owners = sorted({pplan.stage_rank(k, p) for k in stages})
+            value = tensors[names[0]].detach().to(device)
+            if len(owners) == 1:
+                placements = [Owned(owners[0]) if i == ax else Replicate() for i in range(mesh.ndim)]
+                dt = owned_tensor(value, mesh, placements)
+            else:
+                self._shared[rep] = _shared_mesh(mesh, ax, tuple(owners))
+                self._first_holder[rep] = owners[0]
+                dt = _shared_tensor(value, mesh, self._shared[rep], me in owners)
+            param = nn.Parameter(dt, requires_grad=True)
+            for ph in phs:
+                self._leaf_of[ph] = rep
+            if any(k in self._local_stages for k in stages):
+                self._owned[rep] = param
+            for name in names:
+                self._register(name, param)
+        buffers = dict(model.named_buffers())
+        state: dict[str, torch.Tensor] = {}
+        for ph, fqn in captured.buffer_fqns.items():
+            buf = buffers[fqn].detach().clone().to(device)
+            persistent = fqn.rsplit(".", 1)[-1] not in _non_persistent(model, fqn)
+            self._register(fqn, buf, buffer=True, persistent=persistent)
+            state[ph] = buf
+        for ph, t in captured.constants.items():
+            state[ph] = t.to(device)
+        self._leaves: dict[str, nn.Parameter] = {}
+        for ph, param in self._owned.items():
+            leaf = nn.Parameter(param._local_tensor)
+            assert leaf.data_ptr() == param._local_tensor.data_ptr()
+            self._leaves[ph] = leaf
+        group = self._p2p_group = _p2p_group(mesh, ax)
+        self._stages = []
+        self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
+        for k in self._local_stages:
+            gm, acts, user, st = split.stage_graph(k)
+            leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
+            sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
+            self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+            self._stage_modules[k] = sub
+        chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
+        loss_fn = _weigh
+        if pplan.form in ("gpipe", "1f1b"):
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+            cls = ScheduleGPipe if pplan.form == "gpipe" else Schedule1F1B
+            self._schedule = cls(self._stages[0], pplan.microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunk,
+                                 scale_grads=False)
+        else:
+            from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleZBVZeroBubble
+            cls = ScheduleInterleaved1F1B if pplan.form == "interleaved-1f1b" else ScheduleZBVZeroBubble
+            self._schedule = cls(self._stages, pplan.microbatches, loss_fn=loss_fn, kwargs_chunk_spec=chunk,
+                                 scale_grads=False)
+        self._is_last = pplan.n_stages(p) - 1 in self._local_stages
+        self._loss_dtype = split.loss.meta["val"].dtype
+        self._state = state
+        self._device = device
+        self._captured = captured
+        self._register_load_state_dict_pre_hook(_full_to_placed, with_module=True)
+
+    def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for part in path:
+            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if buffer:
+            mod.register_buffer(leaf, value, persistent=persistent)
+        else:
+            mod.register_parameter(leaf, value)
+
+    @property
+    def plan(self) -> PipelinePlan:
+        """The pipeline run: form, axis, microbatches, stages per rank and the layer cut."""
+        return self._plan
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self._mesh
+
+    @property
+    def local_stages(self) -> list[int]:
+        return list(self._local_stages)
+
+    def _local_batch(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's rows of the global batch: its coordinate over the data axes (row-major) picks a slice."""
+        names = tuple(self._mesh.mesh_dim_names)
+        index, degree = 0, 1
+        for n in self._data_axes:
+            i = names.index(n)
+            index = index * self._mesh.size(i) + self._mesh.get_local_rank(i)
+            degree *= self._mesh.size(i)
+        return [a.chunk(degree)[index] if b else a for a, b in zip(flat, self._batched)]
+
+    def _weight(self, flat: list[torch.Tensor]) -> torch.Tensor:
+        """1 / the global count a mean divides by (1 for a sum): the same on every rank (every rank has the whole
+        batch), counted per microbatch of the whole batch on its own shapes."""
+        if self._split.reduction() != _MEAN:
+            return torch.tensor(1.0, dtype=self._loss_dtype, device=self._device)
+        total = 0
+        for mb in self._microbatches(flat):
+            total = total + self._split.count({**mb, **self._state})
+        return 1.0 / torch.as_tensor(total, dtype=self._loss_dtype, device=self._device)
+
+    def _rows(self, flat) -> int:
+        """Rows of one microbatch."""
+        n = next(len(a) for a, b in zip(flat, self._batched) if b)
+        degree = 1
+        names = tuple(self._mesh.mesh_dim_names)
+        for a in self._data_axes:
+            degree *= self._mesh.size(names.index(a))
+        return n // (degree * self._plan.microbatches)
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in flat]
+        if spec != self._spec or shapes != self._shapes:
+            raise NotImplementedError(
+                f"a pipelined model called with inputs of shapes {shapes}, not the example's {self._shapes}: "
+                "re-cutting the stages for new shapes is not implemented yet (issue #23). Fix: call it with the "
+                "example's shapes, or parallelize again for these.")
+        flat = [a.to(self._device) for a in flat]  # the mesh's device (the user's batch may be on the host)
+        self._check_call(flat, shapes)
+        local = self._local_batch(flat)
+        weight = self._weight(flat)
+        w = weight.reshape(1).expand(self._plan.microbatches).contiguous()
+        mb_kwargs = dict(zip(self._user_inputs, local))
+        losses: list[torch.Tensor] = []
+        train = self.training and torch.is_grad_enabled()
+        if train:
+            for leaf in self._leaves.values():
+                leaf.grad = None
+            self._schedule.step(target=w, losses=losses, return_outputs=False, **mb_kwargs)
+        else:
+            with torch.no_grad():
+                if self._plan.form == "zbv":
+                    losses = self._forward_only(local, weight)
+                else:
+                    self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
+        total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
+            torch.zeros((), dtype=self._loss_dtype, device=self._device)
+        total = self._sum_over_mesh(total.to(self._loss_dtype))
+        if not train:
+            return total
+        grads = [leaf.grad for leaf in self._leaves.values()]
+        for leaf in self._leaves.values():
+            leaf.grad = None
+        grads = self._sum_over_data(grads)
+        grads = self._sum_over_sharing_stages(grads)
+        return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _forward_only(self, local: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor]:
+        """The microbatches' weighted losses (on the rank of the last stage), forward only: microbatch after
+        microbatch, stage after stage in stage order, blocking p2p where consecutive stages sit on different ranks
+        (every rank walks the same order, so each send meets its receive). For `zbv`, whose torch schedule cannot
+        run forward only (torch 2.13: `ScheduleZBVZeroBubble.eval` asserts "can't steal_bwd_input if this stage
+        doesn't have backward")."""
+        names = tuple(self._mesh.mesh_dim_names)
+        ax = names.index(self._plan.axis)
+        p, me, group = self._mesh.size(ax), self._mesh.get_local_rank(ax), self._p2p_group
+        n = self._plan.n_stages(p)
+        where = [self._plan.stage_rank(k, p) for k in range(n)]
+        m = self._plan.microbatches
+        rows = next(len(a) for a, b in zip(local, self._batched) if b) // m
+        losses = []
+        for i in range(m):
+            inputs = {name: (a[i * rows:(i + 1) * rows] if b else a)
+                      for name, a, b in zip(self._user_inputs, local, self._batched)}
+            carried: tuple = ()
+            for k in range(n):
+                if where[k] == me:
+                    out = self._stage_modules[k](*carried, **inputs)
+                    if k == n - 1:
+                        losses.append(_weigh(out, weight))
+                        continue
+                    carried = tuple(out)
+                    if where[k + 1] != me:
+                        for t in carried:
+                            dist.send(t.contiguous(), dst=dist.get_global_rank(group, where[k + 1]), group=group)
+                        carried = ()
+                elif k + 1 < n and where[k + 1] == me:  # stage k's outputs are stage k+1's inputs
+                    carried = tuple(torch.empty(u.meta["val"].shape, dtype=u.meta["val"].dtype, device=self._device)
+                                    for u in self._split.acts[k + 1])
+                    for t in carried:
+                        dist.recv(t, src=dist.get_global_rank(group, where[k]), group=group)
+        return losses
+
+    def _microbatches(self, flat: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """The whole batch's microbatches (over every data-parallel rank), by placeholder name."""
+        n, rows = next(len(a) for a, b in zip(flat, self._batched) if b), self._rows(flat)
+        return [{name: (a[start:start + rows] if b else a) for name, a, b in zip(self._user_inputs, flat,
+                                                                                  self._batched)}
+                for start in range(0, n, rows)]
+
+    def _check_call(self, flat: list[torch.Tensor], shapes) -> None:
+        """Before any stage runs: an out-of-range token id or label raises one device's IndexError on every rank
+        (`autopar.index_checks`, on every microbatch: every rank has the whole batch), and the ranks agree that
+        they pass the same batch (`autopar.agree.agree_on_call`: one all-reduce of digests), so neither a bad id
+        seen by one stage nor different batches leave the other stages waiting for p2p that never comes."""
+        from autopar.agree import agree_on_call
+        checks = self._captured.index_checks
+        if checks is not None:
+            for mb in self._microbatches(flat):
+                error = checks(mb)
+                if error is not None:
+                    raise IndexError(error)
+        if self.check_inputs:
+            agree_on_call(("pipeline", f"inputs of shapes {shapes}"), self._mesh, None,
+                          values=dict(zip(self._user_inputs, flat)))
+
+    def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
+        for i in range(self._mesh.ndim):
+            if self._mesh.size(i) > 1:
+                dist.all_reduce(t, group=self._mesh.get_group(i))
+        return t
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """`torch.nn.utils.clip_grad_norm_` over the whole pipelined model; returns the total norm (a plain tensor,
+        the same on every rank). Call this one: torch's own on `pm.parameters()` sees only this rank's stages'
+        gradients (each stage's DTensors live on their own sub-mesh, which no DTensor reduction spans), so it
+        would clip by this rank's part of the norm. Each weight counts once: a data-parallel replica's gradient
+        is the same (summed) gradient, and a weight tied across stages is counted by its first holder; one
+        all-reduce over the pipeline axis."""
+        names = tuple(self._mesh.mesh_dim_names)
+        ax = names.index(self._plan.axis)
+        me = self._mesh.get_local_rank(ax)
+        grads = [q.grad.to_local() for q in self._owned.values() if q.grad is not None]
+        counted = [q.grad.to_local() for rep, q in self._owned.items()
+                   if q.grad is not None and self._first_holder.get(rep, me) == me]
+        norm_type = float(norm_type)
+        dtype = grads[0].dtype if grads else self._loss_dtype
+        if counted:
+            part = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in counted]),
+                                            norm_type).to(dtype)
+        else:
+            part = torch.zeros((), dtype=dtype, device=self._device)
+        if norm_type == float("inf"):
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(ax))
+            total = part
+        else:
+            part = part ** norm_type
+            dist.all_reduce(part, group=self._mesh.get_group(ax))
+            total = part ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the total norm of order {norm_type} of the pipelined model's gradients is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite=True)")
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return total
+
+    def _sum_over_sharing_stages(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """A weight used by stages on several ranks (tied embedding and head): each rank's gradient is its stages'
+        part; summed over those ranks (one all-reduce per such weight, on its sharing mesh's pipeline dim), every
+        holder has the whole gradient and steps alike. Every rank builds the same list (all such weights, in the
+        same order); the ranks outside a weight's sharing mesh skip it."""
+        out = list(grads)
+        index = {ph: i for i, ph in enumerate(self._leaves)}
+        for ph, sub in self._shared.items():
+            if ph not in index:
+                continue
+            i = index[ph]
+            g = out[i] if out[i] is not None else torch.zeros_like(self._leaves[ph])
+            dist.all_reduce(g, group=sub.get_group(0))
+            out[i] = g
+        return out
+
+    def _sum_over_data(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The stage's gradients summed over its data-parallel ranks: one all-reduce of one flat bucket per data
+        axis (the loss is already weighed by the global count, so a sum is the gradient)."""
+        names = tuple(self._mesh.mesh_dim_names)
+        axes = [names.index(a) for a in self._data_axes if self._mesh.size(names.index(a)) > 1]
+        present = [g for g in grads if g is not None]
+        if not axes or not present:
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in present])
+        for i in axes:
+            dist.all_reduce(flat, group=self._mesh.get_group(i))
+        out, offset = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return out
+
+
+def _param_groups(model: nn.Module, captured) -> list[tuple[list[str], list[str]]]:
+    """Per parameter tensor of the model, in its order: (every name it has, every placeholder the capture gave it).
+    Tied weights are one tensor under several names, which export may lift as several placeholders (GPT's
+    `wte.weight` unused and `lm_head.weight` used by both the lookup and the head)."""
+    ph_of = {fqn: ph for ph, fqn in captured.param_fqns.items()}
+    groups: dict[int, tuple[list[str], list[str]]] = {}
+    for name, q in model.named_parameters(remove_duplicate=False):
+        names, phs = groups.setdefault(id(q), ([], []))
+        names.append(name)
+        if name in ph_of:
+            phs.append(ph_of[name])
+    return [g for g in groups.values() if g[1]]
+
+
+_P2P_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _p2p_group(mesh: DeviceMesh, ax: int) -> dist.ProcessGroup:
+    """This rank's line along the pipeline axis as a process group of its own, for the stages' p2p only: a group
+    on which ranks send different numbers of messages (a middle stage twice an end one) must not carry
+    collectives too (gloo's DETAIL debug wrapper, for one, checks every collective's sequence number per group).
+    Every rank creates every line's group, in the same order (`new_group` is collective)."""
+    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), ax)  # the layout, not id()
+    if key not in _P2P_GROUPS:
+        lines = mesh.mesh.movedim(ax, -1).reshape(-1, mesh.size(ax))
+        me = dist.get_rank()
+        for line in lines.tolist():
+            g = dist.new_group(line)
+            if me in line:
+                _P2P_GROUPS[key] = g
+    return _P2P_GROUPS[key]
+
+
+_SHARED_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _shared_mesh(mesh: DeviceMesh, ax: int, owners: tuple[int, ...]) -> DeviceMesh:
+    """The ranks whose coordinate on the pipeline axis `ax` is one of `owners`, as a mesh whose first dim runs over
+    those owners (named `<axis>_shared`) and whose other dims are the other axes. Every rank builds every such mesh,
+    in the same order (creating its process groups is collective)."""
+    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh_dim_names),
+           ax, owners)
+    if key not in _SHARED_MESHES:
+        ranks = mesh.mesh.index_select(ax, torch.tensor(owners)).movedim(ax, 0)
+        names = list(mesh.mesh_dim_names)
+        names = [f"{names[ax]}_shared"] + names[:ax] + names[ax + 1:]
+        _SHARED_MESHES[key] = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
+    return _SHARED_MESHES[key]
+
+
+def _shared_tensor(full: torch.Tensor, mesh: DeviceMesh, sub: DeviceMesh, holder: bool):
+    """A parameter that stages on several ranks use: rank 0's value (broadcast over the whole mesh, as
+    `owned_tensor`), whole on the ranks of `sub` (replicated there), empty elsewhere."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    local = distribute_tensor(full.detach().clone(), mesh, [Replicate()] * mesh.ndim).to_local()
+    if not holder:
+        local = local.new_empty(0)
+    return DTensor.from_local(local.clone(), sub, [Replicate()] * sub.ndim, run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _refuse_shared_weights(model: nn.Module, captured) -> None:
+    """Zero-bubble schedules split each backward into the input gradient and, later, the weight gradient
+    (`torch.distributed.pipelining._backward.stage_backward_weight`); that split is known to be wrong for a weight
+    used twice (issue #23), so a model whose program uses a parameter (under any of its tied names) at two places is
+    refused under `zbv`."""
+    for names, phs in _param_groups(model, captured):
+        users = [u.name for ph in phs for u in captured.placeholder(ph).users]
+        if len(users) > 1:
+            raise NotImplementedError(
+                f"pipeline form 'zbv': parameter {names[0]!r} is used {len(users)} times ({', '.join(users)}); "
+                "torch's zero-bubble split of the backward into input and weight gradients is known to be wrong for "
+                "a weight used twice, so autopar does not run it. Fix: use '1f1b' or 'interleaved-1f1b' for this "
+                "model.")
+
+
+def _full_to_placed(module, state_dict, prefix, *_):
+    """`load_state_dict` pre-hook: a plain full tensor (the single-device model's `state_dict()`) becomes this rank's
+    part of the parameter's DTensor (whole where its stage runs, empty elsewhere), copied in place into the storage
+    the stages' leaves share."""
+    from torch.distributed.tensor import DTensor
+    for name, param in module.named_parameters(remove_duplicate=False):
+        key = prefix + name
+        value = state_dict.get(key)
+        if not isinstance(param, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or \
+                tuple(value.shape) != tuple(param.shape):
+            continue  # a DTensor loads as it is; a size mismatch is load_state_dict's to report
+        local = value.detach().to(dtype=param.dtype, device=param.to_local().device)
+        if param.device_mesh.get_coordinate() is None:
+            local = local.new_empty(0)
+        state_dict[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride())
+
+
+def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss_fn: one microbatch's loss sum x 1 / the global count (its `target` chunk, shape (1,))."""
+    return loss_sum * weight.reshape(())
+
+
+__all__ = ["IMPLEMENTED", "PipelineModule", "check_form", "parallelize_pipeline"]
