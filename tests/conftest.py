@@ -90,7 +90,7 @@ FILE_SECONDS = {
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day
     "test_verify.py": 60,
     "test_recognition.py": 57,
-    "test_meta.py": 52,
+    "test_meta.py": 60,
     "test_solver.py": 44,
     "test_shapes.py": 36,
     "test_ring_hf.py": 36,
