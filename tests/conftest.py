@@ -100,7 +100,7 @@ FILE_SECONDS = {
     "test_fsdp_layers.py": 24,
     "test_sharding.py": 24,
     "test_local_step.py": 23,
-    "test_inspect.py": 22,
+    "test_inspect.py": 40,
     "test_mixed_precision.py": 22,
     "test_collectives.py": 20,
     "test_published_runs.py": 20,
