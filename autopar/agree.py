@@ -10,6 +10,9 @@ every rank:
   of the unbatched inputs' values]. A failure on any rank raises that rank's error on every rank; parts that differ
   raise on every rank a `RankMismatchError` naming the ranks, the part and the first thing that differs. Those
   details travel in a second all-gather that a rank enters only once the first told every rank it is needed.
+- `agree_on_success(step, mesh, doing)`: every rank runs `step` (`autopar.load` reading its checkpoint files),
+  then one all-gather of a failed flag per rank: a failure on any rank raises that rank's error on every rank,
+  before any rank goes on to a collective the failed rank would never reach.
 - `solve_on_rank0`: rank 0 plans; the plan, or rank 0's error, is broadcast (one broadcast).
 - `check_input_values`: inputs="global": every rank passed the same example values; inputs="local": the ranks of
   one data-parallel rank (differing only on non-data axes) passed the same values, and the unbatched inputs are the
@@ -202,6 +205,27 @@ def agree_on(step: Callable, describe: Callable, mesh: DeviceMesh):
     if differ:
         raise mismatch_error(agreement, differ)
     return result, agreement
+
+
+def agree_on_success(step: Callable, mesh: DeviceMesh, doing: str):
+    """Run `step()` here, then one all-gather of a failed flag (one int64 per rank): returns its result where every
+    rank succeeded, else raises on every rank the error of the first rank that failed (`doing` says when, in the
+    note naming the failed ranks). A rank that fails waits for no one: it reaches the all-gather at once."""
+    if _one_process():
+        return step()
+    error = result = None
+    try:
+        result = step()
+    except Exception as e:  # noqa: BLE001 - every rank raises it below
+        error = e
+    with _local_tensor_off():
+        flag = torch.tensor([int(error is not None)], dtype=torch.int64, device=_device(mesh))
+        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, flag)
+    failed = [r for r, f in enumerate(flags) if int(f.item())]
+    if failed:
+        _raise_everywhere(error, failed, len(flags), doing)
+    return result
 
 
 def _raise_everywhere(error: BaseException | None, failed: list[int], world: int, doing: str):

@@ -3,7 +3,7 @@
     python -m autopar plan --model pkg.module:factory --mesh dp=8,tp=8 --cluster h100
     python -m autopar plan --hf config.json --mesh dp=8,tp=8 --cluster h100 --batch 16 --seq 8192 \\
         [--memory-limit 80GB] [--plan auto|megatron|dp|fsdp|PATH] [--override KEY=FORM ...] \\
-        [--out plan.json] [--html report.html] [--explain [KEY]]
+        [--out plan.json] [--html report.html] [--explain [KEY]] [--full]
 
 `--model pkg.module:factory`: `factory()` returns `(model, example_inputs)` (called with `batch=` / `seq=`
 when those are given); the model may be on the meta device. `--hf CONFIG.json`: a Hugging Face config
@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
                    help="print every candidate of structure KEY (all structures without KEY) and what decided it")
     p.add_argument("--no-lower", action="store_true",
                    help="skip lowering (then the plan lists no collectives; faster on very large models)")
+    p.add_argument("--full", action="store_true",
+                   help="list every structure's row (default: identical layers in one row, e.g. layers.{0..79}.mlp ×80)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
 
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         explained = plan.explain(None if args.explain == ALL else args.explain) if args.explain else ""
     except (ValueError, NotImplementedError) as e:
         raise SystemExit(f"python -m autopar plan: {e}") from None
-    print(plan.table())
+    print(plan.table(full=args.full))
     if args.out:
         plan.save(args.out)
         print(f"wrote {args.out}")

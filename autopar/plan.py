@@ -320,14 +320,19 @@ class Plan:
                         out[f"{kind}.{pass_}"] += 1
         return dict(out)
 
-    def table(self) -> str:
-        rows = self.table_rows()
+    def table(self, full: bool = False) -> str:
+        """The plan as a table: one row per structure, identical layers folded into one row
+        (`model.layers.{0..79}.self_attn  ×80`, `autopar.layer_rows`); `full=True`: every structure's row."""
+        rows = self.table_rows(full=full)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = [f"Plan {self.name!r} on mesh " + "(" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"]
         for i, r in enumerate(rows):
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if not full and len(rows) < len(self.table_rows(full=True)):
+            lines.append("(a row ×N stands for N identical structures, one per layer: its numbers are each one's; "
+                         "plan.table(full=True) or --full lists every row)")
         if self.inputs:
             lines.append("inputs: " + ", ".join(f"{k}={v}" for k, v in self.inputs))
         if self.precision:
@@ -346,8 +351,16 @@ class Plan:
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def table_rows(self) -> list[tuple[str, ...]]:
-        """The table's header and one row per structure (and '(other)' for collectives outside them)."""
+    def table_rows(self, full: bool = True) -> list[tuple[str, ...]]:
+        """The table's header and one row per structure (and '(other)' for collectives outside them); `full=False`:
+        identical layers folded into one row (`autopar.layer_rows.group_rows`)."""
+        rows = self._structure_rows()
+        if full:
+            return rows
+        from autopar.layer_rows import group_rows
+        return rows[:1] + [row for row, _, _ in group_rows(rows[1:])]
+
+    def _structure_rows(self) -> list[tuple[str, ...]]:
         by_module: dict[str, list[CommRow]] = defaultdict(list)
         for c in self.comms:
             by_module[c.module].append(c)
@@ -396,6 +409,14 @@ class Plan:
         from autopar.report import write_report
         write_report(path, self)
 
+    def explanations(self) -> list[str]:
+        """`explain()` in parts: one per decision, each once (a layer's checkpoint and FSDP-gather decisions name
+        the same keys: `explain(key)` gives both), then the batch-gathered ops' if any."""
+        if not self.decisions:
+            return []
+        unsplit = _explain_unsplit(self).strip()
+        return [_explain_one(d, None) for d in self.decisions] + ([unsplit] if unsplit else [])
+
     def explain(self, key: str | None = None) -> str:
         """For each structure (or the one `key` names), every form it could take with its estimated compute,
         communication and memory per device, the one chosen and what decided it."""
@@ -421,7 +442,8 @@ class Plan:
 
 
 def _short(fqn: str, key: str) -> str:
-    return fqn[len(key) + 1:] if fqn.startswith(key + ".") else fqn
+    base = key.split(".{")[0] if key.endswith("}") else key  # 'h.0.{fc,out}': the members of module h.0
+    return fqn[len(base) + 1:] if fqn.startswith(base + ".") else fqn
 
 
 def _comm_summary(comms: list[CommRow]) -> str:
@@ -501,7 +523,12 @@ def fmt_time(s: float) -> str:
 
 
 def _keys_list(keys: list[str]) -> str:
-    return ", ".join(keys) if len(keys) <= 4 else f"{', '.join(keys[:3])}, ... ({len(keys)} in all)"
+    """'a, b', or for many keys their layers as ranges ('layers.{0..79}  ×80'), else the first three and the count."""
+    if len(keys) <= 4:
+        return ", ".join(keys)
+    from autopar.layer_rows import group_rows
+    groups = [row[0] for row, _, _ in group_rows([(k,) for k in keys])]
+    return ", ".join(groups) if len(groups) <= 3 else f"{', '.join(keys[:3])}, ... ({len(keys)} in all)"
 
 
 # ----------------------------------------------------------------------------- reading JSON

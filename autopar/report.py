@@ -4,6 +4,8 @@ It reads a Plan and a graph and imports neither `autopar.plan` nor the lowering 
 One self-contained file (inline CSS and script, no network assets), searchable (a filter over every row):
 
 - the plan table (`Plan.table_rows`) and the inputs' placements;
+- identical layers in one row (`model.layers.{0..79}.self_attn  ×80`, `autopar.layer_rows`) in the plan table, the
+  memory and step tables and the collectives (the plan table's every row also, folded away);
 - memory per device: parameters, gradients, optimizer state, activations saved for backward and FSDP's
   gathered copies (`Estimate.sites`), in all as a bar against the limit, then per structure;
 - the estimated step as a timeline: each structure's compute, then its communication on each mesh axis
@@ -11,7 +13,7 @@ One self-contained file (inline CSS and script, no network assets), searchable (
   itself is the overlapped timeline's (`autopar.timeline`), and the exposed communication is stated;
 - every collective of the lowered program with its bytes (`Plan.comms`), and, given the rewritten graph
   (`pm.graph_module`), the graph per structure with every collective node highlighted;
-- why each form (`Plan.explain`).
+- why each form (`Plan.explanations`: each decision once).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import html
 from collections import defaultdict
 
+from autopar.layer_rows import group_rows
 from autopar.runtime.collectives import COLLECTIVES
 from autopar.runtime.moe import moe_experts
 from autopar.spec import fmt_placements
@@ -64,17 +67,29 @@ def _ms(s: float) -> str:
 # ----------------------------------------------------------------------------- sections
 
 def _plan_section(plan) -> str:
-    rows = plan.table_rows()
-    out = ["<section id='plan'><h2>Plan</h2><table><thead><tr>"
-           + "".join(f"<th>{_e(h)}</th>" for h in rows[0]) + "</tr></thead><tbody>"]
-    for r in rows[1:]:
-        out.append("<tr class='f'>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>")
-    out.append("</tbody></table>")
+    rows, full = plan.table_rows(full=False), plan.table_rows(full=True)
+    out = ["<section id='plan'><h2>Plan</h2>", _table(rows)]
+    if len(rows) < len(full):
+        out.append("<p>A row ×N stands for N identical structures, one per layer (its numbers are each one's).</p>"
+                   f"<details><summary>every structure ({len(full) - 1} rows)</summary>{_table(full)}</details>")
     if plan.inputs:
         out.append("<p>inputs: " + _e(", ".join(f"{k}={v}" for k, v in plan.inputs)) + "</p>")
     if plan.notes:
         out.append("<ul>" + "".join(f"<li class='f'>{_e(n)}</li>" for n in plan.notes) + "</ul>")
     return "\n".join(out) + "</section>"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    return ("<table><thead><tr>" + "".join(f"<th>{_e(h)}</th>" for h in rows[0]) + "</tr></thead><tbody>"
+            + "".join("<tr class='f'>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+            + "</tbody></table>")
+
+
+def _grouped_sites(sites, cells):
+    """(site, its row's key: 'model.layers.{0..79}.mlp  ×80' for a group) per group of identical layers' sites, whose
+    rows `cells(site)` agree."""
+    rows = [(s.key, *cells(s)) for s in sites]
+    return [(sites[pos], row[0]) for row, _, pos in group_rows(rows)]
 
 
 def _memory_section(plan) -> str:
@@ -107,10 +122,10 @@ def _memory_section(plan) -> str:
     sizes = {s.key: sum(getattr(s, a) for _, a, _ in PARTS) for s in est.sites}
     biggest = max((v for k, v in sizes.items() if k != "(other)"), default=0) or max(sizes.values()) or 1
     out.append("<table class='bars'><tbody>")
-    for s in est.sites:
+    for s, key in _grouped_sites(est.sites, lambda s: [str(getattr(s, a)) for _, a, _ in PARTS]):
         parts = {a: getattr(s, a) for _, a, _ in PARTS}
         cut = f" <b>(bar cut: {sizes[s.key] / biggest:.1f}x the scale)</b>" if sizes[s.key] > biggest else ""
-        out.append(f"<tr class='f'><td>{_e(s.key)}</td><td class='barcell'>{_stack(parts, biggest)}</td>"
+        out.append(f"<tr class='f'><td>{_e(key)}</td><td class='barcell'>{_stack(parts, biggest)}</td>"
                    f"<td>{_fmt_bytes(sizes[s.key])}{cut}</td><td>activations {_fmt_bytes(s.activations_bytes)}"
                    "</td></tr>")
     return "\n".join(out) + "</tbody></table></section>"
@@ -161,10 +176,10 @@ def _step_section(plan) -> str:
                    f"<div class='ltrack'>{''.join(segs[lane])}</div></div>")
     out.append("</div><table><thead><tr><th>structure</th><th>compute</th>"
                + "".join(f"<th>comm {_e(a)}</th>" for a in axes) + "<th>local copies</th><th>total</th></tr></thead><tbody>")
-    for s in est.sites:
+    for s, key in _grouped_sites(est.sites, lambda s: [repr((s.compute_s, s.comm_s, s.comm_axes))]):
         by_axis = dict(s.comm_axes)
         copies = max(0.0, s.comm_s - sum(by_axis.values()))
-        out.append(f"<tr class='f'><td>{_e(s.key)}</td><td>{_ms(s.compute_s)}</td>"
+        out.append(f"<tr class='f'><td>{_e(key)}</td><td>{_ms(s.compute_s)}</td>"
                    + "".join(f"<td>{_ms(by_axis.get(a, 0.0))}</td>" for a in axes)
                    + f"<td>{_ms(copies)}</td><td>{_ms(s.compute_s + s.comm_s)}</td></tr>")
     return "\n".join(out) + "</tbody></table></section>"
@@ -189,12 +204,13 @@ def _comms_section(plan) -> str:
         return "\n".join(out) + "</section>"
     out.append(f"<p>{len(plan.comms)} collectives, {_fmt_bytes(plan.comm_bytes_per_step())} sent per rank per step "
                "(forward + backward), from the lowered program.</p>")
+    out.append("<p>Identical collectives of identical layers in one row, ×N: N collectives, the bytes each one's.</p>")
     out.append("<table><thead><tr><th>module</th><th>function</th><th>axis</th><th>forward</th><th>backward</th>"
                "<th>bytes forward</th><th>bytes backward</th></tr></thead><tbody>")
-    for c in plan.comms:
-        out.append(f"<tr class='f comm'><td>{_e(c.module or '(inputs)')}</td><td>{_e(c.fn)}</td><td>{_e(c.axis)}</td>"
-                   f"<td>{_e(c.forward)}</td><td>{_e(c.backward)}</td><td>{_fmt_bytes(c.bytes_forward)}</td>"
-                   f"<td>{_fmt_bytes(c.bytes_backward)}</td></tr>")
+    rows = [(c.module or "(inputs)", c.fn, c.axis, c.forward, c.backward, _fmt_bytes(c.bytes_forward),
+             _fmt_bytes(c.bytes_backward)) for c in plan.comms]
+    for row, _, _ in group_rows(rows):
+        out.append("<tr class='f comm'>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>")
     return "\n".join(out) + "</tbody></table></section>"
 
 
@@ -299,8 +315,8 @@ def _why_section(plan) -> str:
         return "\n".join(out) + "</section>"
     out.append("<p>Every form each structure could take, priced per device by the cost model; * marks the one "
                "chosen.</p>")
-    for d in plan.decisions:
-        out.append(f"<pre class='f'>{_e(plan.explain(d.keys[0]))}</pre>")
+    for text in plan.explanations():
+        out.append(f"<pre class='f'>{_e(text)}</pre>")
     return "\n".join(out) + "</section>"
 
 

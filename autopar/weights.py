@@ -115,24 +115,76 @@ def compute_buffers(model: nn.Module, device: torch.device) -> dict[str, torch.T
 
 def load(pm, path, *, prefix: str | None = None, strict: bool = True):
     """Fill a ParallelModule's parameters and persistent buffers from checkpoint directory `path`: Hugging Face
-    safetensors (each rank reads only its slices) or torch.distributed.checkpoint. Returns `pm`."""
+    safetensors (each rank reads only its slices) or torch.distributed.checkpoint. Returns `pm`.
+
+    Every rank reads its own files (a node may lack one, or hold a corrupt copy): the reading is followed by one
+    all-gather of a failed flag (`agree_on_success`), so a failure on any rank raises on every rank, naming the
+    rank and the file, instead of leaving the others waiting in the next collective. On failure nothing is marked
+    filled: the module still refuses to run."""
+    from autopar.agree import agree_on_success
     path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"autopar.load needs a checkpoint directory, got {str(path)!r}, which is not one")
-    if (path / ".metadata").exists():
+    filled = agree_on_success(lambda: _read(pm, path, prefix, strict), pm.mesh, "in autopar.load")
+    if filled is None:  # dcp.load's own collectives gather its ranks' errors (a CheckpointException on every rank)
         _load_dcp(pm, path)
-    elif list(path.glob("*.safetensors")):
-        _load_safetensors(pm, path, prefix, strict)
     else:
-        raise ValueError(f"{path} holds neither safetensors files (*.safetensors) nor a torch.distributed.checkpoint "
-                         "(.metadata). Fix: pass the directory written by save_pretrained(...) or dcp.save(...).")
+        pm._unfilled -= filled  # only once every rank has read its slices: the ranks run, or refuse, alike
     return pm
+
+
+def _on_rank() -> str:
+    import torch.distributed as dist
+    return f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+
+
+def _read(pm, path: Path, prefix: str | None, strict: bool) -> set[str] | None:
+    """What one rank does alone: find the checkpoint, and read safetensors into its shards, returning the names
+    filled; a torch.distributed.checkpoint: check its shapes only (its reading is collective), returning None."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"autopar.load{_on_rank()} needs a checkpoint directory, got {str(path)!r}, which is "
+                                "not one. Fix: pass the directory written by save_pretrained(...) or dcp.save(...), "
+                                "present at the same path on every node.")
+    if (path / ".metadata").exists():
+        _check_dcp_shapes(pm.state_dict(), _dcp_metadata(path), path)
+        return None
+    if list(path.glob("*.safetensors")):
+        return _load_safetensors(pm, path, prefix, strict)
+    raise ValueError(f"{path} holds neither safetensors files (*.safetensors) nor a torch.distributed.checkpoint "
+                     f"(.metadata){_on_rank()}. Fix: pass the directory written by save_pretrained(...) or "
+                     "dcp.save(...), present at the same path on every node.")
+
+
+def _dcp_metadata(path: Path):
+    import torch.distributed.checkpoint as dcp
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:
+        raise ValueError(f"autopar.load{_on_rank()}: cannot read the torch.distributed.checkpoint metadata "
+                         f"{str(path / '.metadata')!r} ({type(e).__name__}: {e}): the file is corrupt or truncated. "
+                         "Fix: copy the checkpoint again from where it was saved (the same files on every node).") \
+            from e
+
+
+def _open(file: Path, listed: bool):
+    """`safe_open(file)`, or an error naming this rank and the file: missing (on this node) or corrupt."""
+    from safetensors import safe_open
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except FileNotFoundError as e:
+        raise FileNotFoundError(
+            f"autopar.load{_on_rank()}: checkpoint file {str(file)!r} is missing"
+            + (" (model.safetensors.index.json lists it)" if listed else "")
+            + ". Fix: copy the whole checkpoint directory to every node (each rank reads its slices from every "
+            "file).") from e
+    except Exception as e:  # safetensors' SafetensorError (a bad header, a truncated file), an OSError
+        raise ValueError(
+            f"autopar.load{_on_rank()}: checkpoint file {str(file)!r} is not a readable safetensors file "
+            f"({type(e).__name__}: {e}): it is corrupt or truncated (an interrupted copy or download?). Fix: copy "
+            "it again from where it was saved (the same files on every node).") from e
 
 
 def _load_dcp(pm, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     state = pm.state_dict()
-    _check_dcp_shapes(state, dcp.FileSystemReader(str(path)).read_metadata(), path)
     dcp.load(state, checkpoint_id=str(path))
     pm.load_state_dict(state)
 
@@ -159,14 +211,18 @@ def _check_dcp_shapes(state: dict, metadata, path: Path) -> None:
 
 def _safetensors_index(path: Path) -> dict[str, Path]:
     """Checkpoint key -> file holding it."""
-    from safetensors import safe_open
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"autopar.load{_on_rank()}: {str(index)!r} is not a safetensors index (a JSON object "
+                             f"with a 'weight_map'): {type(e).__name__}: {e}. Fix: copy it again from where the "
+                             "checkpoint was saved.") from e
         return {k: path / f for k, f in weight_map.items()}
     keys: dict[str, Path] = {}
     for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
+        with _open(f, listed=False) as sf:
             keys.update({k: f for k in sf.keys()})
     return keys
 
@@ -218,8 +274,8 @@ def _read_into(local: torch.Tensor, sl, index: list[torch.Tensor]) -> None:
         dst.copy_(src.reshape(dst.shape))
 
 
-def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> None:
-    from safetensors import safe_open
+def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> set[str]:
+    """Read this rank's slices; returns the names filled."""
     where = _safetensors_index(path)
     targets = _targets(pm)
     all_names = [n for names in targets.values() for n in names]
@@ -248,10 +304,11 @@ def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> None:
         by_file.setdefault(where[key], []).append(first)
     with torch.no_grad():
         for file, firsts in sorted(by_file.items()):
-            with safe_open(str(file), framework="pt", device="cpu") as sf:  # one file mapped at a time
+            listed = (path / "model.safetensors.index.json").exists()
+            with _open(file, listed=listed) as sf:  # one file mapped at a time
                 for first in firsts:
                     _fill(pm._lookup(first), sf.get_slice(key_of[first]), key_of[first])
-    pm._unfilled -= set(targets)
+    return set(targets)
 
 
 def _fill(target, sl, key: str) -> None:

@@ -8,6 +8,7 @@ placement per mesh axis) and knows its output placements (`outs`). An op registe
 | op                              | local program                                                             |
 |---------------------------------|---------------------------------------------------------------------------|
 | view, reshape, unflatten, expand| shape literals rewritten to local sizes                                   |
+| new_empty/zeros/ones/full       | size literal rewritten to the local size (sharded like its input)         |
 | split, split_with_sizes         | split sizes divided by the shards of the split dim                       |
 | embedding (rows sharded)        | `vocab_parallel_embedding`: masked lookup of this rank's rows, padding_idx |
 | dropout (train)                 | `parallel_dropout`: one mask per shard, the same on replicas              |
@@ -32,6 +33,7 @@ from autopar.runtime import ops as O
 from autopar.runtime.embedding_bag import embedding_bag_local
 from autopar.sites import module_path
 from autopar.spec import Partial, Replicate, _StridedShard, is_shard
+from passes.patterns import repeat_kv_source
 from passes.rules import arg, shape
 
 aten = torch.ops.aten
@@ -73,6 +75,14 @@ def _local_shape(lw, node: fx.Node, reqs, outs) -> None:
         node.target = aten.expand.default if node.target is aten.expand.default else aten.reshape.default
         node.args = (node.args[0], local_shape(shape(node), out, lw.sizes))
         node.kwargs = {}
+
+
+@local_form(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+def _local_new_factory(lw, node: fx.Node, reqs, outs) -> None:
+    """A sharded `x.new_*(size)` (`passes.rules.new_factory_rule`): its size literal becomes the local size."""
+    out = outs[0]
+    if lw._sharded_axes(out):
+        node.args = (node.args[0], local_shape(shape(node), out, lw.sizes)) + tuple(node.args[2:])
 
 
 @local_form(aten.split.Tensor, aten.split_with_sizes.default)
@@ -229,19 +239,7 @@ def _pick_kv_heads(lw, node: fx.Node, reqs) -> None:
 
 
 def _kv_before_repeat(lw, kv: fx.Node) -> fx.Node | None:
-    """The grouped K or V behind a `repeat_kv` expansion (Hugging Face's
-    `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`), if it is placed as the expansion is, so
-    that local query head i still uses local KV head i // n; else None."""
-    if kv.target not in _VIEWS or len(shape(kv)) != 4:
-        return None
-    ex = kv.args[0]
-    if not isinstance(ex, fx.Node) or ex.target is not aten.expand.default or len(ex.users) != 1:
-        return None
-    un = ex.args[0]
-    if not isinstance(un, fx.Node) or un.target is not aten.unsqueeze.default or un.args[1] != 2:
-        return None
-    x = un.args[0]
-    (b, h, s, d), (b2, h_kv, n, s2, d2) = shape(kv), shape(ex)
-    if (b2, h_kv * n, s2, d2) != (b, h, s, d) or tuple(shape(x)) != (b, h_kv, s, d) or lw.pl.get(x) != lw.pl.get(kv):
-        return None
-    return x
+    """The grouped K or V behind a `repeat_kv` expansion (`passes.patterns.repeat_kv_source`), if it is placed as
+    the expansion is, so that local query head i still uses local KV head i // n; else None."""
+    x = repeat_kv_source(kv)
+    return x if x is not None and lw.pl.get(x) == lw.pl.get(kv) else None

@@ -55,8 +55,8 @@ from passes import meta as M
 from passes.batch_local import (batch_local, batch_local_rule, gathered_why, gathers, on_batch_dims,
                                 record_work_pass)
 from passes.checkpoint import checkpoint_layers_pass, walk
-from passes.local_forms import LOCAL_FORMS
-from passes.patterns import parameters_only, tensor_bytes
+from passes.local_forms import LOCAL_FORMS, local_shape
+from passes.patterns import parameters_only, repeat_kv_source, tensor_bytes
 from passes.rules import REPLICATED_ON_PURPOSE, arg, replicate_rule, rule_for, shape
 
 aten = torch.ops.aten
@@ -85,6 +85,8 @@ class LowerContext:
     gathers: dict = field(default_factory=dict)  # parameter placeholder -> axis indices it is gathered on (FSDP)
     keep_gathered: set = field(default_factory=set)  # FSDP parameter placeholders kept gathered for backward
     hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
+    # hinted node names whose hint holds only where no other axis already splits the hinted dim (`soft_spec`)
+    soft_hints: set = field(default_factory=set)
     attention_modes: dict = field(default_factory=dict)  # sdpa node name -> {axis index: AttentionMode}
     zigzag_axes: tuple[int, ...] = ()  # context-parallel axes: shards there use the zigzag layout
     causal_masks: set = field(default_factory=set)  # sdpa node names whose mask is the causal mask (recognised)
@@ -161,7 +163,37 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
     ctx.checkpoint = _checkpointed_layers(plan, captured)
+    kv_before_repeat_hints(ctx, by_name, info)
     return ctx
+
+
+def kv_before_repeat_hints(ctx: LowerContext, by_name: dict, info: MeshInfo) -> None:
+    """Ulysses on K/V expanded by `repeat_kv` (`passes.patterns.repeat_kv_source`): where the KV heads divide over
+    the axis, a hint sends the grouped K/V sequence -> heads, (b, kv, s/u, d) -> (b, kv/u, s, d), and the expansion
+    runs on each rank's KV heads (its heads shard is the query heads' shard: local head i uses local KV head
+    i // n), so the all-to-all moves kv/h of the expanded K/V's bytes."""
+    for name, modes in ctx.attention_modes.items():
+        node = by_name[name]
+        if node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+            continue
+        for ax, mode in modes.items():
+            if mode is not AttentionMode.ALL_TO_ALL:
+                continue
+            grouped = [repeat_kv_source(node.args[i]) for i in (1, 2)]
+            if any(x is None or x.meta["val"].shape[1] % info.sizes[ax] for x in grouped):
+                continue
+            for x in grouped:
+                if x.name in ctx.hints and x.name not in ctx.soft_hints:
+                    continue
+                ctx.hints.setdefault(x.name, {})[ax] = Shard(1)
+                ctx.soft_hints.add(x.name)  # heads split on another axis too (heads x ulysses): sent expanded
+
+
+def soft_spec(spec: dict, placements: tuple) -> dict:
+    """A soft hint's axes, less those whose shard dim another axis already splits in `placements` (the KV heads
+    of `kv_before_repeat_hints`, split by a heads axis: the hint would nest a second split in them)."""
+    return {ax: p for ax, p in spec.items()
+            if not any(is_shard(q) and q.dim == p.dim for bx, q in enumerate(placements) if bx != ax)}
 
 
 def _plan_precision(plan: Plan, captured: Captured):
@@ -315,7 +347,8 @@ class _Lowerer:
         key = (src, tuple(req), f_axes)
         if key in self.cache:
             return self.cache[key]
-        x, pls = src, list(cur)
+        x = self._expand_split(src, req, before) or src
+        pls = list(self.pl[x])
         self._origin = src
         # Nested shards of one dim (S(1) on two axes) were split outer axis first (`self.nesting`: sequence
         # axes, then the others in axis order): gather the inner axis first, then split outer first.
@@ -333,6 +366,37 @@ class _Lowerer:
                 x = self._emit(fn, x, args, tuple(pls), before, ax)
         self.cache[key] = x
         return x
+
+    def _expand_split(self, src: fx.Node, req: tuple, before: fx.Node) -> fx.Node | None:
+        """A replicated `expand` wanted split on a dim it broadcasts (DeepSeek-V3's shared rope key, expanded over
+        the heads, copied into heads-split keys): expanded on each rank to its shard's size, its input's gradient
+        all-reduced backward (a sum over the ranks' shares of the broadcast dim), instead of a split whose
+        backward all-gathers the whole expanded gradient. The new expand, placed as `req` on those axes, or None."""
+        if src.op != "call_function" or src.target is not aten.expand.default:
+            return None
+        x, out_shape = src.args[0], shape(src)
+        lead = len(out_shape) - len(shape(x))
+        cur, xpl = self.pl[src], self.pl.get(x)
+        if not isinstance(xpl, tuple):
+            return None
+        axes = [ax for ax, (c, r) in enumerate(zip(cur, req))
+                if isinstance(c, Replicate) and isinstance(xpl[ax], Replicate) and is_shard(r)
+                and not isinstance(r, _StridedShard) and (r.dim < lead or shape(x)[r.dim - lead] == 1)
+                and out_shape[r.dim] > 1]
+        if not axes:
+            return None
+        for ax in axes:
+            if x in self.needs_grad:
+                x = self._emit(C.grad_all_reduce, x, (self.axes[ax].key,), xpl, before, ax)
+        new_pls = tuple(req[ax] if ax in axes else p for ax, p in enumerate(cur))
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(aten.expand.default, (x, local_shape(out_shape, new_pls, self.sizes)))
+        node.meta.update({k: v for k, v in src.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
+        node.meta[M.PLACEMENTS] = new_pls
+        if x in self.needs_grad:
+            self.needs_grad.add(node)
+        self.pl[node] = new_pls
+        return node
 
     def _transition(self, c: Placement, r: Placement, want_f: bool, axis):
         """The collectives taking one axis from placement c to r: [(fn, args after x, placement after)]."""
@@ -409,6 +473,8 @@ class _Lowerer:
         rule = rule_for(node.target)
         if node.target is placement_hint:
             spec = node.meta["autopar_hint"]
+            if node.meta.get("autopar_soft_hint"):
+                spec = soft_spec(spec, self.pl[tin[0]])
             rule = lambda node, tin, ins, n, ax: ([spec.get(ax, ins[0])], spec.get(ax, ins[0]))  # noqa: E731
             rule.wants_axis = True
         elif node.name in self.ctx.attention_modes:
@@ -1244,6 +1310,7 @@ def insert_hints_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
         h.meta["val"] = node.meta["val"]
         h.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         h.meta["autopar_hint"] = spec
+        h.meta["autopar_soft_hint"] = node.name in ctx.soft_hints
         for u in users:
             u.replace_input_with(node, h)
     return gm

@@ -93,6 +93,28 @@ def parameters_only(x: fx.Node, kind, node_ok=lambda n: True) -> list[fx.Node] |
     return params
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def repeat_kv_source(kv: fx.Node) -> fx.Node | None:
+    """The grouped K or V (b, kv_heads, s, d) behind a `repeat_kv` expansion (Hugging Face's
+    `x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d)`: head i of the result is head i // n of x),
+    else None."""
+    if not isinstance(kv, fx.Node) or kv.target not in _VIEWS or len(kv.meta["val"].shape) != 4:
+        return None
+    ex = kv.args[0]
+    if not isinstance(ex, fx.Node) or ex.target is not aten.expand.default or len(ex.users) != 1:
+        return None
+    un = ex.args[0]
+    if not isinstance(un, fx.Node) or un.target is not aten.unsqueeze.default or un.args[1] != 2:
+        return None
+    x = un.args[0]
+    (b, h, s, d), (b2, h_kv, n, s2, d2) = kv.meta["val"].shape, ex.meta["val"].shape
+    if (b2, h_kv * n, s2, d2) != (b, h, s, d) or tuple(x.meta["val"].shape) != (b, h_kv, s, d):
+        return None
+    return x
+
+
 def tensor_bytes(n: fx.Node) -> int:
     v = n.meta.get("val")
     return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0

@@ -432,8 +432,15 @@ register(*FACTORIES)(replicate_rule)
 
 @register(aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
 def new_factory_rule(node, tin, ins, n) -> Decision:
-    """`x.new_zeros(size)`...: a replicated tensor of the global size; x gives only its dtype and device, so it stays
-    as it is (gathering it would move a sharded batch for nothing). No gradient flows to x."""
+    """`x.new_zeros(size)`...: x gives only its dtype and device, so it stays as it is (gathering it would move a
+    sharded batch for nothing); no gradient flows to x. A tensor of x's own shape is placed as x is where x is
+    sharded (its values are one constant, or unset: every shard of it is right), its size made local
+    (`passes.local_forms`): a buffer built to hold x's like, as DeepSeek-V3's MLA builds its keys
+    (`new_empty` of the (b, heads, s, d) values, then the key parts copied in), stays split on the heads, not
+    gathered to fill it. Any other size: a replicated tensor of the global size."""
+    x = ins[0]
+    if is_shard(x) and list(shape(node)) == list(shape(tin[0])):
+        return list(ins), x
     return list(ins), R
 
 # Ops without a rule on purpose (the lowering gathers their sharded inputs), each with why; the lowering does not

@@ -393,9 +393,12 @@ add(aten.ones.default, aten.zeros.default, make=lambda op: [Sample(op, ([4, 6],)
 add(aten.full.default, make=lambda op: [Sample(op, ([4, 6], 2.5), {"dtype": f64})])
 add(aten.empty.memory_format, make=lambda op: [Sample(op, ([4, 6],), {"dtype": f64}, check="shape")])
 add(aten.scalar_tensor.default, make=lambda op: [Sample(op, (3.5,), {"dtype": f64})])
-add(aten.new_ones.default, aten.new_zeros.default, make=lambda op: [Sample(op, (rand(4, 6), [2, 3]))])
-add(aten.new_full.default, make=lambda op: [Sample(op, (rand(4, 6), [3], 1.5))])
-add(aten.new_empty.default, make=lambda op: [Sample(op, (rand(4, 6), [2, 4]), check="shape")])
+# of another size (replicated), and of x's own size (placed as x is: its size made local)
+add(aten.new_ones.default, aten.new_zeros.default, make=lambda op: [Sample(op, (rand(4, 6), [2, 3])),
+                                                                    Sample(op, (rand(4, 6), [4, 6]))])
+add(aten.new_full.default, make=lambda op: [Sample(op, (rand(4, 6), [3], 1.5)), Sample(op, (rand(4, 6), [4, 6], 1.5))])
+add(aten.new_empty.default, make=lambda op: [Sample(op, (rand(4, 6), [2, 4]), check="shape"),
+                                             Sample(op, (rand(4, 6), [4, 6]), check="shape")])
 add(aten.tril.default, aten.triu.default, make=lambda op: [
     Sample(op, (rand(4, 6),)), Sample(op, (rand(2, 4, 6), -1)), Sample(op, (rand(4, 4), 1))])
 add(aten.lift_fresh_copy.default, make=lambda op: [Sample(op, (rand(4, 6),))])

@@ -286,3 +286,91 @@ def test_pm_report_shows_the_graph_and_every_collective(local_world, tmp_path):
     assert p.comm_nodes == len(nodes) == len(pm.plan.comms) > 0  # every collective node highlighted
     for n in nodes:
         assert f">{n.name}</code>" in page
+
+
+# ----------------------------------------------------------------------------- identical layers, one row
+
+def _many_layers(layers=12):
+    from autopar.models import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(num_layers=layers))
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def test_identical_layers_read_as_one_row():
+    """12 identical GPT layers under megatron: the table (print(plan)) gives each of a layer's structures one row,
+    `h.{0..11}.attn  ×12`, whose cells are every layer's (the index set aside); table(full=True) every row. A layer
+    forced otherwise stands alone and splits the range; the ranges read as runs."""
+    from autopar.layer_rows import group_rows, index_range, layer_index
+    assert index_range([3, 0, 1, 2, 5, 7, 8, 9]) == "{0..3,5,7..9}" and index_range([0, 1]) == "{0,1}"
+    assert layer_index("model.layers.17.mlp.experts.3") == ("model.layers.", 17) and layer_index("lm_head") is None
+    model, inputs = _many_layers()
+    plan = autopar.plan(model, {"tp": 2}, inputs, cluster="h100", plan="megatron")
+    grouped, full = plan.table(), plan.table(full=True)
+    assert str(plan) == grouped
+    keys = [s.key for s in plan.strategies]
+    per_layer = [k for k in keys if k.startswith("h.0.")]
+    assert len(per_layer) >= 4 and all(f"h.{i}.{k[4:]}" in keys for k in per_layer for i in range(12))
+    rows = plan.table_rows(full=False)
+    assert len(rows) == len(plan.table_rows(full=True)) - 11 * len(per_layer)
+    modules = [r[0] for r in rows[1:]]
+    for k in per_layer:
+        assert f"h.{{0..11}}.{k[len('h.0.'):]}  ×12" in modules, modules
+    assert not any(m.startswith(("h.0.", "h.5.")) for m in modules)
+    # a grouped row is every layer's row with the layer's index written as the range
+    full_rows = {r[0]: r for r in plan.table_rows(full=True)[1:]}
+    for r in rows[1:]:
+        if "×12" not in r[0]:
+            assert full_rows[r[0]] == r
+            continue
+        for i in range(12):
+            mine = full_rows[r[0].split("  ×")[0].replace("{0..11}", str(i))]
+            assert tuple(c.replace(f"h.{i}.", "h.{0..11}.") for c in mine[1:]) == r[1:], (i, mine, r)
+    assert "×12" in grouped and "full=True" in grouped and not any("×" in c for r in plan.table_rows() for c in r)
+    assert all(k in full for k in keys)
+    # one layer forced otherwise: its own rows, and the others' range skips it
+    odd = autopar.plan(model, {"tp": 2}, inputs, cluster="h100", plan="megatron",
+                       overrides={"h.4.attn": "replicate"})
+    modules = [r[0] for r in odd.table_rows(full=False)[1:]]
+    assert "h.{0..3,5..11}.attn  ×11" in modules and "h.4.attn" in modules, modules
+    assert [r for r, n, _ in group_rows([("a.1.x", "1"), ("a.2.x", "1"), ("a.3.x", "2")])] == \
+        [("a.{1,2}.x  ×2", "1"), ("a.3.x", "2")]
+
+
+def test_cli_full_lists_every_row(capsys):
+    assert main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "tp=2", "--cluster", "h100", "--plan",
+                 "megatron", "--quiet", "--no-lower"]) == 0
+    grouped = capsys.readouterr().out
+    assert main(["plan", "--model", "examples.plan_llama:tiny", "--mesh", "tp=2", "--cluster", "h100", "--plan",
+                 "megatron", "--quiet", "--no-lower", "--full"]) == 0
+    full = capsys.readouterr().out
+    assert "layers.{0,1}.attn  ×2" in grouped and "layers.1.attn" not in grouped
+    assert "layers.0.attn" in full and "layers.1.attn" in full and "×2" not in full
+
+
+def test_report_groups_layers_and_explains_each_decision_once(tmp_path):
+    """An 8-layer GPT planned under a tight memory limit: FSDP keeps the layers' gathered weights, and the
+    layers' checkpoint decision names the same layers. The report's why section gives each decision once (each
+    appeared twice, once per decision naming the layer); its plan, memory, step and collectives tables give the
+    identical layers one row, and the plan table's every row stays in the page (folded)."""
+    from autopar.models import GPT, GPTConfig
+    with torch.device("meta"):
+        model = GPT(GPTConfig(num_layers=8, hidden=64, seq_len=64))
+    ids = torch.zeros(8, 64, dtype=torch.long)
+    plan = autopar.plan(model, {"dp": 2, "tp": 2}, (ids, ids), cluster="h100", memory_limit=9_000_000)
+    kinds = [d.kind for d in plan.decisions]
+    assert "FSDP gathers" in kinds and any(k.startswith("checkpoint") for k in kinds), kinds
+    plan.to_html(str(tmp_path / "p.html"))
+    page = (tmp_path / "p.html").read_text()
+    p = _check_report(page, plan)
+    text = "".join(p.text)
+    texts = plan.explanations()
+    assert len(texts) >= len(plan.decisions)
+    for d, t in zip(plan.decisions, texts):
+        assert text.count(t.splitlines()[0]) == 1, (d.kind, t.splitlines()[0])
+    why = text[text.index("Why each form"):]
+    assert why.count("h.0 (") == 2, why  # the checkpoint and the FSDP-gather decisions: once each
+    assert text.count("h.{0..7}.attn  ×8") >= 3  # plan, memory and step tables
+    assert "every structure (" in text and "h.7.attn" in text
+    assert "activation checkpointing: h.{0..7}  ×8: " in plan.table()  # the layers as a range, not 3 and a count

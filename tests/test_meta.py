@@ -202,6 +202,90 @@ def test_fused_qkv_and_tied_weights_from_one_safetensors_file(tmp_path):
     _check_init(results[0][0], std_of)
 
 
+# ----------------------------------------------------------------------------- a file bad on one rank
+
+
+def _save_two_shards(model, path):
+    """`model`'s state as two safetensors files and their index, as save_pretrained shards it."""
+    import json
+
+    from safetensors.torch import save_file
+    path.mkdir()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    keys = sorted(state)
+    files = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for f, ks in files.items():
+        save_file({k: state[k] for k in ks}, str(path / f))
+    index = {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _bad_file_job(dirs):
+    """Load from this rank's copy of the checkpoint (`dirs[case][rank]`): each bad case is raised on every rank,
+    within seconds; then the good copy loads and the model runs."""
+    import time
+
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.models import GPT, GPTConfig
+    rank = dist.get_rank()
+    with torch.device("meta"):
+        model = GPT(GPTConfig())
+    pm = autopar.parallelize(model, _mesh((2,)), _gpt_inputs(), plan="megatron")
+    seen = {}
+    for case in ("missing", "corrupt"):
+        t0 = time.time()
+        try:
+            autopar.load(pm, dirs[case][rank])
+            raise AssertionError(f"the {case} file loaded")
+        except (FileNotFoundError, ValueError) as e:
+            seen[case] = (type(e).__name__, str(e), list(getattr(e, "__notes__", [])), time.time() - t0)
+        try:  # nothing was marked filled on any rank: every rank refuses alike (none runs into a collective alone)
+            pm(*_gpt_inputs())
+            raise AssertionError("ran after a failed load")
+        except RuntimeError as e:
+            assert "autopar.load" in str(e), e
+    autopar.load(pm, dirs["good"][rank])
+    return seen, _step(pm, _gpt_inputs())
+
+
+def test_a_file_missing_or_corrupt_on_one_rank_raises_on_every_rank(tmp_path):
+    """Each rank reads its own copy of a two-file checkpoint (as on two nodes). Rank 1's copy lacks a file, then
+    holds a truncated one: both ranks raise rank 1's error (which names rank 1 and the file) within seconds,
+    instead of rank 0 waiting in the next collective; the module still refuses to run on both; the good copy
+    then loads and trains exactly."""
+    import shutil
+
+    from autopar.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    good = tmp_path / "good"
+    _save_two_shards(model, good)
+    bad = "model-00002-of-00002.safetensors"
+    dirs = {"good": [str(good)] * 2}
+    for case in ("missing", "corrupt"):
+        copy = tmp_path / case
+        shutil.copytree(good, copy)
+        if case == "missing":
+            (copy / bad).unlink()
+        else:
+            data = (copy / bad).read_bytes()
+            (copy / bad).write_bytes(data[:len(data) // 2])
+        dirs[case] = [str(good), str(copy)]
+    want = _reference_step(model, _gpt_inputs())
+    results = gloo_pool(2).call(_bad_file_job, (dirs,), timeout=90)
+    for rank, (seen, got) in enumerate(results):
+        for case, kind in (("missing", "FileNotFoundError"), ("corrupt", "ValueError")):
+            name, msg, notes, seconds = seen[case]
+            assert name == kind, (rank, case, name, msg)
+            assert "on rank 1" in msg and str(tmp_path / case / bad) in msg and "Fix:" in msg, (rank, msg)
+            assert ("missing" if case == "missing" else "corrupt or truncated") in msg, msg
+            assert any("rank [1] of 2 raised this in autopar.load" in n for n in notes), (rank, notes)
+            assert seconds < 10, (rank, case, seconds)  # no rank waited out the process group's timeout
+        _assert_same(got, want)
+
+
 # ----------------------------------------------------------------------------- DCP under another plan
 
 

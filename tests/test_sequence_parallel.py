@@ -190,6 +190,30 @@ def test_ulysses_collectives_four_all_to_alls_each_way_per_layer(local_world):
     assert total_fwd == pytest.approx((u - 1) / u**2 * B * S * (2 * h + 2 * h))  # DESIGN.md §3 with h_kv = h
 
 
+@pytest.mark.parametrize("shape,names", [((2,), ("sp",)), ((2, 2), ("dp", "sp")), ((4,), ("sp",))])
+def test_ulysses_sends_kv_heads_before_repeat_kv(local_world, shape, names):
+    """Hugging Face Llama with 4 heads and 2 KV heads expands K/V by `repeat_kv` before SDPA. Where the KV heads
+    divide over the axis (u=2) the all-to-all sends the 2 KV heads and each rank repeats its own: the plan's and
+    the run's bytes are DESIGN.md's `(u-1)/u^2 * b*s*(2h + 2h_kv)` per layer each way, half of q's for k and v (not
+    the expanded K/V's 4/3 of it); at u=4 (more ranks than KV heads) the expanded K/V are sent, as before."""
+    from autopar.forms.ulysses import layer_volume_bytes
+    res = _run(local_world, "hf-llama", shape, names, "dp", {"attention": "ulysses@sp"}, steps=1)
+    u, dp = shape[-1], shape[0] if len(shape) == 2 else 1
+    h, h_kv = 32, 16 if u == 2 else 32  # features of q/o and of k/v as sent
+    a2a = [r for r in res.plan.comms if r.fn == "all_to_all"]
+    assert len(a2a) == 4 * LAYERS and all(r.bytes_forward == r.bytes_backward for r in a2a), a2a
+    q = (u - 1) * (B // dp * S * h // u) // u * 8
+    kv = q * h_kv // h
+    for layer in range(LAYERS):
+        rows = sorted(r.bytes_forward for r in a2a if r.module == f"model.layers.{layer}.self_attn")
+        assert rows == sorted([q, q, kv, kv]), (layer, rows)
+        want = layer_volume_bytes(B // dp, S, h, h_kv, u, 8, backward=False)
+        assert sum(rows) == pytest.approx(want)
+    ran = [(pass_, b) for kind, _, pass_, _, b in res.comms if kind == "all_to_all"]
+    assert sorted(b for p, b in ran if p == "forward") == sorted(r.bytes_forward for r in a2a)
+    assert sorted(b for p, b in ran if p == "backward") == sorted(r.bytes_backward for r in a2a)
+
+
 def test_indivisible_sequence_not_offered_and_forced_is_an_error(local_world):
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=15))

@@ -135,7 +135,9 @@ def gpt_plans(local_world):
 def test_plan_printing_lists_every_structure(gpt_plans):
     model, _, auto, dp = gpt_plans
     for plan in (auto, dp):
-        text = str(plan)
+        # print(plan) folds the two identical layers into one row each (`autopar.layer_rows`); full=True: every row
+        assert "h.{0,1}.attn  ×2" in str(plan) and "h.1.attn" not in str(plan)
+        text = plan.table(full=True)
         lines = text.splitlines()
         assert lines[0].startswith(f"Plan {plan.name!r} on mesh (tp=4)"), lines[0]
         keys = [s.key for s in plan.strategies]

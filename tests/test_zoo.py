@@ -175,3 +175,39 @@ def test_the_plan_checks_catch_a_silent_replication_and_a_regression():
     whole = autopar.plan(model, {"dp": WORLD}, inputs, plan="dp")
     unsharded = [p for p in plan_problems("llama", "fsdp", whole, held=1.0) if "is not sharded on 'dp'" in p]
     assert len(unsharded) == len(whole.params), unsharded
+
+
+# ----------------------------------------------------------------------------- MLA's traffic
+
+def test_mla_heads_split_without_gathering_keys(local_world):
+    """DeepSeek-V3's MLA under megatron (heads on tp=2): its keys are a `new_empty` buffer of the values' shape
+    with the per-head k_pass and the shared rope key copied in. The buffer is split on the heads like the values
+    (not built whole, which gathered k_pass forward and the keys' gradient backward), and the rope key, expanded
+    over the heads, is expanded on each rank to its own heads, its gradient all-reduced. Each attention's exact
+    collectives: forward the output projection's all-reduce; backward the input-gradient all-reduces of the two
+    column-parallel up-projections (q_b_proj, kv_b_proj) and of the rope key; no all-gather anywhere; exact."""
+    from zoo import BATCH, SEQ
+    model, inputs, tol = FAMILIES["deepseek_v3"]()
+    cfg = model.m.config
+    names = {n for n, _ in model.named_parameters()}
+    with local_world(WORLD):
+        res = run_equivalence(model, inputs, (WORLD,), MESH_NAMES["megatron"], plan="megatron")
+    assert not numeric_problems(res, names, tol) + plan_problems("deepseek_v3", "megatron", res.plan,
+                                                                  _held(res, model))
+    assert not any(k.startswith("all_gather") for k in res.comm_counts), res.comm_counts
+
+    def all_reduce(features):  # bytes one rank sends to all-reduce (BATCH, SEQ, features) fp64 over 2 ranks
+        return 2 * (WORLD - 1) * BATCH * SEQ * features * 8 // WORLD
+
+    for layer in range(cfg.num_hidden_layers):
+        attn = f"m.model.layers.{layer}.self_attn"
+        rows = sorted((r.module, r.fn, r.forward, r.backward, r.bytes_forward, r.bytes_backward)
+                      for r in res.plan.comms if r.module.startswith(attn))
+        assert rows == sorted([
+            (f"{attn}", "grad_all_reduce", "-", "all_reduce", 0, all_reduce(cfg.qk_rope_head_dim)),
+            (f"{attn}.kv_b_proj", "grad_all_reduce_linears", "-", "all_reduce", 0, all_reduce(cfg.kv_lora_rank)),
+            (f"{attn}.q_b_proj", "grad_all_reduce_linears", "-", "all_reduce", 0, all_reduce(cfg.q_lora_rank)),
+        ]), rows
+        # the row-parallel output's all-reduce, recorded on the layer (the residual add that consumes it)
+        out = [r for r in res.plan.comms if r.module == f"m.model.layers.{layer}" and r.fn == "all_reduce"]
+        assert out and out[0].bytes_forward == all_reduce(cfg.hidden_size), out

@@ -3,8 +3,11 @@
 Everything outside attention holds s/u tokens (the inputs are split on the sequence). Around the
 attention, all-to-alls swap the sequence shard for a heads shard: q, k, v sequence -> heads
 (`ATTENTION` directive, mode all-to-all), attention runs on the whole sequence for heads/u heads, and
-the output goes back heads -> sequence (a `HINT` on the attention's output). Fewer KV heads than
-ranks: K/V are gathered and each rank picks the KV heads its query heads use. Volume per layer,
+the output goes back heads -> sequence (a `HINT` on the attention's output). K/V that `repeat_kv` expands
+before the attention (Hugging Face GQA models), with KV heads that divide over the axis: the lowering sends the
+KV heads, before the expansion, and each rank repeats its own (`passes.lower.kv_before_repeat_hints`), so K/V
+cost h_kv, not h, per token, as the volume below counts. Fewer KV heads than ranks: K/V are gathered and each
+rank picks the KV heads its query heads use. Volume per layer,
 forward: `(u-1)/u² · b·s·(2h + 2h_kv)` (q, k, v, o), twice that forward + backward
 (`layer_volume_bytes`). Preconditions: SDPA (or explicit attention fused to it); heads % u == 0;
 KV heads % u == 0 or u % KV heads == 0; sequence % u == 0.
