@@ -16,6 +16,7 @@ for alpha-beta links), plus the copy of the gradients into the flat buffer. Volu
 from __future__ import annotations
 
 from autopar.estimate import MeshCosting
+from autopar.forms import zero
 from cost_model.analytical import send_bytes
 
 NAME = "dp"
@@ -23,8 +24,11 @@ NAME = "dp"
 
 def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] | None = None) -> tuple[float, float]:
     """(time, bytes sent) of this share of the gradient bucket on every data and sequence axis (or `axes`):
-    its bytes at the bucket's per-byte rate, and their copy into the bucket's flat buffer (read + write)."""
+    its bytes at the bucket's per-byte rate, and their copy into the bucket's flat buffer (read + write); under
+    zero1 (`mc.zero`), and the parameters' all-gather after the step (`zero.step_gather_s`)."""
     t = b = 0.0
+    if mc.zero == 1 and axes is None:
+        t, b = zero.step_gather_s(mc, local_param_bytes)
     copy_bytes_per_s = mc.cluster.copy_bytes_per_s or mc.cluster.effective_memory_bytes_per_s
     local_param_bytes *= mc.grad_bytes_factor  # mixed precision: the gradients are reduced in reduce_dtype
     for a in mc.data_axes + mc.seq_axes if axes is None else axes:
@@ -50,7 +54,10 @@ def bucket_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
-    """Parameters, gradients and optimizer state, replicated over the data axes."""
+    """Parameters, gradients and optimizer state, replicated over the data axes (zero1: the state sharded,
+    `zero.state_bytes`)."""
+    if mc.zero == 1:
+        return zero.state_bytes(mc, local_param_bytes, 1)
     return local_param_bytes * mc.state_factor()
 
 

@@ -1,0 +1,148 @@
+"""ZeRO-1 and ZeRO-2 (`autopar.forms.zero`) on gloo ranks: exact against one device with AdamW over 3 steps, with
+and without gradient accumulation (two backward calls per step), d in {2, 4}, fp64; the exact collectives of each
+step; the optimizer state measured at 1/d per rank; a DCP checkpoint of the sharded state loaded into another plan;
+and the refusals (an optimizer that cannot step a chunk)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.models import Llama, LlamaConfig
+from dist_harness import gloo_pool
+
+LAYERS = 2
+CFG = LlamaConfig(vocab_size=64, seq_len=8, num_layers=LAYERS, num_heads=4, num_kv_heads=2, hidden=16, ffn_hidden=32)
+BATCH = 8  # two microbatches of 4 rows: divide over 4 ranks
+STEPS = 3
+TOL = 1e-10
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
+        out.append((ids, torch.roll(ids, -1, 1)))
+    return out
+
+
+def _groups(model) -> dict[str, int]:
+    """zero2's FSDP group label -> numel of its parameters."""
+    out: dict[str, int] = {}
+    for n, p in model.named_parameters():
+        if n.startswith("layers."):
+            label = ".".join(n.split(".")[:2])
+        else:
+            label = "(before layers.0)" if n.startswith("embed") else f"(after layers.{LAYERS - 1})"
+        out[label] = out.get(label, 0) + p.numel()
+    return out
+
+
+def _state_numel(opt) -> tuple[int, int]:
+    """(elements of the exp_avg / exp_avg_sq state this rank holds, elements of those states' full shapes)."""
+    local = full = 0
+    for st in opt.state.values():
+        for k in ("exp_avg", "exp_avg_sq"):
+            v = st[k]
+            local += v._local_tensor.numel() if hasattr(v, "_local_tensor") else v.numel()
+            full += v.numel()
+    return local, full
+
+
+def train_worker(plan: str, d: int, accumulate: bool):
+    """gloo worker: the same Llama on one device and under `plan` on d ranks, AdamW, STEPS steps, each of one batch
+    or (accumulate) of its two halves' backwards. Returns the largest errors, the collectives of each step, and the
+    state elements held."""
+    import autopar
+    from autopar.runtime.collectives import record_comms
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = Llama(CFG)
+        model = Llama(CFG)
+        model.load_state_dict(ref.state_dict())
+        batches = _batches()
+        micro = [tuple(t[: BATCH // 2] for t in b) for b in batches] if accumulate else None
+        mesh = init_device_mesh("cpu", (d,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, micro[0] if accumulate else batches[0], plan=plan)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+        errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+        steps = []
+        for batch in batches:
+            parts = [tuple(t[:BATCH // 2] for t in batch), tuple(t[BATCH // 2:] for t in batch)] if accumulate \
+                else [batch]
+            ref_opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
+            with record_comms() as recs:
+                for part in parts:
+                    ref_loss = ref(*part)
+                    ref_loss.backward()
+                    loss = pm(*part)
+                    loss.backward()
+                    errs["loss"] = max(errs["loss"], float((loss.detach() - ref_loss.detach()).abs()))
+                ref_params = dict(ref.named_parameters())
+                for name, p in pm.named_parameters():
+                    errs["grad"] = max(errs["grad"], float((p.grad.full_tensor() - ref_params[name].grad).abs().max()))
+                ref_opt.step()
+                opt.step()
+            for name, p in pm.named_parameters():
+                errs["param"] = max(errs["param"], float((p.full_tensor() - ref_params[name].detach()).abs().max()))
+            steps.append([(r.kind, r.axis, r.pass_, r.numel) for r in recs])
+        numel = sum(p.numel() for p in ref.parameters())
+        return errs, steps, _state_numel(opt), numel, _groups(ref)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _check_numerics(errs):
+    assert errs["loss"] <= TOL and errs["grad"] <= TOL and errs["param"] <= TOL, errs
+
+
+def _expected_zero2(groups: dict[str, int], parts: int) -> list[tuple]:
+    """zero2's collectives of one step: per group an all-gather in the step's first forward (the gather after the
+    previous step, or the first ever), one reduce-scatter per group in every backward; the loss's two scalars
+    all-reduced in every forward."""
+    out = []
+    for i in range(parts):
+        out += [("all_gather", "dp", "forward", n) for n in groups.values()] if i == 0 else []
+        out += [("all_reduce", "dp", "forward", 1)] * 2
+        out += [("reduce_scatter", "dp", "backward", n) for n in groups.values()]
+    return out
+
+
+@pytest.mark.parametrize("d,accumulate", [(2, False), (2, True), (4, False), (4, True)])
+def test_zero2_matches_one_device(d, accumulate):
+    for errs, steps, (local, full), numel, groups in gloo_pool(d).run(train_worker, "zero2", d, accumulate):
+        _check_numerics(errs)
+        assert local * d == full == 2 * numel, (local, full, numel)  # Adam's two states, 1/d on each rank
+        parts = 2 if accumulate else 1
+        for recs in steps:
+            # exact collectives, order-free within a pass (groups reduce in backward order)
+            assert sorted(recs) == sorted(_expected_zero2(groups, parts)), recs
+            # the gather of the step's parameters happens in the first forward only
+            first = next(i for i, r in enumerate(recs) if r[2] == "backward")
+            assert all(r[0] != "all_gather" for r in recs[first:]), recs
+
+
+def _expected_zero1(numel: int, parts: int, recs) -> None:
+    """zero1's collectives of one step: dp's gradient buckets all-reduced in every backward (their sizes as dp's:
+    summing to every parameter's numel), the loss's two scalars in every forward, and one all-gather of every
+    parameter in the step."""
+    backward = [r for r in recs if r[2] == "backward"]
+    assert {r[0] for r in backward} == {"all_reduce"}, backward
+    assert sum(r[3] for r in backward) == parts * numel, (backward, numel)
+    assert sorted(r for r in recs if r[2] == "forward") == [("all_reduce", "dp", "forward", 1)] * 2 * parts
+    assert [r for r in recs if r[2] == "step"] == [("all_gather", "dp", "step", numel)]
+    assert [r[2] for r in recs][-1] == "step"
+
+
+@pytest.mark.parametrize("d,accumulate", [(2, False), (2, True), (4, False), (4, True)])
+def test_zero1_matches_one_device(d, accumulate):
+    for errs, steps, (local, full), numel, _ in gloo_pool(d).run(train_worker, "zero1", d, accumulate):
+        _check_numerics(errs)
+        assert local * d == full == 2 * numel, (local, full, numel)
+        for recs in steps:
+            _expected_zero1(numel, 2 if accumulate else 1, recs)
