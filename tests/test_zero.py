@@ -146,3 +146,100 @@ def test_zero1_matches_one_device(d, accumulate):
         assert local * d == full == 2 * numel, (local, full, numel)
         for recs in steps:
             _expected_zero1(numel, 2 if accumulate else 1, recs)
+
+
+def checkpoint_worker(path: str, plan: str, other: str):
+    """gloo worker: two AdamW steps under `plan`, the model and the (sharded) optimizer state saved with DCP
+    (`get_state_dict`), loaded into a fresh model under `other` (`set_state_dict`); then both take the same two steps.
+    Returns the largest difference of their parameters, and the placements the saved and the loaded states had."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    import autopar
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = Llama(CFG)
+        batches = _batches()
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+
+        def make(name, seed):
+            torch.manual_seed(seed)
+            model = Llama(CFG)
+            pm = autopar.parallelize(model, mesh, batches[0], plan=name)
+            return pm, torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+
+        def step(pm, opt, batch):
+            pm(*batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        a, opt_a = make(plan, 0)
+        for b in batches[:2]:
+            step(a, opt_a, b)
+        model_sd, optim_sd = get_state_dict(a, opt_a)
+        saved = {str(v.placements) for st in optim_sd["state"].values() for k, v in st.items() if k != "step"}
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        b_pm, opt_b = make(other, 7)
+        step(b_pm, opt_b, batches[2])  # other values and state, overwritten by the load
+        model_sd, optim_sd = get_state_dict(b_pm, opt_b)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(b_pm, opt_b, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        loaded = {str(v.placements) for st in opt_b.state.values() for k, v in st.items() if k != "step"}
+        for b in batches[1:]:
+            step(a, opt_a, b)
+            step(b_pm, opt_b, b)
+        diff = max(float((p.full_tensor() - q.full_tensor()).abs().max())
+                   for p, q in zip(a.parameters(), b_pm.parameters()))
+        del ref
+        return diff, saved, loaded
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("plan,other", [("zero1", "dp"), ("zero2", "zero1"), ("zero1", "fsdp")])
+def test_sharded_state_checkpoint_loads_into_another_plan(tmp_path, plan, other):
+    """DCP saves zero1's and zero2's optimizer state as the shards they are (Shard(0) on the data axis), and it loads
+    into another plan's state (replicated under dp, sharded otherwise) that then trains exactly as the uninterrupted
+    run."""
+    for diff, saved, loaded in gloo_pool(2).run(checkpoint_worker, str(tmp_path / "ckpt"), plan, other):
+        assert diff <= 1e-12, diff
+        assert saved == {"(Shard(dim=0),)"}, saved
+        assert loaded == ({"(Replicate(),)"} if other == "dp" else {"(Shard(dim=0),)"}), loaded
+
+
+def refusal_worker():
+    """gloo worker: zero1's parameters stepped by an optimizer that cannot step a chunk as the whole (LBFGS-like:
+    not one of torch's elementwise ones), or with the local step disabled: the step raises, saying why."""
+    import autopar
+    from autopar.runtime import local_step
+
+    class MyAdam(torch.optim.Adam):  # a subclass may do anything: not trusted elementwise
+        pass
+
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    batch = _batches()[0]
+    pm = autopar.parallelize(Llama(CFG), mesh, batch, plan="zero1")
+    errors = []
+    for make, ctx in ((lambda: MyAdam(pm.parameters()), None), (lambda: torch.optim.AdamW(pm.parameters()), False)):
+        opt = make()
+        pm(*batch).backward()
+        try:
+            if ctx is None:
+                opt.step()
+            else:
+                with local_step.enabled(False):
+                    opt.step()
+        except RuntimeError as e:
+            errors.append(str(e))
+        opt.zero_grad()
+    return errors
+
+
+def test_zero1_refuses_a_step_it_cannot_shard():
+    for errors in gloo_pool(2).run(refusal_worker):
+        assert len(errors) == 2, errors
+        assert "MyAdam is not one of torch's elementwise optimizers" in errors[0], errors[0]
+        assert "the local step is disabled" in errors[1], errors[1]
+        assert all("plan 'zero1'" in e and "Fix:" in e for e in errors)
