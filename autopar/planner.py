@@ -683,7 +683,8 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                         per_site=per_site, solver=solver_note,
                         **unsplit_ops(ctx, mesh, clus, data_axes, seq_axes, optimizer),
                         sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
-                                             other_fsdp=name in _SHARDED) if explain else ())
+                                             other_fsdp=name in _SHARDED, zero=zero_form.PLANS.get(name, 0))
+                        if explain else ())
     return estimate, solution  # the solution: what explain reads of the checkpoint levels
 
 

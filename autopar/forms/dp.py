@@ -28,7 +28,8 @@ def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] |
     zero1 (`mc.zero`), and the parameters' all-gather after the step (`zero.step_gather_s`)."""
     t = b = 0.0
     if mc.zero == 1 and axes is None:
-        t, b = zero.step_gather_s(mc, local_param_bytes)
+        # the parameters as stored (under a policy the masters: zero1's are replicated)
+        t, b = zero.step_gather_s(mc, local_param_bytes * mc.state_factor() * mc.param_share())
     copy_bytes_per_s = mc.cluster.copy_bytes_per_s or mc.cluster.effective_memory_bytes_per_s
     local_param_bytes *= mc.grad_bytes_factor  # mixed precision: the gradients are reduced in reduce_dtype
     for a in mc.data_axes + mc.seq_axes if axes is None else axes:

@@ -80,6 +80,16 @@ def state_bytes(mc, local_param_bytes: float, stage: int) -> float:
     raise ValueError(f"ZeRO stage must be 1 or 2 here, got {stage}")
 
 
+def state_parts(mc, stage: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer states) of `state_bytes` per graph parameter byte under `stage` 1 or 2: the
+    parts `Plan.explain` shows (zero2's master shard counted with the parameters)."""
+    factor, share = mc.state_factor(), mc.param_share()
+    states = factor * (1 - 2 * share) / mc.dp
+    if stage == 1:
+        return factor * share, factor * share, states
+    return 1 + factor * share / mc.dp, factor * share / mc.dp, states
+
+
 def step_gather_s(mc, local_param_bytes: float) -> tuple[float, float]:
     """(time, bytes sent) of zero1's all-gather of the parameters after the step, one per data axis (innermost first,
     each on the buffer gathered so far), its share of one flat buffer: priced at the bucket's size."""
