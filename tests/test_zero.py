@@ -51,10 +51,10 @@ def _state_numel(opt) -> tuple[int, int]:
     return local, full
 
 
-def train_worker(plan: str, d: int, accumulate: bool):
+def train_worker(plan: str, d: int, accumulate: bool, shape: tuple[int, ...] | None = None):
     """gloo worker: the same Llama on one device and under `plan` on d ranks, AdamW, STEPS steps, each of one batch
     or (accumulate) of its two halves' backwards. Returns the largest errors, the collectives of each step, and the
-    state elements held."""
+    state elements held. `shape`: a mesh of that shape (axes dp, dp2), every axis a data axis."""
     import autopar
     from autopar.runtime.collectives import record_comms
     torch.manual_seed(0)
@@ -65,7 +65,8 @@ def train_worker(plan: str, d: int, accumulate: bool):
         model.load_state_dict(ref.state_dict())
         batches = _batches()
         micro = [tuple(t[: BATCH // 2] for t in b) for b in batches] if accumulate else None
-        mesh = init_device_mesh("cpu", (d,), mesh_dim_names=("dp",))
+        shape = shape or (d,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "dp2")[:len(shape)])
         pm = autopar.parallelize(model, mesh, micro[0] if accumulate else batches[0], plan=plan)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -146,6 +147,25 @@ def test_zero1_matches_one_device(d, accumulate):
         assert local * d == full == 2 * numel, (local, full, numel)
         for recs in steps:
             _expected_zero1(numel, 2 if accumulate else 1, recs)
+
+
+def test_two_data_axes():
+    """zero1 and zero2 over dp x dp2 (2 x 2): exact as on one device, the state 1/4 per rank; zero1 gathers after
+    the step on each axis (the innermost first, then the outermost on the buffer gathered so far), zero2 gathers each
+    group per axis in the forward and reduce-scatters it per axis in the backward."""
+    for plan in ("zero1", "zero2"):
+        for errs, steps, (local, full), numel, groups in gloo_pool(4).run(train_worker, plan, 4, False, (2, 2)):
+            _check_numerics(errs)
+            assert local * 4 == full == 2 * numel, (plan, local, full, numel)
+            for recs in steps:
+                if plan == "zero1":
+                    assert [r for r in recs if r[2] == "step"] == [("all_gather", "dp2", "step", numel // 2),
+                                                                   ("all_gather", "dp", "step", numel)], recs
+                else:
+                    fwd = sorted((r[1], r[3]) for r in recs if r[0] == "all_gather")
+                    assert fwd == sorted(x for n in groups.values() for x in (("dp2", n // 2), ("dp", n))), fwd
+                    rs = sorted((r[1], r[3]) for r in recs if r[0] == "reduce_scatter")
+                    assert rs == sorted(x for n in groups.values() for x in (("dp", n), ("dp2", n // 2))), rs
 
 
 def checkpoint_worker(path: str, plan: str, other: str):
