@@ -231,6 +231,9 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         state = dp_form.state_bytes(mc, st.param_bytes)
         gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
+    if not fsdp:  # zero1's gather after the step: critical
+        step_t, step_b = dp_form.step_gather(mc, st.param_bytes)
+        comm_s, comm_b = comm_s + step_t, comm_b + step_b
     compute, comm_s, comm_b = compute + unsplit_s[0], comm_s + unsplit_s[1], comm_b + unsplit_b
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in reducing:

@@ -24,12 +24,8 @@ NAME = "dp"
 
 def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] | None = None) -> tuple[float, float]:
     """(time, bytes sent) of this share of the gradient bucket on every data and sequence axis (or `axes`):
-    its bytes at the bucket's per-byte rate, and their copy into the bucket's flat buffer (read + write); under
-    zero1 (`mc.zero`), and the parameters' all-gather after the step (`zero.step_gather_s`)."""
+    its bytes at the bucket's per-byte rate, and their copy into the bucket's flat buffer (read + write)."""
     t = b = 0.0
-    if mc.zero == 1 and axes is None:
-        # the parameters as stored (under a policy the masters: zero1's are replicated)
-        t, b = zero.step_gather_s(mc, local_param_bytes * mc.state_factor() * mc.param_share())
     copy_bytes_per_s = mc.cluster.copy_bytes_per_s or mc.cluster.effective_memory_bytes_per_s
     local_param_bytes *= mc.grad_bytes_factor  # mixed precision: the gradients are reduced in reduce_dtype
     for a in mc.data_axes + mc.seq_axes if axes is None else axes:
@@ -39,6 +35,15 @@ def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] |
         t += mc.bucket_rate(a)[1] * local_param_bytes + 2 * local_param_bytes / copy_bytes_per_s
         b += send_bytes("all_reduce", local_param_bytes, p)
     return t, b
+
+
+def step_gather(mc: MeshCosting, local_param_bytes: float) -> tuple[float, float]:
+    """(time, bytes sent) of zero1's all-gather of these parameters after the optimizer step (`zero.step_gather_s`),
+    on the critical path (the step waits for it); nothing under other plans. The parameters as stored: under a
+    policy the masters, which zero1 keeps replicated."""
+    if mc.zero != 1:
+        return 0.0, 0.0
+    return zero.step_gather_s(mc, local_param_bytes * mc.state_factor() * mc.param_share())
 
 
 def bucket_fixed_s(mc: MeshCosting) -> float:

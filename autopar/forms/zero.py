@@ -35,9 +35,10 @@ gradients (ZeRO-1/2) or a bf16 parameter copy beside sharded fp32 masters (Megat
 from those dtypes, and `state_bytes` says where autopar differs (gradients in the master's dtype: autograd gives a
 parameter a gradient of its own dtype; ZeRO-1's masters replicated, as its parameters are).
 
-Cost: zero2 prices as `fsdp` with every group kept gathered (no backward re-gather) plus, per step, the forward
-all-gather (the gather after the step); zero1 as `dp` plus the all-gather after the step (`step_gather_s`), not
-overlapped (it runs inside the optimizer step). Volume per step: `2(p-1)/p · Ψ` for zero2 (reduce-scatter +
+Cost: zero2 prices as `fsdp` with every group kept gathered (no backward re-gather): per step the forward
+all-gather (the gather after the step, prefetched), the reduce-scatter in backward; zero1 as `dp` plus the all-gather
+after the step (`step_gather_s`, `dp.step_gather`), on the critical path (it runs inside the optimizer step; Megatron
+overlaps it with the next forward, autopar's zero1 does not yet). Volume per step: `2(p-1)/p · Ψ` for zero2 (reduce-scatter +
 all-gather), `3(p-1)/p · Ψ` for zero1 (all-reduce + all-gather).
 """
 
