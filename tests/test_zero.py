@@ -263,3 +263,49 @@ def test_zero1_refuses_a_step_it_cannot_shard():
         assert "MyAdam is not one of torch's elementwise optimizers" in errors[0], errors[0]
         assert "the local step is disabled" in errors[1], errors[1]
         assert all("plan 'zero1'" in e and "Fix:" in e for e in errors)
+
+
+def mixed_worker(plan: str, like: str):
+    """gloo worker: an fp32 model under `mp_policy` (bf16 compute and gathers, fp32 reductions), AdamW, three steps
+    under `plan` and under the plan it refines (`like`: the same collectives in the same dtypes), the last step on
+    half the batch (other shapes: both re-lowered). Returns the largest difference of their parameters and losses,
+    and the dtypes of zero2's persisted gathered copies."""
+    import autopar
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from autopar.forms import fsdp as fsdp_form
+    from autopar.runtime import fsdp as F
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    batches = _batches()
+    batches[-1] = tuple(t[: BATCH // 2] for t in batches[-1])
+    runs = []
+    for name in (plan, like):
+        torch.manual_seed(0)
+        model = Llama(CFG)
+        if name == "fsdp-keep":
+            name = fsdp_form.keep_gathered(autopar.plan(model, mesh, batches[0], plan="fsdp", mp_policy=mp), "*")
+        pm = autopar.parallelize(model, mesh, batches[0], plan=name, mp_policy=mp)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = []
+        for b in batches:
+            loss = pm(*b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss))
+        runs.append(([p.full_tensor() for p in pm.parameters()], losses))
+        if name == "zero2":
+            dtypes = {str(buf.dtype).removeprefix("torch.") for _, _, buf in F._PERSISTED.values()}
+    diff = max(float((a - b).abs().max()) for a, b in zip(runs[0][0], runs[1][0]))
+    return diff, max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1])), dtypes if plan == "zero2" else None
+
+
+@pytest.mark.parametrize("plan,like", [("zero1", "dp"), ("zero2", "fsdp-keep")])
+def test_mixed_precision_trains_as_the_plan_it_refines(plan, like):
+    """Under bf16 compute with fp32 masters and reductions, zero1 trains bit for bit as dp (the same buckets, the
+    elementwise step on chunks), zero2 as fsdp with every layer kept gathered (the same groups, gathered in bf16,
+    reduced in fp32), through a re-lowering for other shapes; zero2's persisted copies are bf16 (param_dtype)."""
+    for diff, loss_diff, dtypes in gloo_pool(2).run(mixed_worker, plan, like):
+        assert diff == 0.0 and loss_diff == 0.0, (diff, loss_diff)
+        if plan == "zero2":
+            assert dtypes == {"bfloat16"}, dtypes
