@@ -217,11 +217,11 @@ def checkpoint_worker(path: str, plan: str, other: str):
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("plan,other", [("zero1", "dp"), ("zero2", "zero1"), ("zero1", "fsdp")])
+@pytest.mark.parametrize("plan,other", [("zero1", "dp"), ("zero2", "zero1")])
 def test_sharded_state_checkpoint_loads_into_another_plan(tmp_path, plan, other):
     """DCP saves zero1's and zero2's optimizer state as the shards they are (Shard(0) on the data axis), and it loads
-    into another plan's state (replicated under dp, sharded otherwise) that then trains exactly as the uninterrupted
-    run."""
+    into another plan's (replicated under dp; zero2's sharded parameters into zero1's replicated ones) that then
+    trains exactly as the uninterrupted run."""
     for diff, saved, loaded in gloo_pool(2).run(checkpoint_worker, str(tmp_path / "ckpt"), plan, other):
         assert diff <= 1e-12, diff
         assert saved == {"(Shard(dim=0),)"}, saved
@@ -294,8 +294,9 @@ def mixed_worker(plan: str, like: str):
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss))
         runs.append(([p.full_tensor() for p in pm.parameters()], losses))
-        if name == "zero2":
-            dtypes = {str(buf.dtype).removeprefix("torch.") for _, _, buf in F._PERSISTED.values()}
+        if name == "zero2":  # this model's groups (the worker's earlier models may linger until collected)
+            mine = {id(p._local_tensor) for p in pm.parameters()}
+            dtypes = [str(buf.dtype).removeprefix("torch.") for key, (_, _, buf) in F._PERSISTED.items() if key in mine]
     diff = max(float((a - b).abs().max()) for a, b in zip(runs[0][0], runs[1][0]))
     return diff, max(abs(a - b) for a, b in zip(runs[0][1], runs[1][1])), dtypes if plan == "zero2" else None
 
@@ -308,4 +309,4 @@ def test_mixed_precision_trains_as_the_plan_it_refines(plan, like):
     for diff, loss_diff, dtypes in gloo_pool(2).run(mixed_worker, plan, like):
         assert diff == 0.0 and loss_diff == 0.0, (diff, loss_diff)
         if plan == "zero2":
-            assert dtypes == {"bfloat16"}, dtypes
+            assert dtypes == ["bfloat16"] * (LAYERS + 2), dtypes  # embedding, each layer, final norm + head
