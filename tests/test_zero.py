@@ -51,10 +51,11 @@ def _state_numel(opt) -> tuple[int, int]:
     return local, full
 
 
-def train_worker(plan: str, d: int, accumulate: bool, shape: tuple[int, ...] | None = None):
+def train_worker(plan: str, d: int, accumulate: bool, shape: tuple[int, ...] | None = None, overrides=None):
     """gloo worker: the same Llama on one device and under `plan` on d ranks, AdamW, STEPS steps, each of one batch
     or (accumulate) of its two halves' backwards. Returns the largest errors, the collectives of each step, and the
-    state elements held. `shape`: a mesh of that shape (axes dp, dp2), every axis a data axis."""
+    state elements held. `shape`: a mesh of that shape (axes dp, dp2 or tp: every axis a data axis, but those
+    `overrides` give structures)."""
     import autopar
     from autopar.runtime.collectives import record_comms
     torch.manual_seed(0)
@@ -66,8 +67,8 @@ def train_worker(plan: str, d: int, accumulate: bool, shape: tuple[int, ...] | N
         batches = _batches()
         micro = [tuple(t[: BATCH // 2] for t in b) for b in batches] if accumulate else None
         shape = shape or (d,)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "dp2")[:len(shape)])
-        pm = autopar.parallelize(model, mesh, micro[0] if accumulate else batches[0], plan=plan)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp" if overrides else "dp2")[:len(shape)])
+        pm = autopar.parallelize(model, mesh, micro[0] if accumulate else batches[0], plan=plan, overrides=overrides)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
         errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
@@ -166,6 +167,23 @@ def test_two_data_axes():
                     assert fwd == sorted(x for n in groups.values() for x in (("dp2", n // 2), ("dp", n))), fwd
                     rs = sorted((r[1], r[3]) for r in recs if r[0] == "reduce_scatter")
                     assert rs == sorted(x for n in groups.values() for x in (("dp", n), ("dp2", n // 2))), rs
+
+
+MEGATRON_TP = {"attention": "heads@tp", "mlp": "tp@tp"}
+
+
+@pytest.mark.parametrize("plan", ["zero1", "zero2"])
+def test_with_tensor_parallelism(plan):
+    """Megatron's tensor parallelism on tp with ZeRO over dp (2 x 2; zero1 is Megatron's distributed optimizer): exact
+    as on one device; the optimizer state of the tensor-parallel weights 1/4 per rank (1/2 over tp, 1/2 of that over
+    dp), of the others (norms, embedding, head) 1/2; zero1 gathers after the step on dp only."""
+    for errs, steps, (local, full), numel, _ in gloo_pool(4).run(train_worker, plan, 2, True, (2, 2), MEGATRON_TP):
+        _check_numerics(errs)
+        tp_numel = LAYERS * (4 * CFG.hidden * CFG.hidden * 3 // 4 + 3 * CFG.hidden * CFG.ffn_hidden)
+        assert local == 2 * (tp_numel // 4 + (numel - tp_numel) // 2), (local, numel, tp_numel)
+        for recs in steps:
+            assert all(r[1] == "dp" for r in recs if r[0] in ("all_gather", "reduce_scatter") or r[2] == "step"), recs
+            assert any(r[1] == "tp" for r in recs), recs  # tensor parallelism's all-reduces
 
 
 def checkpoint_worker(path: str, plan: str, other: str):
