@@ -103,3 +103,22 @@ def test_estimate_prices_the_reduce_scatter_and_the_gather(mp):
         if mp is None:
             assert sent["zero1"] == round(zero.volume_bytes(4 * numel, d, 1))
             assert sent["zero2"] == round(zero.volume_bytes(4 * numel, d, 2)) == sent["dp"]
+
+
+def test_plans_round_trip_and_say_what_they_leave_whole():
+    """zero1's step directives and zero2's persistent gathers survive the JSON round trip; a parameter with no dim
+    that divides over the data ranks keeps whole state, and the plan says so; both plans print and explain."""
+    from autopar.plan import GATHER_PERSIST, DirectiveKind, Plan
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)), torch.randn(8, 64)
+    z1 = autopar.plan(model, {"dp": 2}, (x,), plan="zero1")
+    z2 = autopar.plan(model, {"dp": 2}, (x,), plan="zero2")
+    for p in (z1, z2):
+        assert Plan.from_json(p.to_json()) == p
+        assert p.table() and p.explain()
+    steps = {(d.node, d.value) for d in z1.directives if d.kind is DirectiveKind.SHARD_STEP}
+    assert steps == {("0.weight", "0"), ("0.bias", "0"), ("2.weight", "1")}, steps  # (5, 64): dim 1
+    assert any("2.bias (5,): its optimizer state is not sharded (ZeRO-1)" in n for n in z1.notes), z1.notes
+    gathers = {d.node: d.value for d in z2.directives if d.kind is DirectiveKind.GATHER}
+    assert gathers == dict.fromkeys(("0.weight", "0.bias", "2.weight"), GATHER_PERSIST), gathers
+    assert any("2.bias (5,) is not FSDP-sharded" in n for n in z2.notes), z2.notes

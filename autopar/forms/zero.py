@@ -40,6 +40,11 @@ all-gather (the gather after the step, prefetched), the reduce-scatter in backwa
 after the step (`step_gather_s`, `dp.step_gather`), on the critical path (it runs inside the optimizer step; Megatron
 overlaps it with the next forward, autopar's zero1 does not yet). Volume per step: `2(p-1)/p · Ψ` for zero2 (reduce-scatter +
 all-gather), `3(p-1)/p · Ψ` for zero1 (all-reduce + all-gather).
+
+Not yet (issue #24): `auto`'s ILP does not offer zero1 / zero2 per layer class (only the named plans take them, and
+`autopar.tune` does not measure them); zero1's gather after the step is not overlapped with the next forward; MoE
+experts under a zero plan are priced as `dp`; ZeRO-1's one reduction per step under gradient accumulation (full
+gradients accumulated locally, a `no_sync`-like opt-in) is not offered: every backward reduces.
 """
 
 from __future__ import annotations
