@@ -235,11 +235,12 @@ def checkpoint_worker(path: str, plan: str, other: str):
         torch.set_default_dtype(torch.float32)
 
 
-@pytest.mark.parametrize("plan,other", [("zero1", "dp"), ("zero2", "zero1")])
+@pytest.mark.parametrize("plan,other", [("zero1", "dp"), ("zero2", "zero1"), ("zero1", "zero2")])
 def test_sharded_state_checkpoint_loads_into_another_plan(tmp_path, plan, other):
     """DCP saves zero1's and zero2's optimizer state as the shards they are (Shard(0) on the data axis), and it loads
-    into another plan's (replicated under dp; zero2's sharded parameters into zero1's replicated ones) that then
-    trains exactly as the uninterrupted run."""
+    into another plan's (replicated under dp; zero2's sharded parameters into zero1's replicated ones, and back: a
+    load rewrites zero2's shards, so its persisted gathered copies are gathered again) that then trains exactly as
+    the uninterrupted run."""
     for diff, saved, loaded in gloo_pool(2).run(checkpoint_worker, str(tmp_path / "ckpt"), plan, other):
         assert diff <= 1e-12, diff
         assert saved == {"(Shard(dim=0),)"}, saved
