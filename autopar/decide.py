@@ -129,12 +129,14 @@ def _roles_label(data, seq) -> str:
 def hand_decisions(ctx: PassContext, mesh: MeshInfo, cluster, name: str, choices: dict[str, Candidate],
                    data_axes, seq_axes, optimizer: str, forced: dict[str, Candidate], notes: list[str]
                    ) -> tuple[Decision, ...]:
-    """A named plan's decisions: every candidate priced on the plan's axis roles, and the plan's rule."""
+    """A named plan's decisions: every candidate priced on the plan's axis roles (and its ZeRO stage), and the plan's
+    rule."""
+    from autopar.forms.zero import PLANS as ZERO_PLANS
     from autopar.solver import _classes, _tied_pairs, all_candidates, site_cost
 
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
-                      seq_axes=seq_axes)
+                      seq_axes=seq_axes, zero=ZERO_PLANS.get(name, 0))
     sites = ctx.planning_sites()
     classes = _classes(sites, {s.key for p in _tied_pairs(sites) for s in p})
     groups: dict[tuple, list[Site]] = {}
