@@ -129,12 +129,14 @@ def _roles_label(data, seq) -> str:
 def hand_decisions(ctx: PassContext, mesh: MeshInfo, cluster, name: str, choices: dict[str, Candidate],
                    data_axes, seq_axes, optimizer: str, forced: dict[str, Candidate], notes: list[str]
                    ) -> tuple[Decision, ...]:
-    """A named plan's decisions: every candidate priced on the plan's axis roles, and the plan's rule."""
+    """A named plan's decisions: every candidate priced on the plan's axis roles (and its ZeRO stage), and the plan's
+    rule."""
+    from autopar.forms.zero import PLANS as ZERO_PLANS
     from autopar.solver import _classes, _tied_pairs, all_candidates, site_cost
 
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
-                      seq_axes=seq_axes)
+                      seq_axes=seq_axes, zero=ZERO_PLANS.get(name, 0))
     sites = ctx.planning_sites()
     classes = _classes(sites, {s.key for p in _tied_pairs(sites) for s in p})
     groups: dict[tuple, list[Site]] = {}
@@ -172,15 +174,16 @@ def _hand_rule(site: Site, name: str, cand: Candidate, forced: dict[str, Candida
 # ----------------------------------------------------------------------------- the estimate broken down
 
 def site_estimates(ctx: PassContext, mesh: MeshInfo, cluster, solution, priced: dict[str, Candidate], data_axes,
-                   seq_axes, optimizer: str, *, other_fsdp: bool = False) -> tuple[SiteEstimate, ...]:
+                   seq_axes, optimizer: str, *, other_fsdp: bool = False, zero: int = 0) -> tuple[SiteEstimate, ...]:
     """Each structure's estimated compute and communication (split by mesh axis: the communication time less
     the same priced with that axis' links free) and its memory by part (`Cost.act_bytes`, `transient_bytes`;
-    the rest is parameters, gradients and optimizer state, 1 : 1 : the optimizer's states)."""
+    the rest is parameters, gradients and optimizer state, 1 : 1 : the optimizer's states, or as ZeRO `zero` divides
+    them: `autopar.forms.zero.state_parts`)."""
     from autopar.solver import _signature, other_cost, site_cost
 
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
-                      seq_axes=seq_axes)
+                      seq_axes=seq_axes, zero=zero)
     free = {a: _FreeAxis(**{f.name: getattr(mc, f.name) for f in dataclasses.fields(mc)}, free=a)
             for a, s in zip(mesh.names, mesh.sizes) if s > 1}
     sites = {s.key: s for s in ctx.planning_sites()}
@@ -225,6 +228,10 @@ def unsplit_ops(ctx: PassContext, mesh: MeshInfo, cluster, data_axes, seq_axes, 
 def _site_estimate(key: str, cost: Cost, axes, mc) -> SiteEstimate:
     state = max(0.0, cost.memory_bytes - cost.act_bytes - cost.transient_bytes)
     params, grads = state * mc.param_share(), state * mc.grad_share()  # any precision (`state_bytes_per_element`)
+    if mc.zero in (1, 2) and mc.dp > 1:
+        from autopar.forms.zero import state_parts
+        p, g, o = state_parts(mc, mc.zero)
+        params, grads = state * p / (p + g + o), state * g / (p + g + o)
     return SiteEstimate(key=key, compute_s=cost.compute_s, comm_s=cost.comm_s, comm_axes=axes,
                         parameters_bytes=int(params), gradients_bytes=int(grads),
                         optimizer_bytes=int(state - params - grads),

@@ -636,7 +636,7 @@ def _reaches_output(node: fx.Node, outputs: set[fx.Node]) -> bool:
 
 
 def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats, names, sizes, data_axes,
-                 cluster: Cluster, *, optimizer: str = "adam", seq_axes=()) -> "MeshCosting":
+                 cluster: Cluster, *, optimizer: str = "adam", seq_axes=(), zero: int = 0) -> "MeshCosting":
     """A MeshCosting whose gradient buckets hold every parameter's gradient: at least one bucket per dtype, and
     as many buckets as their bytes fill (`_num_buckets`)."""
     ph = {n.name: n for n in ctx.captured.gm.graph.nodes if n.op == "placeholder"}
@@ -648,7 +648,7 @@ def mesh_costing(ctx: PassContext, stats: dict[str, SiteStats], other: SiteStats
     total = other.param_bytes + sum(st.param_bytes for st in stats.values())
     return MeshCosting(names=tuple(names), sizes=tuple(sizes), data_axes=tuple(data_axes), cluster=cluster,
                        optimizer=optimizer, param_dtype=dtype_name(param_dtype), seq_axes=tuple(seq_axes),
-                       bucket_bytes=total, num_buckets=max(len(dtypes), _num_buckets(total)),
+                       bucket_bytes=total, num_buckets=max(len(dtypes), _num_buckets(total)), zero=zero,
                        **precision_costing(ctx.captured, dtypes, optimizer))
 
 
@@ -704,6 +704,9 @@ class MeshCosting:
     # gradient reduction moves per such byte (reduce_dtype); None / 1.0: the model's dtypes
     state_bytes_per_param_byte: float | None = None
     grad_bytes_factor: float = 1.0
+    # the named plan's ZeRO stage of the parameters over the data axes (`autopar.forms.zero`): 0 (dp / fsdp as the
+    # candidates say), 1 (zero1: the step sharded) or 2 (zero2: FSDP-sharded, gathered copies persisting)
+    zero: int = 0
 
     @property
     def dp(self) -> int:

@@ -39,12 +39,12 @@ from autopar.capture import split_example_inputs
 from autopar.captured import Captured
 from autopar.checkpoint import strided_to_replicated, to_placements
 from autopar.mesh import mesh_info
-from autopar.plan import Plan
+from autopar.plan import GATHER_PERSIST, DirectiveKind, Plan
 from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
 from autopar.runtime.collectives import after_backward, before_next_collective, settle_pending
-from autopar.runtime.fsdp import fsdp_step
+from autopar.runtime.fsdp import fsdp_step, persist_versions
 from autopar.runtime.ops import advance_rng_stream
 from autopar.runtime import local_step, scalar_ops
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor, to_locals
@@ -113,6 +113,7 @@ class ParallelModule(nn.Module):
         # plain full tensors (the single-device model's state dict) into place.
         local_step.install()  # an optimizer step on replicated parameters runs on their local tensors
         local_step.register(made.values())
+        _shard_steps(plan, mesh, self)  # ZeRO-1: the optimizer steps each marked parameter's chunk
         self._register_state_dict_hook(strided_to_replicated)
         self._register_load_state_dict_pre_hook(to_placements, with_module=True)
         self._register_load_state_dict_pre_hook(_mark_loaded, with_module=True)
@@ -124,6 +125,7 @@ class ParallelModule(nn.Module):
         self._plan = plan  # the plan every re-lowering takes its forms from
         self._precision = Precision.parse(plan.precision)  # mixed precision: inputs and outputs cast per call
         self._stored = dict(plan.params)  # every parameter's placements, whatever program runs
+        self._persists = any(d.kind is DirectiveKind.GATHER and d.value == GATHER_PERSIST for d in plan.directives)
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         args, kwargs = split_example_inputs(example_inputs) if example_inputs is not None else (None, None)
         key = self._key(args, kwargs) if args is not None else None
@@ -235,7 +237,10 @@ class ParallelModule(nn.Module):
         advance_rng_stream(self._rng_stream)
         if torch.is_grad_enabled():
             after_backward(self._plain_grads)
-        with fsdp_step(prog.gm):  # FSDP groups resharded after forward: their saved parameters re-gathered backward
+        versions = {id(p._local_tensor): p._version for p in dts} if self._persists else {}
+        # FSDP groups resharded after forward: their saved parameters re-gathered backward; ZeRO-2's persisted groups
+        # gathered again only after their DTensors or shards changed
+        with fsdp_step(prog.gm), persist_versions(versions):
             return prog.gm(*feeds)
 
     def _plain_grads(self) -> None:
@@ -293,6 +298,23 @@ class ParallelModule(nn.Module):
     def programs(self) -> list[str]:
         """The cached programs, least recently used first: what each was captured for."""
         return [describe_key(k) if k is not None else "the example inputs" for k in self._programs]
+
+
+def _shard_steps(plan: Plan, mesh: DeviceMesh, pm: "ParallelModule") -> None:
+    """The plan's `SHARD_STEP` directives (ZeRO-1, `autopar.forms.zero`) marked on the parameters
+    (`local_step.shard_step`): per parameter its data mesh dims and tensor dim."""
+    from autopar.mesh import mesh_info
+    names = mesh_info(mesh).names
+    steps: dict[str, tuple[list[int], int]] = {}
+    for d in plan.directives:
+        if d.kind is DirectiveKind.SHARD_STEP:
+            dims, dim = steps.setdefault(d.node, ([], int(d.value)))
+            if int(d.value) != dim:
+                raise ValueError(f"plan {plan.name!r} shards the step of {d.node} on two dims ({dim}, {d.value}); "
+                                 "re-plan")
+            dims.append(names.index(d.axis))
+    for fqn, (dims, dim) in steps.items():
+        local_step.shard_step(pm.get_parameter(fqn), tuple(dims), dim)
 
 
 def _non_persistent(model: nn.Module, fqn: str) -> set[str]:

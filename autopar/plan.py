@@ -46,9 +46,15 @@ class DirectiveKind(str, enum.Enum):
     # weight; `value` lists the blocks as `taker:first:end:heads,...` (the node taking each block of the output):
     # a block whose heads divide over `axis` is split over it, the others stay replicated
     PARTS = "parts"
+    # ZeRO-1 (`autopar.forms.zero`): the optimizer steps parameter `node`'s shard over the data axis `axis`, on
+    # tensor dim `value`, and the parameter is all-gathered after the step (`autopar.runtime.local_step`)
+    SHARD_STEP = "shard_step"
 
 
 GATHER_KEEP = "keep"
+# ZeRO-2 (`autopar.forms.zero`): the gathered parameters persist from one step to the next, gathered again only after
+# the shards change (an optimizer step, a load), before the next forward (`autopar.runtime.fsdp`)
+GATHER_PERSIST = "persist"
 
 
 class AttentionMode(str, enum.Enum):

@@ -8,6 +8,8 @@ Named plans:
 - `dp`: every parameter replicated, the batch sharded over all axes.
 - `fsdp`: the batch sharded over all axes and every parameter sharded over them (ZeRO-3 / FSDP2),
   gathered before use.
+- `zero1`, `zero2`: the batch sharded over all axes, the optimizer state (zero2: and the gradients) sharded over
+  them, the parameters whole for compute, all-gathered after each step (`autopar.forms.zero`).
 - `auto`: the ILP (`autopar.solver`) over every form's candidates and every role of the axes, with each layer
   class's checkpoint level and FSDP keep-or-reshard; its best few distinct solutions and the hand plans that fit
   (`megatron`, `fsdp` at each checkpoint level) re-ranked by the plan's own estimate, the step's timeline
@@ -37,6 +39,7 @@ from torch import nn
 from autopar.forms import Candidate, Role, form_names, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import fsdp as fsdp_form
+from autopar.forms import zero as zero_form
 from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.decide import auto_decisions, hand_decisions, site_estimates, unsplit_ops
@@ -47,7 +50,9 @@ from autopar.sites import Kind, PassContext, Site
 from autopar.spec import R, Placement, Shard, fmt_placements, placements_from_str
 from autopar.units import fmt_bytes
 
-PLANS = ("auto", "megatron", "dp", "fsdp")
+PLANS = ("auto", "megatron", "dp", "fsdp", "zero1", "zero2")
+_SHARDED = ("fsdp", "zero2")  # named plans whose parameters are FSDP-sharded (zero2: gathered copies persist)
+_DATA_ONLY = ("dp", "fsdp", "zero1", "zero2")  # named plans that take every mesh axis as a data axis
 REPLICATE = Candidate(form=Replicate.name)
 
 
@@ -213,6 +218,21 @@ class _Placements:
     def reset(self, site: Site) -> None:
         for ph in site.all_params():
             self.pls[ph] = [R] * len(self.mesh.sizes)
+
+    def shard_step(self, axes: list[str], notes: list[str]) -> list[Directive]:
+        """ZeRO-1: each parameter's optimizer step sharded over the data axes on its `fsdp.shard_dim` (the
+        parameter itself stays as placed)."""
+        sizes = [self.mesh.axis(a).size for a in axes]
+        out = []
+        for ph, fqn in self.ctx.captured.param_fqns.items():
+            shape = tuple(self.ctx.captured.placeholder(ph).meta["val"].shape)
+            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
+            if dim is None or any(self.pls[ph][self.mesh.names.index(a)] != R for a in axes):
+                notes.append(f"parameter {fqn} {shape}: its optimizer state is not sharded (ZeRO-1): no dim (0 or 1) "
+                             f"that tensor parallelism leaves whole divides over {math.prod(sizes)} ranks")
+                continue
+            out += zero_form.shard_step_directives(fqn, axes, dim)
+        return out
 
     def shard_fsdp(self, phs, axes: list[str], notes: list[str]) -> list[Directive]:
         """FSDP: shard each parameter over the data axes on its `fsdp.shard_dim` (the solver prices the same)."""
@@ -453,13 +473,13 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         choices = {s.key: _hand_choice(s, name, mesh, tp, notes) for s in ctx.planning_sites()}
         choices.update(forced)
         _tied_choices(ctx, mesh, choices, set(forced), notes)
-        default_axes = [n for n in mesh.names if name in ("dp", "fsdp") or n != tp]
+        default_axes = [n for n in mesh.names if name in _DATA_ONLY or n != tp]
         used = {a for s, c in [(s, choices[s.key]) for s in ctx.planning_sites()] + forced_linears
                 for a, ok in _roles_used(s, c) if Role.DATA not in ok}
         data_axes = [a for a in default_axes if a not in used] if data_axes is None else list(data_axes)
         seq_axes = sorted({a for s in ctx.planning_sites() for a, ok in _roles_used(s, choices[s.key])
                            if ok == frozenset({Role.SEQUENCE})})
-        if name == "fsdp":
+        if name in _SHARDED:
             choices = {k: Candidate(form=c.form, axes=c.axes, fsdp=True) for k, c in choices.items()}
         levels = {la.path: ck_forced.get(la.path, ckpt.DEFAULT) for la in layers}
     sites = {s.key: s for s in ctx.planning_sites()}
@@ -473,11 +493,15 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         pls.assign(site, cand)
     directives: list[Directive] = []
     fsdp_phs = {ph for site, _, cand in chosen if cand.fsdp for ph in site.all_params()}
-    if name == "fsdp":
+    if name in _SHARDED:
         owned = {ph for s in ctx.sites for ph in s.all_params()}
         fsdp_phs |= set(ctx.captured.param_fqns) - owned
     if fsdp_phs and data_axes:
         directives += pls.shard_fsdp(fsdp_phs, data_axes, notes)
+    if name == "zero2":
+        directives = zero_form.persist_directives(directives)
+    if name == "zero1" and data_axes:
+        directives += pls.shard_step(data_axes, notes)
     if solution is not None and solution.keep_gathered:  # the ILP keeps these layers' gathered weights (ZeRO-2-like)
         directives = _keep_gathered(ctx, layers, solution.keep_gathered, directives, notes)
     # lowering directives
@@ -656,7 +680,8 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         batched = any(Shard(0) in placements_from_str(p) for p in inputs.values())
         data_axes = tuple(data_axes) if batched else ()
         solution = ilp.evaluate(ctx, mesh, clus, priced, data_axes, optimizer, tuple(seq_axes),
-                                other_fsdp=name == "fsdp", layers=layers, checkpoint=levels)
+                                other_fsdp=name in _SHARDED, layers=layers, checkpoint=levels,
+                                zero=zero_form.PLANS.get(name, 0))
     else:
         data_axes, seq_axes = solution.data_axes, solution.seq_axes
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes
@@ -676,7 +701,8 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
                         per_site=per_site, solver=solver_note,
                         **unsplit_ops(ctx, mesh, clus, data_axes, seq_axes, optimizer),
                         sites=site_estimates(ctx, mesh, clus, solution, priced, data_axes, seq_axes, optimizer,
-                                             other_fsdp=name == "fsdp") if explain else ())
+                                             other_fsdp=name in _SHARDED, zero=zero_form.PLANS.get(name, 0))
+                        if explain else ())
     return estimate, solution  # the solution: what explain reads of the checkpoint levels
 
 

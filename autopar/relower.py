@@ -33,7 +33,7 @@ from autopar.forms.replicate import Replicate
 from autopar.index_checks import retarget_meta
 from autopar.inputs import batch_dims, data_degree, global_example, local_arrivals
 from autopar.mesh import MeshInfo
-from autopar.plan import GATHER_KEEP, DirectiveKind, Plan
+from autopar.plan import DirectiveKind, Plan
 from autopar.precision import Precision, as_dtypes, capture_dtypes, cast_inputs, mark_captured
 from autopar.planner import BATCH_NOTE_RE, build_plan, tie_placements
 from autopar.sites import Kind, PassContext
@@ -161,12 +161,13 @@ def replan(ctx: PassContext, info: MeshInfo, plan: Plan) -> Plan:
         overrides[_exact(s.key)] = Replicate.name if why else s.label
     for path, level in plan.checkpoint:  # the same activation checkpointing level per layer
         overrides[f"{ckpt.KEY}:{_exact(path)}"] = level
-    base = plan.name if plan.name in ("megatron", "dp", "fsdp") else _named_like(plan)
+    base = plan.name if plan.name in ("megatron", "dp", "fsdp", "zero1", "zero2") else _named_like(plan)
     batch, shapes = input_batch(ctx.captured)
     new = build_plan(ctx, info, base, overrides, batch, input_shapes=shapes, data_axes=_data_axes(plan, info))
-    kept = {d.node for d in plan.directives if d.kind is DirectiveKind.GATHER and d.value == GATHER_KEEP}
-    directives = tuple(replace(d, value=GATHER_KEEP) if d.kind is DirectiveKind.GATHER and d.node in kept else d
-                       for d in new.directives)  # FSDP's gathers kept for backward stay kept (`fsdp.keep_gathered`)
+    kept = {d.node: d.value for d in plan.directives if d.kind is DirectiveKind.GATHER and d.value}
+    # FSDP's gathers kept for backward stay kept (`fsdp.keep_gathered`), ZeRO-2's persistent stay persistent
+    directives = tuple(replace(d, value=kept[d.node]) if d.kind is DirectiveKind.GATHER and d.node in kept else d
+                       for d in new.directives)
     return replace(new, name=plan.name, notes=new.notes + tuple(notes), precision=plan.precision,
                    directives=directives)
 

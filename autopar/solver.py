@@ -231,6 +231,9 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         state = dp_form.state_bytes(mc, st.param_bytes)
         gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
+    if not fsdp:  # zero1's gather after the step: critical
+        step_t, step_b = dp_form.step_gather(mc, st.param_bytes)
+        comm_s, comm_b = comm_s + step_t, comm_b + step_b
     compute, comm_s, comm_b = compute + unsplit_s[0], comm_s + unsplit_s[1], comm_b + unsplit_b
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in reducing:
@@ -1099,13 +1102,13 @@ def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
              data_axes: tuple[str, ...], optimizer: str = "adam", seq_axes: tuple[str, ...] = (), *,
-             other_fsdp: bool = False, layers=(), checkpoint: dict | None = None) -> Solution:
+             other_fsdp: bool = False, layers=(), checkpoint: dict | None = None, zero: int = 0) -> Solution:
     """The cost of a given assignment (a hand plan) under the same model the ILP optimises; `other_fsdp`:
     the parameters outside every site are FSDP-sharded too (the fsdp plan); `checkpoint`: layer path -> level
-    (`autopar.forms.checkpoint.Level`) of the `layers`."""
+    (`autopar.forms.checkpoint.Level`) of the `layers`; `zero`: the plan's ZeRO stage (`autopar.forms.zero`)."""
     stats, other, _ = gather_stats(ctx)
     mc = mesh_costing(ctx, stats, other, mesh.names, mesh.sizes, data_axes, cluster, optimizer=optimizer,
-                      seq_axes=seq_axes)
+                      seq_axes=seq_axes, zero=zero)
     base = other_cost(other, mc, fsdp=other_fsdp and bool(data_axes))
     per_site = {}
     sites = ctx.planning_sites()

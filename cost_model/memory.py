@@ -64,7 +64,8 @@ from cost_model.analytical import _bound_args, _is_view, _SDPA
 from cost_model.hardware import dtype_name
 
 __all__ = [
-    "OPTIMIZER_STATES", "MemoryBytes", "StateBytes", "state_bytes_per_element", "shard_factor", "local_numel",
+    "OPTIMIZER_STATES", "MemoryBytes", "StateBytes", "state_bytes_per_element", "zero_state_bytes_per_element",
+    "shard_factor", "local_numel",
     "param_state_bytes", "model_state_bytes",
     "SavedTensor", "saved_activations", "activation_bytes",
 ]
@@ -150,6 +151,32 @@ def state_bytes_per_element(param_dtype, compute_dtype=None, reduce_dtype=None, 
     state_size = _FP32_BYTES if master else size
     return StateBytes(param=size, grad=grad,
                       optimizer=OPTIMIZER_STATES[optimizer] * state_size + (_FP32_BYTES if master else 0))
+
+
+def zero_state_bytes_per_element(stage: int, num_ranks: int, *, param_bytes: float, grad_bytes: float,
+                                 master_bytes: float, optimizer_bytes: float) -> float:
+    """ZeRO's static model state per parameter element on each of `num_ranks` data ranks (Rajbhandari et al.,
+    1910.02054 §5; Megatron-LM's distributed optimizer, `docs/.../dist_optimizer.md`), from the bytes per element of
+    the parameter copy that compute reads (P), its gradient (G), the master copy the optimizer updates when it is not
+    that parameter (M: 4 for fp32 masters of 16-bit parameters, 0 otherwise) and the optimizer's states (K):
+
+    | stage | what is sharded            | bytes per element      |
+    |-------|----------------------------|------------------------|
+    | 0     | nothing (DDP)              | P + G + M + K          |
+    | 1     | optimizer state (P_os)     | P + G + (M + K) / d    |
+    | 2     | + gradients (P_os+g)       | P + (G + M + K) / d    |
+    | 3     | + parameters (P_os+g+p)    | (P + G + M + K) / d    |
+
+    The paper's fp16 mixed precision with Adam (P = G = 2, M + K = 12): 16, 4 + 12/d, 2 + 14/d, 16/d; Megatron's bf16
+    parameters with fp32 gradients (P = 2, G = 4, M = 4, K = 8) under its distributed optimizer (stage 1): 6 + 12/d.
+    autopar's own plans hold the parts `autopar.forms.zero` says."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int (the data-parallel degree), got {num_ranks!r}")
+    parts = (param_bytes, grad_bytes, master_bytes + optimizer_bytes)  # stage s shards the last s of them
+    whole = {0: 3, 1: 2, 2: 1, 3: 0}[stage]
+    return sum(parts[:whole]) + sum(parts[whole:]) / num_ranks
 
 
 def param_state_bytes(shape: tuple[int, ...], dtype, placements: tuple[Placement, ...] = (),

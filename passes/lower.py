@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.captured import Captured
 from autopar.mesh import MeshInfo
-from autopar.plan import GATHER_KEEP, AttentionMode, DirectiveKind, Plan
+from autopar.plan import GATHER_KEEP, GATHER_PERSIST, AttentionMode, DirectiveKind, Plan
 from autopar.runtime import collectives as C
 from autopar.runtime import fsdp as F
 from autopar.spec import (P, R, Partial, Placement, Replicate, Shard, _StridedShard, fmt, fmt_placements, is_owned,
@@ -84,6 +84,8 @@ class LowerContext:
     rng_stream: str = "default"  # key of the dropout RNG stream (autopar.runtime.ops)
     gathers: dict = field(default_factory=dict)  # parameter placeholder -> axis indices it is gathered on (FSDP)
     keep_gathered: set = field(default_factory=set)  # FSDP parameter placeholders kept gathered for backward
+    # ZeRO-2 parameter placeholders whose gathered copies persist between steps (`autopar.forms.zero`)
+    persist_gathered: set = field(default_factory=set)
     hints: dict = field(default_factory=dict)  # node name (or "row:" + linear node name) -> {axis index: placement}
     # hinted node names whose hint holds only where no other axis already splits the hinted dim (`soft_spec`)
     soft_hints: set = field(default_factory=set)
@@ -132,9 +134,17 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.gathers.setdefault(by_fqn[d.node], set()).add(ax)
             if d.value == GATHER_KEEP:
                 ctx.keep_gathered.add(by_fqn[d.node])
+            elif d.value == GATHER_PERSIST:
+                ctx.persist_gathered.add(by_fqn[d.node])
             elif d.value:
                 raise ValueError(f"plan {plan.name!r}: its gather directive for {d.node!r} has the value {d.value!r}; "
-                                 f"expected '' (reshard after forward) or {GATHER_KEEP!r}. Fix: re-plan.")
+                                 f"expected '' (reshard after forward), {GATHER_KEEP!r} or {GATHER_PERSIST!r}. "
+                                 "Fix: re-plan.")
+            continue
+        if d.kind is DirectiveKind.SHARD_STEP:  # the optimizer step's, not the program's (`autopar.module`)
+            if d.node not in by_fqn:
+                raise ValueError(f"plan {plan.name!r} shards the optimizer step of parameter {d.node!r}, which this "
+                                 "model does not have; re-plan for this model")
             continue
         if d.node not in nodes:
             raise ValueError(f"plan {plan.name!r} has a {d.kind.value} directive for graph node {d.node!r}, which "
@@ -766,12 +776,15 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
         first = min((f for *_, f in members), key=order.__getitem__)
         # outside the layers (embeddings, final norm, head: FSDP2's root) kept, as FSDP2 keeps its root: the head's
         # weights are used last in forward and first in backward
-        keep = label.startswith("(") or all(ph.name in ctx.keep_gathered for ph, *_ in members)
+        # ZeRO-2: a group every one of whose parameters persists is gathered once per change of its shards and kept
+        persist = all(ph.name in ctx.persist_gathered for ph, *_ in members)
+        keep = persist or label.startswith("(") or all(ph.name in ctx.keep_gathered for ph, *_ in members)
         fulls = [nodes[-1] for _, nodes, _, _ in members]
         shards = tuple(ph for ph, *_ in members)
+        extra = {"persist": True} if persist else {}
         with graph.inserting_before(first):
             gather = graph.call_function(F.fsdp_gather, (shards, None, axes, tuple(d for _, _, d, _ in members), label,
-                                                         keep))
+                                                         keep), extra)
         gather.meta["val"] = tuple(f.meta["val"] for f in fulls)
         gather.meta[M.PLACEMENTS] = [f.meta[M.PLACEMENTS] for f in fulls]
         gather.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
@@ -788,7 +801,7 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
                 graph.erase_node(n)
         if previous is not None:  # issued right after the previous group's gather, before that group's compute
             with graph.inserting_after(previous):
-                pending = graph.call_function(F.fsdp_prefetch, (shards, axes))
+                pending = graph.call_function(F.fsdp_prefetch, (shards, axes), dict(gather.kwargs))
             pending.meta["nn_module_stack"] = gather.meta["nn_module_stack"]
             gather.args = (shards, pending, *gather.args[2:])
         previous = cursor

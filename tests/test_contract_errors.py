@@ -53,12 +53,13 @@ def _write(tmp_path, text: str):
 def test_unknown_plan_name_lists_the_names_and_says_a_path_must_exist():
     model, inputs = _mlp()
     with pytest.raises(ValueError, match=r"plan 'nonsense' is neither a plan name \('auto', 'megatron', 'dp', "
-                                         r"'fsdp'\) nor an existing file\. Fix: give one of the names.*must exist"):
+                                         r"'fsdp', 'zero1', 'zero2'\) nor an existing file\. Fix: give one of the "
+                                         r"names.*must exist"):
         autopar.plan(model, MESH, inputs, plan="nonsense")
     with pytest.raises(ValueError, match=r"did you mean 'megatron'\?"):
         autopar.plan(model, MESH, inputs, plan="Megatron")
-    with pytest.raises(TypeError, match=r"plan must be one of 'auto', 'megatron', 'dp', 'fsdp', a Plan or the path "
-                                        r"of a saved plan; got int 3"):
+    with pytest.raises(TypeError, match=r"plan must be one of 'auto', 'megatron', 'dp', 'fsdp', 'zero1', 'zero2', a "
+                                        r"Plan or the path of a saved plan; got int 3"):
         autopar.plan(model, MESH, inputs, plan=3)
 
 

@@ -17,7 +17,8 @@
 | `expert`          | moe         | expert        | data or model     |
 | `moe_tp`          | moe         | tp            | model             |
 
-and the parameters' forms over the data axes: `dp` (gradient buckets) and `fsdp` (sharded, gathered).
+and the parameters' forms over the data axes: `dp` (gradient buckets), `fsdp` (sharded, gathered) and `zero`
+(ZeRO-1 / ZeRO-2: the optimizer state, and gradients, sharded; the parameters whole for compute).
 `checkpoint`: the activation checkpointing levels of a layer (none, selective, full), a registry of their own
 (`checkpoint.LEVELS`: a layer is not a structure), taken per layer besides its structures' forms.
 `two_axis` is the base the two-axis attention forms share (it registers nothing).

@@ -33,6 +33,7 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     gather = regather = reducing = 0.0
+    step_t = step_b = 0.0  # zero1's gather after the step: critical (not in reduce_s)
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
         reducing = fsdp.reduce_transient_bytes(mc, st, param_split)
@@ -41,12 +42,14 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
         compute += fsdp.copy_s(mc, st, param_split)
     else:
         t, b = dp.grad_sync(mc, st.synced_param_bytes / param_split)
+        step_t, step_b = dp.step_gather(mc, st.param_bytes / param_split)
         state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
         bucket = dp.bucket_bytes(mc, st.param_bytes / param_split)
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     hidden = min(hidden, (own_t + lr_t) / 2, backward_s)  # within the timeline's backward half (`autopar.timeline`)
-    return Cost(compute_s=compute, comm_s=own_t + t + lr_t, comm_bytes=own_b + b + lr_b, memory_bytes=state + act,
+    return Cost(compute_s=compute, comm_s=own_t + t + lr_t + step_t, comm_bytes=own_b + b + lr_b + step_b,
+                memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
                 reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden,
                 reduce_transient_bytes=reducing)

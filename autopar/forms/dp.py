@@ -16,6 +16,7 @@ for alpha-beta links), plus the copy of the gradients into the flat buffer. Volu
 from __future__ import annotations
 
 from autopar.estimate import MeshCosting
+from autopar.forms import zero
 from cost_model.analytical import send_bytes
 
 NAME = "dp"
@@ -36,6 +37,15 @@ def grad_sync(mc: MeshCosting, local_param_bytes: float, axes: tuple[str, ...] |
     return t, b
 
 
+def step_gather(mc: MeshCosting, local_param_bytes: float) -> tuple[float, float]:
+    """(time, bytes sent) of zero1's all-gather of these parameters after the optimizer step (`zero.step_gather_s`),
+    on the critical path (the step waits for it); nothing under other plans. The parameters as stored: under a
+    policy the masters, which zero1 keeps replicated."""
+    if mc.zero != 1:
+        return 0.0, 0.0
+    return zero.step_gather_s(mc, local_param_bytes * mc.state_factor() * mc.param_share())
+
+
 def bucket_fixed_s(mc: MeshCosting) -> float:
     """The fixed cost of the gradient buckets: one per data / sequence axis and parameter dtype."""
     return mc.num_buckets * sum(mc.bucket_rate(a)[0] for a in mc.data_axes + mc.seq_axes)
@@ -50,7 +60,10 @@ def bucket_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
 
 
 def state_bytes(mc: MeshCosting, local_param_bytes: float) -> float:
-    """Parameters, gradients and optimizer state, replicated over the data axes."""
+    """Parameters, gradients and optimizer state, replicated over the data axes (zero1: the state sharded,
+    `zero.state_bytes`)."""
+    if mc.zero == 1:
+        return zero.state_bytes(mc, local_param_bytes, 1)
     return local_param_bytes * mc.state_factor()
 
 

@@ -33,7 +33,7 @@ import math
 from typing import Iterable
 
 from autopar.estimate import MeshCosting, SiteStats
-from autopar.forms import dp
+from autopar.forms import dp, zero
 from autopar.plan import GATHER_KEEP, Directive, DirectiveKind, Plan
 from autopar.sites import Kind, Site
 from autopar.spec import Placement, is_shard
@@ -170,6 +170,7 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     gathered, reduced = [], []
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
+        again = again and mc.zero != 2  # zero2: every group kept (and persisting): none gathered again in backward
         if used:
             gathered.append((nbytes / split, group / split, again))
         if synced:
@@ -177,6 +178,8 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     t, b = sync(mc, gathered, reduced, backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
     local = sharded.param_bytes / split
+    if mc.zero == 2:  # the gathered copies persist: the whole parameters held, no transient beside them
+        return t + kept_t, b + kept_b, zero.state_bytes(mc, local, 2) + dp.state_bytes(mc, kept.param_bytes / split), 0.0
     # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table) in a
     # group kept gathered; a resharded group gathers them again in backward instead
     gathered = sum(held_gathered_bytes(sharded.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
@@ -202,7 +205,7 @@ def regather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     t = 0.0
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
-        if used and again:
+        if used and again and mc.zero != 2:
             t += regather_time_s(mc, nbytes / split, group / split)[0]
     return t
 
@@ -218,7 +221,7 @@ def copy_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     moved = 0.0
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         full = nbytes / split
-        again = sharded.fsdp_groups.get(name, (nbytes, False))[1] if synced else False
+        again = sharded.fsdp_groups.get(name, (nbytes, False))[1] and mc.zero != 2 if synced else False
         if used:
             moved += (1 + again) * (2 * full / mc.dp + 2 * full)
         if synced:
@@ -241,7 +244,7 @@ def reduce_transient_bytes(mc: MeshCosting, st: SiteStats, split: float) -> floa
         if not synced:
             continue
         group, again = sharded.fsdp_groups.get(name, (nbytes, False))
-        prefetch = again and sharded.fsdp_regathered > 1
+        prefetch = again and sharded.fsdp_regathered > 1 and mc.zero != 2
         worst = max(worst, group / split * (1 + mc.grad_bytes_factor + prefetch * (1 + 1 / mc.dp)))
     return worst
 

@@ -74,7 +74,9 @@ def settle_pending() -> None:
 class CommRecord:
     kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all
     axis: str
-    pass_: str  # forward | backward | recompute (a checkpointed layer's forward collectives issued again in backward)
+    # forward | backward | recompute (a checkpointed layer's forward collectives issued again in backward) | step (an
+    # optimizer step's: ZeRO-1's parameter all-gather)
+    pass_: str
     numel: int  # elements of the full (logical) tensor moved
     send_bytes: int  # bytes each rank sends (ring / pairwise algorithms)
     dtype: str = ""  # of the tensor moved, e.g. "bfloat16" (mixed precision: gathers in param_dtype, reductions not)
@@ -82,6 +84,17 @@ class CommRecord:
 
 _RECORDERS: list[list[CommRecord]] = []
 _RECOMPUTING = [0]  # > 0 while backward runs a checkpointed layer's forward again (`autopar.runtime.checkpoint`)
+_STEPPING = [0]  # > 0 while an optimizer step gathers its parameters (ZeRO-1: `autopar.runtime.local_step`)
+
+
+@contextlib.contextmanager
+def stepping():
+    """Collectives issued inside are recorded with pass "step": the optimizer step's (ZeRO-1's parameter gather)."""
+    _STEPPING[0] += 1
+    try:
+        yield
+    finally:
+        _STEPPING[0] -= 1
 
 
 @contextlib.contextmanager
@@ -107,7 +120,7 @@ def record_comms():
 
 def pass_name(backward: bool) -> str:
     """The pass a collective issued now belongs to: backward, a recompute in backward, or forward."""
-    return "backward" if backward else "recompute" if _RECOMPUTING[0] else "forward"
+    return "backward" if backward else "step" if _STEPPING[0] else "recompute" if _RECOMPUTING[0] else "forward"
 
 
 def _record(kind: str, axis: AxisRef, t: torch.Tensor, full_numel: int, backward: bool) -> None:

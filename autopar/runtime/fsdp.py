@@ -26,7 +26,16 @@ prefetch); the gathered buffer is dropped when the group's gradients are reduced
 to the hooks that were active outside (so an outer counter of saved tensors still sees them). `keep=True`
 (ZeRO-2-like): autograd keeps the full parameters from forward to backward; no re-gather.
 
-`record_comms` sees one all-gather per group and axis forward, one per group and axis backward under reshard,
+`persist=True` (ZeRO-2, `autopar.forms.zero`; implies `keep`): the gathered buffer outlives the call. It is cached
+per group (`_PERSISTED`, keyed by the group's first shard, weakly), with the version counters of the shards' storages
+(`Tensor._version`, bumped by every in-place write: the optimizer's step on the shards, a `load_state_dict`, DCP's
+load; of the local shard and of its DTensor, `persist_versions`, as an in-place op on a DTensor bumps only the
+DTensor's); a later forward whose shards have the same versions reads the cached buffer and issues no all-gather (nor
+its prefetch); after a step the next forward gathers each group once, prefetched as above, so the gather after the
+step overlaps that forward. Every rank steps and loads its shards alike, so every rank finds the same groups
+changed (a rank that writes its shards alone would wait for a gather the others do not issue).
+
+`record_comms` sees one all-gather per group and axis forward (under persist: in the forwards after a change), one per group and axis backward under reshard,
 one reduce-scatter per group and axis backward.
 """
 
@@ -53,6 +62,61 @@ class _Spec:
     keep: bool
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
+    persist: bool = False
+
+
+# ZeRO-2's gathered groups kept between steps: id of the first shard's storage tensor -> (every shard's storage
+# tensor, weakly, their versions, the gathered buffer); an entry leaves with its first shard (`_persist`)
+_PERSISTED: dict[int, tuple] = {}
+
+
+_OUTER_VERSIONS: list[dict[int, int]] = []  # `persist_versions`: id(local tensor) -> its DTensor's version
+
+
+@contextlib.contextmanager
+def persist_versions(versions: dict[int, int]):
+    """Around one run of a lowered program: the version counters of the DTensors whose local tensors the program
+    reads (id of the local tensor -> the DTensor's `_version`). An in-place op on a DTensor (torch.optim's step on the
+    DTensors, a `copy_` of a load) runs on its local tensor below autograd, where the local tensor's own counter is
+    not bumped: ZeRO-2's persisted groups (`_persisted`) check both."""
+    _OUTER_VERSIONS.append(versions)
+    try:
+        yield
+    finally:
+        _OUTER_VERSIONS.pop()
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _versions(shards) -> tuple:
+    outer = _OUTER_VERSIONS[-1] if _OUTER_VERSIONS else {}
+    return tuple((s._version, outer.get(id(_base(s)), -1)) for s in shards)
+
+
+def _persisted(shards) -> torch.Tensor | None:
+    """The cached gathered buffer of this group, if its shards are unchanged since it was gathered."""
+    hit = _PERSISTED.get(id(_base(shards[0])))
+    if hit is None:
+        return None
+    refs, versions, buf = hit
+    if len(refs) != len(shards) or any(r() is not _base(s) for r, s in zip(refs, shards)):
+        return None
+    if versions != _versions(shards) or not _OUTER_VERSIONS:  # (a run outside a ParallelModule: gathered anew)
+        return None
+    return buf
+
+
+def _persist(shards, buf: torch.Tensor) -> None:
+    key = id(_base(shards[0]))
+
+    def drop(ref):  # the first shard is gone: its entry (not one a new tensor of the same id made since)
+        if _PERSISTED.get(key, ((None,),))[0][0] is ref:
+            del _PERSISTED[key]
+
+    refs = (weakref.ref(_base(shards[0]), drop), *(weakref.ref(_base(s)) for s in shards[1:]))
+    _PERSISTED[key] = (refs, _versions(shards), buf)
 
 
 def _copy_in(shards, dtype) -> torch.Tensor:
@@ -239,9 +303,15 @@ def _reshards(gm) -> bool:
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, pending, spec: _Spec, *shards):
-        if pending is None:
-            pending = _issue(shards, spec.axes, spec.param_dtype, False)
-        buf = _finish(pending, shards, spec, False)
+        buf = _persisted(shards) if spec.persist else None
+        if buf is None:
+            if pending is None:
+                pending = _issue(shards, spec.axes, spec.param_dtype, False)
+            buf = _finish(pending, shards, spec, False)
+            if spec.persist:
+                _persist(shards, buf)
+        else:
+            assert pending is None, "a persisted group's prefetch was issued although its shards are unchanged"
         ctx.spec = spec
         ctx.shards = [(s.shape, s.dtype) for s in shards]
         ctx.group = None
@@ -258,20 +328,25 @@ class _Gather(torch.autograd.Function):
         return (None, None, *_reduce_scatter(grads, ctx.shards, ctx.spec))
 
 
-def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None, *, persist: bool = False):
     """Issue the all-gather of a group's flat buffer of shards on the innermost data axis; `fsdp_gather` waits.
-    Returns the gather in flight and the buffer it sends (`_issue`: kept until the wait)."""
+    Returns the gather in flight and the buffer it sends (`_issue`: kept until the wait); None for a persisted group
+    whose shards are unchanged (nothing to gather)."""
+    if persist and _persisted(shards) is not None:
+        return None
     return _issue(shards, tuple(resolve_axis(a) for a in axes), param_dtype, False)
 
 
 def fsdp_gather(shards: tuple, pending, axes: tuple, dims: tuple, label: str, keep: bool, param_dtype=None,
-                reduce_dtype=None) -> tuple:
+                reduce_dtype=None, *, persist: bool = False) -> tuple:
     """The full parameters of one FSDP group (module docstring): all-gathered as one flat buffer (waiting for
-    `pending`, its prefetch, when given); backward reduce-scatters their gradients as one flat buffer."""
-    spec = _Spec(tuple(resolve_axis(a) for a in axes), tuple(dims), label, keep, param_dtype, reduce_dtype)
+    `pending`, its prefetch, when given); backward reduce-scatters their gradients as one flat buffer. `persist`
+    (ZeRO-2): the gathered buffer is kept for later calls until the shards change."""
+    spec = _Spec(tuple(resolve_axis(a) for a in axes), tuple(dims), label, keep or persist, param_dtype, reduce_dtype,
+                 persist)
     return _Gather.apply(pending, spec, *shards)
 
 
 C.COLLECTIVES[fsdp_gather] = ("all_gather", "reduce_scatter")
 
-__all__ = ["fsdp_gather", "fsdp_prefetch", "fsdp_step"]
+__all__ = ["fsdp_gather", "fsdp_prefetch", "fsdp_step", "persist_versions"]

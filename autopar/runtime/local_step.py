@@ -34,20 +34,34 @@ parameter). The optimizer's own hooks (`opt.register_step_pre_hook`, `..._post_h
 see the local tensors. If the step raises, the next step, `state_dict()` or `load_state_dict()` of that
 optimizer first puts everything back. `enabled(False)` turns the swap off for a block (process-wide; the tests
 and `benchmarks/dp_vs_ddp.py --dtensor-step` use it).
+
+Sharded steps (ZeRO-1, `autopar.forms.zero`): `shard_step(p, mesh_dims, dim)` marks a replicated parameter whose
+step runs on this rank's chunk of it alone: chunk r of n on tensor dim `dim`, n the product of the sizes of the
+data mesh dims `mesh_dims`, r this rank's index over them (outermost major, as DTensor nests `Shard(dim)` over
+several mesh dims). An optimizer holding such a parameter is always swapped (its first step too, so that its state
+is created at the chunk's size), and must be one of torch's elementwise optimizers, stepped without a closure,
+outside `torch.compile`, with the swap enabled: anything else raises (stepping the whole would silently keep whole
+state). The optimizer sees the chunk (a view of the parameter's local tensor) and the same chunk of its (replicated,
+all-reduced) gradient; state it creates with the chunk's shape is wrapped back as a DTensor `Shard(dim)` on those mesh
+dims (the parameter's placements elsewhere), so `state_dict` and DCP see sharded state of the full shape. After the
+step (the post-hook) the chunks are all-gathered into the parameters, one all-gather per data mesh dim (innermost
+first) of one flat buffer per mesh, mesh dims and dtype (`record_comms`: pass "step").
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 _MARK = "_autopar_local_step"  # the attribute that marks a parameter a step may run on locally
+_SHARD = "_autopar_shard_step"  # (data mesh dims, tensor dim): the step runs on this rank's chunk (ZeRO-1)
 _SWAPS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap]" = weakref.WeakKeyDictionary()
 _STATE: dict = {"installed": False, "enabled": True}
 _GUARDED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # optimizers with the state_dict hooks
@@ -66,6 +80,37 @@ def register(params) -> None:
     for p in params:
         if isinstance(p, DTensor):
             setattr(p, _MARK, True)
+
+
+def shard_step(p: DTensor, mesh_dims: tuple[int, ...], dim: int) -> None:
+    """Marks the replicated parameter `p`: optimizers step its chunk over `mesh_dims` on tensor `dim` (module
+    docstring)."""
+    if type(p) is not DTensor or any(not p._spec.placements[i].is_replicate() for i in mesh_dims):
+        raise ValueError(f"a sharded step needs a parameter replicated on mesh dims {mesh_dims}, got "
+                         f"{type(p).__name__} {getattr(p, 'placements', '')}")
+    n = math.prod(p.device_mesh.size(i) for i in mesh_dims)
+    if p._local_tensor.shape[dim] % n:
+        raise ValueError(f"a sharded step on dim {dim} of a parameter of local shape {tuple(p._local_tensor.shape)} "
+                         f"needs that dim to divide over {n} ranks")
+    setattr(p, _SHARD, (tuple(sorted(mesh_dims)), dim))
+
+
+def _chunk_index(p: DTensor, mesh_dims: tuple[int, ...]) -> tuple[int, int]:
+    """(this rank's index over `mesh_dims`, outermost major; their number of ranks)."""
+    mesh = p.device_mesh
+    coord = mesh.get_coordinate()
+    r = 0
+    for i in mesh_dims:
+        r = r * mesh.size(i) + coord[i]
+    return r, math.prod(mesh.size(i) for i in mesh_dims)
+
+
+def _chunk(t: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """This rank's chunk of `t` (a local tensor of `p`'s shape) for `p`'s sharded step: a view."""
+    mesh_dims, dim = getattr(p, _SHARD)
+    r, n = _chunk_index(p, mesh_dims)
+    k = t.shape[dim] // n
+    return t.narrow(dim, r * k, k)
 
 
 @contextlib.contextmanager
@@ -117,14 +162,31 @@ def _exact_locally(p, elementwise: bool) -> bool:
 class _Swap:
     """What a step swapped: each group's DTensor parameters, and per parameter its local tensor and its state."""
 
-    __slots__ = ("groups", "pairs")
+    __slots__ = ("groups", "pairs", "sharded")
 
-    def __init__(self, groups: list, pairs: list):
+    def __init__(self, groups: list, pairs: list, sharded: list):
         self.groups = groups  # [(group dict, original params list)]
         self.pairs = pairs  # [(param DTensor, local tensor, state before {key: value}, gradient DTensor or None)]
+        self.sharded = sharded  # the parameters stepped on their chunk (`shard_step`), to gather after the step
+
+
+def _sharded_step(opt: torch.optim.Optimizer) -> bool:
+    return any(getattr(p, _SHARD, None) is not None for g in opt.param_groups for p in g["params"])
+
+
+def _refuse(opt: torch.optim.Optimizer, why: str) -> None:
+    raise RuntimeError(
+        f"{type(opt).__name__} holds parameters whose optimizer state the plan shards (ZeRO-1, plan 'zero1'), but "
+        f"this step cannot run on their shards: {why}. Stepping them whole would keep the whole state on every rank. "
+        "Fix: step them with one of torch's elementwise optimizers (SGD, Adam, AdamW, ...) without a closure, "
+        "outside torch.compile and local_step.enabled(False); or use plan='dp' (replicated state) or 'zero2'/'fsdp' "
+        "(sharded parameters).")
 
 
 def _eligible(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
+    if _sharded_step(opt):
+        _check_sharded(opt, args, kwargs)
+        return True
     if not _STATE["enabled"] or (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
         return False
     if torch.compiler.is_compiling():  # a compiled step traces the DTensor ops itself
@@ -140,32 +202,91 @@ def _eligible(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
     return True
 
 
+def _check_sharded(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """An optimizer with sharded-step parameters: the step must run swapped (first step included), or raise."""
+    if not _STATE["enabled"]:
+        _refuse(opt, "the local step is disabled (local_step.enabled(False))")
+    if (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None:
+        _refuse(opt, "the step was given a closure")
+    if torch.compiler.is_compiling():
+        _refuse(opt, "the step is being compiled")
+    if type(opt) not in _ELEMENTWISE:
+        _refuse(opt, f"{type(opt).__name__} is not one of torch's elementwise optimizers "
+                     f"({', '.join(sorted(o.__name__ for o in _ELEMENTWISE))}): its step on a chunk may differ")
+    for group in opt.param_groups:
+        if group.get("differentiable"):
+            _refuse(opt, "a parameter group is differentiable")
+        for p in group["params"]:
+            if not _exact_locally(p, True):
+                _refuse(opt, f"a parameter of shape {tuple(p.shape)} ({type(p).__name__}"
+                             f"{' ' + str(p.placements) if isinstance(p, DTensor) else ''}, gradient "
+                             f"{getattr(p.grad, 'placements', type(p.grad).__name__)}) is not one autopar placed")
+
+
 def _pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
     restore(opt)  # a step that raised left its swap in place
     if not _eligible(opt, args, kwargs):
         return None
     state = opt.state
-    groups, pairs = [], []
+    groups, pairs, sharded = [], [], []
     for group in opt.param_groups:
         params = group["params"]
         locals_ = []
         for p in params:
             local = p._local_tensor
             g = p.grad
-            local.grad = None if g is None else g._local_tensor
-            before = state.pop(p)
+            g_local = None if g is None else g._local_tensor
+            if getattr(p, _SHARD, None) is not None:  # ZeRO-1: this rank's chunk of the parameter and its gradient
+                local = _chunk(local, p)
+                g_local = None if g_local is None else _chunk(g_local, p)
+                sharded.append(p)
+            local.grad = g_local
+            before = state.pop(p, None) or {}
             state[local] = {k: (v._local_tensor if type(v) is DTensor else v) for k, v in before.items()}
             pairs.append((p, local, before, g))
             locals_.append(local)
         groups.append((group, params))
         group["params"] = locals_
-    _SWAPS[opt] = _Swap(groups, pairs)
+    _SWAPS[opt] = _Swap(groups, pairs, sharded)
     _guard(opt)
     return None
 
 
 def _post_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    swap = _SWAPS.get(opt)
     restore(opt)
+    if swap is not None and swap.sharded:
+        _gather_chunks(swap.sharded)
+
+
+def _gather_chunks(params: list) -> None:
+    """ZeRO-1 after the step: every rank's updated chunks all-gathered into the parameters, one flat buffer per mesh,
+    data mesh dims and dtype, one all-gather per mesh dim (innermost first: the gathered rows come out outermost
+    major, as `_chunk_index` numbers them)."""
+    from autopar.mesh import mesh_info
+    from autopar.runtime import collectives as C
+    buckets: dict[tuple, list] = {}
+    for p in dict.fromkeys(params):  # tied parameters once
+        mesh_dims, dim = getattr(p, _SHARD)
+        key = (id(p.device_mesh), mesh_dims, p._local_tensor.dtype, p._local_tensor.device)
+        buckets.setdefault(key, []).append(p)
+    with torch.no_grad(), C.stepping():
+        for (_, mesh_dims, _, _), ps in buckets.items():
+            chunks = [_chunk(p._local_tensor, p) for p in ps]
+            flat = torch.cat([c.reshape(-1) for c in chunks])
+            axes = [mesh_info(ps[0].device_mesh).axes[i] for i in mesh_dims]
+            for axis in reversed(axes):
+                flat = C._wait(C._issue_all_gather(flat, 0, axis))
+            world = math.prod(a.size for a in axes)
+            rows = flat.view(world, -1)
+            off = 0
+            for p, c in zip(ps, chunks):
+                dim = getattr(p, _SHARD)[1]
+                full = p._local_tensor
+                k = c.numel()
+                src = rows[:, off:off + k].reshape(world, *c.shape).movedim(0, dim)  # (..., world, chunk, ...)
+                full.view(*full.shape[:dim], world, c.shape[dim], *full.shape[dim + 1:]).copy_(src)
+                off += k
 
 
 def restore(opt: torch.optim.Optimizer) -> None:
@@ -187,12 +308,34 @@ def restore(opt: torch.optim.Optimizer) -> None:
             old = before.get(k)
             if type(old) is DTensor and v is old._local_tensor:
                 new[k] = old  # updated in place (the usual case): the same DTensor
+            elif isinstance(v, torch.Tensor) and type(v) is not DTensor and getattr(p, _SHARD, None) is not None and (
+                    type(old) is DTensor or (old is None and v.shape == local.shape and v.dim() > 0)):
+                new[k] = _chunk_state(v, p)  # ZeRO-1: state of the chunk's shape is the chunk of the state
             elif isinstance(v, torch.Tensor) and type(v) is not DTensor and (
                     type(old) is DTensor or (old is None and v.shape == local.shape and v.dim() > 0)):
                 new[k] = _rewrap(v, old if type(old) is DTensor else p, k, opt)
             else:
                 new[k] = v
         state[p] = new
+
+
+def _chunk_state(t: torch.Tensor, p: DTensor) -> DTensor:
+    """A state tensor of `p`'s chunk as the DTensor of `p`'s global shape it is a shard of: `Shard(dim)` on the
+    sharded step's mesh dims, `p`'s placements on the others."""
+    mesh_dims, dim = getattr(p, _SHARD)
+    spec = p._spec
+    placements = tuple(Shard(dim) if i in mesh_dims else pl for i, pl in enumerate(spec.placements))
+    shape = spec.tensor_meta.shape
+    meta = TensorMeta(shape, _contiguous_stride(shape), t.dtype)
+    return DTensor(t, DTensorSpec(spec.mesh, placements, meta), requires_grad=t.requires_grad)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 def _rewrap(t: torch.Tensor, like: DTensor, key: str, opt) -> DTensor:
