@@ -991,8 +991,9 @@ def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerConte
 
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) joins a bucketed all-reduce of
-    several gradients (per axis and dtype), as DDP buckets them: parameters in reverse order of first use, each
-    bucket holding at most `C.GRAD_BUCKET_BYTES` of gradient (a larger parameter alone). Each bucket goes right
+    several gradients (per axis and dtype), as DDP buckets them (`_grad_buckets`): parameters in reverse order of
+    first use, the first bucket closed once it holds `C.FIRST_GRAD_BUCKET_BYTES`, each holding at most
+    `C.GRAD_BUCKET_BYTES` of gradient (a larger parameter alone). Each bucket goes right
     before the first use of any of its parameters, so autograd runs its backward (an asynchronous all-reduce) as soon
     as their gradients are ready, while the backward of earlier layers still runs. A bucket that alone consumes its
     inputs is marked `exclusive=True`: its reduction is waited for only where the gradients flow on (for parameters,
@@ -1028,19 +1029,24 @@ def _first_use(n: fx.Node, order: dict[fx.Node, int]) -> int:
 
 
 def _grad_buckets(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[list[fx.Node]]:
-    """The reductions of one axis and dtype split into buckets of at most `C.GRAD_BUCKET_BYTES` (the first, of the
-    gradients ready first, at most `C.FIRST_GRAD_BUCKET_BYTES`), last used first."""
+    """The reductions of one axis and dtype split into buckets, last used first (the gradients ready first first), as
+    DDP assigns them (`compute_bucket_assignment_by_size` in torch's reducer.cpp): the first bucket closes once it
+    holds `C.FIRST_GRAD_BUCKET_BYTES`, with the gradient that crossed that size in it, so a large gradient that is
+    ready early (an output projection, a classifier head, the last convolution) is reduced while the rest of the
+    backward runs rather than waiting in the next bucket for the whole backward; every bucket holds at most
+    `C.GRAD_BUCKET_BYTES` (a larger gradient alone)."""
+    first_cap = min(C.GRAD_BUCKET_BYTES, C.FIRST_GRAD_BUCKET_BYTES)
     buckets: list[list[fx.Node]] = []
-    size = 0
+    size, closed = 0, True
     for n in sorted(nodes, key=lambda n: -_first_use(n, order)):
         val = n.args[0].meta["val"]
         nbytes = val.numel() * val.element_size()
-        cap = min(C.GRAD_BUCKET_BYTES, C.FIRST_GRAD_BUCKET_BYTES) if len(buckets) == 1 else C.GRAD_BUCKET_BYTES
-        if not buckets or size + nbytes > cap:
+        if closed or size + nbytes > C.GRAD_BUCKET_BYTES:
             buckets.append([])
             size = 0
         buckets[-1].append(n)
         size += nbytes
+        closed = len(buckets) == 1 and size >= first_cap
     return buckets
 
 

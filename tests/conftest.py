@@ -118,7 +118,7 @@ FILE_SECONDS = {
     "test_dp_overhead.py": 11,
     "test_attention_masks.py": 10,
     "test_autoplan.py": 9,
-    "test_grad_buckets.py": 7,
+    "test_grad_buckets.py": 9,
     "test_reduce_transient.py": 6,
     "test_equivalence_gloo.py": 6,
     "test_errors.py": 6,

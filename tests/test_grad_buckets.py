@@ -1,7 +1,7 @@
 """Data-parallel gradient buckets (`bucket_gradients_pass`, `collectives.grad_sync_bucket`), as DDP makes them.
 
-Parameters in reverse order of first use fill buckets of at most `GRAD_BUCKET_BYTES` (the first at most
-`FIRST_GRAD_BUCKET_BYTES`, as DDP's); each bucket sits before its
+Parameters in reverse order of first use fill buckets of at most `GRAD_BUCKET_BYTES`, the first closed once it holds
+`FIRST_GRAD_BUCKET_BYTES` (with the gradient that crossed that size, as DDP's); each bucket sits before its
 parameters' first use, so in backward its all-reduce is issued as soon as their gradients exist (the last layer's
 first, while earlier layers' backward still runs) and waited for by the end of the backward. Asserted: the number
 of buckets for a given size, their contents and order (graph and the collectives actually run), and on real gloo
@@ -107,13 +107,55 @@ def test_bucket_size_sets_the_number_of_buckets(local_world, monkeypatch):
 
 
 def test_the_first_bucket_is_small_as_ddps(local_world, monkeypatch):
-    """The first bucket (the gradients ready first: the last layer's) holds at most `FIRST_GRAD_BUCKET_BYTES`, as DDP's
-    first bucket, so a reduction starts early in the backward; the others fill up to `GRAD_BUCKET_BYTES`."""
+    """The first bucket (the gradients ready first: the last layer's) is closed once it holds `FIRST_GRAD_BUCKET_BYTES`,
+    as DDP's first bucket, so a reduction starts early in the backward; the others fill up to `GRAD_BUCKET_BYTES`."""
     assert C.FIRST_GRAD_BUCKET_BYTES == 2**20  # DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
     monkeypatch.setattr(C, "FIRST_GRAD_BUCKET_BYTES", LAYER_BYTES)
     _, _, buckets, bwd = _lower(local_world, monkeypatch, 2**62)
     assert [sorted({_layer_of(a) for a in b.args[0]}) for b in reversed(buckets)] == [[LAYERS - 1], list(range(LAYERS - 1))]
     assert [r.numel for r in bwd] == [DIM * DIM + DIM, (LAYERS - 1) * (DIM * DIM + DIM)]
+
+
+class Head(nn.Module):
+    """A classifier whose head's weight (read last in the forward, so its gradient is ready first) is larger than the
+    first bucket: a trunk of small layers, then `Linear(DIM, CLASSES)`."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, 64)
+
+    def forward(self, x, y):
+        for layer in self.trunk:
+            x = torch.tanh(layer(x))
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_the_first_bucket_closes_as_ddps_with_the_gradient_that_fills_it(local_world, monkeypatch):
+    """DDP closes its first bucket once it holds `first_bucket_bytes_cap`, the gradient that crossed the cap in it
+    (torch's `compute_bucket_assignment_by_size`): the head's weight, ready first and larger than the cap, is reduced
+    with its bias while the trunk's backward runs, not left to wait in the next bucket for the whole backward. Compared
+    with DDP's own assignment of the same gradients in the same order; the later buckets hold at most the size."""
+    head_bytes = (DIM * 64 + 64) * 8
+    monkeypatch.setattr(C, "FIRST_GRAD_BUCKET_BYTES", 64 * 8 + 1)  # more than the head's bias, less than its weight
+    monkeypatch.setattr(C, "GRAD_BUCKET_BYTES", 2 * head_bytes)
+    torch.manual_seed(0)
+    model = Head().double()
+    g = torch.Generator().manual_seed(1)
+    inputs = torch.randn(8, DIM, generator=g, dtype=torch.float64), torch.randint(0, 64, (8,), generator=g)
+    with local_world(2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        pm = autopar.parallelize(model, mesh, inputs, plan="dp")
+        with record_comms() as comms:
+            pm(*inputs).backward()
+    buckets = [[a.meta["val"] for a in b.args[0]] for b in reversed(
+        [n for n in pm.graph_module.graph.nodes if n.target is C.grad_sync_bucket])]  # in backward order
+    grads = [t for b in buckets for t in b]
+    ddp, _ = torch.distributed._compute_bucket_assignment_by_size(
+        [torch.empty(t.shape, dtype=t.dtype) for t in grads], [C.FIRST_GRAD_BUCKET_BYTES, C.GRAD_BUCKET_BYTES])
+    assert ddp[0] == [0, 1] and len(buckets[0]) == 2 and sum(t.numel() for t in buckets[0]) * 8 == head_bytes, buckets
+    assert all(sum(t.numel() * 8 for t in b) <= C.GRAD_BUCKET_BYTES for b in buckets[1:]), buckets
+    assert [r.numel for r in comms if r.pass_ == "backward"] == [sum(t.numel() for t in b) for b in buckets]
 
 
 @contextlib.contextmanager

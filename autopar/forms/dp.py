@@ -2,8 +2,8 @@
 
 Lowering (`passes.lower`): a parameter consumed by batch-sharded work gets `grad_all_reduce` on each
 data axis, and `bucket_gradients_pass` turns those of one axis and dtype into all-reduces of flat
-buffers (DDP buckets of at most `GRAD_BUCKET_BYTES`, the first at most `FIRST_GRAD_BUCKET_BYTES` as DDP's, the
-last-used parameters first), each issued asynchronously during the backward as soon as its gradients are ready.
+buffers (DDP buckets of at most `GRAD_BUCKET_BYTES`, the first closed once it holds `FIRST_GRAD_BUCKET_BYTES`, with
+the gradient that crossed that size, as DDP's; the last-used parameters first), each issued asynchronously during the backward as soon as its gradients are ready.
 
 Cost: each structure pays its gradient bytes at the bucket's per-byte rate on every data (and
 sequence) axis, `grad_sync`; the buckets' fixed cost is paid once per bucket (`bucket_fixed_s`,
