@@ -31,8 +31,10 @@
 - **Microbatch losses combine exactly.** The loss at the graph's output is rewritten to its sum form (a mean
   `cross_entropy` or `mse_loss` becomes `reduction="sum"`) and each microbatch's sum is multiplied by
   1 / (the global count the mean divides by): for cross-entropy the valid (not `ignore_index`) targets of the whole
-  batch, counted before the step from the targets' own subgraph (which depends on the inputs only), so ignored
-  labels spread unevenly over microbatches and data ranks weigh exactly as on one device. Other outputs raise
+  batch (under class weights, the sum of their targets' weights: ATen's weighted mean), counted before the step from
+  the targets' own subgraph (which depends on the inputs only), so ignored labels spread unevenly over microbatches
+  and data ranks weigh exactly as on one device; label smoothing's sum form adds up over microbatches as is.
+  Probability targets and class weights computed from parameters raise `NotImplementedError`. Other outputs raise
   `NotImplementedError` (a model that returns logits, several outputs, an auxiliary loss added to the loss).
 - **Parameters** keep their names on every rank (`pm.named_parameters()` matches the model's). Each is a `DTensor`
   on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
@@ -331,14 +333,18 @@ class _Split:
                 "F.cross_entropy(logits, labels), from forward.")
         loss = outs[0]
         if loss.target is aten.cross_entropy_loss.default:
-            a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
-            a.update(loss.kwargs)
-            if a.get("weight") is not None or a.get("label_smoothing", 0.0) or \
-                    loss.args[1].meta["val"].dtype.is_floating_point:
+            a = self._ce_args(loss)
+            if loss.args[1].meta["val"].dtype.is_floating_point:
                 raise NotImplementedError(
-                    "a pipelined cross-entropy with class weights, label smoothing or probability targets is not "
-                    "implemented yet: its exact combination over microbatches is not written. Fix: plain class-index "
-                    "targets (ignore_index is fine).")
+                    "a pipelined cross-entropy with probability (soft) targets is not implemented yet: its exact "
+                    "combination over microbatches is not written. Fix: class-index targets (ignore_index, class "
+                    "weights and label smoothing are fine).")
+            w = a.get("weight")
+            if isinstance(w, fx.Node) and w not in self.free:
+                raise NotImplementedError(
+                    f"a pipelined cross-entropy whose class weights ({w.name}) are computed from parameters: the "
+                    "global weighted count its mean divides by must be known before the pipeline runs. Fix: class "
+                    "weights from a buffer or a constant.")
             return loss
         if loss.target is aten.mse_loss.default:
             return loss
@@ -347,6 +353,12 @@ class _Split:
             "losses exactly for a loss returned straight from cross_entropy or mse_loss only (not e.g. a sum of a "
             "loss and an auxiliary loss) yet. Fix: return F.cross_entropy(...) or F.mse_loss(...) from forward.")
 
+    @staticmethod
+    def _ce_args(loss: fx.Node) -> dict:
+        a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
+        a.update(loss.kwargs)
+        return a
+
     def reduction(self) -> int:
         loss = self.loss
         if loss.target is aten.cross_entropy_loss.default:
@@ -354,24 +366,33 @@ class _Split:
         return loss.args[2] if len(loss.args) > 2 else loss.kwargs.get("reduction", _MEAN)
 
     def count(self, env: dict[str, torch.Tensor]) -> torch.Tensor:
-        """What one microbatch's mean divides by: its valid targets (cross-entropy), its elements (MSE), computed
-        from the inputs, buffers and constants in `env` (by placeholder name)."""
+        """What one microbatch's mean divides by: its valid targets (cross-entropy), their class weights' sum under
+        class weights (ATen's weighted mean, with or without label smoothing: both its NLL and its smoothing term
+        divide by that sum, and without weights by the valid count), its elements (MSE), computed from the inputs,
+        buffers and constants in `env` (by placeholder name). Label smoothing needs nothing more: ATen's sum form
+        is the per-token terms summed, so the microbatch sums add up to the batch's."""
         loss = self.loss
         if loss.target is aten.mse_loss.default:
             return torch.tensor(float(loss.args[0].meta["val"].numel()))  # moved with the sum below
-        target = loss.args[1]
+        a = self._ce_args(loss)
+        target, weight = a["target"], a.get("weight")
         if target not in self.free:
             raise NotImplementedError("a cross-entropy whose targets are computed from parameters cannot be counted "
                                       "before the pipeline runs")
+        roots = [target] + ([weight] if isinstance(weight, fx.Node) else [])
         values: dict[fx.Node, object] = {}
-        for n in sorted(self._ancestors([target]), key=self.order.__getitem__):
+        for n in sorted(self._ancestors(roots), key=self.order.__getitem__):
             if n.op == "placeholder":
                 values[n] = env[n.name]
             else:
-                a, k = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
-                values[n] = n.target(*a, **k)
-        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
-        return (values[target] != ignore).sum()
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                values[n] = n.target(*args, **kwargs)
+        ignore = a.get("ignore_index", -100)
+        t = values[target]
+        valid = t != ignore
+        if isinstance(weight, fx.Node):
+            return values[weight][t[valid]].sum()
+        return valid.sum()
 
     def _ancestors(self, roots) -> set[fx.Node]:
         seen, todo = set(), list(roots)
