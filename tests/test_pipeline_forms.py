@@ -1,6 +1,6 @@
 """Parallel forms inside pipeline stages (issue #23, `autopar.pipeline_runtime`) on real gloo processes, fp64.
 
-pp2 x dp2 under `plan="fsdp"`: each stage module is FSDP2-sharded (`fully_shard`, `reshard_after_forward=False`)
+pp2 x dp2 under `plan="fsdp"` (gpipe, 1f1b; interleaved-1f1b and zbv with two stages per rank): each stage module is FSDP2-sharded (`fully_shard`, `reshard_after_forward=False`)
 over its stage's data axis. Against one device: the loss, every parameter's gradient, the clipped gradients and
 the parameters after an AdamW step, and a second step's gradients (from the stepped shards). Collectives of a
 steady step (a third one, after a step): per
@@ -55,6 +55,22 @@ def test_pp2_x_dp2_fsdp_matches_one_device_and_gathers_once_per_step(form):
         assert r["fsdp"] == steady["fsdp after eval"] == once_more
         # forward only (train -> eval): the metadata inference's forward and the microbatches', no reduce-scatter
         assert r["fsdp_no_grad"] == [("all_gather_single", padded, 2)] * 2
+
+
+@pytest.mark.parametrize("form", ["interleaved-1f1b", "zbv"])
+def test_two_fsdp_stages_per_rank_gather_and_reduce_scatter_once_each(form):
+    m, batch = 4, 8
+    results = gloo_pool(4).run(_equivalence, form, 4, (2, 2), ("pp", "dp"), m, batch, 1.0, 2, 0.05, "fsdp")
+    _check(results)
+    for r in results:
+        assert len(r["stages"]) == 2
+        fsdp = r["steady"]["fsdp"]
+        gathers = [n for kind, n, world in fsdp if kind == "all_gather_single" and world == 2]
+        scatters = [n for kind, n, world in fsdp if kind == "reduce_scatter_single" and world == 2]
+        # each of the rank's two stages: one gather of its padded parameters, one reduce-scatter of their gradients
+        assert len(fsdp) == 4 and len(gathers) == len(scatters) == 2 and sorted(gathers) == sorted(scatters), fsdp
+        assert sum(gathers) == _padded_numel(4, r["mine"], 2)
+        assert r["steady"]["reduces"] == [(_agreement(batch), 4), (1, 2), (1, 2)]
 
 
 @pytest.mark.parametrize("case, expected", [
