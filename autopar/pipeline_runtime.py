@@ -59,6 +59,10 @@
   weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
   their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
   each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
+  captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
+  compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
+  `set_force_sum_reduction_for_comms`), and the masters and their gradients keep the model's dtype.
 
 Errors reach every rank: building checks everything it can before its first collective and agrees on failure
 (one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
@@ -69,7 +73,7 @@ no cross-rank error path).
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
 tensor parallelism (`megatron`) or the planner's other forms inside a stage (`plan` other than `STAGE_PLANS`);
-`inputs="local"`; `mp_policy`; calls whose shapes differ from the example's; the planner choosing a pipeline
+`inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's; the planner choosing a pipeline
 (`plan="auto"`, `autopar.plan`) and its cost model (`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan`
 run (form, axis, microbatches, cut), not a `Plan`.
 """
@@ -156,8 +160,10 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     if inputs != "global":
         raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
                                   "passes the whole batch. Fix: inputs='global'.")
-    if mp_policy is not None:
-        raise NotImplementedError("mp_policy with a 'pipeline' override is not implemented yet. Fix: drop mp_policy.")
+    if mp_policy is not None and plan != "fsdp":
+        raise NotImplementedError(
+            f"mp_policy with a 'pipeline' override and plan={plan!r} is not implemented yet (under plan='fsdp' it is "
+            "FSDP2's own, per stage). Fix: plan='fsdp' on a (pipeline, data) mesh, or drop mp_policy.")
     p = mesh.size(names.index(axis))
     if stages_per_rank is None:
         stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
@@ -192,7 +198,12 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     rows = batch // (degree * microbatches)
     mb_flat = [a[:rows] if b else a for a, b in zip(flat, sizes)]
     mb_args, mb_kwargs = pytree.tree_unflatten(mb_flat, spec)
-    captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    from autopar.precision import capture_dtypes, cast_inputs, mark_captured, precision_of
+    precision = precision_of(mp_policy)
+    mb_args, mb_kwargs = cast_inputs(precision, tuple(mb_args), dict(mb_kwargs))
+    with capture_dtypes(model, precision):  # the program that runs: param_dtype parameters, layers' input casts
+        captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    mark_captured(captured, model, precision)
     state = set(captured.param_fqns) | set(captured.buffer_fqns)
     layers = find_layers(captured.gm, state)
     n_stages = p * stages_per_rank
@@ -211,7 +222,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
                          cut=split.cut)
     return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                           shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                          data_axes=tuple(data), fsdp=plan == "fsdp")
+                          data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy)
 
 
 # ----------------------------------------------------------------------------- the cut
@@ -495,7 +506,7 @@ class PipelineModule(nn.Module):
     check_inputs = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
-                 flat_spec, shapes, batched, data_axes, fsdp: bool = False):
+                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None):
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
@@ -519,7 +530,7 @@ class PipelineModule(nn.Module):
         self._shared: dict[str, DeviceMesh] = {}  # representative -> the mesh of the ranks whose stages share it
         self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
         self._names_of: dict[str, list[str]] = {}  # representative placeholder -> the parameter's names
-        self._fsdp = fsdp
+        self._fsdp, self._mp_policy = fsdp, mp_policy
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -600,8 +611,10 @@ class PipelineModule(nn.Module):
         from torch.distributed.fsdp import fully_shard
         from autopar.dtensors import _owner_mesh
         sub_mesh = _owner_mesh(mesh, ax, me)
-        fully_shard(sub, mesh=sub_mesh, reshard_after_forward=False)
+        kw = {} if self._mp_policy is None else {"mp_policy": self._mp_policy}
+        fully_shard(sub, mesh=sub_mesh, reshard_after_forward=False, **kw)
         sub.set_gradient_divide_factor(1.0)
+        sub.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM (and the factor is 1)
         for name in leaves:
             rep = self._leaf_of[name]
             sharded = sub._parameters[name]
@@ -699,6 +712,8 @@ class PipelineModule(nn.Module):
         total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
+        if self._mp_policy is not None and self._mp_policy.output_dtype is not None:  # FSDP2's output cast
+            total = total.to(self._mp_policy.output_dtype)
         grads = [leaf.grad for leaf in self._leaves.values()]
         if held is not None:
             for leaf, g in zip(self._leaves.values(), held):

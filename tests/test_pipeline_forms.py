@@ -73,6 +73,24 @@ def test_two_fsdp_stages_per_rank_gather_and_reduce_scatter_once_each(form):
         assert r["steady"]["reduces"] == [(_agreement(batch), 4), (1, 2), (1, 2)]
 
 
+def test_fsdp_stages_under_mp_policy_compute_gather_and_send_in_param_dtype():
+    """mp_policy=MixedPrecisionPolicy(fp32, fp32) on fp64 masters: FSDP2's own policy per stage. The p2p carries fp32
+    activations (4 bytes each), gathers and reduce-scatters stay one each per stage and step, the gradients are the
+    masters' dtype; against the fp64 model the errors are fp32 rounding (above fp64's, below 1e-4)."""
+    m, batch = 2, 8
+    results = gloo_pool(4).run(_equivalence, "1f1b", 4, (2, 2), ("pp", "dp"), m, batch, 1.0, None, 0.05, "fsdp",
+                               "float32")
+    rows = batch // (2 * m) * S * H
+    for r in results:
+        errs = r["errs"]
+        assert max(errs.values()) < 1e-4, {k: v for k, v in errs.items() if not v < 1e-4}
+        assert errs["loss"] > 1e-12  # computed in fp32, not in the masters' fp64
+        assert r["grad_dtypes"] == ["torch.float64"]
+        padded = _padded_numel(4, r["mine"], 2)
+        assert r["steady"]["fsdp"] == [("all_gather_single", padded, 2), ("reduce_scatter_single", padded, 2)]
+        assert sorted(r["steady"]["p2p"]) == sorted([("irecv", rows, 4 * rows)] * m + [("isend", rows, 4 * rows)] * m)
+
+
 @pytest.mark.parametrize("case, expected", [
     # GPT-2's embedding is tied to its head, on the other stage: two FSDP shardings with no sum between them
     (("gpt", (2, 2), ("pp", "dp"), "1f1b@pp", 2, 8, "fsdp"),

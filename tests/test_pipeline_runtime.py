@@ -160,7 +160,7 @@ class _FSDPComms:
 
 
 def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, batch: int = 8, scale: float = 1.0,
-                 stages_per_rank=None, clip: float | None = None, plan: str = "dp"):
+                 stages_per_rank=None, clip: float | None = None, plan: str = "dp", param_dtype: str | None = None):
     """On each rank: loss, gradient and AdamW-step errors against one device, the p2p ops of the step and the
     parameters this rank checked."""
     import copy
@@ -177,9 +177,13 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         tokens, labels = _batch(batch) if layers not in ("twice", "skip") else \
             (torch.randn(batch, 8), torch.randn(batch, 8))
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        mp = None
+        if param_dtype is not None:  # FSDP2's policy: compute and gathers in param_dtype, reductions too
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, param_dtype))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan=plan,
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=microbatches,
-                                 stages_per_rank=stages_per_rank)
+                                 stages_per_rank=stages_per_rank, mp_policy=mp)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         ref_loss = ref(tokens, labels)
         ref_loss.backward()
@@ -230,6 +234,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
                     errs[f"step 2 grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut,
                 "fsdp": fsdp.calls, "fsdp_no_grad": fsdp_no_grad.calls, "steady": steady,
+                "grad_dtypes": sorted({str(p.grad.dtype) for n, p in pm.named_parameters() if n in mine}),
                 "stages": pm.local_stages,
                 "rank": dist.get_rank(), "all": sorted(refs)}
     finally:
