@@ -204,7 +204,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 
     `overrides={"pipeline": "FORM@axis"}` pipelines the model's layers over that mesh axis (issue #23; forms
     `autopar.pipeline_runtime.IMPLEMENTED`), the batch cut into `microbatches` (default: the number of stages) and
-    `stages_per_rank` stages per rank (interleaved-1f1b: default 2); the other axes are data parallel (`plan="dp"`).
+    `stages_per_rank` stages per rank (interleaved-1f1b: default 2); the other axes are data parallel inside each
+    stage, replicated (`plan="dp"`) or FSDP-sharded (`plan="fsdp"`, `autopar.pipeline_runtime.STAGE_PLANS`).
     The result is an `autopar.pipeline_runtime.PipelineModule`: its call contract is in that module's docstring.
     """
     if isinstance(mesh, dict):

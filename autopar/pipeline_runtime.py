@@ -31,8 +31,10 @@
 - **Microbatch losses combine exactly.** The loss at the graph's output is rewritten to its sum form (a mean
   `cross_entropy` or `mse_loss` becomes `reduction="sum"`) and each microbatch's sum is multiplied by
   1 / (the global count the mean divides by): for cross-entropy the valid (not `ignore_index`) targets of the whole
-  batch, counted before the step from the targets' own subgraph (which depends on the inputs only), so ignored
-  labels spread unevenly over microbatches and data ranks weigh exactly as on one device. Other outputs raise
+  batch (under class weights, the sum of their targets' weights: ATen's weighted mean), counted before the step from
+  the targets' own subgraph (which depends on the inputs only), so ignored labels spread unevenly over microbatches
+  and data ranks weigh exactly as on one device; label smoothing's sum form adds up over microbatches as is.
+  Probability targets and class weights computed from parameters raise `NotImplementedError`. Other outputs raise
   `NotImplementedError` (a model that returns logits, several outputs, an auxiliary loss added to the loss).
 - **Parameters** keep their names on every rank (`pm.named_parameters()` matches the model's). Each is a `DTensor`
   on the sub-mesh of the ranks that run its stage (replicated over their data axes), as an owned expert weight is
@@ -44,6 +46,23 @@
   several ranks (GPT-2's embedding tied to its head) is whole on each of them (a DTensor on the sub-mesh of those
   ranks, `_shared_mesh`); each computes its stages' part of the gradient and one all-reduce over them sums the
   parts, so every holder has the single-device gradient and steps alike.
+- **Forms inside a stage** (`STAGE_PLANS`, on the mesh axes besides the pipeline axis: the stage's sub-mesh).
+  `plan="dp"`: the stage's parameters replicated there, its gradients summed in one bucket per data axis after the
+  schedule (above). `plan="fsdp"` (one data axis): torch's FSDP2 `fully_shard` on each stage module over its
+  sub-mesh, with `reshard_after_forward=False` as torchtitan (Llama 3) runs PP with FSDP — the simplest sound
+  alternative to re-planning each stage with autopar's own lowering, reusing what torch's pipelining already
+  composes with (`PipelineStage` turns gradient sync off for every backward but the last). Per stage and step:
+  one all-gather of its parameters at the first microbatch's forward, kept gathered across the microbatches, the
+  gradients accumulated unsharded and reduce-scattered (summed: `set_gradient_divide_factor(1.0)`) once after the
+  last backward; the pm's parameters are FSDP's `Shard(0)` DTensors on the sub-mesh (`_shard_stage`), and a
+  forward-only call reshards after itself, so the next call gathers the stepped shards. Refused under `fsdp`: a
+  weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
+  their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
+  each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
+  captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
+  compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
+  `set_force_sum_reduction_for_comms`), and the masters and their gradients keep the model's dtype.
 
 Errors reach every rank: building checks everything it can before its first collective and agrees on failure
 (one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
@@ -53,8 +72,8 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-tensor or other parallel forms inside a stage (the remaining mesh axes are data parallel: `plan="dp"` only);
-`inputs="local"`; `mp_policy`; calls whose shapes differ from the example's; the planner choosing a pipeline
+tensor parallelism (`megatron`) or the planner's other forms inside a stage (`plan` other than `STAGE_PLANS`);
+`inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's; the planner choosing a pipeline
 (`plan="auto"`, `autopar.plan`) and its cost model (`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan`
 run (form, axis, microbatches, cut), not a `Plan`.
 """
@@ -70,6 +89,7 @@ from torch.utils import _pytree as pytree
 from autopar.pipeline_plan import PipelinePlan, balanced_cut, parse_pipeline
 
 IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+STAGE_PLANS = ("dp", "fsdp")  # what runs inside a stage, on the mesh axes besides the pipeline axis
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # ATen's reduction enum
 
@@ -126,11 +146,12 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     from autopar.layers import find_layers
 
     value = f"{form}@{axis}"
-    if plan != "dp":
+    if not isinstance(plan, str) or plan not in STAGE_PLANS:
         raise NotImplementedError(
-            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only data parallelism on "
-            "the remaining mesh axes is implemented yet (issue #23), not the planner's or a named plan's other "
-            "forms. Fix: plan='dp'.")
+            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only {STAGE_PLANS} are "
+            "implemented yet (issue #23: data parallelism, or FSDP, on the remaining mesh axes), not the planner's "
+            "or a named plan's other forms (tensor parallelism inside a stage included). Fix: plan='dp' or "
+            "plan='fsdp'.")
     rest = {k: v for k, v in (overrides or {}).items() if k != "pipeline"}
     if rest:
         raise NotImplementedError(f"overrides {sorted(rest)} with a 'pipeline' override: forms inside a pipeline "
@@ -139,8 +160,10 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     if inputs != "global":
         raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
                                   "passes the whole batch. Fix: inputs='global'.")
-    if mp_policy is not None:
-        raise NotImplementedError("mp_policy with a 'pipeline' override is not implemented yet. Fix: drop mp_policy.")
+    if mp_policy is not None and plan != "fsdp":
+        raise NotImplementedError(
+            f"mp_policy with a 'pipeline' override and plan={plan!r} is not implemented yet (under plan='fsdp' it is "
+            "FSDP2's own, per stage). Fix: plan='fsdp' on a (pipeline, data) mesh, or drop mp_policy.")
     p = mesh.size(names.index(axis))
     if stages_per_rank is None:
         stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
@@ -149,6 +172,11 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     data = [n for n in names if n != axis]
+    if plan == "fsdp" and len(data) != 1:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r} with plan='fsdp' on mesh axes {names}: FSDP inside a stage shards over "
+            f"exactly one data axis (the one axis besides {axis!r}), got {len(data)} ({data or 'none'}); several "
+            "data axes (HSDP) are not implemented yet. Fix: a 2-D mesh (pipeline axis, data axis), or plan='dp'.")
     degree = 1
     for n in data:
         degree *= mesh.size(names.index(n))
@@ -170,7 +198,12 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     rows = batch // (degree * microbatches)
     mb_flat = [a[:rows] if b else a for a, b in zip(flat, sizes)]
     mb_args, mb_kwargs = pytree.tree_unflatten(mb_flat, spec)
-    captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    from autopar.precision import capture_dtypes, cast_inputs, mark_captured, precision_of
+    precision = precision_of(mp_policy)
+    mb_args, mb_kwargs = cast_inputs(precision, tuple(mb_args), dict(mb_kwargs))
+    with capture_dtypes(model, precision):  # the program that runs: param_dtype parameters, layers' input casts
+        captured = capture(model, tuple(mb_args), dict(mb_kwargs))
+    mark_captured(captured, model, precision)
     state = set(captured.param_fqns) | set(captured.buffer_fqns)
     layers = find_layers(captured.gm, state)
     n_stages = p * stages_per_rank
@@ -183,11 +216,13 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     split = _Split(captured, layers, n_stages)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
         _refuse_shared_weights(model, captured)
+    if plan == "fsdp":
+        _refuse_weights_across_stages(model, captured, split)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                           shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                          data_axes=tuple(data))
+                          data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy)
 
 
 # ----------------------------------------------------------------------------- the cut
@@ -309,14 +344,18 @@ class _Split:
                 "F.cross_entropy(logits, labels), from forward.")
         loss = outs[0]
         if loss.target is aten.cross_entropy_loss.default:
-            a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
-            a.update(loss.kwargs)
-            if a.get("weight") is not None or a.get("label_smoothing", 0.0) or \
-                    loss.args[1].meta["val"].dtype.is_floating_point:
+            a = self._ce_args(loss)
+            if loss.args[1].meta["val"].dtype.is_floating_point:
                 raise NotImplementedError(
-                    "a pipelined cross-entropy with class weights, label smoothing or probability targets is not "
-                    "implemented yet: its exact combination over microbatches is not written. Fix: plain class-index "
-                    "targets (ignore_index is fine).")
+                    "a pipelined cross-entropy with probability (soft) targets is not implemented yet: its exact "
+                    "combination over microbatches is not written. Fix: class-index targets (ignore_index, class "
+                    "weights and label smoothing are fine).")
+            w = a.get("weight")
+            if isinstance(w, fx.Node) and w not in self.free:
+                raise NotImplementedError(
+                    f"a pipelined cross-entropy whose class weights ({w.name}) are computed from parameters: the "
+                    "global weighted count its mean divides by must be known before the pipeline runs. Fix: class "
+                    "weights from a buffer or a constant.")
             return loss
         if loss.target is aten.mse_loss.default:
             return loss
@@ -325,6 +364,12 @@ class _Split:
             "losses exactly for a loss returned straight from cross_entropy or mse_loss only (not e.g. a sum of a "
             "loss and an auxiliary loss) yet. Fix: return F.cross_entropy(...) or F.mse_loss(...) from forward.")
 
+    @staticmethod
+    def _ce_args(loss: fx.Node) -> dict:
+        a = dict(zip(("input", "target", "weight", "reduction", "ignore_index", "label_smoothing"), loss.args))
+        a.update(loss.kwargs)
+        return a
+
     def reduction(self) -> int:
         loss = self.loss
         if loss.target is aten.cross_entropy_loss.default:
@@ -332,24 +377,33 @@ class _Split:
         return loss.args[2] if len(loss.args) > 2 else loss.kwargs.get("reduction", _MEAN)
 
     def count(self, env: dict[str, torch.Tensor]) -> torch.Tensor:
-        """What one microbatch's mean divides by: its valid targets (cross-entropy), its elements (MSE), computed
-        from the inputs, buffers and constants in `env` (by placeholder name)."""
+        """What one microbatch's mean divides by: its valid targets (cross-entropy), their class weights' sum under
+        class weights (ATen's weighted mean, with or without label smoothing: both its NLL and its smoothing term
+        divide by that sum, and without weights by the valid count), its elements (MSE), computed from the inputs,
+        buffers and constants in `env` (by placeholder name). Label smoothing needs nothing more: ATen's sum form
+        is the per-token terms summed, so the microbatch sums add up to the batch's."""
         loss = self.loss
         if loss.target is aten.mse_loss.default:
             return torch.tensor(float(loss.args[0].meta["val"].numel()))  # moved with the sum below
-        target = loss.args[1]
+        a = self._ce_args(loss)
+        target, weight = a["target"], a.get("weight")
         if target not in self.free:
             raise NotImplementedError("a cross-entropy whose targets are computed from parameters cannot be counted "
                                       "before the pipeline runs")
+        roots = [target] + ([weight] if isinstance(weight, fx.Node) else [])
         values: dict[fx.Node, object] = {}
-        for n in sorted(self._ancestors([target]), key=self.order.__getitem__):
+        for n in sorted(self._ancestors(roots), key=self.order.__getitem__):
             if n.op == "placeholder":
                 values[n] = env[n.name]
             else:
-                a, k = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
-                values[n] = n.target(*a, **k)
-        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
-        return (values[target] != ignore).sum()
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), values.__getitem__)
+                values[n] = n.target(*args, **kwargs)
+        ignore = a.get("ignore_index", -100)
+        t = values[target]
+        valid = t != ignore
+        if isinstance(weight, fx.Node):
+            return values[weight][t[valid]].sum()
+        return valid.sum()
 
     def _ancestors(self, roots) -> set[fx.Node]:
         seen, todo = set(), list(roots)
@@ -452,11 +506,11 @@ class PipelineModule(nn.Module):
     check_inputs = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
-                 flat_spec, shapes, batched, data_axes):
+                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None):
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import DTensor, Replicate, Shard
         from autopar.dtensors import mesh_device, owned_tensor
         from autopar.module import _non_persistent
         from autopar.spec import Owned
@@ -475,6 +529,8 @@ class PipelineModule(nn.Module):
         self._leaf_of: dict[str, str] = {}  # every parameter placeholder -> its tensor's representative placeholder
         self._shared: dict[str, DeviceMesh] = {}  # representative -> the mesh of the ranks whose stages share it
         self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
+        self._names_of: dict[str, list[str]] = {}  # representative placeholder -> the parameter's names
+        self._fsdp, self._mp_policy = fsdp, mp_policy
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -488,7 +544,11 @@ class PipelineModule(nn.Module):
                 self._shared[rep] = _shared_mesh(mesh, ax, tuple(owners))
                 self._first_holder[rep] = owners[0]
                 dt = _shared_tensor(value, mesh, self._shared[rep], me in owners)
+            if fsdp and me not in owners:  # FSDP's placement on the stage's sub-mesh, empty here (see below)
+                dt = DTensor.from_local(dt.to_local(), dt.device_mesh, [Shard(0)], run_check=False, shape=dt.shape,
+                                        stride=dt.stride())
             param = nn.Parameter(dt, requires_grad=True)
+            self._names_of[rep] = names
             for ph in phs:
                 self._leaf_of[ph] = rep
             if any(k in self._local_stages for k in stages):
@@ -516,6 +576,8 @@ class PipelineModule(nn.Module):
             gm, acts, user, st = split.stage_graph(k)
             leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
+            if fsdp:
+                self._shard_stage(sub, mesh, ax, me, leaves)
             self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
             self._stage_modules[k] = sub
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
@@ -537,7 +599,32 @@ class PipelineModule(nn.Module):
         self._captured = captured
         self._register_load_state_dict_pre_hook(_full_to_placed, with_module=True)
 
-    def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
+    def _shard_stage(self, sub: _StageModule, mesh: DeviceMesh, ax: int, me: int, leaves: dict) -> None:
+        """FSDP2 inside a stage: torch's `fully_shard` on the stage module over the stage's sub-mesh (the data axis of
+        the ranks at this pipeline coordinate), `reshard_after_forward=False` as torchtitan runs PP with FSDP: each
+        stage's weights are all-gathered once, at its first microbatch's forward, and stay gathered across the
+        microbatches; `PipelineStage` turns gradient sync off for every backward but the last, so the gradients
+        accumulate unsharded and are reduce-scattered once after the last microbatch (`_post_backward`), after
+        which the weights are resharded. The reduce-scatter sums (`set_gradient_divide_factor(1.0)`): each
+        microbatch loss is already weighed by the global count. FSDP's sharded DTensors (`Shard(0)` on the
+        sub-mesh) become the pm's parameters under their names: the optimizer steps FSDP's own shards."""
+        from torch.distributed.fsdp import fully_shard
+        from autopar.dtensors import _owner_mesh
+        sub_mesh = _owner_mesh(mesh, ax, me)
+        kw = {} if self._mp_policy is None else {"mp_policy": self._mp_policy}
+        fully_shard(sub, mesh=sub_mesh, reshard_after_forward=False, **kw)
+        sub.set_gradient_divide_factor(1.0)
+        sub.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM (and the factor is 1)
+        for name in leaves:
+            rep = self._leaf_of[name]
+            sharded = sub._parameters[name]
+            if self._leaves[rep] is sharded:  # a weight used twice in this stage: one leaf, registered once
+                continue
+            self._leaves[rep] = self._owned[rep] = sharded
+            for fqn in self._names_of[rep]:
+                self._register(fqn, sharded, replace=True)
+
+    def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True, replace: bool = False) -> None:
         *path, leaf = fqn.split(".")
         mod: nn.Module = self
         for part in path:
@@ -546,6 +633,8 @@ class PipelineModule(nn.Module):
             mod = getattr(mod, part)
         if buffer:
             mod.register_buffer(leaf, value, persistent=persistent)
+        elif replace:
+            mod._parameters[leaf] = value
         else:
             mod.register_parameter(leaf, value)
 
@@ -607,6 +696,9 @@ class PipelineModule(nn.Module):
         mb_kwargs = dict(zip(self._user_inputs, local))
         losses: list[torch.Tensor] = []
         train = self.training and torch.is_grad_enabled()
+        # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
+        # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
+        held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp else None
         if train:
             for leaf in self._leaves.values():
                 leaf.grad = None
@@ -620,14 +712,32 @@ class PipelineModule(nn.Module):
         total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
-        if not train:
-            return total
+        if self._mp_policy is not None and self._mp_policy.output_dtype is not None:  # FSDP2's output cast
+            total = total.to(self._mp_policy.output_dtype)
         grads = [leaf.grad for leaf in self._leaves.values()]
-        for leaf in self._leaves.values():
-            leaf.grad = None
-        grads = self._sum_over_data(grads)
-        grads = self._sum_over_sharing_stages(grads)
+        if held is not None:
+            for leaf, g in zip(self._leaves.values(), held):
+                leaf.grad = g
+        elif train:
+            for leaf in self._leaves.values():
+                leaf.grad = None
+        if not train:
+            self._reshard()
+            return total
+        if self._fsdp:  # FSDP's reduce-scatter already summed them over the data axis: this rank's shards
+            self._reshard()
+            grads = [None if g is None else g.to_local() for g in grads]
+        else:
+            grads = self._sum_over_data(grads)
+            grads = self._sum_over_sharing_stages(grads)
         return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _reshard(self) -> None:
+        """FSDP stages back to their shards after a call: a forward-only call (no backward reshards them) would
+        otherwise leave gathered weights that the next call would use instead of the optimizer's updated shards."""
+        if self._fsdp:
+            for sub in self._stage_modules.values():
+                sub.reshard()
 
     def _forward_only(self, local: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor]:
         """The microbatches' weighted losses (on the rank of the last stage), forward only: microbatch after
@@ -714,12 +824,16 @@ class PipelineModule(nn.Module):
                                             norm_type).to(dtype)
         else:
             part = torch.zeros((), dtype=dtype, device=self._device)
+        # under FSDP each data rank holds a different shard: its part is summed over the data axis too
+        axes = [ax] + ([names.index(a) for a in self._data_axes] if self._fsdp else [])
         if norm_type == float("inf"):
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(ax))
+            for i in axes:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(i))
             total = part
         else:
             part = part ** norm_type
-            dist.all_reduce(part, group=self._mesh.get_group(ax))
+            for i in axes:
+                dist.all_reduce(part, group=self._mesh.get_group(i))
             total = part ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the pipelined model's gradients is "
@@ -842,11 +956,25 @@ def _refuse_shared_weights(model: nn.Module, captured) -> None:
                 "model.")
 
 
+def _refuse_weights_across_stages(model: nn.Module, captured, split: "_Split") -> None:
+    """FSDP inside stages shards each stage module's parameters on its own (`fully_shard` per stage), so a weight
+    that two stages use (GPT-2's embedding tied to its head) would be two sharded copies with no gradient sum
+    between them: refused under plan='fsdp'."""
+    for names, phs in _param_groups(model, captured):
+        stages = sorted({k for ph in phs if captured.placeholder(ph).users for k in split.stages_of[ph]})
+        if len(stages) > 1:
+            raise NotImplementedError(
+                f"override 'pipeline' with plan='fsdp': parameter {names[0]!r} is used by stages {stages}; a weight "
+                "shared by several stages under FSDP inside the stages is not implemented yet (each stage shards "
+                "its own parameters). Fix: plan='dp' (whose tied weights are summed across their stages), or untie "
+                "the weight.")
+
+
 def _full_to_placed(module, state_dict, prefix, *_):
     """`load_state_dict` pre-hook: a plain full tensor (the single-device model's `state_dict()`) becomes this rank's
     part of the parameter's DTensor (whole where its stage runs, empty elsewhere), copied in place into the storage
-    the stages' leaves share."""
-    from torch.distributed.tensor import DTensor
+    the stages' leaves share (under FSDP, this rank's shard of it, cut locally: every rank has the full tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
     for name, param in module.named_parameters(remove_duplicate=False):
         key = prefix + name
         value = state_dict.get(key)
@@ -856,6 +984,8 @@ def _full_to_placed(module, state_dict, prefix, *_):
         local = value.detach().to(dtype=param.dtype, device=param.to_local().device)
         if param.device_mesh.get_coordinate() is None:
             local = local.new_empty(0)
+        elif any(not isinstance(q, Replicate) for q in param.placements):  # FSDP's Shard(0): this rank's chunk
+            local = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None).to_local()
         state_dict[key] = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                              shape=param.shape, stride=param.stride())
 

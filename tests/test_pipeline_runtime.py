@@ -52,13 +52,38 @@ class Skip(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
+class Smoothed(torch.nn.Module):
+    """Token classification with a weighted, label-smoothed cross-entropy (class weights from a buffer)."""
+
+    def __init__(self, weighted: bool = True, smoothing: float = 0.1, layers: int = 4, dim: int = 16,
+                 classes: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(classes, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, classes)
+        self.smoothing = smoothing
+        g = torch.Generator().manual_seed(2)
+        self.register_buffer("class_weight", torch.rand(classes, generator=g) + 0.5 if weighted else None)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = x + torch.tanh(b(x))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), weight=self.class_weight,
+                                                 label_smoothing=self.smoothing)
+
+
 def _gpt():
     from autopar.models import GPT, GPTConfig
     return GPT(GPTConfig(num_layers=2))
 
 
 def _model(name):
-    return _llama(name) if isinstance(name, int) else {"twice": Twice, "skip": Skip, "gpt": _gpt}[name]()
+    if isinstance(name, int):
+        return _llama(name)
+    return {"twice": Twice, "skip": Skip, "gpt": _gpt, "weighted smoothed": Smoothed,
+            "smoothed": lambda: Smoothed(weighted=False), "weighted": lambda: Smoothed(smoothing=0.0)}[name]()
 
 
 def _batch(batch: int = 8, ignored: bool = True):
@@ -109,8 +134,33 @@ class _AllReduces:
         dist.all_reduce = self._orig
 
 
+class _FSDPComms:
+    """Records (kind, numel of the full buffer, group size) of FSDP2's all-gathers and reduce-scatters (torch 2.13
+    issues them as `dist.all_gather_single` / `dist.reduce_scatter_single`, `_fsdp_collectives`)."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.calls = []
+        self._orig = {k: getattr(dist, k) for k in ("all_gather_single", "reduce_scatter_single")}
+
+        def wrap(kind, orig):
+            def wrapped(output, input, *a, group=None, **k):
+                full = output if kind == "all_gather_single" else input
+                self.calls.append((kind, full.numel(), dist.get_world_size(group)))
+                return orig(output, input, *a, group=group, **k)
+            return wrapped
+        for k, f in self._orig.items():
+            setattr(dist, k, wrap(k, f))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for k, f in self._orig.items():
+            setattr(dist, k, f)
+
+
 def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, batch: int = 8, scale: float = 1.0,
-                 stages_per_rank=None, clip: float | None = None):
+                 stages_per_rank=None, clip: float | None = None, plan: str = "dp", param_dtype: str | None = None):
     """On each rank: loss, gradient and AdamW-step errors against one device, the p2p ops of the step and the
     parameters this rank checked."""
     import copy
@@ -124,22 +174,26 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
     try:
         ref = _model(layers)
         model = copy.deepcopy(ref)
-        tokens, labels = _batch(batch) if layers == "gpt" or isinstance(layers, int) else \
+        tokens, labels = _batch(batch) if layers not in ("twice", "skip") else \
             (torch.randn(batch, 8), torch.randn(batch, 8))
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp",
+        mp = None
+        if param_dtype is not None:  # FSDP2's policy: compute and gathers in param_dtype, reductions too
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+            mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=getattr(torch, param_dtype))
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan=plan,
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=microbatches,
-                                 stages_per_rank=stages_per_rank)
+                                 stages_per_rank=stages_per_rank, mp_policy=mp)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         ref_loss = ref(tokens, labels)
         ref_loss.backward()
         for q in ref.parameters():  # the contract: (c * loss).backward() gives c times the gradient (the model's
             q.grad.mul_(scale)      # attention softmax runs in fp32: backpropagating c * loss there differs at 1e-9)
-        with _P2P() as rec, _AllReduces() as reduces:
+        with _P2P() as rec, _AllReduces() as reduces, _FSDPComms() as fsdp:
             loss = pm(tokens, labels)
         (scale * loss).backward()
         errs = {"loss": abs(float(loss) - float(ref_loss))}
-        with torch.no_grad():  # forward only, on this schedule too
+        with torch.no_grad(), _FSDPComms() as fsdp_no_grad:  # forward only, on this schedule too
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref_loss))
         refs = dict(ref.named_parameters())
         mine = []
@@ -161,7 +215,26 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         for n, p in pm.named_parameters():
             if n in mine:
                 errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        steady = {}
+        if plan != "dp":  # a second step from the stepped shards: the gathered weights must be the new ones
+            ref.zero_grad()
+            ref(tokens, labels).backward()
+            pm.zero_grad()
+            with _FSDPComms() as fsdp2:
+                loss2 = pm(tokens, labels)
+            loss2.backward()
+            # a step after a step (torch's schedules re-run their metadata inference after a switch from eval)
+            pm.zero_grad()
+            with _P2P() as rec3, _AllReduces() as reduces3, _FSDPComms() as fsdp3:
+                loss3 = pm(tokens, labels)
+            loss3.backward()
+            steady = {"p2p": rec3.ops, "reduces": reduces3.calls, "fsdp": fsdp3.calls, "fsdp after eval": fsdp2.calls}
+            for n, p in pm.named_parameters():
+                if n in mine:
+                    errs[f"step 2 grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut,
+                "fsdp": fsdp.calls, "fsdp_no_grad": fsdp_no_grad.calls, "steady": steady,
+                "grad_dtypes": sorted({str(p.grad.dtype) for n, p in pm.named_parameters() if n in mine}),
                 "stages": pm.local_stages,
                 "rank": dist.get_rank(), "all": sorted(refs)}
     finally:
@@ -192,6 +265,14 @@ def test_pp2_matches_one_device_and_sends_one_activation_per_microbatch(form):
                                                + [("irecv", mb_bytes // 8, mb_bytes)] * m)
     assert sorted(results[1]["p2p"]) == sorted([("irecv", mb_bytes // 8, mb_bytes)] * m
                                                + [("isend", mb_bytes // 8, mb_bytes)] * m)
+
+
+@pytest.mark.parametrize("model", ["weighted smoothed", "smoothed", "weighted"])
+def test_cross_entropy_with_class_weights_and_label_smoothing_combines_exactly(model):
+    # ignored labels and weights spread unevenly over the 4 microbatches: each microbatch's sum is weighed by the
+    # batch's (weighted) valid count, which a mean per microbatch would get wrong
+    results = gloo_pool(2).run(_equivalence, "gpipe", model, (2,), ("pp",), 4, 8)
+    _check(results)
 
 
 def test_five_layers_on_two_stages_and_a_scaled_loss():
@@ -298,7 +379,7 @@ def test_a_value_passed_through_stages():
                                           + [("isend", rows, 8 * rows)] * 2 * 3 * m)
 
 
-def _contract():
+def _contract(plan: str = "dp", mesh_shape=(2,), names=("pp",), batch: int = 4):
     """The call contract beyond one step: no backward leaves no gradient; no_grad and eval run forward only (no
     gradient sent back) and return the global loss; two calls then two backwards accumulate; state_dict keeps the
     model's keys and load_state_dict takes the single-device model's; an out-of-range id, or ranks passing different
@@ -313,9 +394,9 @@ def _contract():
     try:
         ref = _llama(2)
         model = copy.deepcopy(ref)
-        tokens, labels = _batch(4)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp", overrides={"pipeline": "1f1b@pp"},
+        tokens, labels = _batch(batch)
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan=plan, overrides={"pipeline": "1f1b@pp"},
                                  microbatches=2)
         ref_loss = ref(tokens, labels)
         ref_loss.backward()
