@@ -231,8 +231,16 @@ def test_pipeline_errors():
     with pytest.raises(NotImplementedError, match="pipelined plan is not lowered offline"):
         autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"}, microbatches=2,
                      lower=True)
-    with pytest.raises(ValueError, match="give microbatches="):
-        autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"})
+    # no microbatches: the planner's choice, the least estimated step among the counts that divide the batch
+    chosen = autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"})
+    (d,) = [d for d in chosen.decisions if d.kind == "pipeline"]
+    steps = {int(r.label.split(", ")[1].split()[0]): r.time_s for r in d.candidates}
+    assert sorted(steps) == [2, 6]  # the divisors of 6 at or above p = 2, 2p = 4 and 4p = 8
+    assert chosen.pipeline.microbatches == min(steps, key=steps.get)
+    for m, t in steps.items():  # each is what an explicit count prices
+        explicit = autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"},
+                                microbatches=m)
+        assert explicit.estimate.step_time_s == pytest.approx(t, rel=1e-12)
 
 
 def test_microbatch_inputs_cut_only_batched_tensors():

@@ -161,7 +161,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         for n, p in pm.named_parameters():
             if n in mine:
                 errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
-        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut,
+        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.pipeline.cut,
                 "stages": pm.local_stages,
                 "rank": dist.get_rank(), "all": sorted(refs)}
     finally:
