@@ -563,6 +563,9 @@ class PipelineModule(nn.Module):
         self._device = device
         self._captured = captured
         self._register_load_state_dict_pre_hook(_full_to_placed, with_module=True)
+        from autopar.runtime import local_step  # an optimizer step on these DTensors runs on their local tensors
+        local_step.install()
+        local_step.register(list(self.parameters()))
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
         *path, leaf = fqn.split(".")
