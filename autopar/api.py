@@ -231,6 +231,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                                     overrides=overrides, inputs=inputs, mp_policy=mp_policy)
     auto_note = None
     if isinstance(plan, str) and plan == "auto" and _pipeline_axes(mesh):
+        if stages_per_rank is not None:
+            raise ValueError(f"stages_per_rank={stages_per_rank!r} with plan='auto': auto chooses the schedule and "
+                             "its stages per rank itself. Fix: drop stages_per_rank, or name the pipeline: "
+                             "overrides={'pipeline': 'interleaved-1f1b@pp'}, plan='dp'")
         chosen = _auto_runnable(model, mesh, example_inputs, overrides=overrides, cluster=cluster,
                                 memory_limit=memory_limit, mp_policy=mp_policy, inputs=inputs,
                                 microbatches=microbatches)

@@ -149,3 +149,16 @@ def test_auto_on_a_pp_mesh_runs_the_pipeline_it_chooses_and_trains_exactly():
     assert d.decided_by.startswith("auto: the least estimated step") and "no pipeline" in results[0]["explain"]
     assert run.estimate.step_time_s == pytest.approx(offline.estimate.step_time_s, rel=1e-9)
 
+
+
+def _stages_per_rank_with_auto():
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    with pytest.raises(ValueError, match=r"stages_per_rank=2 with plan='auto': auto chooses the schedule.*Fix"):
+        autopar.parallelize(_llama(), mesh, _batch(), plan="auto", stages_per_rank=2)
+    return True
+
+
+def test_auto_refuses_stages_per_rank_on_every_rank():
+    assert gloo_pool(2).run(_stages_per_rank_with_auto) == [True, True]
