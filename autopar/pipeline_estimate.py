@@ -348,6 +348,16 @@ def default_stages_per_rank(form: str) -> int:
     return 2 if form in ("interleaved-1f1b", "zbv", "dualpipev") else 1
 
 
+def torch_schedule_takes(form: str, p: int, m: int) -> bool:
+    """Whether torch's schedule class for `form` accepts m microbatches on p ranks (its constructors' checks: 1F1B
+    needs m >= p; interleaved 1F1B m a multiple of its rounds, max(1, m // p))."""
+    if form == "1f1b":
+        return m >= p
+    if form == "interleaved-1f1b":
+        return m % max(1, m // p) == 0
+    return True
+
+
 def plan_pipeline(model: nn.Module, mesh: dict, example_inputs, *, pipeline: str, microbatches: int | None,
                   stages_per_rank: int | None = None, plan="megatron", cluster=None, memory_limit=None,
                   overrides=None, precision=None, optimizer: str = "adam", cut: tuple[int, ...] | None = None,
@@ -380,7 +390,7 @@ def plan_pipeline(model: nn.Module, mesh: dict, example_inputs, *, pipeline: str
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
     if microbatches is None:
         ms = [m for m in microbatch_candidates(batch // divides if batch % divides == 0 else batch, p * v)
-              if batch % (m * divides) == 0]
+              if batch % (m * divides) == 0 and torch_schedule_takes(form, p, m)]
         if not ms:
             raise ValueError(f"pipeline {pipeline!r}: no microbatch count splits the batch of {batch} rows over "
                              f"{divides} data-parallel rank(s). Fix: a batch that is a multiple of {divides}")
@@ -554,7 +564,7 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
                              precision=precision, optimizer=optimizer, cache=cache)
             fit_here = False
             for form, v in forms:
-                if p * v > len(layers):
+                if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
                     continue
                 pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=m, v=v,
                                                       num_layers=len(layers), cluster=cluster,

@@ -352,3 +352,11 @@ def test_stage_model_state_follows_the_forms_on_the_remaining_axes():
         assert a.layers == b.layers and a.parameters_bytes > 0
         assert b.parameters_bytes == pytest.approx(a.parameters_bytes / 2, rel=0.05)
         assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / 2, rel=0.05)
+
+
+def test_torch_schedule_takes_what_its_constructor_accepts():
+    from autopar.pipeline_estimate import torch_schedule_takes
+    assert not torch_schedule_takes("1f1b", 4, 3) and torch_schedule_takes("1f1b", 4, 4)
+    # interleaved: rounds max(1, m // p); m must be a multiple of them (torch's ScheduleInterleaved1F1B)
+    assert torch_schedule_takes("interleaved-1f1b", 4, 10) and not torch_schedule_takes("interleaved-1f1b", 4, 9)
+    assert torch_schedule_takes("zbv", 2, 2) and torch_schedule_takes("gpipe", 4, 1)
