@@ -42,7 +42,7 @@ def _offline(kind: str, memory_limit=None):
         torch.set_default_dtype(torch.float32)
 
 
-def _train(kwargs: dict, steps: int = 1):
+def _train(kwargs: dict, steps: int = 1, shape=(2,), names=("pp",)):
     """`steps` AdamW steps of `parallelize(model, ("pp",) mesh of 2, **kwargs)` next to one device: the errors of
     every loss, gradient and parameter after each step; whether the later steps ran on the local tensors
     (`autopar.runtime.local_step`); and what `pm.plan` says."""
@@ -59,7 +59,7 @@ def _train(kwargs: dict, steps: int = 1):
         ref = _llama()
         model = copy.deepcopy(ref)
         tokens, labels = _batch()
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         pm = autopar.parallelize(model, mesh, (tokens, labels), **kwargs)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
         opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
@@ -162,3 +162,34 @@ def _stages_per_rank_with_auto():
 
 def test_auto_refuses_stages_per_rank_on_every_rank():
     assert gloo_pool(2).run(_stages_per_rank_with_auto) == [True, True]
+
+
+def test_pp2_x_dp2_default_microbatches_split_over_the_data_ranks():
+    """pp x dp: the cost model's count is one whose microbatch splits over the 2 data-parallel ranks (the runtime's
+    'dp' stages), the same as offline with that restriction; training matches one device."""
+    from autopar.pipeline_estimate import plan_pipeline
+    from autopar.plan import Plan
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        offline = plan_pipeline(_llama(), {"pp": 2, "dp": 2}, _batch(), pipeline="1f1b@pp", microbatches=None,
+                                plan="dp", divides=2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    (d,) = [d for d in offline.decisions if d.kind == "pipeline"]
+    tried = [int(r.label.split(", ")[1].split()[0]) for r in d.candidates]
+    assert tried == [2, 4]  # 8 microbatches of one row cannot split over 2 data ranks
+    results = gloo_pool(4).run(_train, dict(plan="dp", overrides={"pipeline": "1f1b@pp"}), 1, (2, 2), ("pp", "dp"))
+    _check(results)
+    run = Plan.from_json(results[0]["plan"])
+    assert run.pipeline.microbatches == offline.pipeline.microbatches
+    # the estimate is for the run's cut (by FLOPs), which may differ from the cost model's own balanced cut
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        same = plan_pipeline(_llama(), {"pp": 2, "dp": 2}, _batch(), pipeline="1f1b@pp",
+                             microbatches=run.pipeline.microbatches, plan="dp", cut=run.pipeline.cut)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert run.estimate.step_time_s == pytest.approx(same.estimate.step_time_s, rel=1e-9)
+    assert run.estimate.memory_bytes_per_device == same.estimate.memory_bytes_per_device
