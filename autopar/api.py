@@ -75,12 +75,12 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
 
 
 def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit, overrides, progress, mp_policy,
-                          precision, microbatches) -> Plan:
+                          precision, microbatches, runnable: bool = False) -> Plan:
     """`auto` offline: the ILP's plan on the whole mesh, weighed against pipelining an axis named like a pipeline
     axis (`pipeline_estimate.PIPELINE_AXIS_NAMES`: "pp", ...) or, when no plan fits, any axis
     (`pipeline_estimate.auto_pipeline`: schedule, microbatches, checkpoint level and cut, the ILP inside each stage);
     the least estimated step that fits wins and its '(pipeline)' decision says what decided it (`Plan.explain`).
-    `parallelize(plan='auto')` does not weigh a pipeline yet: it runs one when an override names it."""
+    `runnable` (`parallelize(plan='auto')`, `_auto_runnable`): only the pipelines the stage runtime runs."""
     from autopar import pipeline_estimate as pe
     from autopar.solver import InfeasibleError
     info = mesh_info(mesh)
@@ -111,7 +111,7 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
         try:
             tried += pe.auto_pipeline(model, sizes, example_inputs, axis, cluster=cluster, memory_limit=memory_limit,
                                       overrides=overrides, precision=precision, microbatches=microbatches,
-                                      quick=err is not None)
+                                      quick=err is not None, runnable=runnable)
         except (ValueError, NotImplementedError) as e:  # noqa: PERF203 - a pipeline this model cannot take
             skipped.append(f"pipeline over {axis!r}: {e}")
     if not tried:
@@ -203,10 +203,15 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     `param_dtype`, gradient reductions in `reduce_dtype`, gradients in the parameters' dtype. None: the model's dtypes.
 
     `overrides={"pipeline": "FORM@axis"}` pipelines the model's layers over that mesh axis (issue #23; forms
-    `autopar.pipeline_runtime.IMPLEMENTED`), the batch cut into `microbatches` (default: the number of stages) and
-    `stages_per_rank` stages per rank (interleaved-1f1b: default 2); the other axes are data parallel inside each
-    stage, replicated (`plan="dp"`) or FSDP-sharded (`plan="fsdp"`, `autopar.pipeline_runtime.STAGE_PLANS`).
-    The result is an `autopar.pipeline_runtime.PipelineModule`: its call contract is in that module's docstring.
+    `autopar.pipeline_runtime.IMPLEMENTED`), the batch cut into `microbatches` (default: the cost model's choice,
+    `autopar.pipeline_estimate.plan_pipeline`) and `stages_per_rank` stages per rank (interleaved-1f1b: default 2);
+    the other axes are data parallel inside each stage, replicated (`plan="dp"`) or FSDP-sharded (`plan="fsdp"`,
+    `autopar.pipeline_runtime.STAGE_PLANS`). The result is an `autopar.pipeline_runtime.PipelineModule`: its
+    call contract is in that module's docstring; `pm.plan` is the priced `Plan` with `pipeline` set.
+    `plan="auto"` on a mesh with an axis named like a pipeline axis ("pp", "pipe", "pipeline") weighs pipelining it
+    as `autopar.plan`'s auto does, restricted to the pipelines the runtime runs ('dp' inside the stages, no
+    checkpoint level, no 'zbv' for tied weights: `_auto_runnable`), and runs the winner: a pipeline, or the
+    unpipelined plan with the '(pipeline)' decision saying why in `pm.plan.explain()`.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -225,7 +230,23 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         return parallelize_pipeline(model, mesh, example_inputs, value=overrides["pipeline"],
                                     microbatches=microbatches, stages_per_rank=stages_per_rank, plan=plan,
                                     overrides=overrides, inputs=inputs, mp_policy=mp_policy)
-    if microbatches is not None or stages_per_rank is not None:
+    auto_note = None
+    if isinstance(plan, str) and plan == "auto" and _pipeline_axes(mesh):
+        if stages_per_rank is not None:
+            raise ValueError(f"stages_per_rank={stages_per_rank!r} with plan='auto': auto chooses the schedule and "
+                             "its stages per rank itself. Fix: drop stages_per_rank, or name the pipeline: "
+                             "overrides={'pipeline': 'interleaved-1f1b@pp'}, plan='dp'")
+        chosen = _auto_runnable(model, mesh, example_inputs, overrides=overrides, cluster=cluster,
+                                memory_limit=memory_limit, mp_policy=mp_policy, inputs=inputs,
+                                microbatches=microbatches)
+        if chosen.pipeline is not None:
+            from autopar.pipeline_runtime import parallelize_pipeline
+            pp = chosen.pipeline
+            return parallelize_pipeline(model, mesh, example_inputs, value=pp.label, microbatches=pp.microbatches,
+                                        stages_per_rank=pp.stages_per_rank, plan="dp", overrides={"pipeline": pp.label},
+                                        inputs=inputs, mp_policy=mp_policy, auto=chosen)
+        auto_note = next((d for d in chosen.decisions if d.kind == "pipeline"), None)
+    elif microbatches is not None or stages_per_rank is not None:
         raise ValueError(f"microbatches={microbatches!r} / stages_per_rank={stages_per_rank!r} apply to a pipelined "
                          "model only: pass overrides={'pipeline': 'FORM@axis'} too, or drop them")
     _refuse_meta_moe(model)
@@ -241,6 +262,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
                                   _names(model))
     chosen = solve_on_rank0(solve)
+    if auto_note is not None:  # auto weighed a pipeline and kept this plan: say why in explain()
+        chosen = dataclasses.replace(chosen, decisions=chosen.decisions + (auto_note,))
     arrivals, call_shapes = {}, None
     if inputs == "local":
         axes = data_axes(chosen, info)
@@ -267,6 +290,38 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     chosen = _with_work(chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes), gm, info, warn=True)
     return ParallelModule(model, mesh, captured, chosen, gm, stream, example_inputs=example_inputs,
                           local=(axes, call_shapes) if inputs == "local" else None)
+
+
+def _pipeline_axes(mesh) -> list[str]:
+    """The mesh axes `auto` offers the pipeline role (named like a pipeline axis, size > 1)."""
+    from autopar.pipeline_estimate import PIPELINE_AXIS_NAMES
+    if not isinstance(mesh, DeviceMesh):  # refused below, with the reason
+        return []
+    names = tuple(mesh.mesh_dim_names or ())
+    return [a for i, a in enumerate(names) if a in PIPELINE_AXIS_NAMES and mesh.size(i) > 1]
+
+
+def _auto_runnable(model, mesh, example_inputs, *, overrides, cluster, memory_limit, mp_policy, inputs,
+                   microbatches) -> Plan:
+    """`parallelize(plan='auto')` on a mesh with a pipeline axis: `autopar.plan`'s auto (the ILP's plan on the whole
+    mesh weighed against pipelining that axis, `_auto_maybe_pipelined`), its pipelined candidates restricted to what
+    the stage runtime runs (`runnable=True`: 'dp' inside the stages, no checkpoint level, no 'zbv' for a model with
+    tied weights), solved on rank 0 and shared. Returns the chosen Plan: `pipeline` set when a pipeline won."""
+    from autopar.agree import solve_on_rank0
+    if inputs != "global" or mp_policy is not None:
+        raise NotImplementedError(
+            f"plan='auto' on a mesh with a pipeline axis ({', '.join(_pipeline_axes(mesh))}) with "
+            f"inputs={inputs!r} / mp_policy={mp_policy!r}: auto weighs a pipeline there and the pipeline runtime takes "
+            "neither yet. Fix: inputs='global' and no mp_policy, or name the plan (e.g. plan='dp') so that no axis "
+            "is pipelined, or rename the axis.")
+    check_model(model)
+    limit = check_options("auto", cluster, memory_limit)
+
+    def solve():
+        return _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=limit,
+                                     overrides=overrides, progress=None, mp_policy=None, precision=None,
+                                     microbatches=microbatches, runnable=True)
+    return solve_on_rank0(solve)
 
 
 # ----------------------------------------------------------------------------- steps

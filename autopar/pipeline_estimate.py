@@ -348,10 +348,24 @@ def default_stages_per_rank(form: str) -> int:
     return 2 if form in ("interleaved-1f1b", "zbv", "dualpipev") else 1
 
 
+def torch_schedule_takes(form: str, p: int, m: int) -> bool:
+    """Whether torch's schedule class for `form` accepts m microbatches on p ranks (its constructors' checks: 1F1B
+    needs m >= p; interleaved 1F1B m a multiple of its rounds, max(1, m // p))."""
+    if form == "1f1b":
+        return m >= p
+    if form == "interleaved-1f1b":
+        return m % max(1, m // p) == 0
+    return True
+
+
 def plan_pipeline(model: nn.Module, mesh: dict, example_inputs, *, pipeline: str, microbatches: int | None,
                   stages_per_rank: int | None = None, plan="megatron", cluster=None, memory_limit=None,
-                  overrides=None, precision=None, optimizer: str = "adam") -> Plan:
-    """The priced pipelined plan of `model` on `mesh` (axis sizes), offline (module docstring)."""
+                  overrides=None, precision=None, optimizer: str = "adam", cut: tuple[int, ...] | None = None,
+                  divides: int = 1) -> Plan:
+    """The priced pipelined plan of `model` on `mesh` (axis sizes), offline (module docstring). `microbatches=None`:
+    the planner's choice, the least estimated step that fits among `microbatch_candidates` (those whose
+    microbatch splits into `divides` equal parts: the runtime's data-parallel degree), said in the plan's
+    '(pipeline)' decision. `cut`: price this stage cut (the runtime's) instead of the balanced one."""
     names = tuple(mesh)
     form, axis = parse_pipeline(pipeline, names)
     if not isinstance(plan, str) or plan not in ("auto", "megatron", "dp", "fsdp"):
@@ -361,24 +375,54 @@ def plan_pipeline(model: nn.Module, mesh: dict, example_inputs, *, pipeline: str
     v = default_stages_per_rank(form) if stages_per_rank is None else stages_per_rank
     parent, layers = repeated_layers(model)
     batch = _batch_of(example_inputs)
-    if microbatches is None:
-        raise ValueError(f"pipeline {pipeline!r}: give microbatches= (the batch of {batch} is split into that many "
-                         "microbatches); the planner's own choice of the count is not implemented yet")
-    if not isinstance(microbatches, int) or microbatches < 1 or batch % microbatches:
+    if microbatches is not None and (not isinstance(microbatches, int) or isinstance(microbatches, bool)
+                                     or microbatches < 1 or batch % microbatches):
         raise ValueError(f"pipeline {pipeline!r}: microbatches={microbatches!r} must be a positive integer dividing "
                          f"the batch ({batch}) so that every microbatch is alike. Fix: pick a divisor of {batch}")
     if p * v > len(layers):
         raise ValueError(f"pipeline {pipeline!r}: {p} ranks x {v} stages per rank = {p * v} stages, but "
                          f"{type(model).__name__} has {len(layers)} layers ({parent}) and each stage needs one. Fix: "
                          "fewer stages per rank, a smaller pipeline axis, or '1f1b'")
-    PipelinePlan(form, axis, microbatches, v)  # validates the form's stages per rank
+    PipelinePlan(form, axis, microbatches or 1, v)  # validates the form's stages per rank
+    if cut is not None and (len(cut) != p * v + 1 or cut[-1] != len(layers)):
+        raise ValueError(f"pipeline {pipeline!r}: the cut {list(cut)} is not one of {len(layers)} layers "
+                         f"({parent}) into {p * v} stages")
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
-    lc = layer_costs(model, sub, _microbatch(example_inputs, batch, microbatches), plan=plan, cluster=cluster,
-                     overrides=overrides, precision=precision, optimizer=optimizer)
-    pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=microbatches, v=v,
-                                          num_layers=len(layers), cluster=cluster, full_sizes=tuple(mesh.values()),
-                                          full_names=names, optimizer=optimizer, memory_limit=memory_limit)
-    return _full_plan(lc.sub_plan, pplan, fields, extra, mesh, sub, parent, len(layers))
+    if microbatches is None:
+        ms = [m for m in microbatch_candidates(batch // divides if batch % divides == 0 else batch, p * v)
+              if batch % (m * divides) == 0 and torch_schedule_takes(form, p, m)]
+        if not ms:
+            raise ValueError(f"pipeline {pipeline!r}: no microbatch count splits the batch of {batch} rows over "
+                             f"{divides} data-parallel rank(s). Fix: a batch that is a multiple of {divides}")
+    else:
+        ms = [microbatches]
+    priced = []
+    for m in ms:
+        lc = layer_costs(model, sub, _microbatch(example_inputs, batch, m), plan=plan, cluster=cluster,
+                         overrides=overrides, precision=precision, optimizer=optimizer)
+        pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers),
+                                              cluster=cluster, full_sizes=tuple(mesh.values()), full_names=names,
+                                              optimizer=optimizer, memory_limit=memory_limit, cut=cut)
+        priced.append((lc, pplan, fields, extra))
+    decided_by, rows = None, ()
+    if microbatches is None:
+        fit = [x for x in priced if x[2]["fits"]]
+        best = min(fit, key=lambda x: x[2]["step_time_s"]) if fit else \
+            min(priced, key=lambda x: x[2]["memory_bytes_per_device"])
+        tried = ", ".join(f"{x[1].microbatches}: {x[2]['step_time_s'] * 1e3:.1f} ms"
+                          + ("" if x[2]["fits"] else " (does not fit)") for x in priced)
+        decided_by = (f"override: {form}@{axis}; microbatches: the planner's choice, {best[1].microbatches}, the "
+                      + ("least estimated step that fits" if fit else "least memory (none fits)")
+                      + f" among the counts tried ({tried})")
+        rows = tuple(CandidateRow(label=f"{form}@{axis}, {x[1].microbatches} microbatches",
+                                  compute_s=x[2]["compute_time_s"], comm_s=x[2]["exposed_comm_s"],
+                                  memory_bytes=x[2]["memory_bytes_per_device"], time_s=x[2]["step_time_s"],
+                                  excluded="" if x[2]["fits"] else "does not fit") for x in priced)
+    else:
+        best = priced[0]
+    lc, pplan, fields, extra = best
+    return _full_plan(lc.sub_plan, pplan, fields, extra, mesh, sub, parent, len(layers), decided_by=decided_by,
+                      rows=rows)
 
 
 def _widen(pls: str, sub: dict, mesh: dict) -> str:
@@ -477,7 +521,7 @@ class Tried:
 
 def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cluster=None, memory_limit=None,
                   overrides=None, precision=None, microbatches: int | None = None, optimizer: str = "adam",
-                  quick: bool = False) -> list[Tried]:
+                  quick: bool = False, runnable: bool = False) -> list[Tried]:
     """Every pipeline over `axis` that `auto` weighs, priced: the outer search of Alpa's stage DP (Zheng et al.
     2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count (and checkpoint
     level, the next one tried only when no schedule fits at the one before), the ILP plans one microbatch of the
@@ -486,7 +530,10 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     the microbatch count changes the shapes the ILP prices, and the bubble and the in-flight activations multiply
     the stage time and memory by functions of m, p and v that are not linear in the ILP's variables; identical
     layers make every stage's forms the same, so one solve per microbatch size serves every schedule and cut.
-    `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all)."""
+    `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all).
+    `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`): the stages data parallel
+    on the remaining axes ('dp' for the sub-mesh plan, not the ILP's forms), no checkpoint level, microbatches that
+    split over the data-parallel degree, and no 'zbv' for a model with tied weights (the runtime refuses it there)."""
     from autopar.forms import checkpoint as ckpt
     p = mesh[axis]
     parent, layers = repeated_layers(model)
@@ -494,8 +541,15 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     ms = [microbatches] if microbatches else microbatch_candidates(batch, p)[-1:] if quick else \
         microbatch_candidates(batch, p)
     forced_level = any(ckpt.is_key(k) for k in (overrides or {}))
-    levels = [None] if forced_level else list(ckpt.LEVELS)
+    levels = [None] if forced_level or runnable else list(ckpt.LEVELS)
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
+    stage_plan, forms = "auto", AUTO_FORMS
+    if runnable:
+        degree = math.prod(s for a, s in mesh.items() if a != axis)
+        stage_plan = "dp"
+        ms = [m for m in ms if batch % (m * degree) == 0]
+        tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
+        forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
     tried: list[Tried] = []
     cache: dict = {}
     for m in ms:
@@ -506,11 +560,11 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
             ov = dict(overrides or {})
             if lv is not None:
                 ov[ckpt.KEY] = lv
-            lc = layer_costs(model, sub, mb, plan="auto", cluster=cluster, overrides=ov or None, precision=precision,
-                             optimizer=optimizer, cache=cache)
+            lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=ov or None,
+                             precision=precision, optimizer=optimizer, cache=cache)
             fit_here = False
-            for form, v in AUTO_FORMS:
-                if p * v > len(layers):
+            for form, v in forms:
+                if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
                     continue
                 pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=m, v=v,
                                                       num_layers=len(layers), cluster=cluster,

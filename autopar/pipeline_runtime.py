@@ -73,9 +73,15 @@ no cross-rank error path).
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
 tensor parallelism (`megatron`) or the planner's other forms inside a stage (`plan` other than `STAGE_PLANS`);
-`inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's; the planner choosing a pipeline
-(`plan="auto"`, `autopar.plan`) and its cost model (`autopar.estimate`'s work). `pm.plan` is the `PipelinePlan`
-run (form, axis, microbatches, cut), not a `Plan`.
+`inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's.
+
+`pm.plan` is a `Plan` (`autopar.plan`): `pm.plan.pipeline` the `PipelinePlan` run (form, axis, microbatches, the
+runtime's own cut; also `pm.pipeline_plan`), `pm.plan.estimate` the cost model's (`autopar.pipeline_estimate`) for
+that cut, the stage plan ('dp' or 'fsdp') in the stages, as `autopar.plan` with the same override prices it; priced on first use.
+`microbatches=None`: the cost model's choice (the least estimated step that fits among the counts that split over
+the data-parallel ranks; one per stage, with a note, where it cannot price the model). `parallelize(plan="auto")`
+on a mesh with a pipeline axis ("pp") comes here when `autopar.plan`'s auto, restricted to what this runtime runs,
+chooses a pipeline (`autopar.api._auto_runnable`).
 """
 
 from __future__ import annotations
@@ -105,7 +111,8 @@ def check_form(form: str, value: str) -> None:
 # ----------------------------------------------------------------------------- entry point
 
 def parallelize_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs, *, value: str, microbatches,
-                         stages_per_rank, plan, overrides: dict, inputs: str, mp_policy) -> "PipelineModule":
+                         stages_per_rank, plan, overrides: dict, inputs: str, mp_policy,
+                         auto=None) -> "PipelineModule":
     """`autopar.parallelize` with a `pipeline` override; see the module docstring. Every check runs on every rank;
     an error on one rank is raised on every rank (`autopar.agree`)."""
     from torch.distributed._local_tensor import local_tensor_mode
@@ -120,7 +127,7 @@ def parallelize_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs, *, 
     error, built = None, None
     try:
         built = _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan,
-                       overrides, inputs, mp_policy)
+                       overrides, inputs, mp_policy, auto)
     except Exception as e:  # noqa: BLE001 - raised on every rank below
         error = e
     _agree(error, mesh)
@@ -140,7 +147,7 @@ def _agree(error: BaseException | None, mesh: DeviceMesh) -> None:
 
 
 def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_per_rank, plan, overrides,
-           inputs, mp_policy):
+           inputs, mp_policy, auto=None):
     from autopar.capture import capture, split_example_inputs
     from autopar.inputs import batch_dims
     from autopar.layers import find_layers
@@ -167,10 +174,6 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     p = mesh.size(names.index(axis))
     if stages_per_rank is None:
         stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
-    if microbatches is None:
-        microbatches = p * stages_per_rank
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
     data = [n for n in names if n != axis]
     if plan == "fsdp" and len(data) != 1:
         raise NotImplementedError(
@@ -180,6 +183,12 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     degree = 1
     for n in data:
         degree *= mesh.size(names.index(n))
+    priced = chosen_note = None
+    if microbatches is None:  # the planner's choice: the cost model's least step among the counts that split
+        microbatches, priced, chosen_note = _choose_microbatches(model, mesh, names, example_inputs, value,
+                                                                 stages_per_rank, degree, plan)
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
 
     args, kwargs = split_example_inputs(example_inputs)
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -220,9 +229,27 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
         _refuse_weights_across_stages(model, captured, split)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
-    return PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
-                          shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                          data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy)
+    pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
+                        shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
+                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy)
+    pm._priced = (model, example_inputs, priced, chosen_note, auto, plan)
+    return pm
+
+
+def _choose_microbatches(model, mesh, names, example_inputs, value, v, degree, stage_plan="dp"):
+    """(m, the priced Plan, None) by the cost model (`pipeline_estimate.plan_pipeline` with microbatches=None, the stage
+    plan in the stages, counts splitting over the data-parallel degree); where the cost model cannot price this model,
+    (the number of stages, None, a note saying why)."""
+    from autopar.pipeline_estimate import plan_pipeline
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+    try:
+        priced = plan_pipeline(model, sizes, example_inputs, pipeline=value, microbatches=None, stages_per_rank=v,
+                               plan=stage_plan, divides=degree)
+    except (ValueError, NotImplementedError) as e:
+        m = sizes[value.split("@", 1)[1]] * v
+        return m, None, (f"microbatches: {m} (one per stage), not the cost model's choice: it could not price this "
+                         f"model ({type(e).__name__}: {e})")
+    return priced.pipeline.microbatches, priced, None
 
 
 # ----------------------------------------------------------------------------- the cut
@@ -598,6 +625,9 @@ class PipelineModule(nn.Module):
         self._device = device
         self._captured = captured
         self._register_load_state_dict_pre_hook(_full_to_placed, with_module=True)
+        from autopar.runtime import local_step  # an optimizer step on these DTensors runs on their local tensors
+        local_step.install()
+        local_step.register(list(self.parameters()))
 
     def _shard_stage(self, sub: _StageModule, mesh: DeviceMesh, ax: int, me: int, leaves: dict) -> None:
         """FSDP2 inside a stage: torch's `fully_shard` on the stage module over the stage's sub-mesh (the data axis of
@@ -639,8 +669,19 @@ class PipelineModule(nn.Module):
             mod.register_parameter(leaf, value)
 
     @property
-    def plan(self) -> PipelinePlan:
-        """The pipeline run: form, axis, microbatches, stages per rank and the layer cut."""
+    def plan(self):
+        """The `Plan` run (`autopar.plan.Plan`): `plan.pipeline` is the `PipelinePlan` this module runs (form, axis,
+        microbatches, its actual cut), `plan.estimate` the cost model's for that cut (`autopar.pipeline_estimate`,
+        'dp' in the stages, as `autopar.plan` with the same override and microbatches prices it), so `print(pm.plan)`
+        and `pm.plan.explain()` work as for any plan. Priced on first use (offline, no collective); where the cost
+        model cannot price this model the Plan has no estimate and a note says why."""
+        if getattr(self, "_full_plan", None) is None:
+            self._full_plan = _runtime_plan(self._mesh, self._plan, *self._priced)
+        return self._full_plan
+
+    @property
+    def pipeline_plan(self) -> PipelinePlan:
+        """The `PipelinePlan` run (also `pm.plan.pipeline`)."""
         return self._plan
 
     @property
@@ -996,3 +1037,37 @@ def _weigh(loss_sum: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["IMPLEMENTED", "PipelineModule", "check_form", "parallelize_pipeline"]
+
+
+def _runtime_plan(mesh: DeviceMesh, pplan: PipelinePlan, model, example_inputs, priced, chosen_note, auto,
+                  stage_plan="dp"):
+    """`PipelineModule.plan`: the cost model's Plan for the pipeline this module runs (its cut, microbatches and
+    stages per rank; 'dp' inside the stages, as run), with `pipeline` the runtime's own PipelinePlan. `priced`: the
+    plan the microbatch count was chosen with (its decision kept); `auto`: the `plan='auto'` Plan that chose this
+    pipeline (its name and '(pipeline)' decision kept). Offline: no collective, the same on every rank."""
+    import dataclasses
+    from autopar.pipeline_estimate import DECISION_KEY, plan_pipeline
+    from autopar.plan import Plan
+    names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+    sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+    notes = [chosen_note] if chosen_note else []
+    kw = dict(pipeline=pplan.label, microbatches=pplan.microbatches, stages_per_rank=pplan.stages_per_rank,
+              plan=stage_plan)
+    try:
+        try:
+            made = plan_pipeline(model, sizes, example_inputs, cut=pplan.cut, **kw)
+        except ValueError as e:  # the cost model sees other layers than the runtime's cut: price its own cut
+            made = plan_pipeline(model, sizes, example_inputs, **kw)
+            notes.append(f"the estimate is for the cost model's cut {list(made.pipeline.cut)}, not the run one "
+                         f"{list(pplan.cut)} ({e})")
+    except (ValueError, NotImplementedError) as e:
+        return Plan(name=stage_plan, mesh=tuple(sizes.items()), pipeline=pplan, notes=tuple(notes) + (
+            f"no estimate: the pipeline cost model (autopar.pipeline_estimate) could not price this model "
+            f"({type(e).__name__}: {e}); the pipeline runs {pplan.label}, cut {list(pplan.cut)}",))
+    decisions = made.decisions
+    chooser = auto if auto is not None else priced
+    if chooser is not None:
+        mine = tuple(d for d in chooser.decisions if DECISION_KEY in d.keys)
+        decisions = tuple(d for d in decisions if DECISION_KEY not in d.keys) + mine
+    return dataclasses.replace(made, name=auto.name if auto is not None else made.name, pipeline=pplan,
+                               decisions=decisions, notes=made.notes + tuple(notes))

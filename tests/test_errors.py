@@ -105,8 +105,9 @@ def test_overrides_unknown_key_form_axis_and_memory(world4):
             autopar.parallelize(model, mesh, inputs, overrides={"pipeline": "dualpipev@tp"})
         with pytest.raises(NotImplementedError, match=r"under LocalTensorMode.*Fix: run on real processes"):
             autopar.parallelize(model, mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@tp"})
-        with pytest.raises(ValueError, match=r"pipeline '1f1b@tp': give microbatches="):
-            autopar.plan(model, mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@tp"})
+        with pytest.raises(ValueError, match=r"pipeline '1f1b@tp': microbatches=3 must be a positive integer "
+                                             r"dividing the batch"):
+            autopar.plan(model, mesh, inputs, plan="dp", overrides={"pipeline": "1f1b@tp"}, microbatches=3)
         with pytest.raises(autopar.InfeasibleError, match=r"(?s)no plan fits 1\.00 KiB.*least memory any plan needs is "
                                                           r"\d+(\.\d+)? KiB.*Fix: raise memory_limit"):
             autopar.parallelize(model, mesh, inputs, memory_limit=1024)

@@ -231,8 +231,16 @@ def test_pipeline_errors():
     with pytest.raises(NotImplementedError, match="pipelined plan is not lowered offline"):
         autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"}, microbatches=2,
                      lower=True)
-    with pytest.raises(ValueError, match="give microbatches="):
-        autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"})
+    # no microbatches: the planner's choice, the least estimated step among the counts that divide the batch
+    chosen = autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"})
+    (d,) = [d for d in chosen.decisions if d.kind == "pipeline"]
+    steps = {int(r.label.split(", ")[1].split()[0]): r.time_s for r in d.candidates}
+    assert sorted(steps) == [2, 6]  # the divisors of 6 at or above p = 2, 2p = 4 and 4p = 8
+    assert chosen.pipeline.microbatches == min(steps, key=steps.get)
+    for m, t in steps.items():  # each is what an explicit count prices
+        explicit = autopar.plan(model, mesh, inputs, plan="megatron", overrides={"pipeline": "1f1b@pp"},
+                                microbatches=m)
+        assert explicit.estimate.step_time_s == pytest.approx(t, rel=1e-12)
 
 
 def test_microbatch_inputs_cut_only_batched_tensors():
@@ -344,3 +352,11 @@ def test_stage_model_state_follows_the_forms_on_the_remaining_axes():
         assert a.layers == b.layers and a.parameters_bytes > 0
         assert b.parameters_bytes == pytest.approx(a.parameters_bytes / 2, rel=0.05)
         assert b.optimizer_bytes == pytest.approx(a.optimizer_bytes / 2, rel=0.05)
+
+
+def test_torch_schedule_takes_what_its_constructor_accepts():
+    from autopar.pipeline_estimate import torch_schedule_takes
+    assert not torch_schedule_takes("1f1b", 4, 3) and torch_schedule_takes("1f1b", 4, 4)
+    # interleaved: rounds max(1, m // p); m must be a multiple of them (torch's ScheduleInterleaved1F1B)
+    assert torch_schedule_takes("interleaved-1f1b", 4, 10) and not torch_schedule_takes("interleaved-1f1b", 4, 9)
+    assert torch_schedule_takes("zbv", 2, 2) and torch_schedule_takes("gpipe", 4, 1)

@@ -232,7 +232,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
             for n, p in pm.named_parameters():
                 if n in mine:
                     errs[f"step 2 grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.cut,
+        return {"errs": errs, "p2p": rec.ops, "reduces": reduces.calls, "mine": mine, "cut": pm.plan.pipeline.cut,
                 "fsdp": fsdp.calls, "fsdp_no_grad": fsdp_no_grad.calls, "steady": steady,
                 "grad_dtypes": sorted({str(p.grad.dtype) for n, p in pm.named_parameters() if n in mine}),
                 "stages": pm.local_stages,

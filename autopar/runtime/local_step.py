@@ -19,7 +19,8 @@ runs it otherwise:
     optimizer's type is one of torch's elementwise ones (`_ELEMENTWISE`, exact type; `Partial` and expert-owned
     placements never);
 - every parameter already has optimizer state (its first step, which creates the state, runs on the DTensors,
-  so the state is made as torch makes it: DTensors where torch makes DTensors); an optimizer that keeps no
+  so the state is made as torch makes it: DTensors where torch makes DTensors), or has neither state nor a
+  gradient (torch's optimizers pass over it: another pipeline stage's parameter on this rank); an optimizer that keeps no
   state (plain SGD) stays on the DTensors (one op per parameter: little to gain);
 - no group is `differentiable`, the step is not given a closure (a closure, as LBFGS's, re-evaluates the
   model and writes the DTensors' gradients, which the local tensors would not see), and it is not being
@@ -197,7 +198,9 @@ def _eligible(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> bool:
         if group.get("differentiable"):
             return False
         for p in group["params"]:
-            if not state.get(p) or not _exact_locally(p, elementwise):
+            # a parameter without a gradient and without state (another pipeline stage's, or one this step does not
+            # update) is passed over by torch's optimizers, on its local tensor as on the DTensor
+            if (not state.get(p) and p.grad is not None) or not _exact_locally(p, elementwise):
                 return False
     return True
 
@@ -241,8 +244,9 @@ def _pre_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
                 g_local = None if g_local is None else _chunk(g_local, p)
                 sharded.append(p)
             local.grad = g_local
-            before = state.pop(p, None) or {}
-            state[local] = {k: (v._local_tensor if type(v) is DTensor else v) for k, v in before.items()}
+            before = state.pop(p, None)
+            if before is not None:
+                state[local] = {k: (v._local_tensor if type(v) is DTensor else v) for k, v in before.items()}
             pairs.append((p, local, before, g))
             locals_.append(local)
         groups.append((group, params))
@@ -301,8 +305,10 @@ def restore(opt: torch.optim.Optimizer) -> None:
         local.grad = None
         after = state.pop(local, None)
         if after is None:
-            state[p] = before
+            if before is not None:
+                state[p] = before
             continue
+        before = before or {}
         new = {}
         for k, v in after.items():
             old = before.get(k)
