@@ -398,23 +398,30 @@ def test_a_new_program_keeps_the_levels_and_eval_runs_without_recompute(local_wo
     assert abs(_value(got) - float(want)) <= TOL
 
 
-@pytest.mark.parametrize("case", ["tp", "sp", "fsdp"])
+# the recompute's collectives priced against those issued: the 1-D cases, and TP beside a data axis (its gradient
+# reduction is not re-issued by the recompute, only the forward's tensor-parallel all-reduces)
+RECOMPUTE_CASES = {**{c: CASES[c] for c in ("tp", "sp", "fsdp")},
+                   "dp_tp": (_gpt, (2, 2), ("dp", "tp"), "megatron", {})}
+
+
+@pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
 def test_the_priced_recompute_collectives_are_the_ones_issued(local_world, case):
     """The plan's estimate charges full checkpointing the collectives its recompute issues (recorded, each priced by
-    the same cost model): exactly under TP (forward and backward collectives mirror each other) and FSDP (none: its
-    gathers run before the layers' regions; the recompute reads the ZeRO-3 re-gather, priced without checkpointing
-    too); under SP the
+    the same cost model): exactly under TP, alone or beside a data axis (forward and backward collectives mirror
+    each other; the data-parallel gradient reduction is not issued again), and FSDP (none: its gathers run before
+    the layers' regions; the recompute reads the ZeRO-3 re-gather, priced without checkpointing too); under SP the
     solver's half of the candidate's communication counts the backward re-gathers' share too (an upper bound,
     within 1.5x). And more compute than none."""
     import copy
+    import math
     from autopar.estimate import MeshCosting
     from cost_model.hardware import load_cluster
     from autopar.runtime.collectives import record_comms
-    make, shape, names, plan, overrides = CASES[case]
+    make, shape, names, plan, overrides = RECOMPUTE_CASES[case]
     model, inputs = make(), _tokens()
     est, recs = {}, []
     for level in (NONE, FULL):
-        with local_world(2):
+        with local_world(math.prod(shape)):
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan,
@@ -424,6 +431,8 @@ def test_the_priced_recompute_collectives_are_the_ones_issued(local_world, case)
         est[level] = pm.plan.estimate
     again = [r for r in recs if r.pass_ == "recompute"]
     assert bool(again) == (case != "fsdp")
+    if case == "dp_tp":  # only the tensor-parallel forward is issued again, never the gradients' reduction on dp
+        assert {r.axis for r in again} == {"tp"}, again
     mc = MeshCosting(names=names, sizes=shape, data_axes=(), cluster=load_cluster(None, shape))
     issued = sum(mc.collective(r.kind, r.numel * 4, r.axis)[0] for r in again)  # fp32
     priced = est[FULL].comm_time_s - est[NONE].comm_time_s
