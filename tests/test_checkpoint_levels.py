@@ -318,6 +318,29 @@ def test_solver_picks_none_when_memory_allows_and_recomputes_when_tight():
         _plan(memory_limit=need[FULL] / 4)
 
 
+def _meta_gpt(batch):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, seq_len=256, num_layers=2, num_heads=8, hidden=512)).to(torch.bfloat16)
+        ids = torch.zeros(batch, 256, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def test_the_recompute_reissues_the_tensor_parallel_forward_not_the_data_parallel_reduction():
+    """Issue #23: on dp x tp, full checkpointing adds the tensor-parallel forward collectives again, priced the same
+    whatever the data-parallel gradient reduction costs: dp 2 and dp 4 at the same local batch issue the same
+    tensor-parallel all-reduces (the recompute runs the forward only) while their gradient reductions differ."""
+    priced, on_dp = {}, {}
+    for dp in (2, 4):
+        model, inputs = _meta_gpt(batch=2 * dp)
+        est = {lv: autopar.plan(model, {"dp": dp, "tp": 4}, inputs, plan="megatron", cluster="h100",
+                                overrides={"checkpoint": lv}).estimate for lv in (NONE, FULL)}
+        priced[dp] = est[FULL].comm_time_s - est[NONE].comm_time_s
+        on_dp[dp] = sum(dict(s.comm_axes).get("dp", 0.0) for s in est[NONE].sites)
+    assert priced[2] > 0
+    assert on_dp[4] > 1.2 * on_dp[2], on_dp  # the gradient reductions differ, so a share of them would show
+    assert priced[4] == pytest.approx(priced[2], rel=1e-9), (priced, on_dp)
+
+
 def test_override_forces_a_level_per_glob_and_class():
     plan = _plan(overrides={"checkpoint": SELECTIVE, "checkpoint:layers.0": FULL})
     levels = dict(plan.checkpoint)
