@@ -55,9 +55,9 @@ Objective
   critical communication (tensor-parallel collectives, exposed) + the part of the parameters' synchronisation
   (FSDP gathers, gradient reductions) the structure's own forward / backward does not cover (each form's `cost`,
   `site_cost`; the rest `other_cost`); the levels' recompute and re-issued collectives (`ckpt.cost`; fwd[k,c] =
-  half the candidate's communication, its forward collectives). kept[g,l]: what level l keeps beyond the layers'
-  inputs (selective: matmul and attention outputs), per device. The plan's estimate simulates the chosen plan's whole
-  step (`autopar.timeline`).
+  half the candidate's critical communication, its forward collectives, not its gradients' data-axis reduction).
+  kept[g,l]: what level l keeps beyond the layers' inputs (selective: matmul and attention outputs), per device.
+  The plan's estimate simulates the chosen plan's whole step (`autopar.timeline`).
 Resharding edges: every form of this release takes and returns activations replicated on its model
 axis, so consecutive structures never reshard between them and edges cost nothing; forms that
 keep activations sharded on the sequence (issue #4) add edge variables with Alpa's linearisation
@@ -633,14 +633,15 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
                 counts[where[s.key]] = counts.get(where[s.key], 0) + 1
         reissue += [(k, gi, n) for gi, n in sorted(counts.items())]
     # forward and backward collectives mirror each other in the forms (all-reduce / all-reduce, all-gather /
-    # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's communication is
-    # re-issued; a replicated candidate's communication is its gradients' reduction, which is not; FSDP's gathers
-    # are issued before the layers' regions (`passes.checkpoint`: the recompute reads the full parameters through
-    # the backward re-gather the FSDP form prices with or without checkpointing): an FSDP candidate re-issues what
-    # its candidate without FSDP does
-    own = [{(cand.form, cand.axes): c.comm_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
+    # reduce-scatter, all-to-all / all-to-all, ring steps): the forward half of a candidate's own collectives
+    # (`Cost.critical_s`: its communication less the parameters' synchronisation over the data axes) is re-issued;
+    # the gradients' reduction over the data axes is not (the recompute runs the forward only), whether the
+    # candidate is replicated or tensor-parallel beside a data axis; FSDP's gathers are issued before the layers'
+    # regions (`passes.checkpoint`: the recompute reads the full parameters through the backward re-gather the FSDP
+    # form prices with or without checkpointing): an FSDP candidate re-issues what its candidate without FSDP does
+    own = [{(cand.form, cand.axes): c.critical_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
            for cs, cost in zip(cands, costs)]
-    reissue_s = [[mine.get((cand.form, cand.axes), c.comm_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
+    reissue_s = [[mine.get((cand.form, cand.axes), c.critical_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
                  for cs, cost, mine in zip(cands, costs, own)]
     # saved bytes under recompute (`CheckpointTerms.saved_under`): each structure's own saved bytes are freed, the
     # level keeps the layers' inputs and (selective) some outputs

@@ -318,6 +318,29 @@ def test_solver_picks_none_when_memory_allows_and_recomputes_when_tight():
         _plan(memory_limit=need[FULL] / 4)
 
 
+def _meta_gpt(batch):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=8192, seq_len=256, num_layers=2, num_heads=8, hidden=512)).to(torch.bfloat16)
+        ids = torch.zeros(batch, 256, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def test_the_recompute_reissues_the_tensor_parallel_forward_not_the_data_parallel_reduction():
+    """Issue #23: on dp x tp, full checkpointing adds the tensor-parallel forward collectives again, priced the same
+    whatever the data-parallel gradient reduction costs: dp 2 and dp 4 at the same local batch issue the same
+    tensor-parallel all-reduces (the recompute runs the forward only) while their gradient reductions differ."""
+    priced, on_dp = {}, {}
+    for dp in (2, 4):
+        model, inputs = _meta_gpt(batch=2 * dp)
+        est = {lv: autopar.plan(model, {"dp": dp, "tp": 4}, inputs, plan="megatron", cluster="h100",
+                                overrides={"checkpoint": lv}).estimate for lv in (NONE, FULL)}
+        priced[dp] = est[FULL].comm_time_s - est[NONE].comm_time_s
+        on_dp[dp] = sum(dict(s.comm_axes).get("dp", 0.0) for s in est[NONE].sites)
+    assert priced[2] > 0
+    assert on_dp[4] > 1.2 * on_dp[2], on_dp  # the gradient reductions differ, so a share of them would show
+    assert priced[4] == pytest.approx(priced[2], rel=1e-9), (priced, on_dp)
+
+
 def test_override_forces_a_level_per_glob_and_class():
     plan = _plan(overrides={"checkpoint": SELECTIVE, "checkpoint:layers.0": FULL})
     levels = dict(plan.checkpoint)
@@ -398,23 +421,30 @@ def test_a_new_program_keeps_the_levels_and_eval_runs_without_recompute(local_wo
     assert abs(_value(got) - float(want)) <= TOL
 
 
-@pytest.mark.parametrize("case", ["tp", "sp", "fsdp"])
+# the recompute's collectives priced against those issued: the 1-D cases, and TP beside a data axis (its gradient
+# reduction is not re-issued by the recompute, only the forward's tensor-parallel all-reduces)
+RECOMPUTE_CASES = {**{c: CASES[c] for c in ("tp", "sp", "fsdp")},
+                   "dp_tp": (_gpt, (2, 2), ("dp", "tp"), "megatron", {})}
+
+
+@pytest.mark.parametrize("case", list(RECOMPUTE_CASES))
 def test_the_priced_recompute_collectives_are_the_ones_issued(local_world, case):
     """The plan's estimate charges full checkpointing the collectives its recompute issues (recorded, each priced by
-    the same cost model): exactly under TP (forward and backward collectives mirror each other) and FSDP (none: its
-    gathers run before the layers' regions; the recompute reads the ZeRO-3 re-gather, priced without checkpointing
-    too); under SP the
+    the same cost model): exactly under TP, alone or beside a data axis (forward and backward collectives mirror
+    each other; the data-parallel gradient reduction is not issued again), and FSDP (none: its gathers run before
+    the layers' regions; the recompute reads the ZeRO-3 re-gather, priced without checkpointing too); under SP the
     solver's half of the candidate's communication counts the backward re-gathers' share too (an upper bound,
     within 1.5x). And more compute than none."""
     import copy
+    import math
     from autopar.estimate import MeshCosting
     from cost_model.hardware import load_cluster
     from autopar.runtime.collectives import record_comms
-    make, shape, names, plan, overrides = CASES[case]
+    make, shape, names, plan, overrides = RECOMPUTE_CASES[case]
     model, inputs = make(), _tokens()
     est, recs = {}, []
     for level in (NONE, FULL):
-        with local_world(2):
+        with local_world(math.prod(shape)):
             from torch.distributed.device_mesh import init_device_mesh
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
             pm = autopar.parallelize(copy.deepcopy(model), mesh, inputs, plan=plan,
@@ -424,6 +454,8 @@ def test_the_priced_recompute_collectives_are_the_ones_issued(local_world, case)
         est[level] = pm.plan.estimate
     again = [r for r in recs if r.pass_ == "recompute"]
     assert bool(again) == (case != "fsdp")
+    if case == "dp_tp":  # only the tensor-parallel forward is issued again, never the gradients' reduction on dp
+        assert {r.axis for r in again} == {"tp"}, again
     mc = MeshCosting(names=names, sizes=shape, data_axes=(), cluster=load_cluster(None, shape))
     issued = sum(mc.collective(r.kind, r.numel * 4, r.axis)[0] for r in again)  # fp32
     priced = est[FULL].comm_time_s - est[NONE].comm_time_s
