@@ -30,6 +30,10 @@ def _sites(plan, axis):
 
 
 def test_estimate_tp_bytes_in_compute_dtype():
+    _estimate_extra_bytes()
+
+
+def _estimate_extra_bytes() -> float:
     """On tp 2 alone the policy's plan sends what the bf16 model's sends (the tensor axis only), less than the fp32
     model's; each layer's attention and MLP pay the bf16 formula's seconds on tp; on dp 2 x tp 2 the policy adds
     exactly the data axis' gradient all-reduce in fp32 over bf16, and nothing on tp."""
@@ -51,7 +55,7 @@ def test_estimate_tp_bytes_in_compute_dtype():
     bf16_2 = autopar.plan(make_gpt().to(torch.bfloat16), mesh, inputs, plan="megatron")
     assert _sites(mixed2, "tp") == _sites(bf16_2, "tp")
     # the extra bytes are the dp bucket's, 2 more per element: checked against the bucket run in
-    # `test_megatron_dp_tp_on_gloo` (`ESTIMATE_EXTRA`)
+    # `test_megatron_dp_tp_on_gloo`
     return mixed2.estimate.comm_bytes_per_step - bf16_2.estimate.comm_bytes_per_step
 
 
@@ -83,7 +87,7 @@ def test_megatron_dp_tp_on_gloo():
     the dp gradient bucket in fp32; the estimate's extra bytes under the policy are that bucket's 2 more bytes per
     element; numerics within the megatron mixed-precision tolerance."""
     results = gloo_pool(4).run(megatron_worker)
-    extra = test_estimate_tp_bytes_in_compute_dtype()
+    extra = _estimate_extra_bytes()
     model, inputs = make_gpt(), gpt_inputs()
     _, ref_grads, _ = policy_step(model, inputs, 2)  # the batch in two halves (dp), bf16 compute, fp32 sums
     ref_loss, _, _ = policy_step(model, inputs, 1)
