@@ -165,6 +165,9 @@ class SiteStats:
     # (op kind, dtype, flops per call of a matmul / key length of an attention / else 0) -> [flops, bytes, ops], forward
     work: dict[tuple[str, str, int], list[float]] = field(default_factory=dict)
     boundary_grad_bytes: list[float] = field(default_factory=list)  # other: activations whose gradient is reduced
+    # other, per boundary: the bytes its gradient's all-reduce moves (a value computed from parameters alone: under
+    # mixed precision in reduce_dtype, `passes.lower.mixed_precision_pass`; else as boundary_grad_bytes)
+    boundary_reduce_bytes: list[float] = field(default_factory=list)
     # other, per boundary: whether it holds the sequence where its batch-dependent consumer does (on a sequence
     # axis it is then split on the sequence, and its gradient all-gathered, not all-reduced)
     boundary_on_sequence: list[bool] = field(default_factory=list)
@@ -320,6 +323,16 @@ def _gradient_boundaries(gm: fx.GraphModule, user_inputs: set[str], params: set[
         elif n.op == "call_function" and any(a in grad for a in n.all_input_nodes):
             grad.add(n)
     return [n for n in gm.graph.nodes if n in grad and any(u in batch for u in n.users)]
+
+
+def _reduced_bytes(v, precision) -> float:
+    """The bytes a gradient reduction of `v` (computed from parameters alone) moves: under a policy with a reduce
+    dtype (`Precision.collective_dtypes`) its elements at reduce_dtype, as the lowering reduces every gradient
+    collective of such a value (`passes.lower.mixed_precision_pass`); else its own bytes."""
+    reduce_dtype = precision.collective_dtypes[1] if precision is not None else None
+    if reduce_dtype is None or not isinstance(v, torch.Tensor) or not v.dtype.is_floating_point:
+        return _bytes(v)
+    return float(v.numel() * torch.empty((), dtype=reduce_dtype).element_size())
 
 
 def _moved_to_parameters(n: fx.Node, params: set[str], user_inputs: set[str]) -> float | None:
@@ -574,6 +587,8 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
         if name not in owned:
             other.add_param(name, ph[name].meta["val"], name in synced, used=bool(ph[name].users))
     other.boundary_grad_bytes = [_bytes(n.meta.get("val")) for n in boundaries if n.op != "placeholder"]
+    other.boundary_reduce_bytes = [_reduced_bytes(n.meta.get("val"), getattr(ctx.captured, "precision", None))
+                                   for n in boundaries if n.op != "placeholder"]
     seq_len = next((s.seq_len for s in ctx.of_kind(Kind.ATTENTION)), None)  # what sequence forms split
     other.boundary_on_sequence = [_on_sequence(n, seq_len) for n in boundaries if n.op != "placeholder"]
     other.boundary_moved_bytes = [_moved_to_parameters(n, set(ctx.captured.param_fqns), set(ctx.captured.user_inputs))

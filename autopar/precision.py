@@ -34,8 +34,11 @@ as it is: the reduction of a value computed from the parameters' param_dtype cop
 views; none in the models tested) runs in `reduce_dtype` but its result is rounded to `param_dtype` once, as a
 param_dtype value's gradient.
 
-Pricing (`autopar.estimate`): compute at param_dtype's rate and activations in param_dtype (the graph's ops are),
-gathers at param_dtype bytes and gradient reductions at reduce_dtype bytes (`MeshCosting.grad_bytes_factor`), and
+Pricing (`autopar.estimate`): compute at param_dtype's rate and activations in param_dtype (the graph's ops are:
+tensor-parallel collectives of activations and their gradients move param_dtype bytes, as they run), gathers at
+param_dtype bytes and gradient reductions at reduce_dtype bytes (`MeshCosting.grad_bytes_factor`; a value computed
+from parameters alone and reduced at the batch boundary, a positional embedding's output, too:
+`SiteStats.boundary_reduce_bytes`), and
 parameter + gradient + optimizer state from the masters' dtype (`state_bytes_per_element`: Adam, fp32 masters, 16 B).
 """
 

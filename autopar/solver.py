@@ -237,15 +237,18 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     compute, comm_s, comm_b = compute + unsplit_s[0], comm_s + unsplit_s[1], comm_b + unsplit_b
     seq = math.prod(mc.size(a) for a in mc.seq_axes)
     for a in reducing:
-        for nbytes, on_seq, mv in zip(st.boundary_grad_bytes, st.boundary_on_sequence, moved, strict=True):
+        reduce_bytes = st.boundary_reduce_bytes or st.boundary_grad_bytes
+        for nbytes, rbytes, on_seq, mv in zip(st.boundary_grad_bytes, reduce_bytes, st.boundary_on_sequence, moved,
+                                              strict=True):
             if mv:
                 continue
-            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward; on a
-            # data axis, its shard of the sequence is all-reduced (the lowering splits the sequence first)
+            # a value holding the sequence is split on a sequence axis: its gradient is all-gathered backward (in its
+            # own dtype); on a data axis, its shard of the sequence is all-reduced (the lowering splits the sequence
+            # first; under mixed precision in reduce_dtype: `rbytes`)
             if on_seq and a in mc.seq_axes:
                 t, b = mc.collective("all_gather", nbytes, a)
             else:
-                t, b = mc.collective("all_reduce", nbytes / seq if on_seq else nbytes, a)
+                t, b = mc.collective("all_reduce", rbytes / seq if on_seq else rbytes, a)
             comm_s, comm_b = comm_s + t, comm_b + b
     # saved activations: split over the data and sequence axes with the batch; those that do not depend on it only
     # over the sequence axes, where they hold the sequence (`attribute_saved`)

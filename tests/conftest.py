@@ -108,6 +108,7 @@ FILE_SECONDS = {
     "test_local_step.py": 23,
     "test_inspect.py": 40,
     "test_mixed_precision.py": 22,
+    "test_mixed_precision_tp.py": 30,
     "test_collectives.py": 20,
     "test_published_runs.py": 30,
     "test_contract_data.py": 19,
