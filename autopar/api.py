@@ -27,24 +27,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_on, agreed_seed, check_input_values, fingerprints, solve_on_rank0
-from autopar.capture import Captured, capture, split_example_inputs
-from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data_groups, global_example,
-                            local_arrivals)
+from autopar.capture import split_example_inputs
+from autopar.inputs import (batch_dims, check_mode, data_axes, data_degree, data_groups, local_arrivals)
 from autopar.checks import check_given_plan, check_model, check_options
 from autopar.dtensors import mesh_device
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.module import ParallelModule
 from autopar.plan import Plan
-from autopar.precision import (Precision, capture_dtypes, cast_inputs, check_plan_precision, mark_captured,
-                               precision_of)
+from autopar.precision import Precision, check_plan_precision, precision_of
+from autopar.prepare import _prepare
 from autopar.planner import PLANS, build_plan, check_batch, check_memory_limit, tie_placements
-from autopar.relower import meta_to_device, plain_inputs
+from autopar.relower import meta_to_device
 from autopar.runtime.ops import new_rng_stream
 from autopar.weights import is_meta_model
-from autopar.sites import PassContext
 from passes import meta as M
 from passes.lower import comm_rows, lower_context, lower_pass
-from passes.pipeline import RECOGNISE, run_passes
 
 __all__ = ["parallelize", "plan", "ParallelModule"]
 
@@ -376,29 +373,6 @@ def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
 
     (info, captured, ctx), agreement = agree_on(step, describe, mesh)
     return info, captured, ctx, agreement
-
-
-def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None
-             ) -> tuple[MeshInfo, Captured, PassContext]:
-    """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
-    (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`).
-    `precision` (`autopar.precision`): captured with the parameters (and floating inputs) at its param_dtype."""
-    info = mesh_info(mesh)
-    args, kwargs = split_example_inputs(example_inputs)
-    args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
-    t0 = time.perf_counter()
-    with _local_tensor_off(), capture_dtypes(model, precision):  # tracing runs on fake tensors, not simulated ranks
-        args, kwargs = global_example(args, kwargs, copies)
-        captured = capture(model, args, kwargs)
-    mark_captured(captured, model, precision)
-    t1 = time.perf_counter()
-    if progress:
-        progress("capture", t1 - t0)
-    ctx = PassContext(captured)
-    run_passes(captured.gm, ctx, RECOGNISE)
-    if progress:
-        progress("recognise", time.perf_counter() - t1)
-    return info, captured, ctx
 
 
 def _refuse_meta_moe(model: nn.Module) -> None:

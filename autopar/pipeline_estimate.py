@@ -164,7 +164,8 @@ class LayerCosts:
 
 
 def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None):
-    from autopar.api import _local_tensor_off, _prepare
+    from autopar.agree import _local_tensor_off
+    from autopar.prepare import _prepare
     from autopar.inputs import batch_dims
     from autopar.planner import build_priced
     if cache is not None and key in cache:  # captured once per (layers, microbatch): the search re-plans it
@@ -215,7 +216,8 @@ def _boundary_bytes(ctx, sol, sub_plan: Plan, info) -> float:
     val = outs[-1].meta.get("val") if outs else None
     nbytes = float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
     split = {*sol.data_axes, *sol.seq_axes}
-    split |= {a for s in sub_plan.strategies if s.kind == "norm" and "sequence" in s.form for a in s.axes}
+    from autopar.forms.sequence_norm import SequenceNorm
+    split |= {a for s in sub_plan.strategies if s.kind == "norm" and SequenceNorm.name in s.form for a in s.axes}
     return nbytes / math.prod(info.sizes[info.names.index(a)] for a in split if a in info.names)
 
 

@@ -123,3 +123,15 @@ def balanced_cut(costs: list[float], n_stages: int, first: float = 0.0, last: fl
         cut.append(j)
     cut.append(0)
     return tuple(reversed(cut))
+
+
+# the forms autopar.pipeline_runtime runs (the others parse, plan and price, and raise there)
+IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
+
+
+def check_form(form: str, value: str) -> None:
+    """Raise NotImplementedError for a pipeline form the runtime does not run (yet)."""
+    if form not in IMPLEMENTED:
+        raise NotImplementedError(
+            f"override 'pipeline': {value!r}: the {form!r} pipeline schedule is not implemented yet (issue #23); "
+            f"implemented: {', '.join(IMPLEMENTED)}. Fix: use one of those, e.g. '1f1b@{value.split('@', 1)[1]}'.")

@@ -92,20 +92,11 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from autopar.pipeline_plan import PipelinePlan, balanced_cut, parse_pipeline
+from autopar.pipeline_plan import IMPLEMENTED, PipelinePlan, balanced_cut, check_form, parse_pipeline
 
-IMPLEMENTED = ("gpipe", "1f1b", "interleaved-1f1b", "zbv")
 STAGE_PLANS = ("dp", "fsdp")  # what runs inside a stage, on the mesh axes besides the pipeline axis
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # ATen's reduction enum
-
-
-def check_form(form: str, value: str) -> None:
-    """Raise NotImplementedError for a pipeline form the runtime does not run (yet)."""
-    if form not in IMPLEMENTED:
-        raise NotImplementedError(
-            f"override 'pipeline': {value!r}: the {form!r} pipeline schedule is not implemented yet (issue #23); "
-            f"implemented: {', '.join(IMPLEMENTED)}. Fix: use one of those, e.g. '1f1b@{value.split('@', 1)[1]}'.")
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -107,8 +107,7 @@ def parse_overrides(ctx: PassContext, mesh: MeshInfo, overrides: dict | None) ->
             raise TypeError(f"override keys are a kind ({', '.join(kinds)}) or a module-path glob such as "
                             f"'h.*.attn', got {type(key).__name__} {key!r}")
         if key == "pipeline":
-            from autopar.pipeline_plan import parse_pipeline
-            from autopar.pipeline_runtime import IMPLEMENTED, check_form
+            from autopar.pipeline_plan import IMPLEMENTED, check_form, parse_pipeline
             form, axis = parse_pipeline(value, tuple(mesh.names))
             check_form(form, value)
             # autopar.parallelize runs the implemented forms (autopar.pipeline_runtime) before planning; here a

@@ -1,0 +1,42 @@
+"""Capture and recognise, the first two stages of every entry point (`autopar.api.parallelize`/`plan`, the pipeline's
+one-layer stage model in `autopar.pipeline_estimate`): kept apart from `autopar.api` so that the modules `api` imports
+can use it without an import cycle."""
+
+from __future__ import annotations
+
+import time
+
+from autopar.agree import _local_tensor_off
+from autopar.capture import Captured, capture, split_example_inputs
+from autopar.inputs import global_example
+from autopar.mesh import MeshInfo, mesh_info
+from autopar.precision import capture_dtypes, cast_inputs, mark_captured
+from autopar.relower import plain_inputs
+from autopar.sites import PassContext
+from passes.pipeline import RECOGNISE, run_passes
+
+
+def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None
+             ) -> tuple[MeshInfo, Captured, PassContext]:
+    """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
+    (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`).
+    `precision` (`autopar.precision`): captured with the parameters (and floating inputs) at its param_dtype."""
+    info = mesh_info(mesh)
+    args, kwargs = split_example_inputs(example_inputs)
+    args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
+    t0 = time.perf_counter()
+    with _local_tensor_off(), capture_dtypes(model, precision):  # tracing runs on fake tensors, not simulated ranks
+        args, kwargs = global_example(args, kwargs, copies)
+        captured = capture(model, args, kwargs)
+    mark_captured(captured, model, precision)
+    t1 = time.perf_counter()
+    if progress:
+        progress("capture", t1 - t0)
+    ctx = PassContext(captured)
+    run_passes(captured.gm, ctx, RECOGNISE)
+    if progress:
+        progress("recognise", time.perf_counter() - t1)
+    return info, captured, ctx
+
+
+__all__ = ["_prepare"]
