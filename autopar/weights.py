@@ -50,6 +50,28 @@ def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s structure with every parameter and buffer on the meta device (shapes, dtypes,
+    `requires_grad`, tied weights and non-persistent buffers kept, gradients dropped): what re-capture needs
+    (`autopar.relower`), holding none of the model's parameter or buffer storage. Other tensor attributes (the
+    forward's constants, e.g. a mask kept as a plain attribute) are the model's own tensors, shared, not copied.
+    Made without copying any data: each tensor is replaced in `deepcopy`'s memo before the copy runs."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        if type(p) is not nn.Parameter:
+            raise NotImplementedError(
+                f"{type(model).__name__} holds a parameter of class {type(p).__name__}, not torch.nn.Parameter: "
+                "autopar cannot make a meta copy of it to re-capture the model from. Fix: use nn.Parameter.")
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    for mod in model.modules():
+        for v in vars(mod).values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = v
+    return copy.deepcopy(model, memo)
+
+
 # ----------------------------------------------------------------------------- buffers
 
 
