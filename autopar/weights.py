@@ -56,15 +56,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     (`autopar.relower`), holding none of the model's parameter or buffer storage. Other tensor attributes (the
     forward's constants, e.g. a mask kept as a plain attribute) are the model's own tensors, shared, not copied.
     Made without copying any data: each tensor is replaced in `deepcopy`'s memo before the copy runs."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     memo: dict[int, object] = {}
-    for p in model.parameters():
-        if type(p) is not nn.Parameter:
-            raise NotImplementedError(
-                f"{type(model).__name__} holds a parameter of class {type(p).__name__}, not torch.nn.Parameter: "
-                "autopar cannot make a meta copy of it to re-capture the model from. Fix: use nn.Parameter.")
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+    with maybe_disable_local_tensor_mode():  # plain meta tensors, also for a model built under LocalTensorMode
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                       requires_grad=p.requires_grad)
+        for b in model.buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
     for mod in model.modules():
         for v in vars(mod).values():
             if isinstance(v, torch.Tensor) and id(v) not in memo:
