@@ -13,7 +13,7 @@ local shards.
 The program is specialised on what the capture saw (`autopar.relower`): input shapes and dtypes, non-tensor
 input values, train/eval mode, autocast state, parameter dtypes. A call that differs in any of these (another
 sequence length or batch size, `pm.eval()`, `pm.to(torch.bfloat16)`, a changed `scale=` keyword, autocast on)
-re-captures the model it was made from and lowers the same plan's forms for it, once; the programs are cached
+re-captures the model (from a meta copy of its structure) and lowers the same plan's forms for it, once; the programs are cached
 per guard key, at most `ParallelModule.max_programs` (8) of them, least recently used dropped. Every program
 reads the same parameters.
 
@@ -48,8 +48,9 @@ from autopar.runtime.fsdp import fsdp_step, persist_versions
 from autopar.runtime.ops import advance_rng_stream
 from autopar.runtime import local_step, scalar_ops
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor, to_locals
-from autopar.weights import compute_buffers, init_weights, is_meta_model
+from autopar.weights import compute_buffers, init_weights, is_meta_model, meta_copy
 from autopar.spec import is_owned
+from passes.moe import find_moe_modules
 
 
 class ParallelModule(nn.Module):
@@ -61,10 +62,17 @@ class ParallelModule(nn.Module):
     local program, with every collective an explicit node (both of the program the last call ran).
 
     `pm.train()` / `pm.eval()`, `pm.to(dtype)`, autocast around `pm`, other input shapes and other values of
-    non-tensor inputs behave as on the model: each new combination re-captures the model (kept, by reference,
-    as `pm` was made from it; it is not a submodule) in that mode and with those dtypes, and lowers the same
+    non-tensor inputs behave as on the model: each new combination re-captures the model (a meta copy of its
+    structure, `autopar.weights.meta_copy`; not a submodule) in that mode and with those dtypes, and lowers the same
     plan's forms for it (`autopar.relower`). At most `max_programs` programs are kept (least recently used
     dropped); a call that needs a new one pays a capture and a lowering.
+
+    `pm` keeps no reference to the model's parameters or buffers (nor do its programs): the parameters were copied
+    into `pm`'s shards, and the user's own reference is the only one left, so `del model` frees the unsharded copy
+    (FSDP2's `fully_shard` frees it by replacing the parameters in place; `parallelize` returns a new module and
+    leaves the model as it was, for comparisons and a single-device run). Tested in tests/test_release.py. Not yet
+    for a model with MoE blocks (kept, to verify their canonical form on real weights at each re-capture), nor for
+    an opaque submodule's parameters (held by `autopar.runtime.opaque`'s registry).
     """
 
     max_programs: int = 8
@@ -78,7 +86,11 @@ class ParallelModule(nn.Module):
         scalar_ops.install()  # optimizers' `p.mul_(0.9)` on the DTensor parameters: on the local shard directly
         self._mesh = mesh
         self._owners: dict[str, tuple[nn.Module, str]] = {}  # fqn -> (owning submodule, name): `_lookup`
-        object.__setattr__(self, "_model", model)  # re-captured for new call conditions; not a submodule
+        # re-captured for new call conditions; not a submodule. A meta copy of the structure: pm holds no reference
+        # to the model's parameter storage, so the user's own reference is the only one (`del model` frees it)
+        # (not yet for a model with MoE blocks: capture verifies their canonical form by running them on real weights)
+        object.__setattr__(self, "_model", model if is_meta_model(model) or find_moe_modules(model)
+                           else meta_copy(model))
         pls = plan.param_placements()
         # parameters: one DTensor per distinct tensor, registered under every original name
         made: dict[int, nn.Parameter] = {}
@@ -198,7 +210,7 @@ class ParallelModule(nn.Module):
                 self._model, mesh_info(self._mesh), self._plan, args, kwargs,
                 key=key, training=self.training, tensors=self._tensors(), stored=self._stored,
                 rng_stream=self._rng_stream, local_axes=self._local_axes,
-                meta_device=mesh_device(self._mesh) if self._source is not None else None))
+                meta_device=mesh_device(self._mesh)))  # `_model` is on the meta device
         self._programs.move_to_end(key)
         self._current = prog
         flat, spec = pytree.tree_flatten(cast_inputs(self._precision, args, {k: kwargs[k] for k in prog.kw_order}))

@@ -6,7 +6,10 @@ off, BatchNorm on batch or running statistics), the ambient autocast state (the 
 autocast gave them) and the parameters' dtypes. `guard_key` names all of these for one call; a
 `ParallelModule` keeps one `Program` per key (`ParallelModule.max_programs`, least recently used dropped).
 
-`relower` makes the program for a new key: it captures the original model again under the call's conditions
+`relower` makes the program for a new key: it captures the model again under the call's conditions (from
+`ParallelModule`'s meta copy of the model's structure, `autopar.weights.meta_copy`, which holds none of the model's
+storage; factory calls traced on meta run on the mesh's device; on the CPU and under autocast, the copy's tensors
+are allocated uninitialised on the device for that one capture, `_materialised`)
 (its train flag, the ParallelModule's parameter and buffer dtypes; the caller's autocast is live), recognises
 it, and plans it with every structure forced to the form the plan gave it (`replan`), then lowers it. Planning
 uses a named plan (never the solver), so every rank derives the same program from the same call. A form whose
@@ -119,7 +122,8 @@ def relower(model: nn.Module, info: MeshInfo, plan: Plan, args: tuple, kwargs: d
     from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
     precision = Precision.parse(plan.precision)
     args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
-    with maybe_disable_local_tensor_mode(), _as_called(model, training, tensors, precision):
+    with maybe_disable_local_tensor_mode(), _materialised(model, meta_device), \
+            _as_called(model, training, tensors, precision):
         if local_axes is not None:
             args, kwargs = global_example(args, kwargs, data_degree(local_axes, info))
         captured = capture(model, args, kwargs)
@@ -230,6 +234,37 @@ def _as_called(model: nn.Module, training: bool, tensors: dict[str, torch.Tensor
     finally:
         for m, was in modes:
             m.training = was
+
+
+@contextlib.contextmanager
+def _materialised(model: nn.Module, device: torch.device | None):
+    """A meta model re-captured with its parameters and buffers allocated on `device`, uninitialised and never read
+    (export traces on fake tensors), released when the capture ends, where meta would trace otherwise than the
+    device: under autocast (which has no meta kernels: ops on meta keep their dtypes) and on the CPU (a forward's
+    factory calls without a device make CPU tensors, which meet meta ones; there an untouched allocation is not
+    resident). Elsewhere (a GPU, no autocast) the capture runs on meta, allocating nothing. Tied tensors stay tied."""
+    if device is None or (device.type != "cpu" and not any(torch.is_autocast_enabled(d)
+                                                           for d in {"cpu", device.type})):
+        yield
+        return
+    made: dict[int, torch.Tensor] = {}
+    saved = []
+    for mod in model.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in made:
+                    new = torch.empty_like(t, device=device)
+                    made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                        else new
+                saved.append((store, name, t))
+                store[name] = made[id(t)]
+    try:
+        yield
+    finally:
+        for store, name, t in saved:
+            store[name] = t
 
 
 def meta_to_device(gm, device, captured: Captured) -> None:

@@ -50,6 +50,27 @@ def is_meta_model(model: nn.Module) -> bool:
     return any(t.is_meta for t in model.parameters()) or any(b.is_meta for b in model.buffers())
 
 
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model`'s structure with every parameter and buffer on the meta device (shapes, dtypes,
+    `requires_grad`, tied weights and non-persistent buffers kept, gradients dropped): what re-capture needs
+    (`autopar.relower`), holding none of the model's parameter or buffer storage. Other tensor attributes (the
+    forward's constants, e.g. a mask kept as a plain attribute) are the model's own tensors, shared, not copied.
+    Made without copying any data: each tensor is replaced in `deepcopy`'s memo before the copy runs."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+    memo: dict[int, object] = {}
+    with maybe_disable_local_tensor_mode():  # plain meta tensors, also for a model built under LocalTensorMode
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                       requires_grad=p.requires_grad)
+        for b in model.buffers():
+            memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
+    for mod in model.modules():
+        for v in vars(mod).values():
+            if isinstance(v, torch.Tensor) and id(v) not in memo:
+                memo[id(v)] = v
+    return copy.deepcopy(model, memo)
+
+
 # ----------------------------------------------------------------------------- buffers
 
 
