@@ -53,6 +53,25 @@ from autopar.spec import is_owned
 from passes.moe import find_moe_modules
 
 
+
+def register_at(root: nn.Module, fqn: str, value, *, buffer: bool = False, persistent: bool = True,
+                replace: bool = False) -> None:
+    """Put a parameter (or buffer) under its dotted name on `root`, making plain `nn.Module` parents as needed, so
+    that the user's names survive on a rebuilt module. `replace`: overwrite an existing parameter entry as is (a
+    DTensor of another type than `nn.Parameter`)."""
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if buffer:
+        mod.register_buffer(leaf, value, persistent=persistent)
+    elif replace:
+        mod._parameters[leaf] = value
+    else:
+        mod.register_parameter(leaf, value)
+
 class ParallelModule(nn.Module):
     """The model as a distributed program: parameters are DTensors under their original names.
 
@@ -151,16 +170,7 @@ class ParallelModule(nn.Module):
         raise AssertionError("parameter missing from the plan")
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True) -> None:
-        *path, leaf = fqn.split(".")
-        mod: nn.Module = self
-        for part in path:
-            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        if buffer:
-            mod.register_buffer(leaf, value, persistent=persistent)
-        else:
-            mod.register_parameter(leaf, value)
+        register_at(self, fqn, value, buffer=buffer, persistent=persistent)
 
     def _lookup(self, fqn: str):
         """The parameter or buffer `fqn` (its owning submodule found once: every call feeds every parameter)."""

@@ -646,18 +646,8 @@ class PipelineModule(nn.Module):
                 self._register(fqn, sharded, replace=True)
 
     def _register(self, fqn: str, value, buffer: bool = False, persistent: bool = True, replace: bool = False) -> None:
-        *path, leaf = fqn.split(".")
-        mod: nn.Module = self
-        for part in path:
-            if not hasattr(mod, part) or not isinstance(getattr(mod, part), nn.Module):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        if buffer:
-            mod.register_buffer(leaf, value, persistent=persistent)
-        elif replace:
-            mod._parameters[leaf] = value
-        else:
-            mod.register_parameter(leaf, value)
+        from autopar.module import register_at
+        register_at(self, fqn, value, buffer=buffer, persistent=persistent, replace=replace)
 
     @property
     def plan(self):

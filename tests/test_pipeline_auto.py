@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
+from test_pipeline_runtime import _check
 
 TOL = 1e-10
 
@@ -93,15 +94,6 @@ def _train(kwargs: dict, steps: int = 1, shape=(2,), names=("pp",)):
                 "explain": plan.explain()}
     finally:
         torch.set_default_dtype(torch.float32)
-
-
-def _check(results):
-    seen = set()
-    for r in results:
-        bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
-        assert not bad, f"rank {r['rank']}: {bad}"
-        seen |= set(r["mine"])
-    assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
 
 
 def test_pm_plan_is_the_priced_plan_and_microbatches_default_to_the_cost_models_choice():
