@@ -48,22 +48,26 @@ def shard_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bo
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
 
 
-_OWNER_MESHES: dict[tuple, DeviceMesh] = {}
-
-
 def _owner_mesh(mesh: DeviceMesh, ax: int, owner: int) -> DeviceMesh:
-    """The ranks whose coordinate on axis `ax` is `owner`, as a mesh over the other axes (every rank
-    builds every such mesh, in the same order: creating a process group is collective)."""
-    key = (id(mesh), ax, owner)
-    if key not in _OWNER_MESHES:
+    """The ranks whose coordinate on axis `ax` is `owner`, as a mesh over the other axes. Collective: every rank
+    asks for every owner's mesh, in the same order (see `autopar.mesh.collective_cached`)."""
+    from autopar.mesh import collective_cached, layout_key
+
+    def build() -> DeviceMesh:
         ranks = mesh.mesh.narrow(ax, owner, 1)
         names = list(mesh.mesh_dim_names or [f"axis{i}" for i in range(mesh.ndim)])
         if mesh.ndim > 1:
             ranks, names = ranks.squeeze(ax), names[:ax] + names[ax + 1:]
         else:
             names = [f"{names[0]}_owner"]
-        _OWNER_MESHES[key] = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
-    return _OWNER_MESHES[key]
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
+
+    return collective_cached(("owner", layout_key(mesh), ax, owner), build)
+
+
+def owner_meshes(mesh: DeviceMesh, ax: int) -> list[DeviceMesh]:
+    """Every coordinate's `_owner_mesh` on axis `ax`, built on every rank in coordinate order (collective)."""
+    return [_owner_mesh(mesh, ax, o) for o in range(mesh.size(ax))]
 
 
 def owned_tensor(full: torch.Tensor, mesh: DeviceMesh, placements, broadcast: bool = True) -> DTensor:

@@ -15,6 +15,28 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 _MESHES: dict[int, DeviceMesh] = {}
+_COLLECTIVE_CACHE: dict[tuple, tuple[object, object]] = {}
+
+
+def layout_key(mesh: DeviceMesh) -> tuple:
+    """A mesh by its layout (device type, shape, ranks, axis names): the same on every rank. Never `id(mesh)`,
+    which CPython reuses differently in each rank's process once a mesh is freed."""
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()),
+            tuple(mesh.mesh_dim_names or ()))
+
+
+def collective_cached(key: tuple, build):
+    """`build()` once per `key` and default process group: for process groups and meshes autopar creates itself
+    (creating one is collective: every rank of the world calls `new_group` for it, in the same order). The key must
+    be the same on every rank (a layout, never an `id()`) and every rank must ask for the same keys in the same
+    order, members of the new group or not; otherwise the ranks' group counters drift apart and a later
+    `new_group` waits forever for peers registering under another name. A re-initialised default group (a new
+    `dist.group.WORLD`) invalidates every entry on every rank alike."""
+    world = dist.group.WORLD
+    hit = _COLLECTIVE_CACHE.get(key)
+    if hit is None or hit[0] is not world:
+        hit = _COLLECTIVE_CACHE[key] = (world, build())
+    return hit[1]
 _AXES: dict[str, "AxisRef"] = {}
 _NEXT_ID = itertools.count()
 

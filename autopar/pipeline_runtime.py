@@ -630,8 +630,8 @@ class PipelineModule(nn.Module):
         microbatch loss is already weighed by the global count. FSDP's sharded DTensors (`Shard(0)` on the
         sub-mesh) become the pm's parameters under their names: the optimizer steps FSDP's own shards."""
         from torch.distributed.fsdp import fully_shard
-        from autopar.dtensors import _owner_mesh
-        sub_mesh = _owner_mesh(mesh, ax, me)
+        from autopar.dtensors import owner_meshes
+        sub_mesh = owner_meshes(mesh, ax)[me]  # every rank builds every stage's sub-mesh: creating one is collective
         kw = {} if self._mp_policy is None else {"mp_policy": self._mp_policy}
         fully_shard(sub, mesh=sub_mesh, reshard_after_forward=False, **kw)
         sub.set_gradient_divide_factor(1.0)
@@ -916,40 +916,38 @@ def _param_groups(model: nn.Module, captured) -> list[tuple[list[str], list[str]
     return [g for g in groups.values() if g[1]]
 
 
-_P2P_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
 def _p2p_group(mesh: DeviceMesh, ax: int) -> dist.ProcessGroup:
     """This rank's line along the pipeline axis as a process group of its own, for the stages' p2p only: a group
     on which ranks send different numbers of messages (a middle stage twice an end one) must not carry
     collectives too (gloo's DETAIL debug wrapper, for one, checks every collective's sequence number per group).
     Every rank creates every line's group, in the same order (`new_group` is collective)."""
-    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), ax)  # the layout, not id()
-    if key not in _P2P_GROUPS:
+    from autopar.mesh import collective_cached, layout_key
+
+    def build() -> dist.ProcessGroup:
         lines = mesh.mesh.movedim(ax, -1).reshape(-1, mesh.size(ax))
-        me = dist.get_rank()
+        me, mine = dist.get_rank(), None
         for line in lines.tolist():
             g = dist.new_group(line)
             if me in line:
-                _P2P_GROUPS[key] = g
-    return _P2P_GROUPS[key]
+                mine = g
+        return mine
 
-
-_SHARED_MESHES: dict[tuple, DeviceMesh] = {}
+    return collective_cached(("p2p", layout_key(mesh), ax), build)
 
 
 def _shared_mesh(mesh: DeviceMesh, ax: int, owners: tuple[int, ...]) -> DeviceMesh:
     """The ranks whose coordinate on the pipeline axis `ax` is one of `owners`, as a mesh whose first dim runs over
     those owners (named `<axis>_shared`) and whose other dims are the other axes. Every rank builds every such mesh,
     in the same order (creating its process groups is collective)."""
-    key = (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh_dim_names),
-           ax, owners)
-    if key not in _SHARED_MESHES:
+    from autopar.mesh import collective_cached, layout_key
+
+    def build() -> DeviceMesh:
         ranks = mesh.mesh.index_select(ax, torch.tensor(owners)).movedim(ax, 0)
         names = list(mesh.mesh_dim_names)
         names = [f"{names[ax]}_shared"] + names[:ax] + names[ax + 1:]
-        _SHARED_MESHES[key] = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
-    return _SHARED_MESHES[key]
+        return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=tuple(names))
+
+    return collective_cached(("shared", layout_key(mesh), ax, owners), build)
 
 
 def _shared_tensor(full: torch.Tensor, mesh: DeviceMesh, sub: DeviceMesh, holder: bool):

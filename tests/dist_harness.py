@@ -209,7 +209,7 @@ class GlooPool:
                 except Exception:
                     notes.append("Unpickling the result in the parent failed:\n" + traceback.format_exc())
             if len(got) == 2 and got[1][1] is not None:
-                notes.append("The dist.barrier() after the job failed:\n" + got[1][1])
+                notes.append("The dist.barrier() or the process-group check after the job failed:\n" + got[1][1])
             if r in dead:
                 notes.append(f"The worker process died (exit code {dead[r]}).")
             elif not got:
@@ -532,7 +532,7 @@ def _worker_main(rank: int, world_size: int, fd: int, init_file: str, pg_timeout
             reply(*outcome)  # before the barrier, so the parent hears about failures even if it hangs
             try:
                 dist.barrier()
-                synced = None
+                synced = _groups_in_step(world_size)
             except BaseException:
                 synced = traceback.format_exc()
             reply("synced", synced)
@@ -546,6 +546,40 @@ def _groups() -> tuple[int, set[str]]:
 
     world = dist.distributed_c10d._world
     return world.group_count, set(world.pg_names.values())
+
+
+def _groups_in_step(world_size: int) -> str | None:
+    """After a job: whether the ranks agree on the process groups that exist (None) or an explanation. Creating a
+    group is collective and names it by a per-rank counter: a job that made a group (a `new_group`, a `DeviceMesh`)
+    on some ranks only, or different groups on different ranks, leaves the counters apart or one name meaning
+    different ranks, and some later job's `new_group` waits forever for peers registering under another name (or
+    talks to the wrong ones). This makes the job that did it fail, by name, at once."""
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    mine = (world.group_count, {name: sorted(world.pg_group_ranks[pg]) for pg, name in world.pg_names.items()
+                                if pg in world.pg_group_ranks})
+    every: list = [None] * world_size
+    dist.all_gather_object(every, mine)
+    counts = [c for c, _ in every]
+    if len(set(counts)) > 1:
+        return (f"The ranks have created different numbers of process groups (per rank: {counts}): this job made a "
+                "process group (dist.new_group, a DeviceMesh) on some ranks and not on others. Group creation is "
+                "collective; a later one would hang.")
+    seen: dict[str, tuple[int, list[int]]] = {}
+    for r, (_, groups) in enumerate(every):
+        for name, ranks in groups.items():
+            first = seen.setdefault(name, (r, ranks))
+            if first[1] != ranks:
+                return (f"Process group {name!r} is ranks {first[1]} on rank {first[0]} but {ranks} on rank {r}: this "
+                        "job created different groups on different ranks (each rank must create every group, members "
+                        "or not, in the same order).")
+            for m in ranks:
+                if every[m][1].get(name) != ranks:
+                    return (f"Process group {name!r} is ranks {ranks} on rank {r} but "
+                            f"{every[m][1].get(name)} on rank {m}: this job created different groups on different "
+                            "ranks under one name (each rank must create every group, in the same order).")
+    return None
 
 
 def _destroyed_since(before: tuple[int, set[str]]) -> bool:

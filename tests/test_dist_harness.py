@@ -239,3 +239,24 @@ def test_close_shuts_workers_down_cleanly() -> None:
     assert [p.returncode for p in procs] == [0, 0]
     with pytest.raises(RuntimeError, match="is closed"):
         pool.run(_job_scaled, 1, scale=1)
+
+
+def _job_group_on_rank0_only() -> None:
+    import torch.distributed as dist
+
+    # What a `new_group` that only rank 0 made leaves behind (a real one would block until its store barrier times
+    # out): rank 0's group counter one ahead, so the two ranks would name their next group differently.
+    if dist.get_rank() == 0:
+        dist.distributed_c10d._world.group_count += 1
+
+
+def test_a_job_creating_groups_on_some_ranks_only_fails_by_name() -> None:
+    """The census for collective group creation (a pipeline job once built a mesh on some ranks only, and a later
+    job's `new_group` hung in another test file): the job that desynchronises the group counters fails itself."""
+    pool = gloo_pool(2)
+    with pytest.raises(DistJobError) as info:
+        pool.run(_job_group_on_rank0_only)
+    message = str(info.value)
+    assert "different numbers of process groups (per rank: [" in message and "_job_group_on_rank0_only" in message
+    assert pool.broken
+    assert gloo_pool(2).run(_job_scaled, 1, scale=2) == [2, 3]
