@@ -73,9 +73,21 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
                              overrides=overrides, lower=lower, progress=progress, precision=precision, float8=float8)
 
 
+def _refuse_float8(float8, chosen: Plan) -> None:
+    """The float8 runtime is not built yet: refuse, on every rank (the options and the plan are agreed), rather than
+    run in bf16 a plan whose estimate priced fp8 linears."""
+    if float8 is None and not chosen.float8:
+        return
+    raise NotImplementedError(
+        f"parallelize(..., float8={float8!r}) / a Plan with {len(chosen.float8)} float8 linears: autopar plans and "
+        "prices float8 linears (autopar.plan(..., float8=...), Plan.float8) but does not run them yet (issue #24 "
+        "item 3: the fp8 linear on torch._scaled_mm under dp, fsdp and megatron is open). Fix: float8=None (the "
+        "plan's linears in the model's dtype), or plan offline with autopar.plan(..., float8=...)")
+
+
 def check_float8(float8, plan, overrides) -> None:
-    """`float8=` is one of `cost_model.float8.OPTIONS`, on a named plan, without a pipeline."""
-    from cost_model.float8 import check_option
+    """`float8=` is one of `autopar.forms.float8.OPTIONS`, on a named plan, without a pipeline."""
+    from autopar.forms.float8 import check_option
     check_option(float8)
     if float8 is None:
         return
@@ -179,7 +191,7 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
     from autopar import float8 as f8plan
     from autopar.plan import CandidateRow, Decision
     from autopar.solver import InfeasibleError
-    from cost_model import float8 as f8
+    import autopar.forms.float8 as f8
     from cost_model.hardware import load_cluster
     clus = load_cluster(cluster, info.sizes)
     if not f8.has_rates(clus):
@@ -236,7 +248,7 @@ def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
                 memory_limit=None, inputs="global", mp_policy=None, microbatches=None,
-                stages_per_rank=None) -> ParallelModule:
+                stages_per_rank=None, float8=None) -> ParallelModule:
     """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
 
     Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
@@ -278,6 +290,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     as `autopar.plan`'s auto does, restricted to the pipelines the runtime runs ('dp' inside the stages, no
     checkpoint level, no 'zbv' for tied weights: `_auto_runnable`), and runs the winner: a pipeline, or the
     unpipelined plan with the '(pipeline)' decision saying why in `pm.plan.explain()`.
+
+    `float8` ("tensorwise", "rowwise", "auto"), or a given Plan whose `float8` names linears, is planned and priced
+    (`autopar.plan(float8=...)`) but not run yet: it raises NotImplementedError on every rank (`_refuse_float8`).
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -291,6 +306,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
+    from autopar.forms.float8 import check_option
+    check_option(float8)
+    if float8 is not None and ((isinstance(overrides, dict) and "pipeline" in overrides)
+                               or (isinstance(plan, str) and plan == "auto" and _pipeline_axes(mesh))):
+        raise NotImplementedError(f"parallelize(..., float8={float8!r}) on a pipelined plan (or one auto may "
+                                  "pipeline): neither the stage model nor the stage runtime handles float8 linears. "
+                                  "Fix: float8=None")
     if isinstance(overrides, dict) and "pipeline" in overrides:
         from autopar.pipeline_runtime import parallelize_pipeline
         return parallelize_pipeline(model, mesh, example_inputs, value=overrides["pipeline"],
@@ -319,7 +341,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)
     arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs,
-                     mp_policy=precision.spec() if precision else None)
+                     mp_policy=precision.spec() if precision else None, float8=float8)
     # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
     copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
@@ -328,6 +350,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
                                   _names(model))
     chosen = solve_on_rank0(solve)
+    _refuse_float8(float8, chosen)
     if auto_note is not None:  # auto weighed a pipeline and kept this plan: say why in explain()
         chosen = dataclasses.replace(chosen, decisions=chosen.decisions + (auto_note,))
     arrivals, call_shapes = {}, None

@@ -192,7 +192,7 @@ class SiteStats:
     unsplit: "SiteStats | None" = None
     unsplit_gather_bytes: list[float] = field(default_factory=list)
     unsplit_ops: tuple[str, ...] = ()
-    # float8 linears of this site (`cost_model.float8`, `apply_float8`): their recipe, the scaling traffic of their
+    # float8 linears of this site (`autopar.forms.float8`, `apply_float8`): their recipe, the scaling traffic of their
     # activations and output gradients (global; split like the site's work), of those a tensor-parallel form leaves
     # whole on each rank (rowwise: a column-parallel linear's replicated input; both: a row-parallel linear's output
     # gradient), of their weights (whole on each rank but under tensorwise FSDP, which casts the shard), and the
@@ -626,9 +626,9 @@ def float8_shapes(lin) -> tuple[int, int, int]:
 
 def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats]) -> None:
     """Price the linears `ctx.float8` names ({linear site key: recipe}) in fp8: their matmul work moves to the
-    recipe's `_scaled_mm` rate (`cost_model.float8.RATE_KEY`), and their scaling traffic is recorded on the site
+    recipe's `_scaled_mm` rate (`autopar.forms.float8.RATE_KEY`), and their scaling traffic is recorded on the site
     that owns them (priced in `autopar.forms.blocks.finish`, which knows the form's split)."""
-    from cost_model import float8 as f8
+    import autopar.forms.float8 as f8
     chosen = getattr(ctx, "float8", None) or {}
     if not chosen:
         return
@@ -655,10 +655,10 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
         st.float8_linears += 1
         st.float8_act_bytes += per * (m * k + m * n)
         row = id(lin) in rows
-        st.float8_whole_bytes += per * (m * n if row else (m * k if recipe == "rowwise" else 0.0))
+        st.float8_whole_bytes += per * (m * n if row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
         st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
         weight = lin.param.get("weight")
-        if recipe == "tensorwise" and weight is not None:
+        if f8.FP8_ALL_GATHER[recipe] and weight is not None:
             v = next((p for p in ctx.captured.gm.graph.nodes if p.op == "placeholder" and p.name == weight), None)
             item = v.meta["val"].element_size() if v is not None else 2
             st.float8_gathered[weight] = 1.0 / item

@@ -1,10 +1,10 @@
 """The planner's float8 decision: which linears run their GEMMs in fp8, and under which recipe.
 
-`float8=` on `autopar.plan` / `autopar.parallelize` (`cost_model.float8.OPTIONS`):
+`float8=` on `autopar.plan` / `autopar.parallelize` (`autopar.forms.float8.OPTIONS`):
 
 - `None` (the default): every linear in the model's dtype.
 - `"tensorwise"` / `"rowwise"`: that recipe on every linear where it pays (`linears`): torchao's rule
-  (`cost_model.float8.pays`: the GEMMs' saving beats the scaling's traffic) on the linear's shapes on one rank
+  (`autopar.forms.float8.pays`: the GEMMs' saving beats the scaling's traffic) on the linear's shapes on one rank
   (its tokens over every rank of the mesh: the least a rank computes), never the output head (the linears a loss
   reads: torchtitan keeps `output` in high precision). A linear the rule rejects stays in the model's dtype.
 - `"auto"`: the plan priced under each recipe (and under none), the least estimated step that fits wins; the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from autopar.sites import Kind, PassContext
-from cost_model import float8 as f8
+import autopar.forms.float8 as f8
 
 DECISION_KEY = "(float8)"
 

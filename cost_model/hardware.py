@@ -380,7 +380,7 @@ _H100_FLOPS = {
     "float32": 67e12,  # FP32 (non-tensor-core; TF32 would be 494.5 dense)
     "float64": 67e12,  # FP64 Tensor Core 67 TFLOPS
     # FP8 Tensor Core 3,958 TFLOPS with sparsity -> 1,979 dense; the `_scaled_mm` of each float8 recipe
-    # (`cost_model.float8`) is a separate key: they reach different fractions of it (`_FP8_ACHIEVED`)
+    # (`autopar.forms.float8`) is a separate key: they reach different fractions of it (`_FP8_ACHIEVED`)
     "float8_tensorwise": 1979e12,
     "float8_rowwise": 1979e12,
 }

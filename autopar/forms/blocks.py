@@ -59,7 +59,7 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
 
 
 def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: int) -> tuple[float, float, float]:
-    """(compute seconds, collective seconds, bytes sent) of a structure's float8 scaling (`cost_model.float8`): the
+    """(compute seconds, collective seconds, bytes sent) of a structure's float8 scaling (`autopar.forms.float8`): the
     activations' and output gradients' amax + cast passes split like its work (over the data ranks and the form's
     `param_split`), but those the form leaves whole on each rank (`SiteStats.float8_whole_bytes`) split over the data
     ranks only; the weights' on this rank's share (`param_split`), and on the FSDP shard under tensorwise (cast before
@@ -67,12 +67,12 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
     (x, w, g) of each linear on the form's axis; rowwise needs none (its scales are per row)."""
     if not st.float8_linears:
         return 0.0, 0.0, 0.0
-    from cost_model.float8 import cast_s
+    from autopar.forms.float8 import AMAX_ALL_REDUCE, FP8_ALL_GATHER, cast_s
     whole = st.float8_whole_bytes if param_split > 1 else 0.0
     act = (st.float8_act_bytes - whole) / (mc.dp * param_split) + whole / mc.dp
-    weight = st.float8_weight_bytes / param_split / (mc.dp if cand.fsdp and st.float8_recipe == "tensorwise" else 1)
+    weight = st.float8_weight_bytes / param_split / (mc.dp if cand.fsdp and FP8_ALL_GATHER[st.float8_recipe] else 1)
     t = b = 0.0
-    if param_split > 1 and st.float8_recipe == "tensorwise" and cand.axis is not None:
+    if param_split > 1 and AMAX_ALL_REDUCE[st.float8_recipe] and cand.axis is not None:
         ct, cb = mc.collective("all_reduce", 4, cand.axis)
         t, b = 3 * st.float8_linears * ct, 3 * st.float8_linears * cb
     return cast_s(act + weight, mc.cluster), t, b

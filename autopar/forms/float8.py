@@ -37,6 +37,13 @@ OPTIONS = ("auto", *RECIPES, None)
 # the matmul-rate key (`Cluster.peak_flops`, `Cluster.matmul_table`) each recipe's `_scaled_mm` runs at
 RATE_KEY = {"tensorwise": "float8_tensorwise", "rowwise": "float8_rowwise"}
 
+# under tensor parallelism, whether a column-parallel linear's input is cast after its high-precision all-gather
+# (whole on each rank) rather than on its shard before an fp8 one; under FSDP, whether weights are cast on the shard
+# and all-gathered in fp8 (module docstring)
+CASTS_GATHERED_INPUT = {"tensorwise": False, "rowwise": True}
+FP8_ALL_GATHER = {"tensorwise": True, "rowwise": False}
+AMAX_ALL_REDUCE = {"tensorwise": True, "rowwise": False}  # one scale per tensor: sharded operands all-reduce it
+
 # bytes of memory traffic per operand element for its scaling, by recipe (module docstring)
 ACT_CAST_BYTES = {"tensorwise": 4.0, "rowwise": 4.0}  # x and g (the amax read fused with the producer)
 WEIGHT_CAST_BYTES = {"tensorwise": 6.0, "rowwise": 6.0}
