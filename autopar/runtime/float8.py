@@ -1,0 +1,87 @@
+"""A float8 linear on `torch._scaled_mm`, forward and backward in fp8 (torchao's `Float8Linear` recipes).
+
+`float8_linear(x, weight, bias, recipe)` computes `x @ weight.T + bias` with all three GEMMs in `torch._scaled_mm`:
+
+- output = x8 @ w8.T: x and the weight in e4m3 (`torch.float8_e4m3fn`);
+- grad_input = g8 @ w8: the output gradient in e5m2 (`torch.float8_e5m2`), the weight in e4m3;
+- grad_weight = g8.T @ x8: the output gradient in e5m2, the input in e4m3.
+
+Scales are dynamic (from each operand's amax, every call), fp32, and divide out in `_scaled_mm` (`scale_a`,
+`scale_b` are the inverse scales): `tensorwise` one per tensor; `rowwise` one per row along each GEMM's reduction
+dim (for the output GEMM: x per row of K, w per row of K; for grad_input: g per row of N, w per column over N; for
+grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them (without its
+power-of-2 rounding). `_scaled_mm` wants its second operand column-major: each is passed as a transposed
+row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
+backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
+
+This is the kernel only: `autopar.parallelize` does not lower plans onto it yet (`autopar.api._refuse_float8`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = ("tensorwise", "rowwise")
+_EPS = 1e-12  # an all-zero operand keeps a finite scale (torchao's EPS)
+
+
+def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """fp32 scale mapping `t`'s amax (over everything, or over `dim` kept) to `dtype`'s largest finite value."""
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    return torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS).to(torch.float32)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in fp8 `dtype`, the inverse scale `_scaled_mm` multiplies back), scaled per tensor (`dim` None) or along
+    `dim` (one scale per slice over `dim`)."""
+    s = _scale(t, dtype, dim)
+    fmax = torch.finfo(dtype).max
+    return (t.to(torch.float32) * s).clamp(-fmax, fmax).to(dtype), s.reciprocal()
+
+
+def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
+    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major)."""
+    return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb,
+                            out_dtype=out_dtype)
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        rowwise = recipe == RECIPES[1]
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        x8, sx = cast(x2, E4M3, -1 if rowwise else None)  # rowwise: (M, 1)
+        w8, sw = cast(weight, E4M3, -1 if rowwise else None)  # (N, K); rowwise: (N, 1) -> scale_b (1, N)
+        out = _mm(x8, sx, w8, sw, x.dtype)
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x2, weight)
+        ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        rowwise = ctx.recipe == RECIPES[1]
+        g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
+            g8, sg = cast(g, E5M2, -1 if rowwise else None)
+            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None)  # (K, N) row-major: per K over N
+            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
+            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None)
+            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None)  # (K, M) row-major: per K over M
+            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  recipe: str = "tensorwise") -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring)."""
+    if recipe not in RECIPES:
+        raise ValueError(f"float8_linear: recipe {recipe!r} is not one of {RECIPES}. Fix: one of them")
+    return _Float8Linear.apply(x, weight, bias, recipe)
