@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from autopar.forms.float8 import RECIPES  # ("tensorwise", "rowwise"): the planner's recipe names
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-RECIPES = ("tensorwise", "rowwise")
+TENSORWISE, ROWWISE = RECIPES
 _EPS = 1e-12  # an all-zero operand keeps a finite scale (torchao's EPS)
 
 
@@ -49,7 +51,7 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe):
-        rowwise = recipe == RECIPES[1]
+        rowwise = recipe == ROWWISE
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         x8, sx = cast(x2, E4M3, -1 if rowwise else None)  # rowwise: (M, 1)
         w8, sw = cast(weight, E4M3, -1 if rowwise else None)  # (N, K); rowwise: (N, 1) -> scale_b (1, N)
@@ -63,7 +65,7 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
-        rowwise = ctx.recipe == RECIPES[1]
+        rowwise = ctx.recipe == ROWWISE
         g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
