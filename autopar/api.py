@@ -73,18 +73,6 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
                              overrides=overrides, lower=lower, progress=progress, precision=precision, float8=float8)
 
 
-def _refuse_float8(float8, chosen: Plan) -> None:
-    """The float8 runtime is not built yet: refuse, on every rank (the options and the plan are agreed), rather than
-    run in bf16 a plan whose estimate priced fp8 linears."""
-    if float8 is None and not chosen.float8:
-        return
-    raise NotImplementedError(
-        f"parallelize(..., float8={float8!r}) / a Plan with {len(chosen.float8)} float8 linears: autopar plans and "
-        "prices float8 linears (autopar.plan(..., float8=...), Plan.float8) but does not run them yet (issue #24 "
-        "item 3: the fp8 linear on torch._scaled_mm under dp, fsdp and megatron is open). Fix: float8=None (the "
-        "plan's linears in the model's dtype), or plan offline with autopar.plan(..., float8=...)")
-
-
 def check_float8(float8, plan, overrides) -> None:
     """`float8=` is one of `autopar.forms.float8.OPTIONS`, on a named plan, without a pipeline."""
     from autopar.forms.float8 import check_option
@@ -194,15 +182,16 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
     import autopar.forms.float8 as f8
     from cost_model.hardware import load_cluster
     clus = load_cluster(cluster, info.sizes)
-    if not f8.has_rates(clus):
-        raise ValueError(f"float8={float8!r} on cluster {clus.name!r}: it has no `_scaled_mm` rates "
-                         f"({', '.join(f8.RATE_KEY.values())} in peak_flops), so fp8 cannot be priced. Fix: a preset "
-                         "with FP8 tensor cores (h100, h100_hbm2e, h200), or float8=None")
+    unpriced = not f8.has_rates(clus)
+    if unpriced and float8 == "auto":
+        raise ValueError(f"float8='auto' on cluster {clus.name!r}: it has no `_scaled_mm` rates "
+                         f"({', '.join(f8.RATE_KEY.values())} in peak_flops), so auto cannot weigh fp8. Fix: a preset "
+                         "with FP8 tensor cores (cluster='h100', 'h100_hbm2e', 'h200'), a named recipe, or float8=None")
     recipes = (None, *f8.RECIPES) if float8 == "auto" else (float8,)
     world = f8plan.world_size(info.sizes)
     tried, err = [], None
     for recipe in recipes:
-        choice = f8plan.linears(ctx, recipe, clus, world) if recipe else {}
+        choice = f8plan.linears(ctx, recipe, clus, world, rule=float8 == "auto") if recipe else {}
         f8plan.set_choice(ctx, choice)
         try:
             p = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
@@ -220,12 +209,15 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
                               time_s=p.estimate.step_time_s,
                               excluded="" if p.estimate.fits else "does not fit the memory limit")
                  for r, c, p in tried)
-    how = ("auto: the least estimated step that fits among the recipes" if float8 == "auto" else
-           f"float8={float8!r}: on the linears where torchao's rule says it pays")
+    how = ("auto: each recipe on the linears where torchao's rule says it pays, the least estimated step that fits "
+           "among the recipes" if float8 == "auto" else f"float8={float8!r}: on every nn.Linear")
     skipped = len(f8plan.heads(ctx))
     d = Decision(keys=(f8plan.DECISION_KEY,), kind="float8", chosen=recipe or "none",
                  decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision", candidates=rows)
-    return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=best.decisions + (d,))
+    notes = (f"float8={float8!r} on cluster {clus.name!r}, which has no `_scaled_mm` rates: its fp8 GEMMs are priced "
+             "at the high-precision fallback rate, plus the casts",) if unpriced else ()
+    return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=best.decisions + (d,),
+                               notes=best.notes + notes)
 
 
 def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, precision,
@@ -291,8 +283,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     checkpoint level, no 'zbv' for tied weights: `_auto_runnable`), and runs the winner: a pipeline, or the
     unpipelined plan with the '(pipeline)' decision saying why in `pm.plan.explain()`.
 
-    `float8` ("tensorwise", "rowwise", "auto"), or a given Plan whose `float8` names linears, is planned and priced
-    (`autopar.plan(float8=...)`) but not run yet: it raises NotImplementedError on every rank (`_refuse_float8`).
+    `float8` ("tensorwise", "rowwise", "auto"; `autopar.float8`), or a given Plan whose `float8` names linears: those
+    linears run `autopar.runtime.float8.float8_linear` (`passes.lower.float8_linears_pass`) where their weights are
+    whole and their tokens split (dp, fsdp); a tensor-parallel float8 linear raises NotImplementedError on every rank.
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -347,10 +340,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
     if inputs == "global":
         check_input_values(agreement)
-    solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
-                                  _names(model))
+    if float8 is not None:
+        check_float8(float8, plan, overrides)
+        solve = lambda: _plan_float8(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
+                                     float8)
+    else:
+        solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
+                                      _names(model))
     chosen = solve_on_rank0(solve)
-    _refuse_float8(float8, chosen)
     if auto_note is not None:  # auto weighed a pipeline and kept this plan: say why in explain()
         chosen = dataclasses.replace(chosen, decisions=chosen.decisions + (auto_note,))
     arrivals, call_shapes = {}, None

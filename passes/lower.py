@@ -100,6 +100,8 @@ class LowerContext:
     precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
     # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
     checkpoint: list = field(default_factory=list)
+    # linear node name -> (float8 recipe, its weight's placeholder) (`float8_linears_pass`)
+    float8: dict = field(default_factory=dict)
 
 
 def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default",
@@ -173,8 +175,74 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
     ctx.checkpoint = _checkpointed_layers(plan, captured)
+    ctx.float8 = _float8_nodes(plan, captured)
     kv_before_repeat_hints(ctx, by_name, info)
     return ctx
+
+
+def _float8_nodes(plan: Plan, captured: Captured) -> dict[str, str]:
+    """{linear node name: (recipe, weight placeholder)} for the plan's float8 linears (`Plan.float8`: by module
+    path)."""
+    from autopar.sites import module_path
+    if not plan.float8:
+        return {}
+    linears = {}
+    for n in captured.gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.linear.default:
+            linears.setdefault(module_path(n), (n.name, n.args[1].name))
+    out = {}
+    for path, recipe in plan.float8:
+        if path not in linears:
+            raise ValueError(f"plan {plan.name!r} runs {path!r} in float8 ({recipe}), but this model's graph has no "
+                             "aten.linear at that module path: the plan was made for another model, or the layer "
+                             "is not an nn.Linear (a Conv1D-style addmm is not run in fp8). Fix: re-plan")
+        name, weight = linears[path]
+        out[name] = (recipe, weight)
+    return out
+
+
+def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """The plan's float8 linears (`ctx.float8`) -> `autopar.runtime.float8.float8_linear` on the same local operands,
+    with the axes their tokens are split over (their amaxes over the tokens all-reduced there: the single device's
+    scales). Runs where each rank holds whole weights and its rows of the tokens (dp, FSDP after its gather); a linear
+    split by a model axis (tensor parallelism: its weight or its input's features sharded, or fused into a
+    collective by `async_column_linears_pass` / `regather_linear_inputs_pass`) raises: not built yet."""
+    if not ctx.float8:
+        return gm
+    from autopar.runtime.float8 import float8_linear
+    info = ctx.mesh
+    found = set()
+    for n in gm.graph.nodes:
+        if n.name not in ctx.float8 or n.op != "call_function" or n.target is not aten.linear.default:
+            continue
+        x, w = n.args[0], n.args[1]
+        bias = n.args[2] if len(n.args) > 2 else None
+        recipe, weight = ctx.float8[n.name]
+        wp = ctx.placements[weight]
+        for i, pw in enumerate(wp):
+            if not (isinstance(pw, Replicate) or i in ctx.gathers.get(weight, ())):  # FSDP gathers it whole
+                raise NotImplementedError(
+                    f"float8 linear {n.name!r} on mesh axis {info.names[i]!r}: its weight is {fmt(pw)} there (split "
+                    "by a tensor-parallel form); the fp8 runtime runs linears with whole weights and their tokens "
+                    "split (dp, fsdp), not tensor-parallel ones yet (issue #24). Fix: float8=None, or a plan that "
+                    "keeps this axis data-parallel")
+        op = n.meta.get(M.PLACEMENTS)
+        op = x.meta.get(M.PLACEMENTS) if op is None or isinstance(op, list) else op  # the tokens' split: the same
+        if op is None or isinstance(op, list):
+            raise NotImplementedError(f"float8 linear {n.name!r}: its tokens' placements are not recorded; autopar "
+                                      "cannot tell which ranks hold its other rows. Fix: float8=None")
+        ndim = len(n.meta["val"].shape)
+        axes = tuple(info.axes[i].key for i, po in enumerate(op)
+                     if isinstance(po, Shard) and po.dim % ndim != ndim - 1 and info.sizes[i] > 1)
+        n.target, n.args, n.kwargs = float8_linear, (x, w, bias, recipe, axes), {}
+        found.add(n.name)
+    missing = sorted(set(ctx.float8) - found)
+    if missing:
+        raise NotImplementedError(f"float8 linears {missing}: lowering fused them into a tensor-parallel collective "
+                                  "(or removed them); the fp8 runtime does not run tensor-parallel linears yet "
+                                  "(issue #24). Fix: float8=None, or a data-parallel plan (dp, fsdp)")
+    gm.recompile()
+    return gm
 
 
 def kv_before_repeat_hints(ctx: LowerContext, by_name: dict, info: MeshInfo) -> None:
@@ -1363,6 +1431,7 @@ LOWER = [
     replicated_reductions_to_parameters_pass,
     bucket_gradients_pass,
     mixed_precision_pass,
+    float8_linears_pass,
     dead_code_pass,
     checkpoint_layers_pass,
 ]

@@ -1,10 +1,10 @@
-"""FP8 linears priced and chosen per linear (issue #24 items 3-4, the cost model and the planner; the runtime is open).
+"""FP8 linears priced and chosen per linear (issue #24 items 3-4: the cost model and the planner; the runtime:
+tests/test_float8_runtime.py).
 
 Offline: the presets' `_scaled_mm` rates, torchao's per-linear rule (the output head and small KxN left out), the
 scaling traffic and amax all-reduces each form pays (`autopar.forms.blocks.float8_cost`, by hand), FSDP's gathers in
 1 byte under tensorwise (exact bytes), the decision in the Plan (JSON, table, explain), and the torchtitan
-Llama-3.1-8B bf16/float8 pairs against their published throughput and ratio. On 2 gloo ranks: `parallelize` refuses
-float8 on every rank (the runtime is not built) instead of running bf16 a plan priced in fp8."""
+Llama-3.1-8B bf16/float8 pairs against their published throughput and ratio, and `auto`'s recipe on FSDP8 x TP8."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from autopar import float8 as f8plan
 from autopar.models import Llama, LlamaConfig
 from autopar.plan import Plan
 import autopar.forms.float8 as f8
+from cost_model.analytical import send_bytes
 from cost_model.hardware import PRESETS
-from tests.dist_harness import gloo_pool
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import published_runs as pr  # noqa: E402
@@ -66,21 +66,29 @@ def test_plan_float8_choice_gathers_and_round_trip():
     bf16 = autopar.plan(model, {"dp": 8}, inputs, **kw)
     p = autopar.plan(model, {"dp": 8}, inputs, float8="tensorwise", **kw)
     chosen = dict(p.float8)
-    per_layer = {"attn.wq", "attn.wo", "mlp.gate", "mlp.up", "mlp.down"}
-    assert chosen == {f"layers.{i}.{k}": "tensorwise" for i in range(2) for k in per_layer}  # not wk, wv, output
+    pays = {"attn.wq", "attn.wo", "mlp.gate", "mlp.up", "mlp.down"}
+    every = {f"layers.{i}.{k}": "tensorwise" for i in range(2) for k in pays | {"attn.wk", "attn.wv"}}
+    assert chosen == every  # a named recipe: every nn.Linear but the output head, as torchtitan converts them
     assert p.estimate.step_time_s < bf16.estimate.step_time_s
+    auto = autopar.plan(model, {"dp": 8}, inputs, float8="auto", **kw)  # per linear: not wk, wv (N = 256)
+    assert dict(auto.float8) == {f"layers.{i}.{k}": "tensorwise" for i in range(2) for k in pays}
+    assert auto.estimate.step_time_s < p.estimate.step_time_s  # fp8 on wk, wv costs more than it saves
     # FSDP gathers every fp8 weight in 1 byte instead of 2, forward and again in backward (ZeRO-3): (p-1)/p of it
     params = dict(model.named_parameters())
     fp8_numel = sum(params[f"{k}.weight"].numel() for k in chosen)
-    assert bf16.estimate.comm_bytes_per_step - p.estimate.comm_bytes_per_step == 2 * fp8_numel * 7 // 8
+    amax = len(chosen) * 4 * send_bytes("all_reduce", 4, 8)  # the runtime's tensorwise amaxes on dp (4 per linear)
+    assert bf16.estimate.comm_bytes_per_step - p.estimate.comm_bytes_per_step == 2 * fp8_numel * 7 // 8 - amax
     assert bf16.estimate.memory_bytes_per_device == p.estimate.memory_bytes_per_device  # priced as bf16 (open)
     back = Plan.from_json(p.to_json())
     assert back.float8 == p.float8 and back == p
-    assert "float8: tensorwise on 10 linears (layers.{0,1}.attn.wo" in p.table()
-    text = p.explain(f8plan.DECISION_KEY)
+    assert "float8: tensorwise on 14 linears (layers.{0,1}.attn.wk" in p.table()
+    text = auto.explain(f8plan.DECISION_KEY)
     assert "chosen tensorwise" in text and "output head (1 linear(s)) kept in high precision" in text
-    with pytest.raises(ValueError, match="has no `_scaled_mm` rates"):
-        autopar.plan(model, {"dp": 8}, inputs, float8="tensorwise", plan="fsdp", cluster="a100")
+    assert all(f"{r} (" in text for r in ("none", "tensorwise", "rowwise"))  # every recipe priced
+    with pytest.raises(ValueError, match="so auto cannot weigh fp8"):
+        autopar.plan(model, {"dp": 8}, inputs, float8="auto", plan="fsdp", cluster="a100")
+    a100 = autopar.plan(model, {"dp": 8}, inputs, float8="tensorwise", plan="fsdp", cluster="a100")
+    assert len(a100.float8) == 14 and any("no `_scaled_mm` rates" in n for n in a100.notes)  # priced, and says how
     with pytest.raises(ValueError, match="float8 choice is part of the Plan"):
         autopar.plan(model, {"dp": 8}, inputs, plan=p, float8="rowwise")
 
@@ -88,7 +96,7 @@ def test_plan_float8_choice_gathers_and_round_trip():
 def test_scaling_cost_per_form_by_hand():
     """`float8_cost` on an MLP: the casts split over dp x t, but under rowwise TP the column-parallel input (replicated)
     and under either the row-parallel output gradient are cast whole on each rank; weights on the rank's share;
-    tensorwise all-reduces 3 amaxes per linear on the TP axis."""
+    tensorwise all-reduces 3 amaxes per linear on the TP axis; on the data axis, the runtime's amax all-reduces."""
     from autopar.estimate import gather_stats, mesh_costing
     from autopar.forms.base import Candidate
     from autopar.forms.blocks import float8_cost
@@ -112,10 +120,15 @@ def test_scaling_cost_per_form_by_hand():
         s, t, b = float8_cost(st, Candidate(form="tp", axes=("tp",)), mc, 2)
         assert s == pytest.approx(f8.cast_s((act - whole) / 8 + whole / 4 + weight / 2, c), rel=1e-12)
         ct, cb = mc.collective("all_reduce", 4, "tp")
-        assert (t, b) == ((9 * ct, 9 * cb) if recipe == "tensorwise" else (0.0, 0.0))
+        # on dp: tensorwise 4 scalar amaxes per linear, rowwise 2 of N and K (`autopar.runtime.float8`)
+        numels = [1] * 12 if recipe == "tensorwise" else [f, h, f, h, h, f]
+        dt = sum(mc.collective("all_reduce", 4 * e, "dp")[0] for e in numels)
+        db = sum(mc.collective("all_reduce", 4 * e, "dp")[1] for e in numels)
+        tp_t, tp_b = (9 * ct, 9 * cb) if recipe == "tensorwise" else (0.0, 0.0)
+        assert t == pytest.approx(tp_t + dt) and b == pytest.approx(tp_b + db)
         s, t, b = float8_cost(st, Candidate(form="replicate", fsdp=True), mc, 1)  # FSDP: tensorwise casts the shard
         assert s == pytest.approx(f8.cast_s(act / 4 + weight / (4 if recipe == "tensorwise" else 1), c), rel=1e-12)
-        assert (t, b) == (0.0, 0.0)
+        assert t == pytest.approx(dt) and b == pytest.approx(db)
     f8plan.set_choice(ctx, {})
     assert gather_stats(ctx)[0][mlp.key].float8_linears == 0  # the cache follows the choice
 
@@ -148,22 +161,3 @@ def test_auto_does_not_choose_rowwise_on_fsdp8_tp8():
     a = pr.float8_auto(run)
     assert a["infeasible"] is None and "rowwise" not in a["float8_recipes"], a["float8_recipes"]
     assert a["float8_recipes"] == ["tensorwise"]
-
-
-def _refuse_on_every_rank():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autopar.models import MLP
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-    try:
-        autopar.parallelize(MLP(), mesh, (x, x), plan="dp", float8="tensorwise")
-    except NotImplementedError as e:
-        return str(e)
-    return None
-
-
-def test_parallelize_refuses_float8_on_every_rank():
-    for said in gloo_pool(2).run(_refuse_on_every_rank):
-        assert said is not None and "does not run them yet" in said and "Fix: float8=None" in said

@@ -64,7 +64,8 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
     `param_split`), but those the form leaves whole on each rank (`SiteStats.float8_whole_bytes`) split over the data
     ranks only; the weights' on this rank's share (`param_split`), and on the FSDP shard under tensorwise (cast before
     the fp8 all-gather). Under a tensor-parallel form (`param_split` > 1) tensorwise all-reduces one amax per operand
-    (x, w, g) of each linear on the form's axis; rowwise needs none (its scales are per row)."""
+    (x, w, g) of each linear on the form's axis; rowwise needs none (its scales are per row). On each data axis, the
+    amaxes over the tokens that autopar's runtime all-reduces (`autopar.forms.float8.data_amax_reductions`)."""
     if not st.float8_linears:
         return 0.0, 0.0, 0.0
     from autopar.forms.float8 import AMAX_ALL_REDUCE, FP8_ALL_GATHER, cast_s
@@ -75,6 +76,11 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
     if param_split > 1 and AMAX_ALL_REDUCE[st.float8_recipe] and cand.axis is not None:
         ct, cb = mc.collective("all_reduce", 4, cand.axis)
         t, b = 3 * st.float8_linears * ct, 3 * st.float8_linears * cb
+    for a in mc.data_axes:  # the amaxes over the tokens, all-reduced on each data axis (`autopar.runtime.float8`)
+        if mc.size(a) > 1:
+            for numel in st.float8_amax_numels:
+                ct, cb = mc.collective("all_reduce", 4 * numel, a)
+                t, b = t + ct, b + cb
     return cast_s(act + weight, mc.cluster), t, b
 
 

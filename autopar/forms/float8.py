@@ -44,6 +44,12 @@ CASTS_GATHERED_INPUT = {"tensorwise": False, "rowwise": True}
 FP8_ALL_GATHER = {"tensorwise": True, "rowwise": False}
 AMAX_ALL_REDUCE = {"tensorwise": True, "rowwise": False}  # one scale per tensor: sharded operands all-reduce it
 
+
+def data_amax_reductions(recipe: str, k: int, n: int) -> list[int]:
+    """The fp32 amax all-reduces (their element counts) one linear of in features k and out features n issues per
+    step on each data axis its tokens are split over (`autopar.runtime.float8`: the single device's scales)."""
+    return [1, 1, 1, 1] if recipe == RECIPES[0] else [n, k]
+
 # bytes of memory traffic per operand element for its scaling, by recipe (module docstring)
 ACT_CAST_BYTES = {"tensorwise": 4.0, "rowwise": 4.0}  # x and g (the amax read fused with the producer)
 WEIGHT_CAST_BYTES = {"tensorwise": 6.0, "rowwise": 6.0}

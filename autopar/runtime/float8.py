@@ -14,7 +14,14 @@ power-of-2 rounding). `_scaled_mm` wants its second operand column-major: each i
 row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
 backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
 
-This is the kernel only: `autopar.parallelize` does not lower plans onto it yet (`autopar.api._refuse_float8`).
+Under data parallelism (`axes`: the mesh axes the tokens are split over, `passes.lower.float8_linears_pass`) every
+amax taken over the token dim M is all-reduced (MAX) over those axes first, so each rank's scales are the single
+device's and its fp8 linear computes exactly what the single-device fp8 linear computes on its rows: tensorwise x
+and g (forward, backward); rowwise g.T and x.T (the weight gradient's scales, per column over M). The other amaxes
+(rowwise x, w, g along K or N; the weight, whole on each rank under dp and FSDP) are local already. Per linear and
+data axis: tensorwise 1 fp32 scalar all-reduce forward and 3 backward (g, and g and x again for the weight
+gradient); rowwise 2 backward, of N and of K fp32 amaxes (`autopar.forms.float8.data_amax_reductions`,
+priced by `autopar.forms.blocks.float8_cost`).
 """
 
 from __future__ import annotations
@@ -28,16 +35,25 @@ TENSORWISE, ROWWISE = RECIPES
 _EPS = 1e-12  # an all-zero operand keeps a finite scale (torchao's EPS)
 
 
-def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
-    """fp32 scale mapping `t`'s amax (over everything, or over `dim` kept) to `dtype`'s largest finite value."""
-    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
+           ) -> torch.Tensor:
+    """fp32 scale mapping `t`'s amax (over everything, or over `dim` kept; all-reduced MAX over `axes`) to `dtype`'s
+    largest finite value."""
+    with torch.no_grad():
+        amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+        for a in axes:
+            from autopar.mesh import resolve_axis
+            from autopar.runtime.collectives import _raw_all_reduce
+            amax = _raw_all_reduce(amax, resolve_axis(a), backward=backward, op="max")
     return torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS).to(torch.float32)
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(t in fp8 `dtype`, the inverse scale `_scaled_mm` multiplies back), scaled per tensor (`dim` None) or along
-    `dim` (one scale per slice over `dim`)."""
-    s = _scale(t, dtype, dim)
+    `dim` (one scale per slice over `dim`); `axes`: mesh axes whose ranks hold the other slices of what the amax
+    reduces over (its amax all-reduced MAX there)."""
+    s = _scale(t, dtype, dim, axes, backward)
     fmax = torch.finfo(dtype).max
     return (t.to(torch.float32) * s).clamp(-fmax, fmax).to(dtype), s.reciprocal()
 
@@ -50,16 +66,16 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
+    def forward(ctx, x, weight, bias, recipe, axes):
         rowwise = recipe == ROWWISE
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        x8, sx = cast(x2, E4M3, -1 if rowwise else None)  # rowwise: (M, 1)
+        x8, sx = cast(x2, E4M3, -1 if rowwise else None, () if rowwise else axes)  # rowwise: (M, 1), per token
         w8, sw = cast(weight, E4M3, -1 if rowwise else None)  # (N, K); rowwise: (N, 1) -> scale_b (1, N)
         out = _mm(x8, sx, w8, sw, x.dtype)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x2, weight)
-        ctx.recipe, ctx.has_bias, ctx.x_shape = recipe, bias is not None, x.shape
+        ctx.recipe, ctx.has_bias, ctx.x_shape, ctx.axes = recipe, bias is not None, x.shape, axes
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -69,21 +85,22 @@ class _Float8Linear(torch.autograd.Function):
         g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
-            g8, sg = cast(g, E5M2, -1 if rowwise else None)
+            g8, sg = cast(g, E5M2, -1 if rowwise else None, () if rowwise else ctx.axes, True)
             wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None)  # (K, N) row-major: per K over N
             grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
-            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None)
-            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None)  # (K, M) row-major: per K over M
+            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None, ctx.axes, True)  # over M (rowwise: per N)
+            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, ctx.axes, True)  # (K, M): per K over M
             grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  recipe: str = "tensorwise") -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring)."""
+                  recipe: str = "tensorwise", axes: tuple = ()) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring); `axes`: the mesh
+    axes (keys) the tokens are split over."""
     if recipe not in RECIPES:
         raise ValueError(f"float8_linear: recipe {recipe!r} is not one of {RECIPES}. Fix: one of them")
-    return _Float8Linear.apply(x, weight, bias, recipe)
+    return _Float8Linear.apply(x, weight, bias, recipe, tuple(axes))
