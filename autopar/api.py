@@ -284,8 +284,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     unpipelined plan with the '(pipeline)' decision saying why in `pm.plan.explain()`.
 
     `float8` ("tensorwise", "rowwise", "auto"; `autopar.float8`), or a given Plan whose `float8` names linears: those
-    linears run `autopar.runtime.float8.float8_linear` (`passes.lower.float8_linears_pass`) where their weights are
-    whole and their tokens split (dp, fsdp); a tensor-parallel float8 linear raises NotImplementedError on every rank.
+    linears run `autopar.runtime.float8.float8_linear` (`passes.lower.float8_linears_pass`; under dp, fsdp and
+    tensor parallelism, each rank scaling as the single device does). Not with a pipeline (NotImplementedError).
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "

@@ -203,10 +203,11 @@ def _float8_nodes(plan: Plan, captured: Captured) -> dict[str, str]:
 
 def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """The plan's float8 linears (`ctx.float8`) -> `autopar.runtime.float8.float8_linear` on the same local operands,
-    with the axes their tokens are split over (their amaxes over the tokens all-reduced there: the single device's
-    scales). Runs where each rank holds whole weights and its rows of the tokens (dp, FSDP after its gather); a linear
-    split by a model axis (tensor parallelism: its weight or its input's features sharded, or fused into a
-    collective by `async_column_linears_pass` / `regather_linear_inputs_pass`) raises: not built yet."""
+    with the mesh axes that split its tokens (the data axes: its output's placements), its out features (a
+    column-parallel weight, S(0)) and its in features (a row-parallel one, S(1)); FSDP's gathered weights are whole.
+    Its amaxes are all-reduced there, so every rank scales as the single device does. The fusions of a
+    column-parallel input's collective with its linears (`async_column_linears_pass`, `regather_linear_inputs_pass`)
+    leave float8 linears out (their collective stays a node of its own)."""
     if not ctx.float8:
         return gm
     from autopar.runtime.float8 import float8_linear
@@ -218,29 +219,27 @@ def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule
         x, w = n.args[0], n.args[1]
         bias = n.args[2] if len(n.args) > 2 else None
         recipe, weight = ctx.float8[n.name]
-        wp = ctx.placements[weight]
-        for i, pw in enumerate(wp):
-            if not (isinstance(pw, Replicate) or i in ctx.gathers.get(weight, ())):  # FSDP gathers it whole
-                raise NotImplementedError(
-                    f"float8 linear {n.name!r} on mesh axis {info.names[i]!r}: its weight is {fmt(pw)} there (split "
-                    "by a tensor-parallel form); the fp8 runtime runs linears with whole weights and their tokens "
-                    "split (dp, fsdp), not tensor-parallel ones yet (issue #24). Fix: float8=None, or a plan that "
-                    "keeps this axis data-parallel")
+        k_axes, n_axes = [], []
+        for i, pw in enumerate(ctx.placements[weight]):  # nn.Linear's weight is (N, K)
+            if isinstance(pw, Replicate) or i in ctx.gathers.get(weight, ()) or info.sizes[i] == 1:
+                continue  # whole on this rank (FSDP gathers it)
+            if not isinstance(pw, Shard) or pw.dim not in (0, 1):
+                raise NotImplementedError(f"float8 linear {n.name!r}: its weight is {fmt(pw)} on mesh axis "
+                                          f"{info.names[i]!r}; the fp8 runtime splits weights on their rows "
+                                          "(column-parallel) or columns (row-parallel) only. Fix: float8=None")
+            (n_axes if pw.dim == 0 else k_axes).append(info.axes[i].key)
         op = n.meta.get(M.PLACEMENTS)
         op = x.meta.get(M.PLACEMENTS) if op is None or isinstance(op, list) else op  # the tokens' split: the same
         if op is None or isinstance(op, list):
             raise NotImplementedError(f"float8 linear {n.name!r}: its tokens' placements are not recorded; autopar "
                                       "cannot tell which ranks hold its other rows. Fix: float8=None")
         ndim = len(n.meta["val"].shape)
-        axes = tuple(info.axes[i].key for i, po in enumerate(op)
-                     if isinstance(po, Shard) and po.dim % ndim != ndim - 1 and info.sizes[i] > 1)
-        n.target, n.args, n.kwargs = float8_linear, (x, w, bias, recipe, axes), {}
+        m_axes = tuple(info.axes[i].key for i, po in enumerate(op)
+                       if isinstance(po, Shard) and po.dim % ndim != ndim - 1 and info.sizes[i] > 1)
+        n.target, n.args, n.kwargs = float8_linear, (x, w, bias, recipe, m_axes, tuple(k_axes), tuple(n_axes)), {}
         found.add(n.name)
     missing = sorted(set(ctx.float8) - found)
-    if missing:
-        raise NotImplementedError(f"float8 linears {missing}: lowering fused them into a tensor-parallel collective "
-                                  "(or removed them); the fp8 runtime does not run tensor-parallel linears yet "
-                                  "(issue #24). Fix: float8=None, or a data-parallel plan (dp, fsdp)")
+    assert not missing, f"float8 linears {missing} were rewritten by an earlier pass"
     gm.recompile()
     return gm
 
@@ -939,6 +938,8 @@ def _fuse_input_collective(gm: fx.GraphModule, ctx: LowerContext, target, fuse) 
         if coll.args[0].op == "placeholder" or not users or not all(_takes_as_input(u, coll) for u in users) \
                 or not any(a in needs for u in users for a in u.args if a is not coll):
             continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
+        if any(u.name in ctx.float8 for u in users):
+            continue  # a float8 linear runs on its own kernel (`float8_linears_pass`)
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(users, key=order.__getitem__)
         in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)

@@ -114,7 +114,7 @@ FILE_SECONDS = {
     "test_published_runs.py": 30,
     "test_float8_plan.py": 20,
     "test_float8_kernel.py": 2,
-    "test_float8_runtime.py": 12,  # dp and fsdp on the shared 2-rank pool, a TP refusal  # the torchtitan bf16/float8 pairs priced offline (11 s), one 2-rank refusal
+    "test_float8_runtime.py": 12,  # dp, fsdp, megatron x2 on the shared 2-rank pool (2-3 s each)  # the torchtitan bf16/float8 pairs priced offline (11 s), one 2-rank refusal
     "test_contract_data.py": 19,
     "test_tune_mirror.py": 18,
     "test_contract_modes.py": 18,

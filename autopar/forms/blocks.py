@@ -63,23 +63,23 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
     activations' and output gradients' amax + cast passes split like its work (over the data ranks and the form's
     `param_split`), but those the form leaves whole on each rank (`SiteStats.float8_whole_bytes`) split over the data
     ranks only; the weights' on this rank's share (`param_split`), and on the FSDP shard under tensorwise (cast before
-    the fp8 all-gather). Under a tensor-parallel form (`param_split` > 1) tensorwise all-reduces one amax per operand
-    (x, w, g) of each linear on the form's axis; rowwise needs none (its scales are per row). On each data axis, the
-    amaxes over the tokens that autopar's runtime all-reduces (`autopar.forms.float8.data_amax_reductions`)."""
+    the fp8 all-gather). The amax all-reduces autopar's runtime issues so that every rank scales as one device does
+    (`autopar.forms.float8.CASTS`): on each data axis those over the tokens, on a tensor-parallel form's axis those
+    over the features it splits (a column-parallel linear's N, a row-parallel one's K)."""
     if not st.float8_linears:
         return 0.0, 0.0, 0.0
-    from autopar.forms.float8 import AMAX_ALL_REDUCE, FP8_ALL_GATHER, cast_s
+    from autopar.forms.float8 import FP8_ALL_GATHER, amax_reductions, cast_s
     whole = st.float8_whole_bytes if param_split > 1 else 0.0
     act = (st.float8_act_bytes - whole) / (mc.dp * param_split) + whole / mc.dp
     weight = st.float8_weight_bytes / param_split / (mc.dp if cand.fsdp and FP8_ALL_GATHER[st.float8_recipe] else 1)
     t = b = 0.0
-    if param_split > 1 and AMAX_ALL_REDUCE[st.float8_recipe] and cand.axis is not None:
-        ct, cb = mc.collective("all_reduce", 4, cand.axis)
-        t, b = 3 * st.float8_linears * ct, 3 * st.float8_linears * cb
-    for a in mc.data_axes:  # the amaxes over the tokens, all-reduced on each data axis (`autopar.runtime.float8`)
-        if mc.size(a) > 1:
-            for numel in st.float8_amax_numels:
-                ct, cb = mc.collective("all_reduce", 4 * numel, a)
+    for recipe, m, k, n, row in st.float8_shapes:  # amaxes all-reduced where their dims are split (the runtime's)
+        tp = param_split > 1 and cand.axis is not None
+        local = {"m": m / mc.dp, "k": k / param_split if row else k, "n": n if row else n / param_split}
+        splits = [(a, "m") for a in mc.data_axes if mc.size(a) > 1] + ([(cand.axis, "k" if row else "n")] if tp else [])
+        for axis, dim in splits:
+            for numel in amax_reductions(recipe, dim, local):
+                ct, cb = mc.collective("all_reduce", 4 * numel, axis)
                 t, b = t + ct, b + cb
     return cast_s(act + weight, mc.cluster), t, b
 

@@ -42,13 +42,21 @@ RATE_KEY = {"tensorwise": "float8_tensorwise", "rowwise": "float8_rowwise"}
 # and all-gathered in fp8 (module docstring)
 CASTS_GATHERED_INPUT = {"tensorwise": False, "rowwise": True}
 FP8_ALL_GATHER = {"tensorwise": True, "rowwise": False}
-AMAX_ALL_REDUCE = {"tensorwise": True, "rowwise": False}  # one scale per tensor: sharded operands all-reduce it
+
+# The six casts of one linear per step (x, w forward; g, w.T for grad_input; g.T, x.T for grad_weight) as
+# (the dims its amax reduces over, the dim it keeps one scale per element of, or None): M tokens, K in, N out
+# features (`autopar.runtime.float8`). An axis splitting a reduced dim all-reduces that amax (MAX) there.
+CASTS = {
+    "tensorwise": (("mk", None), ("nk", None), ("mn", None), ("kn", None), ("mn", None), ("mk", None)),
+    "rowwise": (("k", "m"), ("k", "n"), ("n", "m"), ("n", "k"), ("m", "n"), ("m", "k")),
+}
 
 
-def data_amax_reductions(recipe: str, k: int, n: int) -> list[int]:
-    """The fp32 amax all-reduces (their element counts) one linear of in features k and out features n issues per
-    step on each data axis its tokens are split over (`autopar.runtime.float8`: the single device's scales)."""
-    return [1, 1, 1, 1] if recipe == RECIPES[0] else [n, k]
+def amax_reductions(recipe: str, split: str, local: dict[str, float]) -> list[float]:
+    """The fp32 amax all-reduces (their element counts) one linear issues per step on an axis splitting its dim
+    `split` ("m", "k" or "n"); `local`: this rank's M, K, N."""
+    return [1.0 if kept is None else local[kept] for reduced, kept in CASTS[recipe] if split in reduced]
+
 
 # bytes of memory traffic per operand element for its scaling, by recipe (module docstring)
 ACT_CAST_BYTES = {"tensorwise": 4.0, "rowwise": 4.0}  # x and g (the amax read fused with the producer)

@@ -14,14 +14,14 @@ power-of-2 rounding). `_scaled_mm` wants its second operand column-major: each i
 row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
 backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
 
-Under data parallelism (`axes`: the mesh axes the tokens are split over, `passes.lower.float8_linears_pass`) every
-amax taken over the token dim M is all-reduced (MAX) over those axes first, so each rank's scales are the single
-device's and its fp8 linear computes exactly what the single-device fp8 linear computes on its rows: tensorwise x
-and g (forward, backward); rowwise g.T and x.T (the weight gradient's scales, per column over M). The other amaxes
-(rowwise x, w, g along K or N; the weight, whole on each rank under dp and FSDP) are local already. Per linear and
-data axis: tensorwise 1 fp32 scalar all-reduce forward and 3 backward (g, and g and x again for the weight
-gradient); rowwise 2 backward, of N and of K fp32 amaxes (`autopar.forms.float8.data_amax_reductions`,
-priced by `autopar.forms.blocks.float8_cost`).
+Parallel (`m_axes`, `k_axes`, `n_axes`: the mesh axes splitting the tokens M, the in features K, the out features N
+of this rank's operands; `passes.lower.float8_linears_pass`): every amax is all-reduced (MAX) over the axes that
+split the dims it reduces over, so each rank's scales are the single device's and its fp8 GEMMs compute exactly
+its part of what the single-device fp8 linear computes (summation order aside). Data parallelism splits M;
+a column-parallel weight N (w and g are sharded there); a row-parallel one K (w and x). Tensorwise reduces over
+both dims of each operand; rowwise over one: x and w over K forward, g and w over N for grad_input, g and x over M
+for grad_weight (`autopar.forms.float8.amax_reductions` counts them, `autopar.forms.blocks.float8_cost` prices
+them).
 """
 
 from __future__ import annotations
@@ -67,10 +67,11 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, axes):
+        m_axes, k_axes, n_axes = axes
         rowwise = recipe == ROWWISE
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        x8, sx = cast(x2, E4M3, -1 if rowwise else None, () if rowwise else axes)  # rowwise: (M, 1), per token
-        w8, sw = cast(weight, E4M3, -1 if rowwise else None)  # (N, K); rowwise: (N, 1) -> scale_b (1, N)
+        x8, sx = cast(x2, E4M3, -1 if rowwise else None, k_axes if rowwise else m_axes + k_axes)  # rowwise (M, 1)
+        w8, sw = cast(weight, E4M3, -1 if rowwise else None, k_axes if rowwise else n_axes + k_axes)  # (N, K)
         out = _mm(x8, sx, w8, sw, x.dtype)
         if bias is not None:
             out = out + bias
@@ -81,16 +82,17 @@ class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
+        m_axes, k_axes, n_axes = ctx.axes
         rowwise = ctx.recipe == ROWWISE
         g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
-            g8, sg = cast(g, E5M2, -1 if rowwise else None, () if rowwise else ctx.axes, True)
-            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None)  # (K, N) row-major: per K over N
+            g8, sg = cast(g, E5M2, -1 if rowwise else None, n_axes if rowwise else m_axes + n_axes, True)
+            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None, n_axes if rowwise else k_axes + n_axes, True)
             grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
-            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None, ctx.axes, True)  # over M (rowwise: per N)
-            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, ctx.axes, True)  # (K, M): per K over M
+            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None, m_axes if rowwise else m_axes + n_axes, True)
+            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, m_axes if rowwise else m_axes + k_axes, True)
             grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
@@ -98,9 +100,10 @@ class _Float8Linear(torch.autograd.Function):
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  recipe: str = "tensorwise", axes: tuple = ()) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring); `axes`: the mesh
-    axes (keys) the tokens are split over."""
+                  recipe: str = "tensorwise", m_axes: tuple = (), k_axes: tuple = (), n_axes: tuple = ()
+                  ) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring); `m_axes`,
+    `k_axes`, `n_axes`: the mesh axes (keys) that split its tokens, its in features, its out features."""
     if recipe not in RECIPES:
         raise ValueError(f"float8_linear: recipe {recipe!r} is not one of {RECIPES}. Fix: one of them")
-    return _Float8Linear.apply(x, weight, bias, recipe, tuple(axes))
+    return _Float8Linear.apply(x, weight, bias, recipe, (tuple(m_axes), tuple(k_axes), tuple(n_axes)))
