@@ -4,22 +4,24 @@ A float8 linear (torchao's `Float8Linear`, the recipes torchtitan trained with) 
 grad_input, grad_weight) in `torch._scaled_mm` with e4m3 activations and weights and e5m2 gradients; the weight stays
 in high precision and is quantised dynamically every step. What it costs beside the GEMMs is the dynamic scaling of
 each operand (input x (M, K), weight w (K, N), output gradient g (M, N)): an amax reduction reading the operand and a
-cast reading it again and writing one byte per element and writing the fp8 tensor in both layouts the GEMMs need,
-as torchao's roofline counts it (`benchmarks/float8/float8_roofline.py`, `get_tensor_memory_traffic_bytes` and
+cast reading it again and writing the fp8 tensor (one byte per element) in the layouts the GEMMs need, as
+torchao's roofline counts it (`benchmarks/float8/float8_roofline.py`, `get_tensor_memory_traffic_bytes` and
 `get_float8_mem_sympy`, which assume torch.compile as torchao's training recipes do): tensorwise reads the bf16
 tensor for the amax (2 bytes per element, fused into the producing op for the activation and the output gradient:
 0) and again for the cast, writing row- and column-major fp8 (2 + 2 x 1); rowwise casts along each dim in its own
 kernel, each reading 2 and writing 1 (one read fused with the producer for x and g). Either: 4 bytes per element of
 x and g, 6 per element of w (`ACT_CAST_BYTES`, `WEIGHT_CAST_BYTES`).
 
-- `tensorwise` (one scale per tensor, cuBLAS). Sharded operands need their amax all-reduced over the axes
-  they are sharded on (a 4-byte all-reduce per cast: one for x, w, g each under tensor parallelism); under FSDP the
+- `tensorwise` (one scale per tensor, cuBLAS). autopar's runtime all-reduces every amax over the axes that split
+  the dims it reduces (`CASTS`, `amax_reductions`: each rank then scales as one device does); under FSDP the
   weights are cast on their shard and all-gathered in fp8 (torchao `enable_fsdp_float8_all_gather`, one amax
   all-reduce for all weights per step: `precompute_float8_dynamic_scale_for_fsdp`): 1 byte per gathered element.
+  That is how the estimate prices it (torchtitan's runs did it); autopar's runtime does not do it yet: it gathers
+  the weight in its own dtype and casts it after the gather (open: the estimate is then optimistic by the gather's
+  second byte and the cast of the whole weight).
 - `rowwise` (one scale per row, CUTLASS; its GEMMs slower than tensorwise's: `cost_model.hardware._FP8_ACHIEVED`):
   each operand is scaled along both of its dims (the output GEMM's and the weight gradient's reduction dims
-  differ); every collective stays in
-  high precision ("all distributed communication is done in high precision", torchtitan docs/float8.md), so under
+  differ); every collective stays in high precision ("all distributed communication is done in high precision", torchtitan docs/float8.md), so under
   tensor parallelism each rank casts the whole replicated activation it receives, not its shard.
 
 Which linears: torchao's rule (`docs/source/workflows/training.md`, `_auto_filter_for_recipe`): fp8 where
