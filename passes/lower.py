@@ -1461,6 +1461,7 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         c = n.meta[M.COMM]
         rows.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                             bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
+    rows += _float8_amax_rows(gm)
     for n in walk(gm):
         if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
             continue
@@ -1472,6 +1473,40 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         rows.append(CommRow(module=spec_of(key).path, fn="moe_all_to_all", axis=axis.name,
                             forward="all_to_all x2 (+counts)", backward="all_to_all x2", bytes_forward=b,
                             bytes_backward=b))
+    return rows
+
+
+def _float8_amax_rows(gm: fx.GraphModule) -> list:
+    """A row per float8 linear and mesh axis: the amax all-reduces (MAX) `autopar.runtime.float8` issues inside it
+    (`autopar.forms.float8.CASTS`: those whose reduced dims the axis splits), forward and backward bytes."""
+    from autopar.forms.float8 import CASTS
+    from autopar.mesh import resolve_axis
+    from autopar.plan import CommRow
+    from autopar.runtime.float8 import float8_linear
+    from autopar.sites import module_path
+    rows = []
+    for n in walk(gm):
+        if n.op != "call_function" or n.target is not float8_linear:
+            continue
+        x, w, _, recipe, m_axes, k_axes, n_axes = n.args
+        out_f, in_f = w.meta["val"].shape  # global: (N, K)
+        tokens = x.meta["val"].numel() // x.meta["val"].shape[-1]
+        split = {"m": m_axes, "k": k_axes, "n": n_axes}
+        size = lambda keys: math.prod(resolve_axis(a).size for a in keys)  # noqa: E731
+        local = {"m": tokens / size(m_axes), "k": in_f / size(k_axes), "n": out_f / size(n_axes)}
+        for dim, keys in split.items():
+            for key in keys:
+                axis = resolve_axis(key)
+                fwd = bwd = 0
+                counts = [0, 0]
+                for j, (reduced, kept) in enumerate(CASTS[recipe]):
+                    if dim in reduced:
+                        b = round(send_bytes("all_reduce", 4 * (1 if kept is None else local[kept]), axis.size))
+                        fwd, bwd = (fwd + b, bwd) if j < 2 else (fwd, bwd + b)
+                        counts[j >= 2] += 1
+                rows.append(CommRow(module=module_path(n), fn="float8_amax", axis=axis.name,
+                                    forward=f"all_reduce(max) x{counts[0]}", backward=f"all_reduce(max) x{counts[1]}",
+                                    bytes_forward=fwd, bytes_backward=bwd))
     return rows
 
 

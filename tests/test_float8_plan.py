@@ -167,3 +167,25 @@ def test_auto_does_not_choose_rowwise_on_fsdp8_tp8():
     a = pr.float8_auto(run)
     assert a["infeasible"] is None and "rowwise" not in a["float8_recipes"], a["float8_recipes"]
     assert a["float8_recipes"] == ["tensorwise"]
+
+
+def test_lowered_plan_lists_the_amax_all_reduces():
+    """`plan(lower=True)`: one `float8_amax` row per float8 linear and axis splitting its dims (`CASTS`): tensorwise on
+    dp 2 x tp 2 one scalar forward and three backward on each axis (a row-parallel linear on tp: two and two); rowwise two vectors backward, of this rank's
+    kept dims (wq on dp: its N/2 and K; on tp: its M/2 and K)."""
+    model, inputs = _llama()
+    for recipe in f8.RECIPES:
+        p = autopar.plan(model, {"dp": 2, "tp": 2}, inputs, plan="megatron", cluster="h100", float8=recipe,
+                         lower=True)
+        rows = [c for c in p.comms if c.fn == "float8_amax"]
+        assert len(rows) == 2 * len(p.float8) == 28 and {c.axis for c in rows} == {"dp", "tp"}
+        wq = {c.axis: c for c in rows if c.module == "layers.0.attn.wq"}
+        if recipe == "tensorwise":  # a row-parallel linear on tp splits K: x and w forward, w.T and x.T backward
+            for c in rows:
+                row = c.axis == "tp" and c.module.endswith(("attn.wo", "mlp.down"))
+                want = ("all_reduce(max) x2", "all_reduce(max) x2", 8, 8) if row else \
+                    ("all_reduce(max) x1", "all_reduce(max) x3", 4, 12)
+                assert (c.forward, c.backward, c.bytes_forward, c.bytes_backward) == want, c
+        else:  # an all-reduce on 2 ranks sends its bytes once (2 (p-1) / p)
+            assert (wq["dp"].bytes_forward, wq["dp"].bytes_backward) == (0, 4 * (1024 + 2048))
+            assert (wq["tp"].bytes_forward, wq["tp"].bytes_backward) == (0, 4 * (BATCH * SEQ // 2 + 2048))
