@@ -47,32 +47,49 @@ __all__ = ["parallelize", "plan", "ParallelModule"]
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, memory_limit=None,
-         overrides=None, lower=False, progress=None, mp_policy=None, microbatches=None) -> Plan:
+         overrides=None, lower=False, progress=None, mp_policy=None, microbatches=None, float8=None) -> Plan:
     """Plan without running anything: `mesh` may be a DeviceMesh or axis sizes such as {"dp": 8, "tp": 8},
     and the model may live on the meta device. Returns the Plan with its cost estimate; `lower=True` also
     lowers it (on fake tensors, no process group) so that it lists its collectives (`Plan.comms`) as
     `parallelize` would. `progress(stage, seconds)` is called after each stage (capture, recognise, solve,
-    lower). `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy` (`autopar.precision`), as in `parallelize`."""
+    lower). `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy` (`autopar.precision`), as in `parallelize`.
+    `float8`: None, "tensorwise", "rowwise" or "auto": which linears run their GEMMs in fp8 (`autopar.float8`)."""
     check_model(model)
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)
+    check_float8(float8, plan, overrides)
     if isinstance(overrides, dict) and "pipeline" in overrides:
         return _plan_pipeline(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
                               overrides=overrides, lower=lower, precision=precision, microbatches=microbatches)
     if plan == "auto" and not lower:
         return _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=memory_limit,
                                      overrides=overrides, progress=progress, mp_policy=mp_policy,
-                                     precision=precision, microbatches=microbatches)
+                                     precision=precision, microbatches=microbatches, float8=float8)
     if microbatches is not None:
         raise ValueError(f"microbatches={microbatches!r} splits the batch of a pipelined plan, but no axis is "
                          "pipelined. Fix: add overrides={'pipeline': 'FORM@axis'} (e.g. '1f1b@pp'), or drop "
                          "microbatches")
     return _plan_unpipelined(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
-                             overrides=overrides, lower=lower, progress=progress, precision=precision)
+                             overrides=overrides, lower=lower, progress=progress, precision=precision, float8=float8)
+
+
+def check_float8(float8, plan, overrides) -> None:
+    """`float8=` is one of `autopar.forms.float8.OPTIONS`, on a named plan, without a pipeline."""
+    from autopar.forms.float8 import check_option
+    check_option(float8)
+    if float8 is None:
+        return
+    if not (isinstance(plan, str) and plan in PLANS):
+        raise ValueError(f"float8={float8!r} with a given or saved Plan: the float8 choice is part of the Plan "
+                         "(`Plan.float8`). Fix: plan with a plan name and float8=..., or drop float8")
+    if isinstance(overrides, dict) and "pipeline" in overrides:
+        raise NotImplementedError(f"float8={float8!r} with a 'pipeline' override: the stage model "
+                                  "(autopar.pipeline_estimate) does not price float8 linears yet. Fix: drop float8, "
+                                  "or plan without a pipeline")
 
 
 def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit, overrides, progress, mp_policy,
-                          precision, microbatches, runnable: bool = False) -> Plan:
+                          precision, microbatches, runnable: bool = False, float8=None) -> Plan:
     """`auto` offline: the ILP's plan on the whole mesh, weighed against pipelining an axis named like a pipeline
     axis (`pipeline_estimate.PIPELINE_AXIS_NAMES`: "pp", ...) or, when no plan fits, any axis
     (`pipeline_estimate.auto_pipeline`: schedule, microbatches, checkpoint level and cut, the ILP inside each stage);
@@ -86,7 +103,7 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
     try:
         unpipelined = _plan_unpipelined(model, mesh, example_inputs, plan="auto", cluster=cluster,
                                         memory_limit=memory_limit, overrides=overrides, lower=False,
-                                        progress=progress, precision=precision)
+                                        progress=progress, precision=precision, float8=float8)
     except InfeasibleError as e:
         err = e
     # no plan fits: any axis, but only where dividing the least plan's memory by the axis' size could fit (a
@@ -94,6 +111,12 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
     limit = err.limit_bytes if err is not None else None
     axes = [a for a in info.names if a in pe.PIPELINE_AXIS_NAMES and sizes[a] > 1] if err is None else \
         [a for a in info.names if sizes[a] > 1 and not err.least_bytes / sizes[a] > limit]
+    if float8 is not None and axes:
+        if err is not None:
+            raise err
+        return dataclasses.replace(unpipelined, notes=unpipelined.notes + (
+            f"float8={float8!r}: pipelines over {', '.join(map(repr, axes))} not weighed (the stage model does not "
+            "price float8 linears yet)",))
     if not axes:
         if err is not None:
             raise err
@@ -128,11 +151,14 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
 
 
 def _plan_unpipelined(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, progress,
-                      precision) -> Plan:
+                      precision, float8=None) -> Plan:
     info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
     t0 = time.perf_counter()
     with _local_tensor_off():
-        chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit, _names(model))
+        if float8 is None:
+            chosen = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit, _names(model))
+        else:
+            chosen = _plan_float8(plan, ctx, info, overrides, captured, cluster, memory_limit, float8)
     if progress:
         progress("solve", time.perf_counter() - t0)
     chosen = tie_placements(chosen, model, from_user=not (isinstance(plan, str) and plan in PLANS))
@@ -145,6 +171,53 @@ def _plan_unpipelined(model, mesh, example_inputs, *, plan, cluster, memory_limi
     if progress:
         progress("lower", time.perf_counter() - t0)
     return _with_work(chosen.with_comms(comm_rows(gm, info), captured.notes + lctx.notes), gm, info, warn=False)
+
+
+def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory_limit, float8) -> Plan:
+    """The named plan with float8 linears (`autopar.float8`): under the recipe given, or under each recipe and none
+    ("auto"), the least estimated step that fits winning; the `(float8)` decision lists what was weighed."""
+    from autopar import float8 as f8plan
+    from autopar.plan import CandidateRow, Decision
+    from autopar.solver import InfeasibleError
+    import autopar.forms.float8 as f8
+    from cost_model.hardware import load_cluster
+    clus = load_cluster(cluster, info.sizes)
+    unpriced = not f8.has_rates(clus)
+    if unpriced and float8 == "auto":
+        raise ValueError(f"float8='auto' on cluster {clus.name!r}: it has no `_scaled_mm` rates "
+                         f"({', '.join(f8.RATE_KEY.values())} in peak_flops), so auto cannot weigh fp8. Fix: a preset "
+                         "with FP8 tensor cores (cluster='h100', 'h100_hbm2e', 'h200'), a named recipe, or float8=None")
+    recipes = (None, *f8.RECIPES) if float8 == "auto" else (float8,)
+    world = f8plan.world_size(info.sizes)
+    tried, err = [], None
+    for recipe in recipes:
+        choice = f8plan.linears(ctx, recipe, clus, world, rule=float8 == "auto") if recipe else {}
+        f8plan.set_choice(ctx, choice)
+        try:
+            p = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
+        except InfeasibleError as e:  # noqa: PERF203 - a recipe under which no plan fits
+            err = e
+            continue
+        tried.append((recipe, choice, p))
+    if not tried:
+        raise err
+    fits = [t for t in tried if t[2].estimate.fits] or tried
+    recipe, choice, best = min(fits, key=lambda t: t[2].estimate.step_time_s)
+    f8plan.set_choice(ctx, choice)  # what lowering and any later pricing of this ctx see
+    rows = tuple(CandidateRow(label=f"{r or 'none'} ({len(c)} linears)", compute_s=p.estimate.compute_time_s,
+                              comm_s=p.estimate.comm_time_s, memory_bytes=p.estimate.memory_bytes_per_device,
+                              time_s=p.estimate.step_time_s,
+                              excluded="" if p.estimate.fits else "does not fit the memory limit")
+                 for r, c, p in tried)
+    how = ("auto: each recipe on the linears where torchao's rule says it pays, the least estimated step that fits "
+           "among the recipes" if float8 == "auto" else f"float8={float8!r}: on every nn.Linear")
+    skipped = len(f8plan.heads(ctx))
+    d = Decision(keys=(f8plan.DECISION_KEY,), kind="float8", chosen=recipe or "none",
+                 decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision", candidates=rows)
+    notes = (f"float8={float8!r} on cluster {clus.name!r}, which has no `_scaled_mm` rates: its fp8 GEMMs are priced "
+             "at the high-precision fallback rate, plus the casts",) if unpriced else ()
+    return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=best.decisions + (d,),
+                               notes=best.notes + notes)
 
 
 def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, precision,
@@ -167,7 +240,7 @@ def _plan_pipeline(model, mesh, example_inputs, *, plan, cluster, memory_limit, 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="auto", overrides=None, cluster=None,
                 memory_limit=None, inputs="global", mp_policy=None, microbatches=None,
-                stages_per_rank=None) -> ParallelModule:
+                stages_per_rank=None, float8=None) -> ParallelModule:
     """Turn a single-device model into a distributed program on `mesh`; see DESIGN.md §1.
 
     Every rank calls it with the same model, mesh and options (`autopar.agree` checks a fingerprint of them with
@@ -209,6 +282,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     as `autopar.plan`'s auto does, restricted to the pipelines the runtime runs ('dp' inside the stages, no
     checkpoint level, no 'zbv' for tied weights: `_auto_runnable`), and runs the winner: a pipeline, or the
     unpipelined plan with the '(pipeline)' decision saying why in `pm.plan.explain()`.
+
+    `float8` ("tensorwise", "rowwise", "auto"; `autopar.float8`), or a given Plan whose `float8` names linears: those
+    linears run `autopar.runtime.float8.float8_linear` (`passes.lower.float8_linears_pass`; under dp, fsdp and
+    tensor parallelism, each rank scaling as the single device does). Not with a pipeline (NotImplementedError).
     """
     if isinstance(mesh, dict):
         raise TypeError("parallelize needs a DeviceMesh (it runs the model); use autopar.plan(...) to plan for a "
@@ -222,6 +299,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
+    from autopar.forms.float8 import check_option
+    check_option(float8)
+    if float8 is not None and ((isinstance(overrides, dict) and "pipeline" in overrides)
+                               or (isinstance(plan, str) and plan == "auto" and _pipeline_axes(mesh))):
+        raise NotImplementedError(f"parallelize(..., float8={float8!r}) on a pipelined plan (or one auto may "
+                                  "pipeline): neither the stage model nor the stage runtime handles float8 linears. "
+                                  "Fix: float8=None")
     if isinstance(overrides, dict) and "pipeline" in overrides:
         from autopar.pipeline_runtime import parallelize_pipeline
         return parallelize_pipeline(model, mesh, example_inputs, value=overrides["pipeline"],
@@ -250,14 +334,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)
     arguments = dict(plan=plan, overrides=overrides, memory_limit=memory_limit, cluster=cluster, inputs=inputs,
-                     mp_policy=precision.spec() if precision else None)
+                     mp_policy=precision.spec() if precision else None, float8=float8)
     # inputs="local": guess every rank holds its own shard; the plan settles the data-parallel degree below
     copies = mesh.size() if inputs == "local" and isinstance(mesh, DeviceMesh) else 1
     info, captured, ctx, agreement = _agreed_prepare(model, mesh, example_inputs, arguments, copies)
     if inputs == "global":
         check_input_values(agreement)
-    solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
-                                  _names(model))
+    if float8 is not None:
+        check_float8(float8, plan, overrides)
+        solve = lambda: _plan_float8(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
+                                     float8)
+    else:
+        solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
+                                      _names(model))
     chosen = solve_on_rank0(solve)
     if auto_note is not None:  # auto weighed a pipeline and kept this plan: say why in explain()
         chosen = dataclasses.replace(chosen, decisions=chosen.decisions + (auto_note,))

@@ -192,6 +192,19 @@ class SiteStats:
     unsplit: "SiteStats | None" = None
     unsplit_gather_bytes: list[float] = field(default_factory=list)
     unsplit_ops: tuple[str, ...] = ()
+    # float8 linears of this site (`autopar.forms.float8`, `apply_float8`): their recipe, the scaling traffic of their
+    # activations and output gradients (global; split like the site's work), of those a tensor-parallel form leaves
+    # whole on each rank (rowwise: a column-parallel linear's replicated input; both: a row-parallel linear's output
+    # gradient), of their weights (whole on each rank but under tensorwise FSDP, which casts the shard), and the
+    # weights FSDP gathers in 1 byte (tensorwise: placeholder -> gathered bytes factor)
+    float8_recipe: str | None = None
+    float8_linears: int = 0
+    float8_act_bytes: float = 0.0
+    float8_whole_bytes: float = 0.0
+    float8_weight_bytes: float = 0.0
+    float8_gathered: dict[str, float] = field(default_factory=dict)
+    # (recipe, M, K, N, row-parallel) of each float8 linear: its amax all-reduces (`autopar.forms.float8.CASTS`)
+    float8_shapes: list[tuple] = field(default_factory=list)
 
     def add_node(self, n: fx.Node) -> None:
         c = node_cost(n)
@@ -514,7 +527,8 @@ def gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, set
     """Stats per composite site (by key), stats of everything else, and the params sites own. Read once per graph
     and set of sites (cached on `ctx`: planning prices several plans of one capture); callers do not mutate them."""
     gm = ctx.captured.gm
-    key = (id(gm), len(gm.graph.nodes), tuple(s.key for s in ctx.sites))
+    key = (id(gm), len(gm.graph.nodes), tuple(s.key for s in ctx.sites),
+           tuple(sorted((getattr(ctx, "float8", None) or {}).items())))
     cached = getattr(ctx, "_gathered_stats", None)
     if cached is None or cached[0] != key:
         cached = (key, _gather_stats(ctx))
@@ -601,7 +615,56 @@ def _gather_stats(ctx: PassContext) -> tuple[dict[str, SiteStats], SiteStats, se
         st.fsdp_groups = {p: groups[p] for p in st.param_facts if p in groups}
         st.fsdp_regathered = regathered
     attribute_saved(ctx, owner, stats, other)
+    apply_float8(ctx, owner, stats)
     return stats, other, owned
+
+
+def float8_shapes(lin) -> tuple[int, int, int]:
+    """(M, K, N) of a linear site's GEMM: tokens, in features, out features."""
+    out = lin.node.meta["val"]
+    n = int(out.shape[-1])
+    return out.numel() // n, int(lin.in_features), n
+
+
+def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats]) -> None:
+    """Price the linears `ctx.float8` names ({linear site key: recipe}) in fp8: their matmul work moves to the
+    recipe's `_scaled_mm` rate (`autopar.forms.float8.RATE_KEY`), and their scaling traffic is recorded on the site
+    that owns them (priced in `autopar.forms.blocks.finish`, which knows the form's split)."""
+    import autopar.forms.float8 as f8
+    chosen = getattr(ctx, "float8", None) or {}
+    if not chosen:
+        return
+    rows = {id(lin) for s in ctx.planning_sites() for lin in _row_linears(s)}
+    for lin in ctx.of_kind(Kind.LINEAR):
+        recipe = chosen.get(lin.key)
+        key = owner.get(lin.node)
+        if recipe is None or key is None:
+            continue
+        st = stats[key]
+        c = node_cost(lin.node)
+        size = c.flops
+        w = st.work.get(("matmul", c.dtype, size))
+        if w is None or not c.flops:
+            continue
+        w[0], w[1], w[2] = w[0] - c.flops, w[1] - c.bytes, w[2] - 1
+        if w[2] <= 0:
+            del st.work[("matmul", c.dtype, size)]
+        f = st.work.setdefault(("matmul", f8.RATE_KEY[recipe], size), [0.0, 0.0, 0])
+        f[0], f[1], f[2] = f[0] + c.flops, f[1] + c.bytes, f[2] + 1
+        m, k, n = float8_shapes(lin)
+        per = f8.ACT_CAST_BYTES[recipe]
+        st.float8_recipe = recipe
+        st.float8_linears += 1
+        st.float8_act_bytes += per * (m * k + m * n)
+        row = id(lin) in rows
+        st.float8_whole_bytes += per * (m * n if row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
+        st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
+        st.float8_shapes.append((recipe, m, k, n, row))
+        weight = lin.param.get("weight")
+        if f8.FP8_ALL_GATHER[recipe] and weight is not None:
+            v = next((p for p in ctx.captured.gm.graph.nodes if p.op == "placeholder" and p.name == weight), None)
+            item = v.meta["val"].element_size() if v is not None else 2
+            st.float8_gathered[weight] = 1.0 / item
 
 
 def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:

@@ -257,6 +257,8 @@ class Plan:
     checkpoint: tuple[tuple[str, str], ...] = ()
     # the pipeline over one mesh axis (`autopar.pipeline_plan`), or None: no axis is pipelined
     pipeline: PipelinePlan | None = None
+    # (linear module path, float8 recipe) of every linear whose GEMMs run in fp8 (`autopar.float8`); () : none
+    float8: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         if self.precision:
@@ -349,6 +351,8 @@ class Plan:
                          f"rank, layer cut {list(pp.cut)}")
         if self.checkpoint:
             lines.append("activation checkpointing: " + self.checkpoint_summary())
+        if self.float8:
+            lines.append("float8: " + self.float8_summary())
         if self.comms:
             lines.append(f"total: {len(self.comms)} collective nodes, {_fmt_bytes(self.comm_bytes_per_step())} "
                          "sent per rank per step (forward + backward)")
@@ -399,6 +403,15 @@ class Plan:
     def layer_level(self, key: str) -> str:
         """The checkpoint level of the layer holding structure `key` ('-': in no layer)."""
         return next((level for path, level in self.checkpoint if key == path or key.startswith(path + ".")), "-")
+
+    def float8_summary(self) -> str:
+        """'tensorwise on 96 linears (layers.{0..31}.attention.wq, ...)': each recipe with its linears folded."""
+        from autopar.layer_rows import group_rows
+        by: dict[str, list[str]] = defaultdict(list)
+        for key, recipe in self.float8:
+            by[recipe].append(key)
+        folded = {r: [row[0] for row, _, _ in group_rows([(k,) for k in keys])] for r, keys in by.items()}
+        return "; ".join(f"{r} on {len(by[r])} linears ({', '.join(keys)})" for r, keys in folded.items())
 
     def checkpoint_summary(self) -> str:
         """The level per layer, layers of one level listed together: 'h.0, h.1: full; h.2: none'."""
@@ -663,6 +676,7 @@ _READERS = {
     (SiteEstimate, "comm_axes"): _rows(str, (int, float), what="an [axis name, seconds] pair such as [\"tp\", 0.001]"),
     (Plan, "decisions"): _items(Decision),
     (Plan, "checkpoint"): _rows(str, str, what="a [layer path, checkpoint level] pair such as [\"layers.0\", \"full\"]"),
+    (Plan, "float8"): _rows(str, str, what="a [linear path, float8 recipe] pair such as [\"layers.0.mlp.w1\", \"tensorwise\"]"),
     (Decision, "keys"): _strs,
     (Decision, "candidates"): _items(CandidateRow),
 }

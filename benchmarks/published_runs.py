@@ -4,6 +4,7 @@ nothing and hides nothing.
 
     python benchmarks/published_runs.py [--quick] [--markdown] [--breakdown] [--auto]
         # --quick: the 8-GPU torchtitan row only (its step time and memory; no auto)
+        # --float8: the torchtitan bf16/float8 pairs only, their ratios, and auto's float8 choice on FSDP8 x TP8
         # --breakdown: each row's predicted step by category (matmul, attention, elementwise by dtype, copies,
         #   optimizer step, overlap contention, recompute, exposed communication) beside the published step
         # --auto: each pipelined Megatron row planned by `auto` on the same GPUs and batch (the pipeline role, its
@@ -142,6 +143,8 @@ class Run:
     # a pipelined run: 'FORM@axis' (the `pipeline` override, `autopar.pipeline_estimate`) and its microbatch count
     pipeline: str = ""
     microbatches: int = 0
+    float8: str | None = None  # the float8 recipe torchtitan ran (`autopar.plan(float8=...)`), None: bf16
+    pair: str = ""  # a float8 row: the name of its bf16 row (the float8/bf16 ratio is compared)
 
     @property
     def gpus(self) -> int:
@@ -184,6 +187,27 @@ RUNS = RUNS + (
     _mlm_pp("70b", 2, 384, 419.7), _mlm_pp("119b", 4, 768, 420.5), _mlm_pp("177b", 6, 1152, 432.8),
     _mlm_pp("314b", 8, 1536, 474.4), _mlm_pp("462b", 16, 3072, 459.9),
 )
+# torchtitan's bf16/float8 pairs (issue #24; notes/pipeline-zero-fp8.md §6.3): Llama-3.1-8B with torch.compile in
+# both, tensorwise with the float8 all-gather on FSDP (torchtitan docs/performance.md Tables 1 and 3: 8 and 128 H100,
+# local batch 2) and on FSDP 8 x TP 8 (torchtitan#1207: 64 H100, local batch 12, per-op SAC: bf16 4,378, rowwise
+# 3,708.5, tensorwise 5,078.1). The bf16 FSDP8 x TP8 row is `tt_8b_fsdp8_tp8` above.
+_TT_FSDP8 = RUNS[0]
+_TT_TP8 = RUNS[2]
+FLOAT8_RUNS = (
+    replace(_TT_FSDP8, name="tt_8b_fsdp8_compile", what="torchtitan Llama-3.1-8B, 8 H100, FSDP 8, local batch 2, "
+            "compile", published=6667.0, published_mem_gib=None, compiled=True),
+    replace(_TT_FSDP8, name="tt_8b_fsdp8_float8", what="same, float8 tensorwise + fp8 all-gather", published=8532.0,
+            published_mem_gib=None, compiled=True, float8="tensorwise", pair="tt_8b_fsdp8_compile"),
+    replace(RUNS[1], name="tt_8b_fsdp128_compile", what="torchtitan Llama-3.1-8B, 128 H100, FSDP 128, compile",
+            published=6514.0, published_mem_gib=None, compiled=True),
+    replace(RUNS[1], name="tt_8b_fsdp128_float8", what="same, float8 tensorwise + fp8 all-gather", published=8380.0,
+            published_mem_gib=None, compiled=True, float8="tensorwise", pair="tt_8b_fsdp128_compile"),
+    replace(_TT_TP8, name="tt_8b_fsdp8_tp8_rowwise", what="torchtitan Llama-3.1-8B, 64 H100, FSDP 8 x TP 8, float8 "
+            "rowwise", published=3708.5, float8="rowwise", pair="tt_8b_fsdp8_tp8"),
+    replace(_TT_TP8, name="tt_8b_fsdp8_tp8_tensorwise", what="same, float8 tensorwise", published=5078.1,
+            float8="tensorwise", pair="tt_8b_fsdp8_tp8"),
+)
+FLOAT8_AUTO_ROW = "tt_8b_fsdp8_tp8"  # `auto` with float8="auto" on this row's mesh and batch must not choose rowwise
 PUBLISHED_SCALING = 5605.0 / 5762.0 - 1  # torchtitan FSDP 8 -> 128 GPUs: -2.7%
 
 def llama_tt_eager_meta(shape: dict, seq: int, batch: int):
@@ -304,7 +328,8 @@ def price(run: Run, memory_limit=None) -> dict:
         overrides = {**(overrides or {}), "pipeline": run.pipeline}
     try:
         p = autopar.plan(model, run.mesh, inputs, plan=run.plan, cluster=run.cluster, memory_limit=memory_limit,
-                         overrides=overrides, mp_policy=mp_policy(run), microbatches=run.microbatches or None)
+                         overrides=overrides, mp_policy=mp_policy(run), microbatches=run.microbatches or None,
+                         float8=run.float8)
     except InfeasibleError as e:
         out.update(plan_s=time.perf_counter() - t0, infeasible=str(e), least_gib=e.least_bytes / GIB)
         return out
@@ -319,7 +344,7 @@ def price(run: Run, memory_limit=None) -> dict:
                mem_gib=e.memory_bytes_per_device / GIB, fits=e.fits,
                limit_gib=e.memory_limit_bytes / GIB, tok_s_gpu=tok_s_gpu, tflops=tflops, mfu=tflops * 1e12 / PEAK_BF16,
                predicted=predicted, ratio=predicted / run.published, forms=forms(p), batch_ok=batch_split_ok(p),
-               bubble_s=e.bubble_s, pipeline=p.pipeline)
+               bubble_s=e.bubble_s, pipeline=p.pipeline, float8=p.float8)
     return out
 
 
@@ -382,6 +407,26 @@ def breakdown(run: Run) -> dict[str, float]:
     return out
 
 
+def float8_rows() -> tuple:
+    """The float8 rows and the bf16 rows they pair with (`--float8`)."""
+    pairs = {r.pair for r in FLOAT8_RUNS}
+    return tuple(r for r in RUNS if r.name in pairs) + FLOAT8_RUNS
+
+
+def float8_ratio(by: dict, run: Run) -> tuple[float, float]:
+    """(predicted, published) float8/bf16 throughput ratio of a float8 row against its bf16 pair."""
+    base = by[run.pair]
+    return by[run.name]["predicted"] / base["predicted"], run.published / base["run"].published
+
+
+def float8_auto(run: Run) -> dict:
+    """`auto` with float8="auto" on `run`'s model, mesh and batch: the recipe it chooses (issue #24: not rowwise on
+    FSDP8 x TP8)."""
+    r = price(replace(run, plan="auto", float8="auto", overrides=()))
+    chosen = sorted({recipe for _, recipe in r.get("float8") or ()}) or ["none"]
+    return {**r, "float8_recipes": chosen}
+
+
 def auto_fits(run: Run, limit_bytes: float) -> dict:
     """Does `auto` find a plan for `run`'s model, mesh and batch under `limit_bytes`?"""
     auto = replace(run, plan="auto")
@@ -410,7 +455,8 @@ def main(argv=None, priced: dict | None = None) -> dict:
     """The benchmark; `priced`: rows already priced (`price`) by run name, reused (tests share them)."""
     argv = sys.argv[1:] if argv is None else argv
     quick, markdown, parts = "--quick" in argv, "--markdown" in argv, "--breakdown" in argv
-    runs = RUNS[:1] if quick else RUNS
+    only_float8 = "--float8" in argv
+    runs = RUNS[:1] if quick else float8_rows() if only_float8 else RUNS + FLOAT8_RUNS
     results = []
     print("== throughput: predicted (cost model, h100 preset) vs published")
     for run in runs:
@@ -425,7 +471,7 @@ def main(argv=None, priced: dict | None = None) -> dict:
         run = r["run"]
         if run.published_mem_gib is None or r["infeasible"]:
             continue
-        autos = {} if quick else {gb: auto_fits(run, gb * 1e9) for gb in (80, 95)}
+        autos = {} if quick or only_float8 else {gb: auto_fits(run, gb * 1e9) for gb in (80, 95)}
         mem.append((r, autos))
         says = "; ".join(f"auto under {gb} GB: "
                          + (f"INFEASIBLE (least {a['least_gib']:.0f} GiB)" if a["infeasible"] else
@@ -447,6 +493,15 @@ def main(argv=None, priced: dict | None = None) -> dict:
         pred = by["tt_8b_fsdp128"]["tok_s_gpu"] / by["tt_8b_fsdp8"]["tok_s_gpu"] - 1
         print(f"RATIO published_fsdp_8_to_128_scaling predicted = {pred:+.1%} (published {PUBLISHED_SCALING:+.1%}; "
               f"goal within 10 points)")
+    for run in (x["run"] for x in results):
+        if run.pair and run.pair in by and not by[run.name]["infeasible"] and not by[run.pair]["infeasible"]:
+            pred, pub = float8_ratio(by, run)
+            print(f"RATIO published_float8_{run.name} float8/bf16 predicted = {pred:.3f} (published {pub:.3f}, "
+                  f"{(pred - pub) * 100:+.1f} points; goal within 10 points)")
+    if not quick and FLOAT8_AUTO_ROW in by:
+        a = float8_auto(by[FLOAT8_AUTO_ROW]["run"])
+        print(f"RATIO float8_auto_{FLOAT8_AUTO_ROW} chosen = {'/'.join(a['float8_recipes'])} (goal: not rowwise; "
+              f"{a.get('tok_s_gpu', 0):,.0f} tok/s/GPU predicted)")
     for r, autos in mem:
         run = r["run"]
         ok = "".join(f", auto@{gb}GB {'fits' if not a['infeasible'] else 'INFEASIBLE'}" for gb, a in autos.items())

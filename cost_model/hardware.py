@@ -379,6 +379,10 @@ _H100_FLOPS = {
     "float16": 989e12,  # FP16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
     "float32": 67e12,  # FP32 (non-tensor-core; TF32 would be 494.5 dense)
     "float64": 67e12,  # FP64 Tensor Core 67 TFLOPS
+    # FP8 Tensor Core 3,958 TFLOPS with sparsity -> 1,979 dense; the `_scaled_mm` of each float8 recipe
+    # (`autopar.forms.float8`) is a separate key: they reach different fractions of it (`_FP8_ACHIEVED`)
+    "float8_tensorwise": 1979e12,
+    "float8_rowwise": 1979e12,
 }
 
 # Achieved, not peak, rates of the GPU presets (a profile of the real cluster replaces them all):
@@ -411,7 +415,16 @@ _H100_FLOPS = {
 #   training (Lee et al. 2025, "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
 #   Learning: Performance and Power Implications", arXiv 2507.03114): NCCL's kernels occupy SMs (and power) the
 #   compute kernels then lack.
+# - FP8 `_scaled_mm` (`_FP8_ACHIEVED`, of the FP8 dense peak): torchao measured one H100's achieved fractions of the
+#   peaks at large shapes, bf16 0.69 and fp8 0.78 (`torchao/testing/training/roofline_utils.py`, "NVIDIA H100":
+#   `pct_achievable_gemm_tops_bf16` / `_fp8`, "based on experimental observation with sample large inputs"): fp8
+#   reaches 0.78 / 0.69 = 1.13x the fraction bf16 does. Against bf16's MAMF (80.3%, above), tensorwise (cuBLAS)
+#   is put at 0.803 x 1.13 = 0.908 of the fp8 peak [derived]. Rowwise (CUTLASS, a scale per row) is slower: torchao's
+#   published Llama3-8B FSDP2 runs on 8 H100 (docs/source/workflows/training.md: bf16 6,150, tensorwise 7,689.5 =
+#   +25.0%, rowwise 6,768 = +10.1% tok/s) put it at 0.625 of the fp8 peak [derived: the rate at which this cost
+#   model's step gains what that run gained on its shapes, bs 1, seq 8192, selective AC; no kernel rate published].
 _T0_S = 8e-6  # assumed fixed time of one matmul kernel (see above)
+_FP8_ACHIEVED = {"float8_tensorwise": 794.5 / 989 * 0.78 / 0.69, "float8_rowwise": 0.625}
 _HBM_ACHIEVED = 2903 / 3350  # D2D copy / datasheet HBM bandwidth, H100 SXM (see above)
 _OVERLAP_SLOWDOWN = 0.189  # compute slowdown under overlapped communication (Lee et al. 2025, see above)
 
@@ -421,7 +434,7 @@ def _matmul_table(peak: dict[str, float], mamf: float) -> dict[str, tuple[tuple[
     sizes = [10.0 ** e for e in range(6, 17)]
     out = {}
     for dtype, flops in peak.items():
-        best = flops * mamf if dtype in ("bfloat16", "float16") else flops
+        best = flops * mamf if dtype in ("bfloat16", "float16") else flops * _FP8_ACHIEVED.get(dtype, 1.0)
         out[dtype] = tuple((f, f / (f / best + _T0_S)) for f in sizes)
     return out
 
@@ -470,7 +483,9 @@ PRESETS: dict[str, Cluster] = {
     # 1,671 TFLOPS with sparsity) bf16, which halves the largest error either end could make; the same achieved
     # fraction of it (MAMF) as the SXM part.
     "h100_hbm2e": _h100_like(
-        "h100_hbm2e", peak={**_H100_FLOPS, "bfloat16": 912e12, "float16": 912e12}, mamf=_MAMF_H100,
+        "h100_hbm2e", peak={**_H100_FLOPS, "bfloat16": 912e12, "float16": 912e12,  # FP8 at the same fraction of SXM
+                            "float8_tensorwise": 1979e12 * 912 / 989, "float8_rowwise": 1979e12 * 912 / 989},
+        mamf=_MAMF_H100,
         memory_bytes_per_s=2.4e12, device_memory_bytes=96 * 10**9,
         source="H100 96 GB HBM2e 2.4 TB/s, 500 W (torchtitan's Grand Teton hosts, 400 Gb/s RDMA per GPU); peak between "
                "the H100 SXM and NVL datasheets; achieved rates as the h100 preset"),

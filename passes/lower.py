@@ -100,6 +100,8 @@ class LowerContext:
     precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
     # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
     checkpoint: list = field(default_factory=list)
+    # linear node name -> (float8 recipe, its weight's placeholder) (`float8_linears_pass`)
+    float8: dict = field(default_factory=dict)
 
 
 def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: str = "default",
@@ -173,8 +175,73 @@ def lower_context(plan: Plan, captured: Captured, info: MeshInfo, rng_stream: st
             ctx.parts[d.node] = (ax, blocks)
     ctx.zigzag_axes = tuple(sorted(zigzag))
     ctx.checkpoint = _checkpointed_layers(plan, captured)
+    ctx.float8 = _float8_nodes(plan, captured)
     kv_before_repeat_hints(ctx, by_name, info)
     return ctx
+
+
+def _float8_nodes(plan: Plan, captured: Captured) -> dict[str, str]:
+    """{linear node name: (recipe, weight placeholder)} for the plan's float8 linears (`Plan.float8`: by module
+    path)."""
+    from autopar.sites import module_path
+    if not plan.float8:
+        return {}
+    linears = {}
+    for n in captured.gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.linear.default:
+            linears.setdefault(module_path(n), (n.name, n.args[1].name))
+    out = {}
+    for path, recipe in plan.float8:
+        if path not in linears:
+            raise ValueError(f"plan {plan.name!r} runs {path!r} in float8 ({recipe}), but this model's graph has no "
+                             "aten.linear at that module path: the plan was made for another model, or the layer "
+                             "is not an nn.Linear (a Conv1D-style addmm is not run in fp8). Fix: re-plan")
+        name, weight = linears[path]
+        out[name] = (recipe, weight)
+    return out
+
+
+def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """The plan's float8 linears (`ctx.float8`) -> `autopar.runtime.float8.float8_linear` on the same local operands,
+    with the mesh axes that split its tokens (the data axes: its output's placements), its out features (a
+    column-parallel weight, S(0)) and its in features (a row-parallel one, S(1)); FSDP's gathered weights are whole.
+    Its amaxes are all-reduced there, so every rank scales as the single device does. The fusions of a
+    column-parallel input's collective with its linears (`async_column_linears_pass`, `regather_linear_inputs_pass`)
+    leave float8 linears out (their collective stays a node of its own)."""
+    if not ctx.float8:
+        return gm
+    from autopar.runtime.float8 import float8_linear
+    info = ctx.mesh
+    found = set()
+    for n in gm.graph.nodes:
+        if n.name not in ctx.float8 or n.op != "call_function" or n.target is not aten.linear.default:
+            continue
+        x, w = n.args[0], n.args[1]
+        bias = n.args[2] if len(n.args) > 2 else None
+        recipe, weight = ctx.float8[n.name]
+        k_axes, n_axes = [], []
+        for i, pw in enumerate(ctx.placements[weight]):  # nn.Linear's weight is (N, K)
+            if isinstance(pw, Replicate) or i in ctx.gathers.get(weight, ()) or info.sizes[i] == 1:
+                continue  # whole on this rank (FSDP gathers it)
+            if not isinstance(pw, Shard) or pw.dim not in (0, 1):
+                raise NotImplementedError(f"float8 linear {n.name!r}: its weight is {fmt(pw)} on mesh axis "
+                                          f"{info.names[i]!r}; the fp8 runtime splits weights on their rows "
+                                          "(column-parallel) or columns (row-parallel) only. Fix: float8=None")
+            (n_axes if pw.dim == 0 else k_axes).append(info.axes[i].key)
+        op = n.meta.get(M.PLACEMENTS)
+        op = x.meta.get(M.PLACEMENTS) if op is None or isinstance(op, list) else op  # the tokens' split: the same
+        if op is None or isinstance(op, list):
+            raise NotImplementedError(f"float8 linear {n.name!r}: its tokens' placements are not recorded; autopar "
+                                      "cannot tell which ranks hold its other rows. Fix: float8=None")
+        ndim = len(n.meta["val"].shape)
+        m_axes = tuple(info.axes[i].key for i, po in enumerate(op)
+                       if isinstance(po, Shard) and po.dim % ndim != ndim - 1 and info.sizes[i] > 1)
+        n.target, n.args, n.kwargs = float8_linear, (x, w, bias, recipe, m_axes, tuple(k_axes), tuple(n_axes)), {}
+        found.add(n.name)
+    missing = sorted(set(ctx.float8) - found)
+    assert not missing, f"float8 linears {missing} were rewritten by an earlier pass"
+    gm.recompile()
+    return gm
 
 
 def kv_before_repeat_hints(ctx: LowerContext, by_name: dict, info: MeshInfo) -> None:
@@ -871,6 +938,8 @@ def _fuse_input_collective(gm: fx.GraphModule, ctx: LowerContext, target, fuse) 
         if coll.args[0].op == "placeholder" or not users or not all(_takes_as_input(u, coll) for u in users) \
                 or not any(a in needs for u in users for a in u.args if a is not coll):
             continue  # a parameter (FSDP), another consumer, or no weight gradient to compute
+        if any(u.name in ctx.float8 for u in users):
+            continue  # a float8 linear runs on its own kernel (`float8_linears_pass`)
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(users, key=order.__getitem__)
         in_out = tuple(u.target is not aten.linear.default for u in users)  # addmm / mm: w is (in, out)
@@ -1363,6 +1432,7 @@ LOWER = [
     replicated_reductions_to_parameters_pass,
     bucket_gradients_pass,
     mixed_precision_pass,
+    float8_linears_pass,
     dead_code_pass,
     checkpoint_layers_pass,
 ]
@@ -1391,6 +1461,7 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         c = n.meta[M.COMM]
         rows.append(CommRow(module=c.module, fn=c.fn, axis=c.axis, forward=c.forward, backward=c.backward,
                             bytes_forward=c.bytes_forward, bytes_backward=c.bytes_backward))
+    rows += _float8_amax_rows(gm)
     for n in walk(gm):
         if n.op != "call_function" or n.target is not moe_experts or n.args[6] != "a2a":
             continue
@@ -1402,6 +1473,40 @@ def comm_rows(gm: fx.GraphModule, info: MeshInfo) -> list:
         rows.append(CommRow(module=spec_of(key).path, fn="moe_all_to_all", axis=axis.name,
                             forward="all_to_all x2 (+counts)", backward="all_to_all x2", bytes_forward=b,
                             bytes_backward=b))
+    return rows
+
+
+def _float8_amax_rows(gm: fx.GraphModule) -> list:
+    """A row per float8 linear and mesh axis: the amax all-reduces (MAX) `autopar.runtime.float8` issues inside it
+    (`autopar.forms.float8.CASTS`: those whose reduced dims the axis splits), forward and backward bytes."""
+    from autopar.forms.float8 import CASTS
+    from autopar.mesh import resolve_axis
+    from autopar.plan import CommRow
+    from autopar.runtime.float8 import float8_linear
+    from autopar.sites import module_path
+    rows = []
+    for n in walk(gm):
+        if n.op != "call_function" or n.target is not float8_linear:
+            continue
+        x, w, _, recipe, m_axes, k_axes, n_axes = n.args
+        out_f, in_f = w.meta["val"].shape  # global: (N, K)
+        tokens = x.meta["val"].numel() // x.meta["val"].shape[-1]
+        split = {"m": m_axes, "k": k_axes, "n": n_axes}
+        size = lambda keys: math.prod(resolve_axis(a).size for a in keys)  # noqa: E731
+        local = {"m": tokens / size(m_axes), "k": in_f / size(k_axes), "n": out_f / size(n_axes)}
+        for dim, keys in split.items():
+            for key in keys:
+                axis = resolve_axis(key)
+                fwd = bwd = 0
+                counts = [0, 0]
+                for j, (reduced, kept) in enumerate(CASTS[recipe]):
+                    if dim in reduced:
+                        b = round(send_bytes("all_reduce", 4 * (1 if kept is None else local[kept]), axis.size))
+                        fwd, bwd = (fwd + b, bwd) if j < 2 else (fwd, bwd + b)
+                        counts[j >= 2] += 1
+                rows.append(CommRow(module=module_path(n), fn="float8_amax", axis=axis.name,
+                                    forward=f"all_reduce(max) x{counts[0]}", backward=f"all_reduce(max) x{counts[1]}",
+                                    bytes_forward=fwd, bytes_backward=bwd))
     return rows
 
 

@@ -112,6 +112,9 @@ FILE_SECONDS = {
     "test_mixed_precision_tp.py": 30,
     "test_collectives.py": 20,
     "test_published_runs.py": 30,
+    "test_float8_plan.py": 22,  # the torchtitan bf16/float8 pairs priced offline (11 s)
+    "test_float8_kernel.py": 2,
+    "test_float8_runtime.py": 12,  # dp, fsdp, megatron x2 on the shared 2-rank pool (2-3 s each)
     "test_contract_data.py": 19,
     "test_tune_mirror.py": 18,
     "test_contract_modes.py": 18,

@@ -31,6 +31,8 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     holds only while it runs (`Cost.peak_bytes`); `hidden`: of its collectives, what its weight gradients cover
     (`Cost.hidden_s`, `weight_grad_cover_s`)."""
     backward_s = 2 * compute / 3 if backward_s is None else backward_s
+    f8_s, f8_t, f8_b = float8_cost(st, cand, mc, param_split)
+    compute += f8_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     gather = regather = reducing = 0.0
     step_t = step_b = 0.0  # zero1's gather after the step: critical (not in reduce_s)
@@ -48,11 +50,38 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     hidden = min(hidden, (own_t + lr_t) / 2, backward_s)  # within the timeline's backward half (`autopar.timeline`)
+    own_t, own_b = own_t + f8_t, own_b + f8_b
     return Cost(compute_s=compute, comm_s=own_t + t + lr_t + step_t, comm_bytes=own_b + b + lr_b + step_b,
                 memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
                 reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden,
                 reduce_transient_bytes=reducing)
+
+
+def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: int) -> tuple[float, float, float]:
+    """(compute seconds, collective seconds, bytes sent) of a structure's float8 scaling (`autopar.forms.float8`): the
+    activations' and output gradients' amax + cast passes split like its work (over the data ranks and the form's
+    `param_split`), but those the form leaves whole on each rank (`SiteStats.float8_whole_bytes`) split over the data
+    ranks only; the weights' on this rank's share (`param_split`), and on the FSDP shard under tensorwise (cast before
+    the fp8 all-gather). The amax all-reduces autopar's runtime issues so that every rank scales as one device does
+    (`autopar.forms.float8.CASTS`): on each data axis those over the tokens, on a tensor-parallel form's axis those
+    over the features it splits (a column-parallel linear's N, a row-parallel one's K)."""
+    if not st.float8_linears:
+        return 0.0, 0.0, 0.0
+    from autopar.forms.float8 import FP8_ALL_GATHER, amax_reductions, cast_s
+    whole = st.float8_whole_bytes if param_split > 1 else 0.0
+    act = (st.float8_act_bytes - whole) / (mc.dp * param_split) + whole / mc.dp
+    weight = st.float8_weight_bytes / param_split / (mc.dp if cand.fsdp and FP8_ALL_GATHER[st.float8_recipe] else 1)
+    t = b = 0.0
+    for recipe, m, k, n, row in st.float8_shapes:  # amaxes all-reduced where their dims are split (the runtime's)
+        tp = param_split > 1 and cand.axis is not None
+        local = {"m": m / mc.dp, "k": k / param_split if row else k, "n": n if row else n / param_split}
+        splits = [(a, "m") for a in mc.data_axes if mc.size(a) > 1] + ([(cand.axis, "k" if row else "n")] if tp else [])
+        for axis, dim in splits:
+            for numel in amax_reductions(recipe, dim, local):
+                ct, cb = mc.collective("all_reduce", 4 * numel, axis)
+                t, b = t + ct, b + cb
+    return cast_s(act + weight, mc.cluster), t, b
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

@@ -171,8 +171,8 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
         again = again and mc.zero != 2  # zero2: every group kept (and persisting): none gathered again in backward
-        if used:
-            gathered.append((nbytes / split, group / split, again))
+        if used:  # a tensorwise float8 weight is gathered in 1 byte (`SiteStats.float8_gathered`)
+            gathered.append((nbytes * st.float8_gathered.get(name, 1.0) / split, group / split, again))
         if synced:
             reduced.append((nbytes / split, group / split))
     t, b = sync(mc, gathered, reduced, backward_s)
@@ -195,7 +195,7 @@ def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group = sharded.fsdp_groups.get(name, (nbytes, False))[0] if synced else nbytes
         if used:
-            t += gather_time_s(mc, nbytes / split, group / split)[0]
+            t += gather_time_s(mc, nbytes * st.float8_gathered.get(name, 1.0) / split, group / split)[0]
     return t
 
 
@@ -206,7 +206,7 @@ def regather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
         if used and again and mc.zero != 2:
-            t += regather_time_s(mc, nbytes / split, group / split)[0]
+            t += regather_time_s(mc, nbytes * st.float8_gathered.get(name, 1.0) / split, group / split)[0]
     return t
 
 

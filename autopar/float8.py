@@ -1,0 +1,59 @@
+"""The planner's float8 decision: which linears run their GEMMs in fp8, and under which recipe.
+
+`float8=` on `autopar.plan` / `autopar.parallelize` (`autopar.forms.float8.OPTIONS`):
+
+- `None` (the default): every linear in the model's dtype.
+- `"tensorwise"` / `"rowwise"`: that recipe on every linear (`nn.Linear`: an `aten.linear` node) but the output head
+  (the linears a loss reads: torchtitan keeps `output` in high precision), as torchtitan's float8 converter
+  converts them (`filter_fqns=["output"]`; `linears(..., rule=False)`).
+- `"auto"`: per linear, each recipe where it pays (`linears`: torchao's rule, `autopar.forms.float8.pays`: the
+  GEMMs' saving beats the scaling's traffic, on the linear's shapes on one rank: its tokens over every rank of the
+  mesh, the least a rank computes; small KxN linears fail it), then the plan priced under each recipe (and under
+  none), the least estimated step that fits winning; the `(float8)` decision lists each with its step
+  (`Plan.explain`). A recipe whose scaling the plan's forms make expensive (rowwise under tensor parallelism: each
+  rank casts the replicated activations whole) loses there.
+
+The choice lives in the Plan (`Plan.float8`: (linear, recipe) pairs), the estimate prices it
+(`autopar.estimate.apply_float8`, `autopar.forms.blocks.float8_cost`, FSDP's gathers in 1 byte under tensorwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.sites import Kind, PassContext
+import autopar.forms.float8 as f8
+
+DECISION_KEY = "(float8)"
+
+
+def heads(ctx: PassContext) -> set[str]:
+    """The linears a loss reads (the output head): kept in high precision."""
+    return {lin.key for s in ctx.of_kind(Kind.LOSS) for lin in s.head}
+
+
+def linears(ctx: PassContext, recipe: str, cluster, world: int, *, rule: bool = True) -> dict[str, str]:
+    """{linear key: recipe} for the `nn.Linear`s but the output head; `rule`: only where `recipe` pays on one of
+    `world` ranks (module docstring)."""
+    import torch
+
+    from autopar.estimate import float8_shapes
+    skip = heads(ctx)
+    out = {}
+    for lin in ctx.of_kind(Kind.LINEAR):
+        if lin.key in skip or lin.node.meta.get("val") is None or lin.node.target is not torch.ops.aten.linear.default:
+            continue
+        m, k, n = float8_shapes(lin)
+        dtype = str(lin.node.meta["val"].dtype).removeprefix("torch.")
+        if not rule or f8.pays(m / world, k, n, recipe, cluster, dtype):
+            out[lin.key] = recipe
+    return out
+
+
+def set_choice(ctx: PassContext, chosen: dict[str, str]) -> None:
+    """The linears the estimate prices in fp8 (`autopar.estimate.apply_float8`)."""
+    ctx.float8 = dict(chosen)
+
+
+def world_size(sizes) -> int:
+    return math.prod(sizes)

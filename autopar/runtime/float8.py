@@ -1,0 +1,109 @@
+"""A float8 linear on `torch._scaled_mm`, forward and backward in fp8 (torchao's `Float8Linear` recipes).
+
+`float8_linear(x, weight, bias, recipe)` computes `x @ weight.T + bias` with all three GEMMs in `torch._scaled_mm`:
+
+- output = x8 @ w8.T: x and the weight in e4m3 (`torch.float8_e4m3fn`);
+- grad_input = g8 @ w8: the output gradient in e5m2 (`torch.float8_e5m2`), the weight in e4m3;
+- grad_weight = g8.T @ x8: the output gradient in e5m2, the input in e4m3.
+
+Scales are dynamic (from each operand's amax, every call), fp32, and divide out in `_scaled_mm` (`scale_a`,
+`scale_b` are the inverse scales): `tensorwise` one per tensor; `rowwise` one per row along each GEMM's reduction
+dim (for the output GEMM: x per row of K, w per row of K; for grad_input: g per row of N, w per column over N; for
+grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them (without its
+power-of-2 rounding). `_scaled_mm` wants its second operand column-major: each is passed as a transposed
+row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
+backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
+
+Parallel (`m_axes`, `k_axes`, `n_axes`: the mesh axes splitting the tokens M, the in features K, the out features N
+of this rank's operands; `passes.lower.float8_linears_pass`): every amax is all-reduced (MAX) over the axes that
+split the dims it reduces over, so each rank's scales are the single device's and its fp8 GEMMs compute exactly
+its part of what the single-device fp8 linear computes (summation order aside). Data parallelism splits M;
+a column-parallel weight N (w and g are sharded there); a row-parallel one K (w and x). Tensorwise reduces over
+both dims of each operand; rowwise over one: x and w over K forward, g and w over N for grad_input, g and x over M
+for grad_weight (`autopar.forms.float8.amax_reductions` counts them, `autopar.forms.blocks.float8_cost` prices
+them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.forms.float8 import RECIPES  # ("tensorwise", "rowwise"): the planner's recipe names
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TENSORWISE, ROWWISE = RECIPES
+_EPS = 1e-12  # an all-zero operand keeps a finite scale (torchao's EPS)
+
+
+def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
+           ) -> torch.Tensor:
+    """fp32 scale mapping `t`'s amax (over everything, or over `dim` kept; all-reduced MAX over `axes`) to `dtype`'s
+    largest finite value."""
+    with torch.no_grad():
+        amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+        for a in axes:
+            from autopar.mesh import resolve_axis
+            from autopar.runtime.collectives import _raw_all_reduce
+            amax = _raw_all_reduce(amax, resolve_axis(a), backward=backward, op="max")
+    return torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS).to(torch.float32)
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in fp8 `dtype`, the inverse scale `_scaled_mm` multiplies back), scaled per tensor (`dim` None) or along
+    `dim` (one scale per slice over `dim`); `axes`: mesh axes whose ranks hold the other slices of what the amax
+    reduces over (its amax all-reduced MAX there)."""
+    s = _scale(t, dtype, dim, axes, backward)
+    fmax = torch.finfo(dtype).max
+    return (t.to(torch.float32) * s).clamp(-fmax, fmax).to(dtype), s.reciprocal()
+
+
+def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
+    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major)."""
+    return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb,
+                            out_dtype=out_dtype)
+
+
+class _Float8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe, axes):
+        m_axes, k_axes, n_axes = axes
+        rowwise = recipe == ROWWISE
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        x8, sx = cast(x2, E4M3, -1 if rowwise else None, k_axes if rowwise else m_axes + k_axes)  # rowwise (M, 1)
+        w8, sw = cast(weight, E4M3, -1 if rowwise else None, k_axes if rowwise else n_axes + k_axes)  # (N, K)
+        out = _mm(x8, sx, w8, sw, x.dtype)
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x2, weight)
+        ctx.recipe, ctx.has_bias, ctx.x_shape, ctx.axes = recipe, bias is not None, x.shape, axes
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        m_axes, k_axes, n_axes = ctx.axes
+        rowwise = ctx.recipe == ROWWISE
+        g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
+            g8, sg = cast(g, E5M2, -1 if rowwise else None, n_axes if rowwise else m_axes + n_axes, True)
+            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None, n_axes if rowwise else k_axes + n_axes, True)
+            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
+            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None, m_axes if rowwise else m_axes + n_axes, True)
+            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, m_axes if rowwise else m_axes + k_axes, True)
+            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  recipe: str = "tensorwise", m_axes: tuple = (), k_axes: tuple = (), n_axes: tuple = ()
+                  ) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with its forward and backward GEMMs in fp8 (module docstring); `m_axes`,
+    `k_axes`, `n_axes`: the mesh axes (keys) that split its tokens, its in features, its out features."""
+    if recipe not in RECIPES:
+        raise ValueError(f"float8_linear: recipe {recipe!r} is not one of {RECIPES}. Fix: one of them")
+    return _Float8Linear.apply(x, weight, bias, recipe, (tuple(m_axes), tuple(k_axes), tuple(n_axes)))
