@@ -320,10 +320,17 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         f = pipe_cost.in_flight(form, p, m, v, r)
         cks = [stage_ck[k] for k in ks if stage_ck[k] is not None]
         start = sum(c.act_bytes for c in cks) * f + max((c.transient_bytes for c in cks), default=0.0)
+        # torch's schedule keeps each in-flight microbatch's stage output for its backward (`PipelineStage`'s
+        # forward cache: autograd saves no layer's own output), and a stage receives its output's gradient into a
+        # buffer of that size: on each stage that sends to a next one
+        sending = sum(1 for k in ks if k < n - 1)
+        boundary = lc.boundary_bytes * sending
+        start += boundary * (f + 1)
         peak = peak_bytes([_with_activations(c, f) for c in held], lc.grad_share, start)
         later = pipe_cost.in_flight_later(form, p, m, v, r)
         if later > 0:  # a later microbatch's backward: every gradient accumulated, `later` microbatches in flight
             start_later = sum(c.act_bytes for c in cks) * later + max((c.transient_bytes for c in cks), default=0.0)
+            start_later += boundary * (later + 1)
             peak = max(peak, _accumulating_bytes([_with_activations(c, later) for c in held], lc.grad_share,
                                                  start_later))
         rank_cost = _combine(held)

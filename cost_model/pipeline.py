@@ -35,7 +35,9 @@ microbatch's backward and held until the optimizer step, so every later microbat
 them alive next to the activations then in flight: 1F1B's steady state still holds min(m, p - s) (when m > p - s,
 else one fewer), GPipe m - 1. The rank's peak is the larger of its first backward's start (no gradient yet) and a
 later one's (every gradient, `in_flight_later` microbatches); measured on gloo (benchmarks/memory_fidelity.py
---pipeline) this term is what 1F1B's peak lacked (measured / predicted 1.20-1.26 without it).
+--pipeline) this term is what 1F1B's peak lacked (measured / predicted 1.20-1.26 without it). A stage that sends
+to a next one also holds its output for each microbatch in flight (torch's `PipelineStage` keeps it for the
+backward) and the output gradient it receives (`autopar.pipeline_estimate.price_pipeline`).
 """
 
 from __future__ import annotations

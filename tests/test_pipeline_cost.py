@@ -95,20 +95,23 @@ def test_rank_memory_is_state_plus_in_flight_activations():
         state, act = 2 * 4.0 * GIB, 2 * 1.0 * GIB
         assert s.in_flight == 4 - r and s.layers == 2
         # held (parameters + optimizer) + the start of a later microbatch's backward (m > in flight: as many in
-        # flight as at the first): its in-flight activations next to every gradient, accumulated since the first
-        assert s.peak_bytes == int(state * 0.75 + state * 0.25 + (4 - r) * act)
+        # flight as at the first): its in-flight activations next to every gradient, accumulated since the first;
+        # a stage that sends holds its output per microbatch in flight and the output gradient it receives
+        sent = (r < 3) * 8 * 2**20 * (4 - r + 1)
+        assert s.peak_bytes == int(state * 0.75 + state * 0.25 + (4 - r) * act + sent)
         assert (s.parameters_bytes, s.gradients_bytes, s.optimizer_bytes) == (int(state / 4), int(state / 4),
                                                                              int(state / 2))
         assert s.activations_bytes == int(act)
     assert f["memory_bytes_per_device"] == f["stages"][0].peak_bytes
     # GPipe holds all m microbatches on every rank (m at its first backward, m - 1 and every gradient at the next)
     _, g, _ = _price(lc, form="gpipe", cut=(0, 2, 4, 6, 8))
-    assert [s.peak_bytes for s in g["stages"]] == [int(8 * 0.75 * GIB + 8 * 2 * GIB)] * 4
+    assert [s.peak_bytes for s in g["stages"]] == [int(8 * 0.75 * GIB + 8 * 2 * GIB + 9 * 8 * 2**20)] * 3 + \
+        [int(8 * 0.75 * GIB + 8 * 2 * GIB)]
     # the unpipelined estimate's rule (`estimate.peak_bytes`) with the activations times in flight, plus the gradients
     # accumulated over the microbatches
     two = Cost(compute_s=2.0, comm_s=0.0, comm_bytes=0.0, memory_bytes=2 * (4.0 + 4 * 1.0) * GIB,
                act_bytes=2 * 4 * GIB)
-    assert f["stages"][0].peak_bytes == int(peak_bytes([two], 0.25) + 2 * 4.0 * GIB * 0.25)
+    assert f["stages"][0].peak_bytes == int(peak_bytes([two], 0.25, 5 * 8 * 2**20) + 2 * 4.0 * GIB * 0.25)
 
 
 def test_checkpoint_level_scales_with_in_flight_microbatches_and_adds_recompute():
@@ -121,7 +124,7 @@ def test_checkpoint_level_scales_with_in_flight_microbatches_and_adds_recompute(
     state = 8.0 * GIB
     # rank 0: 4 microbatches in flight, each 2 layers x (1 - 0.75) GiB, plus one layer's transient, next to the
     # gradients accumulated since the first microbatch's backward
-    assert s0.peak_bytes == int(state * 0.75 + state * 0.25 + 4 * 2 * 0.25 * GIB + 0.2 * GIB)
+    assert s0.peak_bytes == int(state * 0.75 + state * 0.25 + 4 * 2 * 0.25 * GIB + 0.2 * GIB + 5 * 8 * 2**20)
     assert s0.activations_bytes == int(2 * 0.25 * GIB)
     assert s0.compute_s == pytest.approx(f0["stages"][0].compute_s + 2 * 0.3)
 
@@ -286,9 +289,7 @@ def test_auto_pipelines_when_no_plan_fits_otherwise():
     p = autopar.plan(model, {"pp": 4, "tp": 2}, inputs, plan="auto", cluster="h100", microbatches=8,
                      memory_limit=130e6)
     d = _pipeline_decision(p)
-    # zbv (was 1f1b before the gradients accumulated over the microbatches were priced next to the in-flight
-    # activations: that raised 1F1B's first-stage peak, the pp_mem branch)
-    assert p.pipeline is not None and p.pipeline.form == "zbv" and p.pipeline.cut == (0, 1, 2, 3, 4)
+    assert p.pipeline is not None and p.pipeline.form == "1f1b" and p.pipeline.cut == (0, 1, 2, 3, 4)
     assert p.estimate.fits and p.estimate.memory_bytes_per_device <= 130e6 and p.name == "auto"
     assert "without a pipeline: no plan fits" in d.decided_by and "bubble" in d.decided_by
     with pytest.raises(autopar.InfeasibleError, match="no plan fits"):
