@@ -736,10 +736,11 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
     def build(lv: _Live):
         pp = lv.cand.plan.pipeline
         if pp is not None:  # run as parallelize runs the override (module docstring, 6)
-            from autopar.api import parallelize
-            lv.pm = parallelize(model, mesh, example_inputs, plan="dp",
-                                overrides={"pipeline": f"{pp.form}@{pp.axis}"}, microbatches=pp.microbatches,
-                                stages_per_rank=pp.stages_per_rank)
+            from autopar.pipeline_runtime import parallelize_pipeline
+            value = f"{pp.form}@{pp.axis}"
+            lv.pm = parallelize_pipeline(model, mesh, example_inputs, value=value, microbatches=pp.microbatches,
+                                         stages_per_rank=pp.stages_per_rank, plan="dp",
+                                         overrides={"pipeline": value}, inputs="global", mp_policy=None)
         else:
             lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
         lv.opt = make_opt(list(lv.pm.parameters()))
