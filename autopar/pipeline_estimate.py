@@ -83,6 +83,17 @@ def _with_activations(c: Cost, factor: float) -> Cost:
                                memory_bytes=c.memory_bytes - c.act_bytes + c.act_bytes * factor)
 
 
+def _accumulating_bytes(costs, grad_share: float, start_bytes: float) -> float:
+    """Live bytes at the start of a microbatch's backward after the first: what is held all step, every gradient
+    (accumulated since the first backward), the activations in flight and the largest momentary buffer
+    (`estimate.peak_bytes`' start of the backward, with the gradients added; `cost_model.pipeline.in_flight_later`)."""
+    held = act = grads = momentary = 0.0
+    for c in costs:
+        h, a, g = c.live_parts(grad_share)
+        held, act, grads, momentary = held + h, act + a, grads + g, max(momentary, c.peak_bytes)
+    return held + grads + act + momentary + start_bytes
+
+
 def exposed_s(c: Cost) -> float:
     """Per microbatch: compute and the model-axis collectives no compute hides (`autopar.timeline`'s critical path)."""
     return c.compute_s + max(0.0, c.critical_s - c.hidden_s)
@@ -309,7 +320,19 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         f = pipe_cost.in_flight(form, p, m, v, r)
         cks = [stage_ck[k] for k in ks if stage_ck[k] is not None]
         start = sum(c.act_bytes for c in cks) * f + max((c.transient_bytes for c in cks), default=0.0)
+        # torch's schedule keeps each in-flight microbatch's stage output for its backward (`PipelineStage`'s
+        # forward cache: autograd saves no layer's own output), and a stage receives its output's gradient into a
+        # buffer of that size: on each stage that sends to a next one
+        sending = sum(1 for k in ks if k < n - 1)
+        boundary = lc.boundary_bytes * sending
+        start += boundary * (f + 1)
         peak = peak_bytes([_with_activations(c, f) for c in held], lc.grad_share, start)
+        later = pipe_cost.in_flight_later(form, p, m, v, r)
+        if later > 0:  # a later microbatch's backward: every gradient accumulated, `later` microbatches in flight
+            start_later = sum(c.act_bytes for c in cks) * later + max((c.transient_bytes for c in cks), default=0.0)
+            start_later += boundary * (later + 1)
+            peak = max(peak, _accumulating_bytes([_with_activations(c, later) for c in held], lc.grad_share,
+                                                 start_later))
         rank_cost = _combine(held)
         compute = sum(stage_compute[k] for k in ks)
         exposed = sum(chunk_s[k] - stage_p2p[k] - stage_compute[k] for k in ks)

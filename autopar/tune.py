@@ -40,6 +40,13 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
    call (and `parallelize(..., plan="tuned")`) returns it without measuring.
 
+6. **Pipeline candidates** (`pipelines=(("1f1b@pp", 4), ...)`: a pipeline override and its microbatch count each):
+   priced offline on rank 0 (`autopar.pipeline_estimate.plan_pipeline`, plan 'dp' inside the stages, as
+   `parallelize(plan="dp", overrides={"pipeline": ...}, microbatches=m)` runs them), built by `parallelize` with that
+   override and timed in the same interleaved rounds, named 'pipeline 1f1b@pp m=4' in the table. Their prediction
+   is the pipeline estimate's step (its bubble and overlap do not decompose into the parts a calibration scales),
+   so they are measured and compared but left out of the calibration fit.
+
 `TuneResult.plan` is the fastest measured plan, `.table()` prints every candidate's prediction before and after
 calibration against its measurement, `.candidates` holds them.
 """
@@ -199,28 +206,33 @@ def _mib(b: float) -> str:
 
 def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, steps: int = 10, warmup: int = 3,
          optimizer: Callable | None = None, cache: bool = True, progress: bool = True, cluster=None,
-         memory_limit: float | None = None, calibrate: bool = True) -> TuneResult:
+         memory_limit: float | None = None, calibrate: bool = True, pipelines=()) -> TuneResult:
     """Measure the ILP's `top_k` best distinct plans and the hand plans on `mesh`; see the module docstring.
 
     `optimizer(params) -> torch.optim.Optimizer` (default AdamW); `cluster` as in `parallelize` (the profile to
     calibrate; a preset name is used as published and not calibrated on disk); `memory_limit` (bytes per rank): a
-    candidate that measures more is skipped; `calibrate=False` leaves the calibration on disk alone."""
+    candidate that measures more is skipped; `calibrate=False` leaves the calibration on disk alone; `pipelines`:
+    (pipeline override, microbatches) pairs measured as candidates too (module docstring, 6)."""
     _check(model, mesh, top_k, steps, warmup, optimizer)
+    pipelines = _check_pipelines(pipelines, mesh)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     loaded = load_cluster(cluster, info.sizes)
     base = dataclasses.replace(loaded, calibration=None)
     key = cache_key(captured, info, base, model, example_inputs)
+    if pipelines:  # other candidates, another result
+        key += "-pp" + hashlib.sha256(repr(pipelines).encode()).hexdigest()[:8]
     where = _cache_dir() / f"{key}.json"
     if cache:
         hit = _on_rank0(lambda: where.read_text() if where.is_file() else None, mesh)
         if hit is not None:
             result = _from_cache(hit, key, str(where))
             return result
-    rows = _on_rank0(lambda: [c.to_dict() for c in candidates(model, ctx, info, captured, loaded, top_k)], mesh)
+    rows = _on_rank0(lambda: [c.to_dict() for c in candidates(model, ctx, info, captured, loaded, top_k)
+                              + pipeline_candidates(model, info, example_inputs, cluster, pipelines)], mesh)
     cands = [TuneCandidate.from_dict(r) for r in rows]
     cands = _measure(model, mesh, example_inputs, cands, steps=steps, warmup=warmup, optimizer=optimizer,
                      cluster=cluster, memory_limit=memory_limit, progress=progress and _rank() == 0)
-    fits = [(dict(c.components), c.measured_s) for c in cands if c.measured_s is not None]
+    fits = [(dict(c.components), c.measured_s) for c in cands if c.measured_s is not None and c.plan.pipeline is None]
     cal, cal_path = None, ""
     if fits:
         profile = _calibration_home(cluster, info.sizes)
@@ -277,6 +289,32 @@ def _lower(model, mesh, example_inputs, plan: Plan, stream: str):
     new_rng_stream(stream, agreed_seed(mesh))
     gm = lower_pass(captured.gm, lower_context(plan, captured, info, rng_stream=stream))
     return ParallelModule(model, mesh, captured, plan, gm, stream, example_inputs=example_inputs)
+
+
+def _check_pipelines(pipelines, mesh) -> tuple[tuple[str, int], ...]:
+    from autopar.pipeline_plan import parse_pipeline
+    out = []
+    for item in pipelines:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], int) and not isinstance(item[1], bool) and item[1] >= 1):
+            raise ValueError(f"autopar.tune: pipelines takes (pipeline override, microbatches) pairs such as "
+                             f"('1f1b@pp', 4), got {item!r}")
+        parse_pipeline(item[0], tuple(mesh.mesh_dim_names or ()))  # a clear error for a bad form or axis
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+def pipeline_candidates(model: nn.Module, info, example_inputs, cluster, pipelines) -> list[TuneCandidate]:
+    """Each (pipeline override, microbatches) as a candidate, priced offline with plan 'dp' inside the stages."""
+    from autopar.pipeline_estimate import plan_pipeline
+    out = []
+    for override, m in pipelines:
+        plan = plan_pipeline(model, dict(zip(info.names, info.sizes)), example_inputs, pipeline=override,
+                             microbatches=m, plan="dp", cluster=cluster)
+        step_s = plan.estimate.step_time_s
+        out.append(TuneCandidate(name=f"pipeline {override} m={m}", plan=plan, predicted_s=step_s,
+                                 components=((REST, step_s),)))
+    return out
 
 
 def _check(model, mesh, top_k, steps, warmup, optimizer) -> None:
@@ -696,7 +734,15 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
     make_opt = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
     def build(lv: _Live):
-        lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
+        pp = lv.cand.plan.pipeline
+        if pp is not None:  # run as parallelize runs the override (module docstring, 6)
+            from autopar.pipeline_runtime import parallelize_pipeline
+            value = f"{pp.form}@{pp.axis}"
+            lv.pm = parallelize_pipeline(model, mesh, example_inputs, value=value, microbatches=pp.microbatches,
+                                         stages_per_rank=pp.stages_per_rank, plan="dp",
+                                         overrides={"pipeline": value}, inputs="global", mp_policy=None)
+        else:
+            lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
         lv.opt = make_opt(list(lv.pm.parameters()))
 
     for lv in live:

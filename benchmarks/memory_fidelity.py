@@ -13,7 +13,10 @@
 Plans: dp, fsdp, megatron (TP), TP+SP (megatron with sequence norms), ulysses, ring, and expert parallelism
 (MoE Llama), on a GPT and a Llama-style model (fp32, Adam), 2 gloo ranks.
 
-    python benchmarks/memory_fidelity.py [--quick]
+(c) `--pipeline`: each pipeline stage's peak (the same probe) against `Plan.estimate.stages[r].peak_bytes`, pp2
+    under 1F1B and GPipe, 4 microbatches, a 4-layer Llama (dp inside the stages). Goal: within +-10%.
+
+    python benchmarks/memory_fidelity.py [--quick] [--pipeline]
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ def model(name: str):
         return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=H))
     if name == "gpt-wide":
         return GPT(GPTConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, hidden=8 * H))
+    if name == "llama-pp":
+        return Llama(LlamaConfig(vocab_size=V, seq_len=S // 2, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 hidden=2 * H, ffn_hidden=4 * H))
     moe = dict(moe_experts=4, moe_top_k=2, moe_style="grouped") if name == "llama-moe" else {}
     return Llama(LlamaConfig(vocab_size=V, seq_len=S, num_layers=L, num_heads=4, num_kv_heads=2, hidden=H,
                              ffn_hidden=2 * H, attention="sdpa", **moe))
@@ -88,6 +94,65 @@ def measure(model_name: str, plan_name: str) -> dict:
                 peak_est=est.memory_bytes_per_device, base=live.base, at_peak=live.at_peak)
 
 
+def pipeline_measure(form: str, microbatches: int = 4) -> dict:
+    """On every rank of a 2-rank pp mesh: one warm-up step, then the peak of a measured one against the stage's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from memory_probe import LiveStorages, local, optimizer_tensors
+
+    x = inputs(B)
+    x = (x[0][:, : S // 2], x[1][:, : S // 2])
+    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(model("llama-pp"), mesh, x, plan="dp", overrides={"pipeline": f"{form}@pp"},
+                             microbatches=microbatches)
+    opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
+    pm(*x).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    existing = [local(p) for p in pm.parameters()] + optimizer_tensors(opt) + list(x)
+    with LiveStorages([t for t in existing if t.numel()]) as live:
+        pm(*x).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    s = pm.plan.estimate.stages[dist.get_rank()]
+    return dict(form=form, rank=dist.get_rank(), peak=live.peak, base=live.base, at_peak=live.at_peak,
+                peak_est=s.peak_bytes, params_est=s.parameters_bytes, grads_est=s.gradients_bytes,
+                opt_est=s.optimizer_bytes, act_est=s.activations_bytes, in_flight=s.in_flight)
+
+
+def _pipeline_worker(out_path: str, forms: list) -> None:
+    import torch.distributed as dist
+
+    rows = [pipeline_measure(f) for f in forms]
+    got = [None] * W
+    dist.all_gather_object(got, rows)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump([r for form_rows in zip(*got) for r in form_rows], f)
+
+
+def pipeline_main() -> None:
+    forms = ["1f1b", "gpipe"]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        launch(_pipeline_worker, W, out, forms)
+        with open(out) as f:
+            rows = json.load(f)
+    mib = 2**20
+    print(f"pipeline stage peak memory, pp{W} gloo, llama 4 layers h={2 * H} b={B} s={S // 2} vocab={V}, 4 microbatches,"
+          f" fp32, Adam")
+    print(f"{'form':6s} {'rank':>4s} {'measured':>10s} {'predicted':>10s} {'ratio':>6s}   predicted parts (MiB): "
+          f"params grads optimizer activations x in flight")
+    for r in sorted(rows, key=lambda r: (forms.index(r["form"]), r["rank"])):
+        print(f"{r['form']:6s} {r['rank']:4d} {r['peak'] / mib:8.3f}Mi {r['peak_est'] / mib:8.3f}Mi "
+              f"{r['peak'] / r['peak_est']:6.3f}   {r['params_est'] / mib:.3f} {r['grads_est'] / mib:.3f} "
+              f"{r['opt_est'] / mib:.3f} {r['act_est'] / mib:.3f} x {r['in_flight']:g}")
+    for r in rows:
+        print(f"RATIO memory_peak_pp_{r['form']}_rank{r['rank']} (measured/predicted): {r['peak'] / r['peak_est']:.3f}")
+
+
 def _worker(out_path: str, cases: list) -> None:
     import torch.distributed as dist
 
@@ -98,6 +163,8 @@ def _worker(out_path: str, cases: list) -> None:
 
 
 def main() -> None:
+    if "--pipeline" in sys.argv:
+        return pipeline_main()
     quick = "--quick" in sys.argv
     only = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
     cases = [c for c in CASES if (not quick or c[0] != "llama" or c[1] in ("tp+sp", "ring"))

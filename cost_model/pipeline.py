@@ -29,6 +29,15 @@ num_warmup_microbatches; torch `ScheduleInterleaved1F1B`: warmup_ops), each chun
 rank 0 holds p (1 + (p - 1) / (p v)) microbatches' worth, the paper's (1 + (p-1)/(pv)) factor; ZB-V holds p on every
 rank, as 1F1B's first stage (Qi et al. 2024, Table 3: ZB-V peak activation memory p M_B). Capped by what exists:
 m microbatches (m v chunks).
+
+Gradients accumulate over the microbatches (`in_flight_later`): a stage's gradients are allocated by its first
+microbatch's backward and held until the optimizer step, so every later microbatch's backward starts with all of
+them alive next to the activations then in flight: 1F1B's steady state still holds min(m, p - s) (when m > p - s,
+else one fewer), GPipe m - 1. The rank's peak is the larger of its first backward's start (no gradient yet) and a
+later one's (every gradient, `in_flight_later` microbatches); measured on gloo (benchmarks/memory_fidelity.py
+--pipeline) this term is what 1F1B's peak lacked (measured / predicted 1.20-1.26 without it). A stage that sends
+to a next one also holds its output for each microbatch in flight (torch's `PipelineStage` keeps it for the
+backward) and the output gradient it receives (`autopar.pipeline_estimate.price_pipeline`).
 """
 
 from __future__ import annotations
@@ -54,6 +63,16 @@ def in_flight(form: str, p: int, m: int, v: int, rank: int) -> float:
         chunks = 2 * (p - rank - 1) + (v - 1) * p + 1
         return min(m * v, chunks) / v
     return float(min(m, p))  # zbv, dualpipev
+
+
+def in_flight_later(form: str, p: int, m: int, v: int, rank: int) -> float:
+    """The microbatches in flight on rank `rank` when a backward other than its first starts (the gradients then
+    all allocated): as many as at the first when a forward remains to refill the one just freed (f < m), else one
+    chunk fewer; 0 when there is no later backward (m v == 1)."""
+    f = in_flight(form, p, m, v, rank)
+    if m * v <= 1:
+        return 0.0
+    return f if f < m else f - 1.0 / v
 
 
 def pipeline_time(form: str, p: int, m: int, chunk_s: list[float], rank_of: list[int]) -> tuple[float, float]:

@@ -89,6 +89,9 @@ FILE_SECONDS = {
     "test_precision_inputs.py": 38,  # not from that run: measured alone, 2026-12-04 (a gloo test against FSDP2)
     "test_batch_local.py": 35,  # not from that run: measured alone, 2026-12-04 (one gloo test)
     "test_pipeline_cost.py": 30,
+    "test_pipeline_memory.py": 20,
+    "test_tune_pipeline.py": 30,
+    "test_pipeline_dcp.py": 12,  # measured 8 s alone (2026-12-07), the 2-rank pool started  # measured 19 s alone (2026-12-07), most of it tune measuring every hand plan  # measured 7 s alone with the 2-rank pool started (2026-12-07)
     "test_pipeline_forms.py": 100,  # measured alone, 2026-12-06: 61-76 s before the mp_policy case (+44 s alone; mostly the 4-rank pool starting)
     "test_pipeline_auto.py": 160,  # measured at load 12-14 on 2 cores (2026-12-06), the 2- and 4-rank pools started
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day

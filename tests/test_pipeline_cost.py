@@ -94,19 +94,24 @@ def test_rank_memory_is_state_plus_in_flight_activations():
     for r, s in enumerate(f["stages"]):
         state, act = 2 * 4.0 * GIB, 2 * 1.0 * GIB
         assert s.in_flight == 4 - r and s.layers == 2
-        # held (parameters + optimizer) + the larger end of the backward: in-flight activations, or the gradients
-        assert s.peak_bytes == int(state * 0.75 + max((4 - r) * act, state * 0.25))
+        # held (parameters + optimizer) + the start of a later microbatch's backward (m > in flight: as many in
+        # flight as at the first): its in-flight activations next to every gradient, accumulated since the first;
+        # a stage that sends holds its output per microbatch in flight and the output gradient it receives
+        sent = (r < 3) * 8 * 2**20 * (4 - r + 1)
+        assert s.peak_bytes == int(state * 0.75 + state * 0.25 + (4 - r) * act + sent)
         assert (s.parameters_bytes, s.gradients_bytes, s.optimizer_bytes) == (int(state / 4), int(state / 4),
                                                                              int(state / 2))
         assert s.activations_bytes == int(act)
     assert f["memory_bytes_per_device"] == f["stages"][0].peak_bytes
-    # GPipe holds all m microbatches on every rank
+    # GPipe holds all m microbatches on every rank (m at its first backward, m - 1 and every gradient at the next)
     _, g, _ = _price(lc, form="gpipe", cut=(0, 2, 4, 6, 8))
-    assert [s.peak_bytes for s in g["stages"]] == [int(8 * 0.75 * GIB + 8 * 2 * GIB)] * 4
-    # the same rule as the unpipelined estimate (`estimate.peak_bytes`) with the activations times in flight
+    assert [s.peak_bytes for s in g["stages"]] == [int(8 * 0.75 * GIB + 8 * 2 * GIB + 9 * 8 * 2**20)] * 3 + \
+        [int(8 * 0.75 * GIB + 8 * 2 * GIB)]
+    # the unpipelined estimate's rule (`estimate.peak_bytes`) with the activations times in flight, plus the gradients
+    # accumulated over the microbatches
     two = Cost(compute_s=2.0, comm_s=0.0, comm_bytes=0.0, memory_bytes=2 * (4.0 + 4 * 1.0) * GIB,
                act_bytes=2 * 4 * GIB)
-    assert f["stages"][0].peak_bytes == int(peak_bytes([two], 0.25))
+    assert f["stages"][0].peak_bytes == int(peak_bytes([two], 0.25, 5 * 8 * 2**20) + 2 * 4.0 * GIB * 0.25)
 
 
 def test_checkpoint_level_scales_with_in_flight_microbatches_and_adds_recompute():
@@ -117,8 +122,9 @@ def test_checkpoint_level_scales_with_in_flight_microbatches_and_adds_recompute(
     _, f1, _ = _price(_synthetic(ck=ck), cut=(0, 2, 4, 6, 8))
     s0 = f1["stages"][0]
     state = 8.0 * GIB
-    # rank 0: 4 microbatches in flight, each 2 layers x (1 - 0.75) GiB, plus one layer's transient, or the gradients
-    assert s0.peak_bytes == int(state * 0.75 + max(4 * 2 * 0.25 * GIB + 0.2 * GIB, state * 0.25))
+    # rank 0: 4 microbatches in flight, each 2 layers x (1 - 0.75) GiB, plus one layer's transient, next to the
+    # gradients accumulated since the first microbatch's backward
+    assert s0.peak_bytes == int(state * 0.75 + state * 0.25 + 4 * 2 * 0.25 * GIB + 0.2 * GIB + 5 * 8 * 2**20)
     assert s0.activations_bytes == int(2 * 0.25 * GIB)
     assert s0.compute_s == pytest.approx(f0["stages"][0].compute_s + 2 * 0.3)
 
