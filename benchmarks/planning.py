@@ -219,7 +219,60 @@ def _one(name: str) -> dict:
     return shape_row(name)
 
 
+LLAMA_405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+# issue #25 item 1: planning time per stage against depth, meshes up to 16,384 ranks (no pipeline axis: the
+# unpipelined auto plan, the part whose capture grows with depth). MoE shapes (Mixtral 8x22B, DeepSeek-V3): open.
+STAGE_SHAPES = {
+    "8b_8k_64": (LLAMA_8B, 8192, {"dp": 8, "tp": 8}, 8),
+    "70b_8k_512": (LLAMA_70B, 8192, {"dp": 64, "tp": 8}, 64),
+    "405b_8k_16384": (LLAMA_405B, 8192, {"dp": 2048, "tp": 8}, 2048),
+}
+
+
+def stage_row(name: str) -> dict:
+    """`autopar.plan(plan="auto")` on one STAGE_SHAPES shape, in this process: wall seconds and each stage's
+    seconds as `progress` reports them (capture, recognise, solve)."""
+    import autopar
+    shape, seq, mesh, batch = STAGE_SHAPES[name]
+    model, inputs = llama_tt_meta(shape, seq, batch)
+    stages: dict[str, float] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    autopar.plan(model, mesh, inputs, plan="auto", cluster="h100",
+                 progress=lambda s, d: stages.__setitem__(s, stages.get(s, 0.0) + d))
+    return dict(name=name, layers=shape["layers"], ranks=_ranks(mesh), wall_s=time.perf_counter() - t0,
+                cpu_s=time.process_time() - c0, stages=stages)
+
+
+def _ranks(mesh: dict) -> int:
+    n = 1
+    for v in mesh.values():
+        n *= v
+    return n
+
+
+def stages_main() -> None:
+    """`python benchmarks/planning.py --stages`: one fresh process per STAGE_SHAPES shape."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in STAGE_SHAPES:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--stage-one", name], env=env,
+                              capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("JSON ")]
+        if proc.returncode or not lines:
+            sys.exit(f"planning {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        r = json.loads(lines[0][5:])
+        st = ", ".join(f"{k} {v:.2f} s" for k, v in r["stages"].items())
+        print(f"STAGES planning_{name}: {r['layers']} layers on {r['ranks']} ranks: wall {r['wall_s']:.1f} s "
+              f"({r['cpu_s']:.1f} s CPU; {st}), goal <= 10 s, {os.cpu_count()} CPU cores, load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--stage-one":
+        print("JSON " + json.dumps(stage_row(sys.argv[2])), flush=True)
+        return
+    if "--stages" in sys.argv:
+        stages_main()
+        return
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         print("JSON " + json.dumps(_one(sys.argv[2])), flush=True)
         return
