@@ -219,11 +219,13 @@ def _check_node(node: fx.Node, batch: set[fx.Node], checks: RowChecks) -> RowLoc
     frozen = [t.op == "placeholder" and not t.meta["val"].requires_grad for t in tin]
     result, first = None, None
     with _buffers_kept(node):
-        for assignment in itertools.islice(itertools.product(*options), _MAX_ASSIGNMENTS):
+        for assignment in itertools.islice(filter(_alike(tin, options), itertools.product(*options)), _MAX_ASSIGNMENTS):
             if all(d is None for d in assignment):
                 continue
-            got = _row_check(call, [t.meta["val"] for t in tin], list(assignment), n, rows, _own_backward(node),
-                             frozen)
+            vals = [t.meta["val"] for t in tin]
+            bad = None if opaque else _shapes_refused(call, vals, list(assignment), rows)
+            got = RowLocality(False, bad) if bad else _row_check(call, vals, list(assignment), n, rows,
+                                                                 _own_backward(node), frozen)
             if got.local:
                 result = got
                 break
@@ -294,6 +296,40 @@ def _caller(node: fx.Node):
         out = node.target(*args, **kwargs)
         return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
     return run_op
+
+
+def _alike(tin: list[fx.Node], options: list[list]):
+    """A filter on assignments: values of one shape and dtype that may carry the batch (not parameters, buffers,
+    constants) carry it on the same dim (or neither does),
+    as an LSTM's initial `(h_0, c_0)` do. Besides halving the assignments tried, it keeps the check from calling
+    a kernel on states that disagree with each other, which `aten.lstm` does not check (on the CPU and on meta
+    alike it reads past the smaller one and crashes the process)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tin):
+        if options[i] == [None]:
+            continue
+        groups.setdefault((tuple(t.meta["val"].shape), t.meta["val"].dtype), []).append(i)
+    same = [g for g in groups.values() if len(g) > 1]
+    return lambda assignment: all(len({assignment[i] for i in g}) == 1 for g in same)
+
+
+def _shapes_refused(call, vals: list[torch.Tensor], in_dims: list, rows: int) -> str | None:
+    """Why the op refuses its inputs with `rows` (and 1) rows on the dims `in_dims` (on the meta device: its shape
+    checks, nothing computed), or None. Run before the numerical check because a wrong assignment can crash a CPU
+    kernel instead of raising: `aten.lstm` given initial states whose layer dim was taken for the batch (2 layers,
+    a batch of 2) reads past them and segfaults. An opaque node (Python) is not asked: its code may not run on meta."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    try:
+        with _disable_current_modes(), torch.no_grad():
+            for r in dict.fromkeys((rows, 1)):
+                call([torch.empty([r if d == dim else int(s) for d, s in enumerate(v.shape)], dtype=v.dtype,
+                                  device="meta") for v, dim in zip(vals, in_dims)])
+    except NotImplementedError:
+        return None  # no meta kernel (a CPU-only custom op): the numerical check decides
+    except Exception as e:  # noqa: BLE001 - whatever else the op raises, it refuses these shapes
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"it refuses its inputs split on dims {in_dims} ({type(e).__name__}: {msg})"
+    return None
 
 
 def _random(v: torch.Tensor, dim: int | None, rows: int, dtype, gen: torch.Generator, positive: bool = False

@@ -333,6 +333,19 @@ def test_lstm_batch_dims_found_numerically():
     assert rows.flops == 2 * B * S * 4 * H * (E + H)  # the gates' matmuls, as torch's FLOP counter counts them
 
 
+def test_a_batch_as_large_as_the_layer_count_neither_crashes_nor_confuses_the_dims():
+    """Two stacked layers and a batch of 2 (a pipeline microbatch, a small per-rank batch): the initial state
+    `(h0, c0)` is (2 layers, 2 rows, H), so either dim may be the batch. The check once tried h0 on one dim and c0
+    on the other, and `aten.lstm` read past the smaller state: the process died (SIGSEGV) at capture."""
+    model = RNNLM(nn.LSTM)
+    model.rnn = nn.LSTM(E, H, num_layers=2, batch_first=True)
+    tokens, labels = _tokens()
+    cap = capture(model, (tokens[:2], labels[:2]), {})
+    (lstm,) = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.lstm.input]
+    rows = lstm.meta[M.ROWS]
+    assert rows.local and rows.out_dims == (0, 1, 1) and rows.in_dims[:3] == (0, 1, 1), rows
+
+
 def test_a_meta_device_lstm_is_checked_on_random_inputs():
     """A model on the meta device (no weights to run) is checked alike: the row check draws its own CPU inputs."""
     import autopar
