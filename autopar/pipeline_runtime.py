@@ -496,7 +496,28 @@ class _StageModule(nn.Module):
 
     def forward(self, *received, **inputs):
         values = [self._parameters[n] if n in self._parameters else self._state[n] for n in self.state_names]
-        return self.gm(*received, *(inputs[n] for n in self.user), *values)
+        received = [_ContiguousGrad.apply(r) if isinstance(r, torch.Tensor) and r.requires_grad else r
+                    for r in received]
+        out = self.gm(*received, *(inputs[n] for n in self.user), *values)
+        # what crosses a boundary is sent as a dense buffer and checked against the receiver's contiguous metadata
+        # (a U-Net's skip connection is a channel slice of a concatenation: strided)
+        if isinstance(out, tuple):
+            return tuple(o.contiguous() if isinstance(o, torch.Tensor) else o for o in out)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: a received activation's gradient is sent back to the
+    stage before, whose buffers (and `PipelineStage`'s stride check) are contiguous; autograd may produce a strided
+    one (the backward of a concatenation is a slice of the incoming gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
 
 
 class _ReleaseGrads(torch.autograd.Function):
