@@ -314,8 +314,10 @@ def build_plan(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | No
 
     "auto" with `rerank` (`_reranked`): the ILP's objective sums each structure's overlapped time
     (`timeline.overlapped_s`), the plan's estimate is the step's timeline; so the ILP's `RERANK_TOP` best distinct
-    solutions and the hand plans that fit (`megatron`, `fsdp` at each checkpoint level) are priced by that one
-    estimate and the fastest is the plan: auto is never slower than a fitting hand plan by its own estimate.
+    solutions and the hand plans that fit (`megatron`, `fsdp`, `zero1`, `zero2` at each checkpoint level) are priced
+    by that one estimate and the fastest is the plan: auto is never slower than a fitting hand plan by its own
+    estimate. This is how auto chooses ZeRO-1/2: whole-plan (every data-parallel parameter alike), not per layer
+    class (the ILP's candidates carry fsdp or not, not a ZeRO stage).
     """
     if name not in PLANS:
         raise ValueError(f"plan must be one of {', '.join(map(repr, PLANS))}, a Plan or a path to a saved plan; "
@@ -341,13 +343,13 @@ RERANKED_KEY = "(re-ranked)"  # the decision that says which candidate `auto` to
 
 
 def _hand_variants(overrides: dict | None) -> list[tuple[str, str, dict]]:
-    """The hand plans `auto` is ranked against: (label, plan name, overrides). Without form overrides, `megatron` and
-    `fsdp` at every checkpoint level (the user's level where an override gives one); with form overrides, none (a
+    """The hand plans `auto` is ranked against: (label, plan name, overrides). Without form overrides, `megatron`,
+    `fsdp`, `zero1` and `zero2` at every checkpoint level (the user's level where an override gives one); with form overrides, none (a
     hand plan with forced forms is the ILP's with those forms)."""
     overrides = dict(overrides or {})
     if any(not ckpt.is_key(k) for k in overrides):
         return []
-    named = [n for n in PLANS if n in ("megatron", "fsdp")]
+    named = [n for n in PLANS if n in ("megatron", "fsdp", "zero1", "zero2")]
     if overrides:
         return [(f"{n} (checkpoint as overridden)", n, overrides) for n in named]
     return [(f"{n} + checkpoint {lv}", n, {ckpt.KEY: lv}) for n in named for lv in ckpt.LEVELS]
@@ -400,8 +402,8 @@ def _reranked(ctx: PassContext, mesh: MeshInfo, overrides, input_batch, exclude,
         by = "ILP solution 1 stays: the only candidate"
     fit = len(rows) - sum(bool(r[4]) for r in rows)
     text = (f"auto: {chosen} re-ranked on the step's timeline ({by}) among {fit} candidates that fit: the ILP's "
-            f"{len(sol.ranking) or 1} best distinct solutions and the hand plans megatron, fsdp at each checkpoint "
-            "level")
+            f"{len(sol.ranking) or 1} best distinct solutions and the hand plans megatron, fsdp, zero1, zero2 at each "
+            "checkpoint level")
     if best is not None:  # a hand plan is the plan: built as itself, explained as such
         plan = _build(ctx, mesh, best[1], best[2], input_batch, **kw)[0]
         plan = dataclasses.replace(plan, name="auto", estimate=dataclasses.replace(

@@ -109,6 +109,8 @@ FILE_SECONDS = {
     "test_fsdp_layers.py": 24,
     "test_zero.py": 92,  # 100 before 2026-12-07 (4 ZeRO jobs fewer, ~5 s of job time); not from that run: 2026-12-06 under load, ~55 s of it starting the 2- and 4-rank gloo pools
     "test_zero_memory.py": 10,  # not from that run: 2026-12-06, plans on dict meshes (no processes)
+    "test_dp_memory.py": 12,  # not from that run: 2026-12-07, 13 offline plans on dict meshes
+    "test_zero_auto.py": 15,  # not from that run: 2026-12-07, 4 offline auto plans + one 2-rank gloo run
     "test_sharding.py": 24,
     "test_local_step.py": 23,
     "test_inspect.py": 40,

@@ -30,7 +30,8 @@ from equivalence import run_equivalence
 from test_solver import _meta_gpt
 
 MESH = {"dp": 2, "tp": 4}
-HANDS = [(f"{n} + checkpoint {lv}", n, lv) for n in ("megatron", "fsdp") for lv in ("none", "selective", "full")]
+HANDS = [(f"{n} + checkpoint {lv}", n, lv) for n in ("megatron", "fsdp", "zero1", "zero2")
+         for lv in ("none", "selective", "full")]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_a_hand_plan_that_wins_is_the_plan(gpt, monkeypatch):
     monkeypatch.setattr(solver, "solve", recomputing)
     auto = plan()
     d, rows = _rows(auto)
-    assert d.chosen == "fsdp + checkpoint none" and list(rows)[0] == "ILP solution 1" and len(rows) == 7
+    assert d.chosen == "fsdp + checkpoint none" and list(rows)[0] == "ILP solution 1" and len(rows) == 1 + len(HANDS)
     hand = plan("fsdp", {"checkpoint": "none"})
     assert (auto.params, auto.inputs, auto.directives, auto.checkpoint) == \
         (hand.params, hand.inputs, hand.directives, hand.checkpoint)
