@@ -48,7 +48,7 @@ from cost_model.analytical import _is_view, collective_time_s, compute_time_s, h
 from cost_model.hardware import Cluster, axis_link, dtype_name
 from cost_model.memory import OPTIMIZER_STATES, saved_activations
 from cost_model.memory import state_bytes_per_element as element_state_bytes
-from autopar.layers import find_layers
+from autopar.layers import fsdp_units
 from autopar.runtime.collectives import FIRST_GRAD_BUCKET_BYTES, GRAD_BUCKET_BYTES
 from autopar.sites import Kind, LossSite, PassContext, Site
 from passes import meta as M
@@ -669,7 +669,8 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
 
 def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
     """The FSDP gather groups of the parameters (placeholders) `params` whose gradients FSDP reduces, as lowering
-    makes them (`passes.lower.group_fsdp_gathers_pass`): those only one layer (`autopar.layers`) uses, per layer;
+    makes them (`passes.lower.group_fsdp_gathers_pass`): those only one unit (`autopar.layers.fsdp_units`: a layer, or
+    a recurrent module outside the layers) uses, per unit;
     the others per stretch between layers. Per parameter: (bytes of its group, whether the group is gathered again
     in backward: a layer's group, some parameter of which an op other than an embedding lookup reads, so autograd
     saves it; groups outside the layers stay gathered, as FSDP2's root)."""
@@ -678,7 +679,7 @@ def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:
 
 def _fsdp_group_facts(gm, params: set[str]) -> list[dict[str, tuple[float, bool]]]:
     """`fsdp_groups` per group, in graph order."""
-    layers = find_layers(gm, params)
+    layers = fsdp_units(gm, params)  # the layers, and the recurrent modules outside them
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     by_name = {n.name: n for n in gm.graph.nodes}
     starts = [min(order[by_name[x]] for x in layer.nodes) for layer in layers]

@@ -12,6 +12,11 @@ The same rule on the module tree (`layer_modules`: a module whose path's last co
 integer) names the modules that get FSDP2's per-module forward-input casts under a mixed-precision policy
 (`autopar.precision.layer_input_casts`), as `fully_shard` on each of them would.
 
+FSDP gathers per *unit* (`fsdp_units`): the layers, and the outermost recurrent modules (`nn.RNN`, `nn.LSTM`,
+`nn.GRU`) outside them, which FSDP2 users wrap on their own (`fully_shard(model.lstm)`): a multi-layer recurrent
+module is one op in the graph, but as large as a stack of layers, so its gather and its gradients' reduction
+overlap the rest of the model only as a unit of its own.
+
 A layer's *class* (`Layer.cls`) is its module's type name: layers of one class are alike and take
 one decision (a checkpoint level), as the ILP decides per class. Module paths here are the
 paths in the captured model (the user's model, wrapper included), as override keys are.
@@ -92,8 +97,48 @@ def find_layers(gm: fx.GraphModule, param_placeholders: set[str] | frozenset[str
     return [Layer(path=p, cls=cls, nodes=tuple(nodes), params=tuple(params[p])) for p, (cls, nodes) in order.items()]
 
 
+# the recurrent modules FSDP gathers as units of their own (`fsdp_units`), by their qualified names as
+# `nn_module_stack` records them
+_RECURRENT = frozenset(f"{c.__module__}.{c.__qualname__}" for c in (nn.RNN, nn.LSTM, nn.GRU))
+
+
+def _type_name(ty) -> str:
+    return ty if isinstance(ty, str) else f"{ty.__module__}.{ty.__qualname__}"
+
+
+def fsdp_units(gm: fx.GraphModule, param_placeholders: set[str] | frozenset[str] = frozenset()) -> list[Layer]:
+    """The units FSDP gathers one by one (module docstring): `find_layers`, and each outermost `nn.RNN`/`nn.LSTM`/
+    `nn.GRU` on a node's module stack outside every layer, as a `Layer` of its own (its path, its class name, its
+    nodes, the parameters only its nodes use); in forward order."""
+    layers = find_layers(gm, param_placeholders)
+    inside = {name for layer in layers for name in layer.nodes}
+    order: dict[str, tuple[str, list[str]]] = {}
+    owner: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name in inside:
+            continue
+        for path, ty in (node.meta.get("nn_module_stack") or {}).values():
+            if path and _type_name(ty) in _RECURRENT:
+                order.setdefault(path, (_type_name(ty).rsplit(".", 1)[-1], []))[1].append(node.name)
+                owner[node.name] = path
+                break
+    if not order:
+        return layers
+    params: dict[str, list[str]] = {p: [] for p in order}
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.target not in param_placeholders or not node.users:
+            continue
+        paths = {owner.get(u.name) for u in node.users}
+        if len(paths) == 1 and None not in paths:
+            params[paths.pop()].append(node.target)
+    units = layers + [Layer(path=p, cls=cls, nodes=tuple(nodes), params=tuple(params[p]))
+                      for p, (cls, nodes) in order.items()]
+    first = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(units, key=lambda u: first[u.nodes[0]])
+
+
 def layers_matching(layers: list[Layer], key: str) -> list[Layer]:
     return [l for l in layers if l.matches(key)]
 
 
-__all__ = ["Layer", "find_layers", "is_layer_path", "layer_modules", "layers_matching"]
+__all__ = ["Layer", "find_layers", "fsdp_units", "is_layer_path", "layer_modules", "layers_matching"]

@@ -34,7 +34,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils import _pytree as pytree
 
 from autopar.agree import agree_on_call
-from autopar.inputs import data_degree, global_example
+from autopar.inputs import batch_dims, data_degree
 from autopar.capture import split_example_inputs
 from autopar.captured import Captured
 from autopar.checkpoint import strided_to_replicated, to_placements
@@ -288,11 +288,14 @@ class ParallelModule(nn.Module):
         values = dict(zip(cap.user_inputs, flat))
         if cap.index_checks is not None:
             checked = values
-            if self._local_axes is not None:  # this rank's shard, repeated to the global batch the program expects
-                names = list(values)
-                (repeated,), _ = global_example((tuple(values.values()),), {}, data_degree(
-                    self._local_axes, mesh_info(self._mesh)))
-                checked = dict(zip(names, repeated))
+            if self._local_axes is not None:
+                # this rank's shard, repeated to the global batch the program expects: only the inputs the checks
+                # read (the ids and labels, not the images), batched as `global_example` batches the whole call
+                copies = data_degree(self._local_axes, mesh_info(self._mesh))
+                dims = batch_dims([tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in values.values()])
+                read = set(cap.index_checks.inputs)
+                checked = {n: v.repeat(copies, *[1] * (v.dim() - 1)) if d and copies > 1 else v
+                           for (n, v), d in zip(values.items(), dims) if n in read}
             error = cap.index_checks(checked)
         if self._local_axes is not None:
             return agree_on_call(key, self._mesh, error, wait=wait)

@@ -776,7 +776,8 @@ def fuse_gather_grad_reduce_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.Gr
 def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """FSDP parameters gathered per layer (`autopar.runtime.fsdp`): each FSDP parameter's chain of per-axis
     all-gathers (and the data-axis gradient all-reduces that `propagate_pass` put after a plain all-gather) is
-    taken out; the parameters are grouped by the layer (`autopar.layers`) whose nodes alone use them, the others
+    taken out; the parameters are grouped by the unit (`autopar.layers.fsdp_units`: a layer, or a recurrent module
+    outside the layers, as FSDP2 users wrap them) whose nodes alone use them, the others
     by the layers they are used between (embeddings before the first, final norm and head after the last). Per
     group, in order of first use: one `fsdp_gather` right before the group's first use (one all-gather per data
     axis of a flat buffer of its shards, one reduce-scatter of its gradients backward), and the next group's
@@ -784,7 +785,7 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     parameters for backward when every parameter's directive says so (`ctx.keep_gathered`), else re-gathers them
     there; groups outside the layers keep them (as FSDP2 does not reshard its root after forward). A parameter whose chain is not that plain shape (split blocks, a gradient not reduced on every gathered
     axis) keeps its own gathers."""
-    from autopar.layers import find_layers
+    from autopar.layers import fsdp_units
     graph = gm.graph
     keys = {i: a.key for i, a in enumerate(ctx.mesh.axes)}
     chains = []  # (placeholder, chain nodes, axis keys innermost first, dim)
@@ -821,7 +822,7 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     if not chains:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
-    layers = find_layers(gm)
+    layers = fsdp_units(gm)  # the layers, and the recurrent modules outside them
     layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
     starts = [min(order[n] for n in graph.nodes if n.name in set(layer.nodes)) for layer in layers]
     groups: dict[tuple, list] = {}

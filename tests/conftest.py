@@ -145,6 +145,7 @@ FILE_SECONDS = {
     "test_cost_model.py": 3,
     "test_structure.py": 2,
     "test_embedding_forms.py": 2,
+    "test_fsdp_units.py": 2,
     "test_dtensor_rules.py": 1,
     "test_contract_errors.py": 1,
     "test_timeline.py": 1,
