@@ -87,6 +87,13 @@ def find_layers(gm: fx.GraphModule, param_placeholders: set[str] | frozenset[str
         path, cls = found
         order.setdefault(path, (cls, []))[1].append(node.name)
         owner[node.name] = path
+    return _units(gm, order, owner, param_placeholders)
+
+
+def _units(gm: fx.GraphModule, order: dict[str, tuple[str, list[str]]], owner: dict[str, str],
+           param_placeholders) -> list[Layer]:
+    """`Layer`s from each path's (class, nodes) and each node's path: a unit's parameters are those only its nodes
+    use."""
     params: dict[str, list[str]] = {p: [] for p in order}
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.target not in param_placeholders or not node.users:
@@ -124,15 +131,7 @@ def fsdp_units(gm: fx.GraphModule, param_placeholders: set[str] | frozenset[str]
                 break
     if not order:
         return layers
-    params: dict[str, list[str]] = {p: [] for p in order}
-    for node in gm.graph.find_nodes(op="placeholder"):
-        if node.target not in param_placeholders or not node.users:
-            continue
-        paths = {owner.get(u.name) for u in node.users}
-        if len(paths) == 1 and None not in paths:
-            params[paths.pop()].append(node.target)
-    units = layers + [Layer(path=p, cls=cls, nodes=tuple(nodes), params=tuple(params[p]))
-                      for p, (cls, nodes) in order.items()]
+    units = layers + _units(gm, order, owner, param_placeholders)
     first = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     return sorted(units, key=lambda u: first[u.nodes[0]])
 
