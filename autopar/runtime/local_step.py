@@ -267,12 +267,13 @@ def _gather_chunks(params: list) -> None:
     """ZeRO-1 after the step: every rank's updated chunks all-gathered into the parameters, one flat buffer per mesh,
     data mesh dims and dtype, one all-gather per mesh dim (innermost first: the gathered rows come out outermost
     major, as `_chunk_index` numbers them)."""
-    from autopar.mesh import mesh_info
+    from autopar.mesh import layout_key, mesh_info
     from autopar.runtime import collectives as C
     buckets: dict[tuple, list] = {}
     for p in dict.fromkeys(params):  # tied parameters once
         mesh_dims, dim = getattr(p, _SHARD)
-        key = (id(p.device_mesh), mesh_dims, p._local_tensor.dtype, p._local_tensor.device)
+        # the mesh by its layout: equal meshes built twice (a plan's cached sub-mesh, the user's) are one bucket
+        key = (layout_key(p.device_mesh), mesh_dims, p._local_tensor.dtype, p._local_tensor.device)
         buckets.setdefault(key, []).append(p)
     with torch.no_grad(), C.stepping():
         for (_, mesh_dims, _, _), ps in buckets.items():
