@@ -171,6 +171,8 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     if stages_per_rank is None:
         stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
     data = [n for n in names if n != axis]
+    if tp:  # megatron: tensor parallel on the last axis the pipeline leaves, data parallel on the others
+        data = data[:-1]
     if plan == "fsdp" and len(data) != 1:
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan='fsdp' on mesh axes {names}: FSDP inside a stage shards over "
@@ -905,7 +907,11 @@ class PipelineModule(nn.Module):
                           values=dict(zip(self._user_inputs, flat)))
 
     def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
-        for i in range(self._mesh.ndim):
+        """Summed over the pipeline axis and the data axes (not a tensor-parallel axis: each of its ranks holds
+        the same loss)."""
+        names = tuple(self._mesh.mesh_dim_names)
+        summed = {names.index(self._plan.axis), *(names.index(a) for a in self._data_axes)}
+        for i in sorted(summed):
             if self._mesh.size(i) > 1:
                 dist.all_reduce(t, group=self._mesh.get_group(i))
         return t

@@ -120,5 +120,24 @@ def test_megatron_in_pp2_stages_matches_one_device():
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, f"rank {r['rank']}: {bad}"
         seen |= set(r["mine"])
-        print(r["rank"], r["stages"], r["placements"], r["counts"][1])
     assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
+    act = (B // M) * S * 32 * 8  # one microbatch's hidden state, fp64 bytes
+    for r in results:
+        first = r["stages"] == [0]
+        # megatron's placements, on the stage's tp sub-mesh
+        assert r["placements"]["layers.0.attn.wq.weight" if first else "layers.1.attn.wq.weight"] == "(Shard(dim=0),)"
+        assert r["placements"]["layers.0.attn.wo.weight" if first else "layers.1.mlp.down.weight"] == "(Shard(dim=1),)"
+        assert r["placements"]["layers.0.attn_norm.weight" if first else "norm.weight"] == "(Replicate(),)"
+        for step, (p2p, reduces) in enumerate(r["counts"]):
+            # p2p: per microbatch one activation forward and its gradient backward, each tp rank to its peer
+            assert sorted(p2p) == sorted([("isend" if first else "irecv", act), ("irecv" if first else "isend", act)]
+                                         * M), p2p
+            # per microbatch and layer: the row-parallel outputs (wo, down) all-reduced forward, the column-parallel
+            # inputs' gradients (q/k/v, gate/up) backward; stage 0 adds the vocab-parallel embedding's output;
+            # stage 1 the head's input gradient and the vocab-parallel cross-entropy's three (max, sum, target)
+            per_mb = [("all_reduce", act // 8)] * 5 if first else \
+                [("all_reduce", act // 8)] * 5 + [("all_reduce", (B // M) * S)] * 3
+            # the first call also runs torch's metadata inference on one microbatch (gradients dropped): stage 0's
+            # forward (its three forward all-reduces), the last stage's forward and backward (all of one microbatch's)
+            inference = [] if step else [("all_reduce", act // 8)] * 3 if first else per_mb
+            assert sorted(reduces) == sorted(per_mb * M + inference), (step, reduces)
