@@ -59,6 +59,12 @@
   weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
   their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
   each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  `plan="megatron"` (a (pp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own planner and
+  lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`: boundary
+  values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
+  placements on the stage's sub-mesh, empty on other stages' ranks; the returned loss summed over the pipeline
+  axis only, each tp rank holding it whole). Refused there: data axes beside tp (pp x dp x tp), `zbv`, tied
+  weights, sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -72,7 +78,8 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-tensor parallelism (`megatron`) or the planner's other forms inside a stage (`plan` other than `STAGE_PLANS`);
+the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`; megatron on a mesh with
+data axes beside tp);
 `inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's.
 
 `pm.plan` is a `Plan` (`autopar.plan`): `pm.plan.pipeline` the `PipelinePlan` run (form, axis, microbatches, the
@@ -928,7 +935,7 @@ class PipelineModule(nn.Module):
         me = self._mesh.get_local_rank(ax)
         grads = [q.grad.to_local() for q in self._owned.values() if q.grad is not None]
         counted = [q.grad.to_local() for rep, q in self._owned.items()
-                   if q.grad is not None and self._first_holder.get(rep, me) == me]
+                   if q.grad is not None and self._first_holder.get(rep, me) == me and self._counts_here(q)]
         norm_type = float(norm_type)
         dtype = grads[0].dtype if grads else self._loss_dtype
         if counted:
@@ -938,6 +945,8 @@ class PipelineModule(nn.Module):
             part = torch.zeros((), dtype=dtype, device=self._device)
         # under FSDP each data rank holds a different shard: its part is summed over the data axis too
         axes = [ax] + ([names.index(a) for a in self._data_axes] if self._fsdp else [])
+        if self._tp is not None:  # tensor-parallel shards differ over the tp axis: their parts are summed there too
+            axes.append(names.index(self._tp_axis()))
         if norm_type == float("inf"):
             for i in axes:
                 dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(i))
@@ -954,6 +963,20 @@ class PipelineModule(nn.Module):
         for g in grads:
             g.mul_(scale.to(g.dtype))
         return total
+
+    def _tp_axis(self) -> str:
+        """The tensor-parallel axis inside the stages (megatron: the last axis the pipeline leaves)."""
+        return [n for n in self._mesh.mesh_dim_names if n != self._plan.axis and n not in self._data_axes][-1]
+
+    def _counts_here(self, q) -> bool:
+        """Under tensor parallelism a gradient replicated over the tp axis counts once, on its first tp rank; a
+        sharded one on every tp rank (each holds its shard)."""
+        from torch.distributed.tensor import Replicate
+        if self._tp is None:
+            return True
+        sub = q.device_mesh
+        tp = list(sub.mesh_dim_names).index(self._tp_axis())
+        return not isinstance(q.placements[tp], Replicate) or sub.get_local_rank(tp) == 0
 
     def _sum_over_sharing_stages(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """A weight used by stages on several ranks (tied embedding and head): each rank's gradient is its stages'

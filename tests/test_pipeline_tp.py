@@ -8,6 +8,7 @@ microbatch) and the schedule's p2p sends (count and bytes per microbatch) assert
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_harness import gloo_pool
@@ -102,12 +103,23 @@ def _pp_tp(form: str):
                     mine.append(n)
                     placements[n] = str(tuple(p.placements))
                 errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+            if step == 1:  # the total norm over every stage and tp shard, and the clipped gradients
+                errs["norm"] = abs(float(pm.clip_grad_norm_(0.05))
+                                   - float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+                for n, p in pm.named_parameters():
+                    if n in mine:
+                        errs[f"clipped grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
             opt_ref.step()
             opt.step()
             for n, p in pm.named_parameters():
                 if n in mine:
                     errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
-        return {"errs": errs, "mine": mine, "all": sorted(refs), "counts": counts, "placements": placements,
+        offline = autopar.plan(ref, {"pp": 2, "tp": 2}, (tokens, labels), plan="megatron",
+                               overrides={"pipeline": f"{form}@pp"}, microbatches=M)
+        priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch, "step": pm.plan.estimate.step_time_s,
+                  "offline p2p": offline.estimate.p2p_bytes_per_microbatch, "offline step": offline.estimate.step_time_s,
+                  "cut": tuple(pm.plan.pipeline.cut), "offline cut": tuple(offline.pipeline.cut)}
+        return {"priced": priced, "errs": errs, "mine": mine, "all": sorted(refs), "counts": counts, "placements": placements,
                 "stages": pm.local_stages, "rank": dist.get_rank()}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -123,6 +135,10 @@ def test_megatron_in_pp2_stages_matches_one_device():
     assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
     act = (B // M) * S * 32 * 8  # one microbatch's hidden state, fp64 bytes
     for r in results:
+        # pm.plan prices what runs (megatron in the stages, the whole activation per tp rank), as autopar.plan does
+        pr = r["priced"]
+        assert pr["p2p"] == pr["offline p2p"] == act and pr["cut"] == pr["offline cut"] == (0, 1, 2), pr
+        assert pr["step"] == pytest.approx(pr["offline step"], rel=1e-9), pr
         first = r["stages"] == [0]
         # megatron's placements, on the stage's tp sub-mesh
         assert r["placements"]["layers.0.attn.wq.weight" if first else "layers.1.attn.wq.weight"] == "(Shard(dim=0),)"
