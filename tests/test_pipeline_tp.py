@@ -157,3 +157,28 @@ def test_megatron_in_pp2_stages_matches_one_device():
             # forward (its three forward all-reduces), the last stage's forward and backward (all of one microbatch's)
             inference = [] if step else [("all_reduce", act // 8)] * 3 if first else per_mb
             assert sorted(reduces) == sorted(per_mb * M + inference), (step, reduces)
+
+
+def _refused():
+    """What tensor parallelism in a stage does not run yet, raised on every rank before anything is built."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (B, S))
+    out = []
+    for shape, names, form in [((2, 1, 2), ("pp", "dp", "tp"), "1f1b"), ((2, 2), ("pp", "tp"), "zbv")]:
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        try:
+            autopar.parallelize(_llama(), mesh, (tokens, tokens), plan="megatron",
+                                overrides={"pipeline": f"{form}@pp"}, microbatches=M)
+            out.append(None)
+        except NotImplementedError as e:
+            out.append(str(e))
+    return out
+
+
+def test_megatron_stage_forms_not_yet_run_raise_on_every_rank():
+    for r in gloo_pool(4).run(_refused):
+        beside, zbv = r
+        assert beside is not None and "data axes beside tensor parallelism in a stage (pp x dp x tp)" in beside
+        assert zbv is not None and "zero-bubble" in zbv and "Fix: '1f1b'" in zbv
