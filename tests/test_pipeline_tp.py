@@ -2,7 +2,7 @@
 
 pp2 x tp2, 1f1b, a 2-layer Llama-style model (autopar.models.Llama): the global loss on every rank, every
 parameter's gradient (on the ranks of its stage, every parameter checked on some rank) and every parameter after
-two AdamW steps against one device; each stage's collectives (the all-reduces of its program, counted per
+two AdamW steps against one device (clipping and a loaded single-device state dict too); each stage's collectives (the all-reduces of its program, counted per
 microbatch) and the schedule's p2p sends (count and bytes per microbatch) asserted exactly.
 """
 
@@ -114,6 +114,11 @@ def _pp_tp(form: str):
             for n, p in pm.named_parameters():
                 if n in mine:
                     errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        other = _llama()  # a single-device state dict loads into the stages' shards
+        pm.load_state_dict(other.state_dict())
+        assert sorted(pm.state_dict()) == sorted(other.state_dict())
+        with torch.no_grad():
+            errs["loaded loss"] = abs(float(pm(tokens, labels)) - float(other(tokens, labels)))
         offline = autopar.plan(ref, {"pp": 2, "tp": 2}, (tokens, labels), plan="megatron",
                                overrides={"pipeline": f"{form}@pp"}, microbatches=M)
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch, "step": pm.plan.estimate.step_time_s,
