@@ -82,6 +82,32 @@ def _retag(stack: dict, old: str, new: str) -> dict:
     return {sub(k): (sub(p), t) for k, (p, t) in stack.items()}
 
 
+def _renumber(gm: fx.GraphModule, order: list[str]) -> None:
+    """Rebuild the graph with its placeholders in call order (`order`) and its nodes named as torch.export names
+    them on the whole model (the i-th node of a base name: `base`, `base_1`, ...), so that the graph's fingerprint
+    (`Captured.fingerprint`, which a saved plan records) is the full capture's."""
+    import re
+    old = gm.graph
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    phs = {n.name: n for n in old.nodes if n.op == "placeholder"}
+    seen: dict[str, int] = {}
+    for n in [phs[name] for name in order] + [n for n in old.nodes if n.op != "placeholder"]:
+        if n.op in ("placeholder", "output"):
+            name = n.name
+        else:
+            base = re.sub(r"_\d+$", "", n.name)
+            k = seen.get(base, 0)
+            seen[base] = k + 1
+            name = base if k == 0 else f"{base}_{k}"
+        c = new.create_node(n.op, n.target, fx.node.map_arg(n.args, env.__getitem__),
+                            fx.node.map_arg(n.kwargs, env.__getitem__), name=name, type_expr=n.type)
+        c.meta = dict(n.meta)
+        env[n] = c
+    new._codegen = old._codegen
+    gm.graph = new
+
+
 def capture_repeated(model: nn.Module, args: tuple, kwargs: dict, capture_fn):
     """The model's capture with its repeated layers copied from the second (module docstring), or None when the
     model has no such list or the two captured layers do not match (the caller then captures it whole)."""
@@ -162,7 +188,10 @@ def _replicate(captured, path: str, n_layers: int):
     for n, u in external:
         u.replace_input_with(n, prev[n])
     captured.input_kinds = kinds[:last_ph_index + 1] + new_kinds + kinds[last_ph_index + 1:]
-    graph.lint()
+    _renumber(gm, [name for name, _, _ in captured.input_kinds])
+    captured.param_fqns = {nm: fqn for nm, kind, fqn in captured.input_kinds if kind == "param"}
+    captured.buffer_fqns = {nm: fqn for nm, kind, fqn in captured.input_kinds if kind == "buffer"}
+    gm.graph.lint()
     gm.recompile()
     captured.notes = list(captured.notes) + [
         f"{path}.{{2..{n_layers - 1}}} planned on copies of {p1}'s captured graph (same structure, "
