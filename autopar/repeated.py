@@ -122,14 +122,19 @@ def capture_repeated(model: nn.Module, args: tuple, kwargs: dict, capture_fn):
         captured = capture_fn(model, args, kwargs)
     finally:
         ml._modules = saved
-    return _replicate(captured, path, n_layers)
+    return _replicate(captured, path, n_layers, model)
 
 
-def _replicate(captured, path: str, n_layers: int):
+def _replicate(captured, path: str, n_layers: int, model: nn.Module):
     gm, graph = captured.gm, captured.gm.graph
     p0, p1 = f"{path}.0", f"{path}.1"
-    if any(p0 in note or p1 in note for note in captured.notes):  # opaque submodules, MoE fallbacks: per path
-        return None
+    per_layer = []  # notes about the second layer, which each copy repeats (a verified MoE block's)
+    for note in captured.notes:
+        if p0 in note or p1 in note:
+            if not (note.startswith(f"MoE {p1}.") or note.startswith(f"MoE {p0}.")) or "verified" not in note:
+                return None  # opaque submodules, MoE fallbacks: decided per layer, so captured whole
+            if note.startswith(f"MoE {p1}."):
+                per_layer.append(note)
     l0, l1 = _layer_nodes(gm, p0), _layer_nodes(gm, p1)
     if not l1 or len(l0) != len(l1) or any(a.op != b.op or a.target != b.target for a, b in zip(l0, l1)):
         return None
@@ -137,6 +142,18 @@ def _replicate(captured, path: str, n_layers: int):
     if any(u not in s0 and u not in s1 for n in l0 for u in n.users):
         return None
     corr = dict(zip(l0, l1))
+    from autopar.runtime import moe as rt_moe
+    keys: set[str] = set()
+    for n in l1:
+        for a in n.args:
+            if isinstance(a, str) and p1 in a:
+                try:
+                    spec = rt_moe.spec_of(a)
+                except KeyError:
+                    return None  # a per-module key other than a MoE block's: captured whole
+                if spec.spelling == "modulelist":
+                    return None  # its expert function may read the module's own experts
+                keys.add(a)
     # the second layer's parameters and buffers: placeholder -> (kind, fqn suffix within the layer)
     fqn_of = {**{k: ("param", v) for k, v in captured.param_fqns.items()},
               **{k: ("buffer", v) for k, v in captured.buffer_fqns.items()}}
@@ -167,6 +184,13 @@ def _replicate(captured, path: str, n_layers: int):
             (captured.param_fqns if kind == "param" else captured.buffer_fqns)[ph.name] = fqn
             new_kinds.append((ph.name, kind, fqn))
         env: dict[fx.Node, fx.Node] = {}
+        import dataclasses
+        rekey = {}
+        for key in keys:
+            if p1 in key:
+                spec = rt_moe.spec_of(key)
+                sub = spec.path.replace(p1, pk, 1)
+                rekey[key] = rt_moe.register(dataclasses.replace(spec, path=sub), model.get_submodule(sub))
 
         def arg(a, env=env, phs=phs):
             if a in env:
@@ -179,6 +203,8 @@ def _replicate(captured, path: str, n_layers: int):
         for n in l1:
             with graph.inserting_after(anchor):
                 c = graph.node_copy(n, arg)
+            if rekey:
+                c.args = tuple(rekey.get(a, a) if isinstance(a, str) else a for a in c.args)
             c.meta = dict(n.meta)
             if "nn_module_stack" in n.meta:
                 c.meta["nn_module_stack"] = _retag(n.meta["nn_module_stack"], p1, pk)
@@ -193,7 +219,12 @@ def _replicate(captured, path: str, n_layers: int):
     captured.buffer_fqns = {nm: fqn for nm, kind, fqn in captured.input_kinds if kind == "buffer"}
     gm.graph.lint()
     gm.recompile()
-    captured.notes = list(captured.notes) + [
+    notes = list(captured.notes)
+    if per_layer:
+        at = notes.index(per_layer[-1]) + 1
+        notes[at:at] = [_retag({"": (n, None)}, p1, f"{path}.{k}")[""][0].replace(f"MoE {p1}.", f"MoE {path}.{k}.")
+                        for k in range(2, n_layers) for n in per_layer]
+    captured.notes = notes + [
         f"{path}.{{2..{n_layers - 1}}} planned on copies of {p1}'s captured graph (same structure, "
         "autopar.repeated); parallelize captures every layer"]
     return captured
