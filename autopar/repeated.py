@@ -217,8 +217,7 @@ def _replicate(captured, path: str, n_layers: int, model: nn.Module):
     _renumber(gm, [name for name, _, _ in captured.input_kinds])
     captured.param_fqns = {nm: fqn for nm, kind, fqn in captured.input_kinds if kind == "param"}
     captured.buffer_fqns = {nm: fqn for nm, kind, fqn in captured.input_kinds if kind == "buffer"}
-    gm.graph.lint()
-    gm.recompile()
+    gm.graph.lint()  # (setting gm.graph recompiled it)
     notes = list(captured.notes)
     if per_layer:
         at = notes.index(per_layer[-1]) + 1
