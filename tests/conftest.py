@@ -139,6 +139,7 @@ FILE_SECONDS = {
     "test_moe_permute_kernel.py": 6,
     "test_checkpoint.py": 5,
     "test_planning_shapes.py": 4,
+    "test_repeated_capture.py": 8,
     "test_fake_mesh.py": 4,
     "test_numerics_modes.py": 4,
     "test_ring_attention.py": 4,
