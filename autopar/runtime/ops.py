@@ -158,6 +158,25 @@ def cross_entropy_sharded_batch(logits: torch.Tensor, target: torch.Tensor, redu
     return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype, count)
 
 
+def cross_entropy_sum_count(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                            label_smoothing: float) -> torch.Tensor:
+    """A mean `aten.cross_entropy_loss` on a batch-sharded (N, C) input whose loss is all-reduced next
+    (`passes.lower.fuse_loss_count_pass`): this rank's (sum of the per-token losses, count of valid tokens) as one
+    2-element tensor, partial, so the loss's all-reduce carries the count too (one all-reduce, not the count's and
+    then the loss's); `sum_over_count` divides after it. The count takes no gradient."""
+    losses = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
+                             label_smoothing=label_smoothing)
+    total = losses.sum()
+    with torch.no_grad():
+        count = (target != ignore_index).sum().to(total.dtype)
+    return torch.stack([total, count])
+
+
+def sum_over_count(sum_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The global (sum, count) pair of `cross_entropy_sum_count`, all-reduced: the mean loss, replicated."""
+    return (sum_count[0] / sum_count[1]).to(out_dtype)
+
+
 def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef, reduction: int,
                                       ignore_index: int, count_axes: tuple[AxisRef, ...]) -> torch.Tensor:
     count = _early_count(target, reduction, ignore_index, count_axes,
