@@ -14,7 +14,10 @@
 - `loss_reduce`: sum / mean of per-token losses where the batch is sharded: the mean divides by the
   *global* count of valid tokens (all-reduced, no gradient), so the result is Partial over the
   batch axes and the all-reduce that follows gives exactly the single-device mean. The losses'
-  ops issue the count's all-reduce before they compute the losses, and wait for it after.
+  ops issue the count's all-reduce before they compute the losses, and wait for it after. Where the
+  partial loss's all-reduce follows directly on one axis (`passes.lower.fuse_loss_count_pass`),
+  `cross_entropy_sum_count` returns (sum, count) instead and that one all-reduce carries both
+  (`sum_over_count` divides after it).
 - `gqa_kv_heads`: the KV heads that this rank's query heads attend to, when KV heads are
   replicated because there are fewer of them than the tensor-parallel degree.
 """
