@@ -226,7 +226,10 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"override 'pipeline': {value!r} runs {n_stages} stages ({p} ranks on axis {axis!r} x {stages_per_rank} "
             f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
             f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
-            f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
+            + (f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank." if layers else
+               "this model has no repeated layers to cut between (autopar.layers.find_layers found none: e.g. one "
+               "nn.LSTM holding all its layers): drop the 'pipeline' override and use a plan without a pipeline "
+               "(dp, fsdp, megatron, auto), or pipeline a model built from a list of layers."))
     split = _Split(captured, layers, n_stages)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
         _refuse_shared_weights(model, captured)
