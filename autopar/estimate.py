@@ -158,6 +158,8 @@ class SiteStats:
     # placeholder -> (bytes, used, synced) of each parameter counted here: what `fsdp_parts` splits
     param_facts: dict[str, tuple[float, bool, bool]] = field(default_factory=dict)
     fsdp_whole: frozenset[str] = frozenset()  # priced as FSDP: the parameters it leaves whole (`fsdp.whole`)
+    # priced as FSDP: placeholder -> its bytes' factor where it is sharded unevenly, padded (`fsdp.pad_factor`)
+    fsdp_pad: dict[str, float] = field(default_factory=dict)
     # placeholder -> (bytes of its FSDP gather group, gathered again in backward): `fsdp_groups`
     fsdp_groups: dict[str, tuple[float, bool]] = field(default_factory=dict)
     fsdp_regathered: int = 0  # of the model's FSDP groups, those gathered again in backward
@@ -239,10 +241,12 @@ class SiteStats:
 
     def fsdp_parts(self) -> tuple["SiteStats", "SiteStats"]:
         """The parameters FSDP shards and those it leaves whole (`fsdp_whole`: data parallel), each as stats holding
-        only their parameter fields."""
+        only their parameter fields; an unevenly sharded parameter's bytes padded (`fsdp_pad`: what its shards, their
+        gathers and reductions hold and move)."""
         parts = (SiteStats(), SiteStats())
         for name, (nbytes, used, synced) in self.param_facts.items():
             part = parts[name in self.fsdp_whole]
+            nbytes = nbytes * self.fsdp_pad.get(name, 1.0)
             part.param_bytes += nbytes
             if name in self.saved_params:
                 part.saved_params = part.saved_params | {name}

@@ -225,7 +225,7 @@ class _Placements:
         out = []
         for ph, fqn in self.ctx.captured.param_fqns.items():
             shape = tuple(self.ctx.captured.placeholder(ph).meta["val"].shape)
-            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
+            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes, uneven=False)  # zero1's chunks: even only
             if dim is None or any(self.pls[ph][self.mesh.names.index(a)] != R for a in axes):
                 notes.append(f"parameter {fqn} {shape}: its optimizer state is not sharded (ZeRO-1): no dim (0 or 1) "
                              f"that tensor parallelism leaves whole divides over {math.prod(sizes)} ranks")
@@ -244,8 +244,12 @@ class _Placements:
             dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
             if dim is None:
                 notes.append(f"parameter {fqn} {shape} is not FSDP-sharded: no dim (0 or 1) that tensor parallelism "
-                             f"leaves whole divides over {size} ranks")
+                             f"leaves whole ({size} ranks)")
                 continue
+            if shape[dim] % size:
+                rows = fsdp_form.padded_rows(shape[dim], sizes)
+                notes.append(f"parameter {fqn} {shape} is FSDP-sharded unevenly on dim {dim} over {size} ranks: at most "
+                             f"{rows} of its {shape[dim]} rows per rank, padded to {rows} in its group's collectives")
             for a in axes:
                 self.pls[ph][self.mesh.names.index(a)] = Shard(dim)
             out += fsdp_form.gather_directives(fqn, axes)

@@ -166,7 +166,7 @@ def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Co
     form = form_of(site.kind, cand.form)
     if cand.fsdp:
         model = model_placements(site, form, cand.axes, mc.names, [mc.size(a) for a in cand.axes])
-        st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), model))
+        st = fsdp_form.priced_stats(st, _data_sizes(mc), model)
     return step_terms(form.cost(site, st, cand, mc), mc)
 
 
@@ -209,7 +209,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     transient = 0.0
     unsplit_s, unsplit_b = _unsplit_cost(st, mc)
     if fsdp:
-        st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), {}))
+        st = fsdp_form.priced_stats(st, _data_sizes(mc), {})
         comm_s, comm_b, state, transient = fsdp_form.params_cost(mc, st, 1, 2 * compute / 3)
         gather = min(comm_s, fsdp_form.gather_s(mc, st, 1))
         regather = min(comm_s - gather, fsdp_form.regather_s(mc, st, 1))

@@ -819,6 +819,14 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
             u.replace_all_uses_with(full)
             graph.erase_node(u)
         chains.append((ph, nodes, tuple(axes), nodes[0].args[1]))
+    grouped = {ph.name for ph, *_ in chains}
+    for ph in graph.find_nodes(op="placeholder"):
+        if ph.name in ctx.gathers and ph.name not in grouped and _fsdp_pad(ph, ctx) is not None:
+            raise NotImplementedError(
+                f"FSDP parameter placeholder {ph.name} {tuple(ph.meta['val'].shape)} is sharded unevenly over "
+                f"{_fsdp_world(ph, ctx)} ranks, and its gathers are not the plain chain an FSDP group takes (its "
+                "gradient is not reduced on every gathered axis, or it is split in blocks): only an FSDP group pads "
+                "uneven shards. Fix: make the dim divide over the data ranks, or plan it replicated (plan='dp').")
     if not chains:
         return gm
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -850,13 +858,16 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
         fulls = [nodes[-1] for _, nodes, _, _ in members]
         shards = tuple(ph for ph, *_ in members)
         extra = {"persist": True} if persist else {}
+        pads = tuple(_fsdp_pad(ph, ctx) for ph, *_ in members)
+        if any(p is not None for p in pads):  # uneven shards: padded to the longest in the collectives
+            extra["pad"] = pads
         with graph.inserting_before(first):
             gather = graph.call_function(F.fsdp_gather, (shards, None, axes, tuple(d for _, _, d, _ in members), label,
                                                          keep), extra)
         gather.meta["val"] = tuple(f.meta["val"] for f in fulls)
         gather.meta[M.PLACEMENTS] = [f.meta[M.PLACEMENTS] for f in fulls]
         gather.meta["nn_module_stack"] = first.meta.get("nn_module_stack", {})
-        gather.meta[M.COMM] = _group_comm(fulls, axes, keep, label, ctx.mesh.sizes)
+        gather.meta[M.COMM] = _group_comm(fulls, axes, keep, label, ctx.mesh.sizes, pads)
         cursor = gather
         for i, f in enumerate(fulls):
             with graph.inserting_after(cursor):
@@ -876,13 +887,34 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     return gm
 
 
-def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes) -> CommInfo:
+def _fsdp_world(ph: fx.Node, ctx) -> int:
+    return math.prod(ctx.mesh.axes[ax].size for ax in ctx.gathers[ph.name])
+
+
+def _fsdp_pad(ph: fx.Node, ctx) -> tuple[int, int] | None:
+    """(dim, full length) of an FSDP parameter sharded unevenly over its data axes (`autopar.forms.fsdp.shard_dim`);
+    None where its dim divides."""
+    pls = ctx.placements.get(ph.name, ())
+    dims = {p.dim for ax, p in enumerate(pls) if ax in ctx.gathers[ph.name] and is_shard(p)}
+    if len(dims) != 1:
+        return None
+    (d,) = dims
+    length = int(ph.meta["val"].shape[d])
+    return (d, length) if length % _fsdp_world(ph, ctx) else None
+
+
+def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes, pads=()) -> CommInfo:
     """What one FSDP group's gather moves: per data axis (innermost first) an all-gather forward, and backward the
-    reduce-scatter (and, resharded, the all-gather again)."""
+    reduce-scatter (and, resharded, the all-gather again); an uneven parameter's shards padded to the longest."""
+    from autopar.forms.fsdp import padded_rows
     from autopar.mesh import resolve_axis
     refs = [resolve_axis(a) for a in axes]
     itemsize = fulls[0].meta["val"].element_size()
-    numel = sum(_local_numel(f, f.meta[M.PLACEMENTS], sizes) for f in fulls)  # local on the other axes, full on these
+    ns = [a.size for a in reversed(refs)]
+    numel = 0
+    for f, pad in zip(fulls, pads or [None] * len(fulls)):  # local on the other axes, full on these
+        k = _local_numel(f, f.meta[M.PLACEMENTS], sizes)
+        numel += k if pad is None else k // pad[1] * padded_rows(pad[1], ns) * math.prod(ns)
     gathered = reduced = 0.0
     n = numel // math.prod(a.size for a in refs)
     for a in refs:  # innermost first: each gather's output is the next one's input

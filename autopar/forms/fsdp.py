@@ -2,8 +2,11 @@
 
 Placement: each parameter is sharded over every data axis on one dim that tensor parallelism
 leaves whole (dim 0 if it divides, else dim 1: `shard_dim`, the one rule the named `fsdp` plan, the
-solver's FSDP candidates and their cost follow); a parameter with no such dim stays whole and data
-parallel (`whole`; the plan notes it). Lowering: a `GATHER` directive per
+solver's FSDP candidates and their cost follow); where neither divides, unevenly on the first such dim, as FSDP2
+shards dim 0 (`torch.chunk`'s chunks: ceil(dim/d) rows on the first ranks, fewer or none on the last; every shard
+padded to the longest in the collectives, `padded_rows`, and priced padded: `priced_stats`, `pad_factor`); only a
+parameter with no such dim (a scalar, every dim taken by tensor parallelism) stays whole and data parallel
+(`whole`; the plan notes it). Lowering: a `GATHER` directive per
 parameter and axis; `passes.lower.group_fsdp_gathers_pass` gathers them per layer (`autopar.layers`; the
 parameters outside the layers per stretch between layers): one all-gather per data axis of a flat buffer of the
 group's shards, right before its first use, the next group's issued before this group's compute (prefetch);
@@ -56,8 +59,7 @@ def precondition(site: Site, st: SiteStats, data_sizes: tuple[int, ...],
         return "it has no parameters"
     if not set(st.param_shapes) - whole(st, data_sizes, model_placements):
         shapes = ", ".join(str(tuple(s)) for s in st.param_shapes.values())
-        return (f"no parameter ({shapes}) has a dim (0 or 1) that tensor parallelism leaves whole and that divides "
-                f"over {size} ranks")
+        return f"no parameter ({shapes}) has a dim (0 or 1) that tensor parallelism leaves whole"
     return None
 
 
@@ -67,13 +69,55 @@ def whole(st: SiteStats, data_sizes, model_placements: dict[str, dict[int, Place
                      if shard_dim(shape, model_placements.get(ph, {}).values(), data_sizes) is None)
 
 
-def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: Iterable[int]) -> int | None:
+def priced_stats(st: SiteStats, data_sizes, model_placements: dict[str, dict[int, Placement]]) -> SiteStats:
+    """`st` as FSDP prices it: the parameters it leaves whole (`fsdp_whole`) and, per parameter it shards unevenly,
+    its padding (`fsdp_pad`: `pad_factor`), which the sharded state, gathers and reductions carry."""
+    pads = {}
+    for ph, shape in st.param_shapes.items():
+        dim = shard_dim(shape, model_placements.get(ph, {}).values(), data_sizes)
+        if dim is not None and shape[dim] % math.prod(data_sizes):
+            pads[ph] = pad_factor(shape[dim], data_sizes)
+    return dataclasses.replace(st, fsdp_whole=whole(st, data_sizes, model_placements), fsdp_pad=pads)
+
+
+def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: Iterable[int], *,
+              uneven: bool = True) -> int | None:
     """The dim FSDP shards a parameter of `shape` on, over every data axis (sizes `data_sizes`), given its
     placements `model` on the model axes: dim 0, else dim 1, the first that tensor parallelism leaves whole and
-    that divides over the data ranks; None: no dim does (the parameter stays whole on the data axes)."""
-    size = math.prod(data_sizes)
+    that divides over the data ranks; where none divides, the first that tensor parallelism leaves whole, sharded
+    unevenly (`uneven`: as FSDP2 shards dim 0, `torch.chunk`'s chunks, the last ranks' shorter or empty, padded to
+    `padded_rows` for the collectives); None: no such dim (a scalar, or every dim taken: it stays whole on the
+    data axes)."""
+    sizes = tuple(data_sizes)
+    size = math.prod(sizes)
     taken = {p.dim for p in model if is_shard(p)}
-    return next((d for d in range(min(2, len(shape))) if d not in taken and shape[d] % size == 0), None)
+    free = [d for d in range(min(2, len(shape))) if d not in taken]
+    even = next((d for d in free if shape[d] % size == 0), None)
+    if even is not None or not uneven or not free:
+        return even
+    return free[0]
+
+
+def shard_layout(length: int, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(offset, length) in a dim of `length` of each rank's shard over mesh axes of `sizes` (outermost first, each
+    `Shard` of that dim: the outer axis chunks first, as DTensor nests them), ranks outermost-major."""
+    from torch.distributed.tensor import Shard
+    out = [(0, length)]
+    for n in sizes:
+        out = [(off + o, k) for off, size in out
+               for o, k in (Shard.local_shard_size_and_offset(size, n, r)[::-1] for r in range(n))]
+    return tuple(out)
+
+
+def padded_rows(length: int, sizes) -> int:
+    """The rows every rank's shard is padded to in FSDP's collectives: the longest shard's."""
+    return max(k for _, k in shard_layout(length, tuple(sizes)))
+
+
+def pad_factor(length: int, sizes) -> float:
+    """Bytes per rank of an unevenly sharded dim of `length` over `sizes` against an even split: the padded shard
+    (`padded_rows`) times the ranks, over the dim."""
+    return padded_rows(length, sizes) * math.prod(sizes) / length
 
 
 def gather_directives(fqn: str, axes: list[str], keep: bool = False) -> list[Directive]:

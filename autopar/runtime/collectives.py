@@ -149,7 +149,11 @@ def _piece(block: torch.Tensor, dim: int, n: int, r: int, zigzag: bool) -> torch
     if zigzag:
         chunks = block.chunk(2 * n, dim)
         return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim)
-    return block.chunk(n, dim)[r]
+    # torch.chunk's chunk r, as DTensor's Shard splits: of a dim that does not divide, the last ranks' shorter or
+    # empty (an uneven FSDP shard: `autopar.forms.fsdp.shard_dim`)
+    size = -(-block.shape[dim] // n)
+    start = min(r * size, block.shape[dim])
+    return block.narrow(dim, start, min(size, block.shape[dim] - start))
 
 
 def _to_blocks(x: torch.Tensor, dim: int, n: int, k: int, zigzag: bool = False) -> torch.Tensor:

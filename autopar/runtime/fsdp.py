@@ -63,6 +63,11 @@ class _Spec:
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     persist: bool = False
+    # per parameter: None, or (dim, full length) where its shards are uneven (`autopar.forms.fsdp.shard_dim`)
+    pad: tuple = ()
+
+    def padding(self, i: int) -> tuple[int, int] | None:
+        return self.pad[i] if self.pad else None
 
 
 # ZeRO-2's gathered groups kept between steps: id of the first shard's storage tensor -> (every shard's storage
@@ -119,11 +124,58 @@ def _persist(shards, buf: torch.Tensor) -> None:
     _PERSISTED[key] = (refs, _versions(shards), buf)
 
 
-def _copy_in(shards, dtype) -> torch.Tensor:
-    return torch.cat([s.reshape(-1).to(dtype) if dtype is not None else s.reshape(-1) for s in shards])
+def _uneven(length: int, ns: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+    """An uneven dim of `length` over ranks `ns` (outermost first): (the padded rows every shard travels as, the
+    indices in the rank-major padded dim (world x padded) of the full dim's rows, in order)."""
+    hit = _UNEVEN.get((length, ns))
+    if hit is None:
+        from autopar.forms.fsdp import shard_layout
+        layout = shard_layout(length, ns)
+        rows = max(k for _, k in layout)
+        idx = torch.cat([torch.arange(r * rows, r * rows + k) for r, (_, k) in enumerate(layout)])
+        hit = _UNEVEN[(length, ns)] = (rows, idx)
+    return hit
 
 
-def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+_UNEVEN: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+
+def _ns(axes) -> tuple[int, ...]:
+    return tuple(a.size for a in reversed(axes))  # outermost first
+
+
+def _padded_shape(shape, i: int, spec: "_Spec") -> tuple[int, ...]:
+    """Parameter i's shard shape as it travels: padded on its dim to the longest shard where uneven."""
+    pad = spec.padding(i)
+    if pad is None:
+        return tuple(shape)
+    d, length = pad
+    out = list(shape)
+    out[d] = _uneven(length, _ns(spec.axes))[0]
+    return tuple(out)
+
+
+def _full_shape(shape, i: int, spec: "_Spec") -> list[int]:
+    pad = spec.padding(i)
+    out = list(shape)
+    d = spec.dims[i]
+    out[d] = pad[1] if pad is not None else out[d] * math.prod(a.size for a in spec.axes)
+    return out
+
+
+def _copy_in(shards, dtype, spec: "_Spec | None" = None) -> torch.Tensor:
+    flat = []
+    for i, s in enumerate(shards):
+        if spec is not None and spec.padding(i) is not None:  # an uneven shard: zeros after its rows
+            padded = s.new_zeros(_padded_shape(s.shape, i, spec), dtype=dtype or s.dtype)
+            padded.narrow(spec.dims[i], 0, s.shape[spec.dims[i]]).copy_(s)
+            s = padded
+        flat.append(s.reshape(-1).to(dtype) if dtype is not None else s.reshape(-1))
+    return torch.cat(flat)
+
+
+def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool,
+           spec: "_Spec | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat buffer of `shards` copied in, its all-gather on the innermost axis issued (not waited): (the gather
     in flight, the buffer it sends). The sent buffer travels with the pending gather until `_finish` has waited for
     it. Under `torch.compile` the prefetch is issued in one compiled graph and waited for in another (a graph break
@@ -131,7 +183,7 @@ def _issue(shards, axes: tuple[AxisRef, ...], dtype, backward: bool) -> tuple[to
     same graph: without the buffer among the issuing graph's outputs, inductor reuses its memory for the next
     layer's activations while the all-gather still reads it, and the ranks receive those instead of the shards."""
     with torch.no_grad():
-        sent = _copy_in(shards, dtype)
+        sent = _copy_in(shards, dtype, spec)
         return C._issue_all_gather(sent, 0, axes[0], backward), sent
 
 
@@ -144,26 +196,33 @@ def _finish(pending: tuple[torch.Tensor, torch.Tensor], shards, spec: _Spec, bac
             flat = C._wait(C._issue_all_gather(flat, 0, axis, backward))
         ns = [a.size for a in reversed(spec.axes)]  # outermost first, as the gathered buffer is laid out
         world = math.prod(ns)
-        total = sum(s.numel() for s in shards)
+        shapes = [_padded_shape(s.shape, i, spec) for i, s in enumerate(shards)]
+        total = sum(math.prod(p) for p in shapes)
         rows = flat.view(world, total)
-        out = torch.empty(total * world, dtype=flat.dtype, device=flat.device)
+        out = torch.empty(sum(math.prod(_full_shape(s.shape, i, spec)) for i, s in enumerate(shards)),
+                          dtype=flat.dtype, device=flat.device)
         off = foff = 0
-        for s, d in zip(shards, spec.dims):
-            k = s.numel()
-            g = rows[:, off:off + k].view(*ns, *s.shape).movedim(tuple(range(len(ns))), tuple(range(d, d + len(ns))))
-            out[foff:foff + k * world].view(*s.shape[:d], *ns, *s.shape[d:]).copy_(g)
-            off, foff = off + k, foff + k * world
+        for i, (shape, d) in enumerate(zip(shapes, spec.dims)):
+            k = math.prod(shape)
+            g = rows[:, off:off + k].view(*ns, *shape).movedim(tuple(range(len(ns))), tuple(range(d, d + len(ns))))
+            full = _full_shape(shards[i].shape, i, spec)
+            dst = out[foff:foff + math.prod(full)]
+            pad = spec.padding(i)
+            if pad is None:
+                dst.view(*shape[:d], *ns, *shape[d:]).copy_(g)
+            else:  # (..., world x padded rows, ...) -> the full dim's rows: each rank's own, its padding dropped
+                padded = g.reshape(*shape[:d], world * shape[d], *shape[d + 1:])
+                dst.view(full).copy_(padded.index_select(d, _uneven(pad[1], tuple(ns))[1].to(flat.device)))
+            off, foff = off + k, foff + math.prod(full)
         return out
 
 
 def _full_views(buf: torch.Tensor, shards, spec: _Spec) -> list[torch.Tensor]:
-    world = math.prod(a.size for a in spec.axes)
     out, off = [], 0
-    for s, d in zip(shards, spec.dims):
-        shape = list(s.shape)
-        shape[d] *= world
-        out.append(buf[off:off + s.numel() * world].view(shape))
-        off += s.numel() * world
+    for i, s in enumerate(shards):
+        shape = _full_shape(s.shape, i, spec)
+        out.append(buf[off:off + math.prod(shape)].view(shape))
+        off += math.prod(shape)
     return out
 
 
@@ -172,17 +231,22 @@ def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _
     (`shards`: their shapes and dtypes)."""
     ns = [a.size for a in reversed(spec.axes)]
     world = math.prod(ns)
-    total = sum(math.prod(shape) for shape, _ in shards)
+    padded = [_padded_shape(shape, i, spec) for i, (shape, _) in enumerate(shards)]
+    total = sum(math.prod(shape) for shape in padded)
     like = next(g for g in grads if g is not None)
     flat = like.new_empty((world, total), dtype=spec.reduce_dtype or like.dtype)
     off = 0
-    for g, (shape, _), d in zip(grads, shards, spec.dims):
+    for i, (g, shape, d) in enumerate(zip(grads, padded, spec.dims)):
         k = math.prod(shape)
         dst = flat[:, off:off + k]
-        if g is None:
-            dst.zero_()
-        else:
-            src = g.view(*shape[:d], *ns, *shape[d:]).movedim(tuple(range(d, d + len(ns))), tuple(range(len(ns))))
+        pad = spec.padding(i)
+        if g is None or pad is not None:
+            dst.zero_()  # an uneven parameter's padding rows reduce as zeros
+        if g is not None and pad is not None:  # the full dim's rows -> (..., world x padded rows, ...)
+            full = g.new_zeros((*shape[:d], world * shape[d], *shape[d + 1:]))
+            g = full.index_copy_(d, _uneven(pad[1], tuple(ns))[1].to(g.device), g)
+        if g is not None:
+            src = g.reshape(*shape[:d], *ns, *shape[d:]).movedim(tuple(range(d, d + len(ns))), tuple(range(len(ns))))
             dst.view(*ns, *shape).copy_(src)
         off += k
     flat = flat.view(-1)
@@ -197,10 +261,12 @@ def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _
         torch.autograd.Variable._execution_engine.queue_callback(flat.wait)
         torch.autograd.Variable._execution_engine.queue_callback(C._after_backward)
     out, off = [], 0
-    for shape, dtype in shards:
-        g = flat[off:off + math.prod(shape)].view(shape)
+    for i, ((shape, dtype), travelled) in enumerate(zip(shards, padded)):
+        g = flat[off:off + math.prod(travelled)].view(travelled)
+        if spec.padding(i) is not None:  # this rank's own rows of its padded shard
+            g = g.narrow(spec.dims[i], 0, shape[spec.dims[i]])
         out.append(g if g.dtype == dtype else g.to(dtype))
-        off += math.prod(shape)
+        off += math.prod(travelled)
     return out
 
 
@@ -217,12 +283,12 @@ class _Group:
     def regathered(self) -> torch.Tensor:
         if self.buffer is None:
             pending = self.pending if self.pending is not None else _issue(self.shards, self.spec.axes,
-                                                                             self.spec.param_dtype, True)
+                                                                             self.spec.param_dtype, True, self.spec)
             self.pending = None
             self.buffer = _finish(pending, self.shards, self.spec, True)
             p = self.prev
             if p is not None and p.packed and p.buffer is None and p.pending is None:  # backward prefetch
-                p.pending = _issue(p.shards, p.spec.axes, p.spec.param_dtype, True)
+                p.pending = _issue(p.shards, p.spec.axes, p.spec.param_dtype, True, p.spec)
         return self.buffer
 
 
@@ -306,7 +372,7 @@ class _Gather(torch.autograd.Function):
         buf = _persisted(shards) if spec.persist else None
         if buf is None:
             if pending is None:
-                pending = _issue(shards, spec.axes, spec.param_dtype, False)
+                pending = _issue(shards, spec.axes, spec.param_dtype, False, spec)
             buf = _finish(pending, shards, spec, False)
             if spec.persist:
                 _persist(shards, buf)
@@ -328,22 +394,25 @@ class _Gather(torch.autograd.Function):
         return (None, None, *_reduce_scatter(grads, ctx.shards, ctx.spec))
 
 
-def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None, *, persist: bool = False):
+def fsdp_prefetch(shards: tuple, axes: tuple, param_dtype=None, *, persist: bool = False, pad: tuple = ()):
     """Issue the all-gather of a group's flat buffer of shards on the innermost data axis; `fsdp_gather` waits.
     Returns the gather in flight and the buffer it sends (`_issue`: kept until the wait); None for a persisted group
-    whose shards are unchanged (nothing to gather)."""
+    whose shards are unchanged (nothing to gather). `pad`: as `fsdp_gather`'s."""
     if persist and _persisted(shards) is not None:
         return None
-    return _issue(shards, tuple(resolve_axis(a) for a in axes), param_dtype, False)
+    refs = tuple(resolve_axis(a) for a in axes)
+    spec = _Spec(refs, tuple(p[0] if p else 0 for p in pad), "", False, param_dtype, None, persist, tuple(pad))
+    return _issue(shards, refs, param_dtype, False, spec if pad else None)
 
 
 def fsdp_gather(shards: tuple, pending, axes: tuple, dims: tuple, label: str, keep: bool, param_dtype=None,
-                reduce_dtype=None, *, persist: bool = False) -> tuple:
+                reduce_dtype=None, *, persist: bool = False, pad: tuple = ()) -> tuple:
     """The full parameters of one FSDP group (module docstring): all-gathered as one flat buffer (waiting for
     `pending`, its prefetch, when given); backward reduce-scatters their gradients as one flat buffer. `persist`
-    (ZeRO-2): the gathered buffer is kept for later calls until the shards change."""
+    (ZeRO-2): the gathered buffer is kept for later calls until the shards change. `pad`: per parameter None, or
+    (dim, full length) of one sharded unevenly: its shard travels padded to the longest (`_uneven`), as FSDP2's."""
     spec = _Spec(tuple(resolve_axis(a) for a in axes), tuple(dims), label, keep or persist, param_dtype, reduce_dtype,
-                 persist)
+                 persist, tuple(pad))
     return _Gather.apply(pending, spec, *shards)
 
 
