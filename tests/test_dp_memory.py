@@ -4,9 +4,9 @@ meta, one 512-token sequence per rank) on {"dp": d, "tp": 2}, d from 8 to 4096, 
 - zero1 (state sharded over every axis, parameters whole): memory per device never grows;
 - `auto` under the memory limit that the fsdp plan needs at d = 8 finds a plan that fits at every d (what the 405B
   sweep at dp2048 once failed); it is not asked to be monotone: under a limit it spends memory for time;
-- fsdp: memory never grows while every parameter's dim divides over the ranks (d <= 512 here, 1024 ranks); past
-  that the parameters with no dividing dim stay whole, and the plan says which. Not yet: uneven (padded) FSDP shards,
-  as FSDP2 makes them, which would keep fsdp's memory falling at any d."""
+- fsdp: memory never grows at any d: a parameter whose dims do not divide over the ranks (hidden 1024 over 2048 ranks
+  and more) is sharded unevenly, as FSDP2 shards it, ceil(dim 0 / ranks) rows per rank (`autopar.forms.fsdp.shard_dim`),
+  not left whole."""
 
 from __future__ import annotations
 
@@ -44,8 +44,12 @@ def test_auto_fits_the_dp8_budget_at_every_dp():
         assert est.fits and est.memory_bytes_per_device <= limit, (d, est.memory_bytes_per_device, limit)
 
 
-def test_fsdp_memory_shrinks_while_dims_divide():
-    mem = {d: _plan(d, "fsdp").estimate.memory_bytes_per_device for d in (8, 64, 512)}
-    assert _non_increasing(mem) and mem[512] < mem[8], mem
-    notes = _plan(1024, "fsdp").notes  # 2048 ranks: hidden 1024 divides over none
-    assert any("norm.weight (1024,) is not FSDP-sharded" in n and "2048 ranks" in n for n in notes), notes
+def test_fsdp_memory_does_not_grow_with_dp():
+    plans = {d: _plan(d, "fsdp") for d in DEGREES}
+    mem = {d: p.estimate.memory_bytes_per_device for d, p in plans.items()}
+    assert _non_increasing(mem) and mem[4096] < mem[8], mem
+    # 8192 ranks: hidden 1024 divides over none, so the norms are sharded unevenly (1 row on the first 1024 ranks)
+    notes = plans[4096].notes
+    assert any("norm.weight (1024,) is FSDP-sharded unevenly on dim 0 over 8192 ranks: at most 1" in n
+               for n in notes), notes
+    assert not any("not FSDP-sharded" in n for n in notes), notes

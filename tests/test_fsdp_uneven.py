@@ -81,7 +81,57 @@ def _check(path: str):
     return out
 
 
+def _padded_numel(shapes) -> int:
+    """Elements of a group's padded flat buffer gathered over WORLD ranks: each shard padded to the longest."""
+    return sum(WORLD * fsdp_form.padded_rows(s[0], (WORLD,)) * (s[1] if len(s) > 1 else 1) for s in shapes)
+
+
 def test_fsdp_uneven_shards_match_one_device_and_checkpoint(tmp_path):
     results = gloo_pool(WORLD).run(_check, str(tmp_path))
+    shapes = {n: tuple(p.shape) for n, p in Odd().named_parameters()}
+    layer = _padded_numel([(7, 7), (7,)])  # 4 x (2 x 7 + 2) = 64, of 56 real elements
+    root = _padded_numel([(5, 7), (5,), (3, 5), (3,)])  # 4 x (2 x 7 + 2 + 1 x 5 + 1) = 88, of 58
+    assert (layer, root) == (64, 88)
+    sent = lambda n: 3 * n * 8 // 4  # a rank sends 3/4 of the padded fp64 buffer
+    # per step: forward, each layer's group gathered, then the root group (head, out: kept gathered, as FSDP2's
+    # root); the loss all-reduced; backward, the root's gradients reduce-scattered, layers.0 gathered again (layers.1,
+    # the last forward, is still gathered), each layer's gradients reduce-scattered: every one at its padded size
+    want = [("all_gather", "dp", "forward", layer, sent(layer))] * 2 + [
+        ("all_gather", "dp", "forward", root, sent(root)), ("all_reduce", "dp", "forward", 1, 12),
+        ("reduce_scatter", "dp", "backward", root, sent(root)), ("all_gather", "dp", "backward", layer, sent(layer)),
+        ("reduce_scatter", "dp", "backward", layer, sent(layer)), ("reduce_scatter", "dp", "backward", layer,
+                                                                    sent(layer))]
     for rank, r in enumerate(results):
-        print(rank, r)
+        # every parameter sharded on dim 0, this rank's torch.chunk: 7 rows -> 2, 2, 2, 1; 5 -> 2, 2, 1, 0; 3 -> 1, 1, 1, 0
+        assert r["params"] == {n: "S(0)" for n in shapes}, r["params"]
+        rows = {n: len(torch.arange(s[0]).chunk(WORLD)[rank]) if rank < len(torch.arange(s[0]).chunk(WORLD)) else 0
+                for n, s in shapes.items()}
+        assert r["local"] == {n: rows[n] * (s[1] if len(s) > 1 else 1) for n, s in shapes.items()}, (rank, r["local"])
+        assert r["back_local"] == {n: (rows[n], *s[1:]) for n, s in shapes.items()}, (rank, r["back_local"])
+        assert any("head.weight (5, 7) is FSDP-sharded unevenly on dim 0 over 4 ranks: at most 2" in n
+                   for n in r["notes"]), r["notes"]
+        loss, ref = r["loss"]
+        assert abs(loss - ref) <= 1e-12, (rank, loss, ref)
+        assert set(r["grad"]) == set(r["param"]) == set(shapes)
+        assert max(r["grad"].values()) <= 1e-12, (rank, r["grad"])
+        assert max(r["param"].values()) <= 1e-12, (rank, r["param"])  # after 2 AdamW steps
+        assert r["comms"] == want, (rank, r["comms"])
+        assert r["to_dp"] == 0.0 and r["back"] == 0.0, (rank, r["to_dp"], r["back"])
+
+
+def test_uneven_shards_are_priced_padded():
+    """The planner's bytes per rank of an uneven parameter: ceil(dim 0 / d) rows (`fsdp.priced_stats`)."""
+    from autopar.estimate import SiteStats
+    from autopar.spec import R
+    assert fsdp_form.shard_dim((7, 7), [R], [4]) == 0 and fsdp_form.shard_dim((6, 8), [R], [4]) == 1
+    assert fsdp_form.shard_dim((3,), [R], [4]) == 0 and fsdp_form.shard_dim((), [R], [4]) is None
+    assert fsdp_form.shard_dim((7, 7), [R], [4], uneven=False) is None
+    assert fsdp_form.shard_layout(5, (4,)) == ((0, 2), (2, 2), (4, 1), (5, 0))
+    assert fsdp_form.shard_layout(5, (2, 2)) == ((0, 2), (2, 1), (3, 1), (4, 1))  # DTensor's nested chunks
+    st = SiteStats()
+    for name, shape in {"w": (7, 7), "b": (3,), "e": (8, 7)}.items():
+        st.add_param(name, torch.empty(shape, dtype=torch.float64), True)
+    sharded, whole = fsdp_form.priced_stats(st, (4,), {}).fsdp_parts()
+    assert not whole.param_facts
+    # per rank: 2 of w's rows, 1 of b's, 2 of e's; times 4 ranks
+    assert sharded.param_bytes / 4 == 8 * (2 * 7 + 1 + 2 * 7), sharded.param_bytes

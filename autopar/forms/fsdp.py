@@ -221,12 +221,14 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
             reduced.append((nbytes / split, group / split))
     t, b = sync(mc, gathered, reduced, backward_s)
     kept_t, kept_b = dp.grad_sync(mc, kept.synced_param_bytes / split)
-    local = sharded.param_bytes / split
+    local = sharded.param_bytes / split  # the shards' bytes times the ranks (padded where uneven)
+    full = sum(st.param_facts[p][0] for p in sharded.param_facts) / split  # the gathered parameters' (not padded)
     if mc.zero == 2:  # the gathered copies persist: the whole parameters held, no transient beside them
-        return t + kept_t, b + kept_b, zero.state_bytes(mc, local, 2) + dp.state_bytes(mc, kept.param_bytes / split), 0.0
+        state = full + (zero.state_bytes(mc, local, 2) - local)  # zero2's whole compute copy is not padded
+        return t + kept_t, b + kept_b, state + dp.state_bytes(mc, kept.param_bytes / split), 0.0
     # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table) in a
     # group kept gathered; a resharded group gathers them again in backward instead
-    gathered = sum(held_gathered_bytes(sharded.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
+    gathered = sum(held_gathered_bytes(st.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
                    for p in sharded.saved_params) / split
     return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
             + dp.state_bytes(mc, kept.param_bytes / split), gathered)
