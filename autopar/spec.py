@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "Placement", "Partial", "Replicate", "Shard", "_StridedShard", "R", "P",
-    "is_shard", "shard_dim", "fmt", "fmt_placements", "placement_from_str", "Owned", "is_owned",
+    "is_shard", "shard_dim", "shard_layout", "fmt", "fmt_placements", "placement_from_str", "Owned", "is_owned",
 ]
 
 R = Replicate()
@@ -44,6 +44,16 @@ def is_owned(p) -> bool:
 
 def is_shard(p: Placement | None) -> bool:
     return isinstance(p, (Shard, _StridedShard))
+
+
+def shard_layout(length: int, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(offset, length) in a dim of `length` of each rank's shard over mesh axes of `sizes` (outermost first, each
+    `Shard` of that dim: the outer axis chunks first, as DTensor nests them), ranks outermost-major."""
+    out = [(0, length)]
+    for n in sizes:
+        out = [(off + o, k) for off, size in out
+               for o, k in (Shard.local_shard_size_and_offset(size, n, r)[::-1] for r in range(n))]
+    return tuple(out)
 
 
 def shard_dim(p: Placement) -> int:

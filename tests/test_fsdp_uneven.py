@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.forms import fsdp as fsdp_form
+from autopar.spec import shard_layout
 from dist_harness import gloo_pool
 
 WORLD = 4
@@ -126,8 +127,8 @@ def test_uneven_shards_are_priced_padded():
     assert fsdp_form.shard_dim((7, 7), [R], [4]) == 0 and fsdp_form.shard_dim((6, 8), [R], [4]) == 1
     assert fsdp_form.shard_dim((3,), [R], [4]) == 0 and fsdp_form.shard_dim((), [R], [4]) is None
     assert fsdp_form.shard_dim((7, 7), [R], [4], uneven=False) is None
-    assert fsdp_form.shard_layout(5, (4,)) == ((0, 2), (2, 2), (4, 1), (5, 0))
-    assert fsdp_form.shard_layout(5, (2, 2)) == ((0, 2), (2, 1), (3, 1), (4, 1))  # DTensor's nested chunks
+    assert shard_layout(5, (4,)) == ((0, 2), (2, 2), (4, 1), (5, 0))
+    assert shard_layout(5, (2, 2)) == ((0, 2), (2, 1), (3, 1), (4, 1))  # DTensor's nested chunks
     st = SiteStats()
     for name, shape in {"w": (7, 7), "b": (3,), "e": (8, 7)}.items():
         st.add_param(name, torch.empty(shape, dtype=torch.float64), True)

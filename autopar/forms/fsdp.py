@@ -39,7 +39,7 @@ from autopar.estimate import MeshCosting, SiteStats
 from autopar.forms import dp, zero
 from autopar.plan import GATHER_KEEP, Directive, DirectiveKind, Plan
 from autopar.sites import Kind, Site
-from autopar.spec import Placement, is_shard
+from autopar.spec import Placement, is_shard, shard_layout
 from cost_model.analytical import collective_time_s, kernel_time_s, send_bytes
 
 NAME = "fsdp"
@@ -96,17 +96,6 @@ def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: It
     if even is not None or not uneven or not free:
         return even
     return free[0]
-
-
-def shard_layout(length: int, sizes: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """(offset, length) in a dim of `length` of each rank's shard over mesh axes of `sizes` (outermost first, each
-    `Shard` of that dim: the outer axis chunks first, as DTensor nests them), ranks outermost-major."""
-    from torch.distributed.tensor import Shard
-    out = [(0, length)]
-    for n in sizes:
-        out = [(off + o, k) for off, size in out
-               for o, k in (Shard.local_shard_size_and_offset(size, n, r)[::-1] for r in range(n))]
-    return tuple(out)
 
 
 def padded_rows(length: int, sizes) -> int:

@@ -51,6 +51,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import local_tensor_mode
 
 from autopar.mesh import AxisRef, resolve_axis
+from autopar.spec import shard_layout
 from autopar.runtime import collectives as C
 
 
@@ -129,7 +130,6 @@ def _uneven(length: int, ns: tuple[int, ...]) -> tuple[int, torch.Tensor]:
     indices in the rank-major padded dim (world x padded) of the full dim's rows, in order)."""
     hit = _UNEVEN.get((length, ns))
     if hit is None:
-        from autopar.forms.fsdp import shard_layout
         layout = shard_layout(length, ns)
         rows = max(k for _, k in layout)
         idx = torch.cat([torch.arange(r * rows, r * rows + k) for r, (_, k) in enumerate(layout)])
