@@ -18,6 +18,12 @@ into one flat buffer (in `reduce_dtype` when given), reduce-scatters it once per
 on a real process group asynchronously, waited for at the end of the backward, as `_GradSyncBucket` does) and
 returns views of the result (cast back to the shards' dtype).
 
+Uneven shards (`pad`: a parameter whose dim does not divide over the data ranks, `autopar.forms.fsdp.shard_dim`):
+each rank holds `torch.chunk`'s chunk (DTensor's `Shard`, nested over the axes: `autopar.spec.shard_layout`), and
+travels padded with zeros to the longest; the gathered rows are taken by index (`_uneven`), the padding dropped; the
+full gradient is scattered into the padded layout (zeros in the padding), reduce-scattered, and each rank keeps its
+own rows, as FSDP2's `_fsdp_param` pads dim 0.
+
 `keep=False` (ZeRO-3, the default): the full parameters are not kept for backward. While `fsdp_step()` is
 active (`ParallelModule.forward` enters it around the program), a `saved_tensors_hooks` pair replaces every
 saved tensor that is (a view of) a group's gathered buffer by a small handle; in backward the first unpack of
