@@ -225,11 +225,15 @@ class _Placements:
         out = []
         for ph, fqn in self.ctx.captured.param_fqns.items():
             shape = tuple(self.ctx.captured.placeholder(ph).meta["val"].shape)
-            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes, uneven=False)  # zero1's chunks: even only
+            dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
             if dim is None or any(self.pls[ph][self.mesh.names.index(a)] != R for a in axes):
                 notes.append(f"parameter {fqn} {shape}: its optimizer state is not sharded (ZeRO-1): no dim (0 or 1) "
-                             f"that tensor parallelism leaves whole divides over {math.prod(sizes)} ranks")
+                             f"that tensor parallelism leaves whole ({math.prod(sizes)} ranks)")
                 continue
+            if shape[dim] % math.prod(sizes):
+                notes.append(f"parameter {fqn} {shape}: its optimizer step is sharded unevenly (ZeRO-1) on dim {dim} "
+                             f"over {math.prod(sizes)} ranks: at most {fsdp_form.padded_rows(shape[dim], sizes)} of its "
+                             f"{shape[dim]} rows per rank")
             out += zero_form.shard_step_directives(fqn, axes, dim)
         return out
 

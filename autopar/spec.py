@@ -14,6 +14,7 @@ backward), Megatron's `f`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -21,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "Placement", "Partial", "Replicate", "Shard", "_StridedShard", "R", "P",
-    "is_shard", "shard_dim", "shard_layout", "fmt", "fmt_placements", "placement_from_str", "Owned", "is_owned",
+    "is_shard", "shard_dim", "shard_layout", "padded_index", "fmt", "fmt_placements", "placement_from_str", "Owned", "is_owned",
 ]
 
 R = Replicate()
@@ -54,6 +55,17 @@ def shard_layout(length: int, sizes: tuple[int, ...]) -> tuple[tuple[int, int], 
         out = [(off + o, k) for off, size in out
                for o, k in (Shard.local_shard_size_and_offset(size, n, r)[::-1] for r in range(n))]
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def padded_index(length: int, sizes: tuple[int, ...]):
+    """An uneven dim of `length` over mesh axes of `sizes` (outermost first) as its shards travel, each padded to the
+    longest (FSDP's and ZeRO-1's all-gathers): (the padded rows per rank, the indices in the rank-major padded dim,
+    ranks x padded rows, of the full dim's rows, in order). Shared: not to be written to."""
+    import torch
+    layout = shard_layout(length, sizes)
+    rows = max(k for _, k in layout)
+    return rows, torch.cat([torch.arange(r * rows, r * rows + k) for r, (_, k) in enumerate(layout)])
 
 
 def shard_dim(p: Placement) -> int:

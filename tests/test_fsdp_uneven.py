@@ -1,7 +1,9 @@
 """FSDP of parameters whose dims do not divide over the data ranks (issue #24 item 5): sharded unevenly on dim 0, as
 FSDP2 shards them (`autopar.forms.fsdp.shard_dim`: `torch.chunk`'s chunks, the last ranks' shorter or empty, padded to
 the longest in the group's all-gather and reduce-scatter: `autopar.runtime.fsdp`), exact against one device on 4 gloo
-ranks, its collectives counted with their padded sizes, its DCP checkpoint loaded into `dp` and back."""
+ranks, its collectives counted with their padded sizes, its DCP checkpoint loaded into `dp` and back; zero1 (the
+optimizer step on this rank's uneven chunk, `autopar.runtime.local_step`) and zero2 (fsdp's uneven shards) exact too,
+their AdamW state the rank's rows."""
 
 from __future__ import annotations
 
@@ -56,6 +58,23 @@ def _check(path: str):
                           optimizer=torch.optim.AdamW)
     out = dict(loss=(res.loss, res.ref_loss), grad=res.grad_err, param=res.param_err, comms=res.comms,
                local=res.local_numel, notes=list(res.plan.notes), params=dict(res.plan.params))
+    # zero1 (the step on this rank's uneven chunk, its AdamW state at the chunk's size, the chunks all-gathered after)
+    # and zero2 (fsdp's uneven shards, gathered copies kept between steps): exact as well
+    for name in ("zero1", "zero2"):
+        torch.manual_seed(0)
+        made = []
+
+        def adamw(params, lr):  # torch's own AdamW (a subclass is refused a sharded step), kept to read its state
+            made.append(torch.optim.AdamW(params, lr=lr))
+            return made[-1]
+
+        z = run_equivalence(copy.deepcopy(keep), _inputs(), (WORLD,), ("dp",), plan=name, steps=2, lr=0.01,
+                            optimizer=adamw)
+        opt = made[-1]  # the parallel module's (the reference's is the first), over pm.parameters()
+        names = [n for n, _ in keep.named_parameters()]
+        out[name] = dict(loss=(z.loss, z.ref_loss), grad=z.grad_err, param=z.param_err, notes=list(z.plan.notes),
+                         state={n: tuple(opt.state[p]["exp_avg"].to_local().shape)
+                                for n, p in zip(names, opt.param_groups[0]["params"])})
     # DCP: an uneven fsdp state_dict saved, loaded into dp (replicated), and dp's loaded back into a fresh fsdp
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     fsdp = autopar.parallelize(copy.deepcopy(keep), mesh, _inputs(), plan="fsdp")
@@ -118,6 +137,14 @@ def test_fsdp_uneven_shards_match_one_device_and_checkpoint(tmp_path):
         assert max(r["param"].values()) <= 1e-12, (rank, r["param"])  # after 2 AdamW steps
         assert r["comms"] == want, (rank, r["comms"])
         assert r["to_dp"] == 0.0 and r["back"] == 0.0, (rank, r["to_dp"], r["back"])
+        for name in ("zero1", "zero2"):  # AdamW's state on this rank: its rows of every parameter, no more
+            z = r[name]
+            assert abs(z["loss"][0] - z["loss"][1]) <= 1e-12, (name, rank, z["loss"])
+            assert max(z["grad"].values()) <= 1e-12 and max(z["param"].values()) <= 1e-12, (name, rank, z)
+            assert set(z["param"]) == set(shapes)
+            assert z["state"] == {n: (rows[n], *s[1:]) for n, s in shapes.items()}, (name, rank, z["state"])
+        assert any("head.weight (5, 7): its optimizer step is sharded unevenly (ZeRO-1) on dim 0" in n
+                   for n in r["zero1"]["notes"]), r["zero1"]["notes"]
 
 
 def test_uneven_shards_are_priced_padded():

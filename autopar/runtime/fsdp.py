@@ -57,7 +57,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed._local_tensor import local_tensor_mode
 
 from autopar.mesh import AxisRef, resolve_axis
-from autopar.spec import shard_layout
+from autopar.spec import padded_index
 from autopar.runtime import collectives as C
 
 
@@ -133,17 +133,8 @@ def _persist(shards, buf: torch.Tensor) -> None:
 
 def _uneven(length: int, ns: tuple[int, ...]) -> tuple[int, torch.Tensor]:
     """An uneven dim of `length` over ranks `ns` (outermost first): (the padded rows every shard travels as, the
-    indices in the rank-major padded dim (world x padded) of the full dim's rows, in order)."""
-    hit = _UNEVEN.get((length, ns))
-    if hit is None:
-        layout = shard_layout(length, ns)
-        rows = max(k for _, k in layout)
-        idx = torch.cat([torch.arange(r * rows, r * rows + k) for r, (_, k) in enumerate(layout)])
-        hit = _UNEVEN[(length, ns)] = (rows, idx)
-    return hit
-
-
-_UNEVEN: dict[tuple, tuple[int, torch.Tensor]] = {}
+    indices in the rank-major padded dim (world x padded) of the full dim's rows, in order): `padded_index`."""
+    return padded_index(length, tuple(ns))
 
 
 def _ns(axes) -> tuple[int, ...]:

@@ -37,7 +37,8 @@ optimizer first puts everything back. `enabled(False)` turns the swap off for a 
 and `benchmarks/dp_vs_ddp.py --dtensor-step` use it).
 
 Sharded steps (ZeRO-1, `autopar.forms.zero`): `shard_step(p, mesh_dims, dim)` marks a replicated parameter whose
-step runs on this rank's chunk of it alone: chunk r of n on tensor dim `dim`, n the product of the sizes of the
+step runs on this rank's chunk of it alone: chunk r of n on tensor dim `dim` (`torch.chunk`'s where the dim does not
+divide: shorter or empty on the last ranks, padded to the longest in the all-gather), n the product of the sizes of the
 data mesh dims `mesh_dims`, r this rank's index over them (outermost major, as DTensor nests `Shard(dim)` over
 several mesh dims). An optimizer holding such a parameter is always swapped (its first step too, so that its state
 is created at the chunk's size), and must be one of torch's elementwise optimizers, stepped without a closure,
@@ -60,6 +61,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from autopar.spec import padded_index, shard_layout
 
 _MARK = "_autopar_local_step"  # the attribute that marks a parameter a step may run on locally
 _SHARD = "_autopar_shard_step"  # (data mesh dims, tensor dim): the step runs on this rank's chunk (ZeRO-1)
@@ -89,10 +92,9 @@ def shard_step(p: DTensor, mesh_dims: tuple[int, ...], dim: int) -> None:
     if type(p) is not DTensor or any(not p._spec.placements[i].is_replicate() for i in mesh_dims):
         raise ValueError(f"a sharded step needs a parameter replicated on mesh dims {mesh_dims}, got "
                          f"{type(p).__name__} {getattr(p, 'placements', '')}")
-    n = math.prod(p.device_mesh.size(i) for i in mesh_dims)
-    if p._local_tensor.shape[dim] % n:
-        raise ValueError(f"a sharded step on dim {dim} of a parameter of local shape {tuple(p._local_tensor.shape)} "
-                         f"needs that dim to divide over {n} ranks")
+    if p._local_tensor.dim() <= dim:
+        raise ValueError(f"a sharded step on dim {dim} of a parameter of local shape {tuple(p._local_tensor.shape)}: "
+                         "it has no such dim")
     setattr(p, _SHARD, (tuple(sorted(mesh_dims)), dim))
 
 
@@ -110,8 +112,16 @@ def _chunk(t: torch.Tensor, p: DTensor) -> torch.Tensor:
     """This rank's chunk of `t` (a local tensor of `p`'s shape) for `p`'s sharded step: a view."""
     mesh_dims, dim = getattr(p, _SHARD)
     r, n = _chunk_index(p, mesh_dims)
-    k = t.shape[dim] // n
-    return t.narrow(dim, r * k, k)
+    if t.shape[dim] % n == 0:
+        k = t.shape[dim] // n
+        return t.narrow(dim, r * k, k)
+    # uneven: torch.chunk's chunk, nested over the mesh dims as DTensor's `Shard(dim)` (the last ranks' shorter or empty)
+    off, k = shard_layout(t.shape[dim], _sizes(p, mesh_dims))[r]
+    return t.narrow(dim, off, k)
+
+
+def _sizes(p: DTensor, mesh_dims) -> tuple[int, ...]:
+    return tuple(p.device_mesh.size(i) for i in mesh_dims)
 
 
 @contextlib.contextmanager
@@ -278,20 +288,41 @@ def _gather_chunks(params: list) -> None:
     with torch.no_grad(), C.stepping():
         for (_, mesh_dims, _, _), ps in buckets.items():
             chunks = [_chunk(p._local_tensor, p) for p in ps]
-            flat = torch.cat([c.reshape(-1) for c in chunks])
+            # uneven chunks travel padded with zeros to the longest (`padded_index`)
+            sent = [_padded(c, p) for c, p in zip(chunks, ps)]
+            flat = torch.cat([c.reshape(-1) for c in sent])
             axes = [mesh_info(ps[0].device_mesh).axes[i] for i in mesh_dims]
             for axis in reversed(axes):
                 flat = C._wait(C._issue_all_gather(flat, 0, axis))
             world = math.prod(a.size for a in axes)
             rows = flat.view(world, -1)
             off = 0
-            for p, c in zip(ps, chunks):
+            for p, c in zip(ps, sent):
                 dim = getattr(p, _SHARD)[1]
                 full = p._local_tensor
                 k = c.numel()
                 src = rows[:, off:off + k].reshape(world, *c.shape).movedim(0, dim)  # (..., world, chunk, ...)
-                full.view(*full.shape[:dim], world, c.shape[dim], *full.shape[dim + 1:]).copy_(src)
+                if full.shape[dim] % world == 0:
+                    full.view(*full.shape[:dim], world, c.shape[dim], *full.shape[dim + 1:]).copy_(src)
+                else:  # (..., world x padded rows, ...) -> the full dim's rows, the padding dropped
+                    src = src.reshape(*full.shape[:dim], world * c.shape[dim], *full.shape[dim + 1:])
+                    idx = padded_index(full.shape[dim], _sizes(p, mesh_dims))[1].to(src.device)
+                    full.copy_(src.index_select(dim, idx))
                 off += k
+
+
+def _padded(chunk: torch.Tensor, p: DTensor) -> torch.Tensor:
+    """`chunk` of `p` as it travels: padded with zeros on its dim to the longest chunk where the dim is uneven."""
+    mesh_dims, dim = getattr(p, _SHARD)
+    length = p._local_tensor.shape[dim]
+    if length % math.prod(_sizes(p, mesh_dims)) == 0:
+        return chunk
+    rows = padded_index(length, _sizes(p, mesh_dims))[0]
+    if chunk.shape[dim] == rows:
+        return chunk
+    out = chunk.new_zeros((*chunk.shape[:dim], rows, *chunk.shape[dim + 1:]))
+    out.narrow(dim, 0, chunk.shape[dim]).copy_(chunk)
+    return out
 
 
 def restore(opt: torch.optim.Optimizer) -> None:
