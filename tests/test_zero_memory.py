@@ -106,9 +106,8 @@ def test_estimate_prices_the_reduce_scatter_and_the_gather(mp):
 
 
 def test_plans_round_trip_and_say_what_they_leave_whole():
-    """zero1's step directives and zero2's persistent gathers survive the JSON round trip; under zero1 a parameter
-    with no dim that divides over the data ranks keeps whole state (zero2: sharded unevenly), and the plan says so;
-    both plans print and explain."""
+    """zero1's step directives and zero2's persistent gathers survive the JSON round trip; a parameter with no dim
+    that divides over the data ranks is sharded unevenly, and the plan says so; both plans print and explain."""
     from autopar.plan import GATHER_PERSIST, DirectiveKind, Plan
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)), torch.randn(8, 64)
@@ -118,9 +117,9 @@ def test_plans_round_trip_and_say_what_they_leave_whole():
         assert Plan.from_json(p.to_json()) == p
         assert p.table() and p.explain()
     steps = {(d.node, d.value) for d in z1.directives if d.kind is DirectiveKind.SHARD_STEP}
-    assert steps == {("0.weight", "0"), ("0.bias", "0"), ("2.weight", "1")}, steps  # (5, 64): dim 1
-    assert any("2.bias (5,): its optimizer state is not sharded (ZeRO-1)" in n for n in z1.notes), z1.notes
+    assert steps == {("0.weight", "0"), ("0.bias", "0"), ("2.weight", "1"), ("2.bias", "0")}, steps  # (5, 64): dim 1
+    # the bias (5,): its step sharded unevenly (3, 2 of its 5 rows), as fsdp and zero2 shard it
+    assert any("2.bias (5,): its optimizer step is sharded unevenly (ZeRO-1)" in n for n in z1.notes), z1.notes
     gathers = {d.node: d.value for d in z2.directives if d.kind is DirectiveKind.GATHER}
-    # zero2 shards it as fsdp does: unevenly (3, 2 of its 5 rows), where zero1's chunks are even only
     assert gathers == dict.fromkeys(("0.weight", "0.bias", "2.weight", "2.bias"), GATHER_PERSIST), gathers
     assert any("2.bias (5,) is FSDP-sharded unevenly on dim 0 over 2 ranks" in n for n in z2.notes), z2.notes

@@ -2,8 +2,8 @@
 
 Beside `dp` (parameters, gradients and optimizer state replicated) and `fsdp` (ZeRO-3: all three sharded, parameters
 gathered per layer for every forward), named plans `zero1` and `zero2` (`autopar.planner`). Each parameter is sharded
-over every data axis on its `fsdp.shard_dim` (dim 0 if it divides, else dim 1; zero2, whose shards are fsdp's, else
-unevenly, padded in the collectives as under fsdp); one with no such dim (zero1: none that divides) stays data
+over every data axis on its `fsdp.shard_dim` (dim 0 if it divides, else dim 1, else unevenly, padded in the
+collectives as under fsdp; zero1's chunks likewise: `autopar.runtime.local_step`); one with no such dim stays data
 parallel (replicated state, the plan notes it).
 
 `zero2` (P_os+g): the parameter a user's optimizer holds is its shard (`Shard(dim)` on each data axis, as under
