@@ -489,8 +489,8 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
             free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
                                   grad_share=mc.grad_share(), kp=kp)
-            tried.append((data_axes, seq_axes, free, f"no plan fits the limit: the fastest needs "
-                                                     f"{free.memory_bytes / 2**30:.2f} GiB per device, the least "
+            fastest = f"the fastest needs {free.memory_bytes / 2**30:.2f} GiB per device, " if free is not None else ""
+            tried.append((data_axes, seq_axes, free, f"no plan fits the limit: {fastest}the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
             continue
         sol.data_axes = tuple(data_axes)
@@ -540,7 +540,8 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
     if any(overlapped_s(best.per_site[cls[0].key]) > t + 1e-12 for cls, t in zip(classes, cheapest)):
         free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
                              grad_share=mc.grad_share(), kp=kp)
-        out.free, out.free_memory_bytes = free.choices, free.memory_bytes
+        if free is not None:  # None: the solve without the limit ran out of time (Plan.explain then omits it)
+            out.free, out.free_memory_bytes = free.choices, free.memory_bytes
     out.checkpoint, out.keep = ck, kp
     return out
 
