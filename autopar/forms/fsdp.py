@@ -99,8 +99,12 @@ def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: It
 
 
 def padded_rows(length: int, sizes) -> int:
-    """The rows every rank's shard is padded to in FSDP's collectives: the longest shard's."""
-    return max(k for _, k in shard_layout(length, tuple(sizes)))
+    """The rows every rank's shard is padded to in FSDP's collectives: the longest shard's, the first rank's at each
+    nesting (torch.chunk's chunks are full but the last): ceil(... ceil(length / n0) ... / nk)."""
+    rows = length
+    for n in sizes:
+        rows = -(-rows // n)
+    return rows
 
 
 def pad_factor(length: int, sizes) -> float:
