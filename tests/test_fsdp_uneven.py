@@ -92,7 +92,10 @@ def _check(path: str):
         for p in dp.parameters():
             p.to_local().mul_(2.0)
     dcp.save(dp.state_dict(), checkpoint_id=f"{path}/dp")
-    back = autopar.parallelize(copy.deepcopy(keep), mesh, _inputs(), plan="fsdp")
+    back = fsdp  # the fsdp module again, its shards zeroed: all it holds after the load is the checkpoint's
+    with torch.no_grad():
+        for p in back.parameters():
+            p.to_local().zero_()
     state = back.state_dict()
     dcp.load(state, checkpoint_id=f"{path}/dp")
     back.load_state_dict(state)
