@@ -166,3 +166,23 @@ def test_uneven_shards_are_priced_padded():
     assert not whole.param_facts
     # per rank: 2 of w's rows, 1 of b's, 2 of e's; times 4 ranks
     assert sharded.param_bytes / 4 == 8 * (2 * 7 + 1 + 2 * 7), sharded.param_bytes
+
+
+def test_fsdp_uneven_nested_over_two_data_axes(local_world, fp64):
+    """On a (2, 2) mesh of two data axes the shards nest as DTensor's (Shard(0), Shard(0)): 5 rows -> 3, 2 on the
+    outer axis, then 2, 1 and 1, 1 (not torch.chunk's 2, 2, 1, 0 over 4), padded to 2 per rank; exact on 4 simulated
+    ranks (LocalTensorMode), 2 AdamW steps, the padded group gathered innermost axis first."""
+    from equivalence import run_equivalence
+    torch.manual_seed(0)
+    ref, inputs = Odd().double(), _inputs()
+    with local_world(4):
+        res = run_equivalence(ref, inputs, (2, 2), ("dp", "dq"), plan="fsdp", steps=2, lr=0.01,
+                              optimizer=torch.optim.AdamW)
+    assert max(res.grad_err.values()) <= 1e-12 and max(res.param_err.values()) <= 1e-12, res
+    assert abs(res.loss - res.ref_loss) <= 1e-12, (res.loss, res.ref_loss)
+    local = {n: k.node._local_ints if isinstance(k, torch.SymInt) else k for n, k in res.local_numel.items()}
+    assert local["head.weight"] == {0: 2 * 7, 1: 7, 2: 7, 3: 7} and local["out.bias"] == {0: 1, 1: 1, 2: 1, 3: 0}
+    root = _padded_numel([(5, 7), (5,), (3, 5), (3,)])  # 4 ranks x 22 padded elements, as on one axis of 4
+    assert ("all_gather", "dq", "forward", root // 2, root // 2 * 8 // 2) in res.comms, res.comms
+    assert ("all_gather", "dp", "forward", root, root * 8 // 2) in res.comms, res.comms
+    assert ("reduce_scatter", "dp", "backward", root, root * 8 // 2) in res.comms, res.comms
