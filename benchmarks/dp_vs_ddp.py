@@ -20,7 +20,7 @@ rank's median wall-clock step times, its spread over 5 blocks of consecutive rou
 then the step's phases (forward, backward, optimizer step) timed apart on rank 0, where they differ.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--slow-scalars]
-                                   [--dtensor-step] [--only llama|gpt|nn_llama|convnet|lstm]
+                                   [--dtensor-step] [--only llama|gpt|nn_llama|convnet|lstm|census]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: s
     if only in (None, "gpt"):
         _compare("gpt", GPT(cfg), _tokens(cfg), _shape(cfg), quick, *variants)
     for name in CENSUS_MODELS:  # the torch.nn census's models (issue #22): same model and data on every rank
-        if only in (None, name):
+        if only in (None, "census", name):
             model, batch, _, shape = census_model(name, BATCH)
             _compare(name, model, batch, shape, quick, *variants)
 

@@ -11,7 +11,7 @@ same loss, ending with one headline line `RESULT fsdp/FSDP2 <model> <ratio> (...
 consecutive rounds, and CPU time beside). `--keep` adds autopar with every layer kept gathered (`autopar.forms.fsdp.keep_gathered`); `--profile`
 prints a torch.profiler table of a few steps of each on rank 0.
 
-    python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt|nn_llama|convnet|lstm]
+    python benchmarks/fsdp_vs_fsdp2.py [--quick] [--keep] [--profile] [--only llama|gpt|nn_llama|convnet|lstm|census]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def run(quick: bool, keep: bool, profile: bool, only: str | None) -> None:
     if only in (None, "gpt"):
         _compare("gpt", GPT(cfg), lambda m: m.h, _tokens(cfg), _shape(cfg), quick, keep, profile)
     for name in CENSUS_MODELS:  # the torch.nn census's models (issue #22): same model and data on every rank
-        if only in (None, name):
+        if only in (None, "census", name):
             model, batch, blocks, shape = census_model(name, BATCH)
             _compare(name, model, blocks, batch, shape, quick, keep, profile)
 

@@ -1091,6 +1091,47 @@ def replicated_reductions_to_parameters_pass(gm: fx.GraphModule, ctx: LowerConte
     return gm
 
 
+def fuse_loss_count_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
+    """A mean cross-entropy on a batch split over one axis whose partial loss is all-reduced right after
+    (`cross_entropy_sharded_batch` -> `all_reduce`) -> one all-reduce of this rank's (loss sum, valid count), then
+    the division (`ops.cross_entropy_sum_count`, `ops.sum_over_count`).
+
+    Why: before, the count was all-reduced inside the loss op and the loss's partial value again after it: two
+    small all-reduces in every forward, each a synchronisation of the ranks (on gloo issuing one waits for the
+    others to issue it), where DDP has none. Exact: the same sum and count, divided once after the reduction
+    (single-device `F.cross_entropy`'s sum / count) rather than each rank's sum divided by the global count and then
+    summed. Left as it was: a loss split over several axes (a chain of reductions), one used other than by its
+    all-reduce, reduction 'sum' or 'none', the vocab-parallel loss."""
+    from autopar.runtime import ops as O
+    graph, changed = gm.graph, False
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not O.cross_entropy_sharded_batch or n.kwargs:
+            continue
+        x, target, reduction, ignore_index, smoothing, axes = n.args
+        if reduction != 1 or len(axes) != 1 or len(n.users) != 1:
+            continue
+        (ar,) = n.users
+        if ar.target is not C.all_reduce or ar.args != (n, axes[0]) or ar.kwargs:
+            continue
+        val = n.meta["val"]
+        n.target, n.args = O.cross_entropy_sum_count, (x, target, ignore_index, smoothing)
+        n.meta["val"] = val.new_empty((2,))
+        ar.meta["val"] = val.new_empty((2,))
+        if M.COMM in ar.meta:
+            info = ar.meta[M.COMM]
+            ar.meta[M.COMM] = dataclasses.replace(info, bytes_forward=2 * info.bytes_forward)
+        with graph.inserting_after(ar):
+            mean = graph.call_function(O.sum_over_count, (ar, val.dtype))
+        mean.meta.update({k: v for k, v in ar.meta.items() if k != M.COMM})
+        mean.meta["val"] = val.new_empty(())
+        ar.replace_all_uses_with(mean, delete_user_cb=lambda u: u is not mean)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm
+
+
 def bucket_gradients_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule:
     """Every `grad_all_reduce` of a parameter on one axis (data parallelism) joins a bucketed all-reduce of
     several gradients (per axis and dtype), as DDP buckets them (`_grad_buckets`): parameters in reverse order of
@@ -1466,6 +1507,7 @@ LOWER = [
     bucket_gradients_pass,
     mixed_precision_pass,
     float8_linears_pass,
+    fuse_loss_count_pass,
     dead_code_pass,
     checkpoint_layers_pass,
 ]

@@ -272,8 +272,8 @@ def test_dp_gpt_gradients_reduced_in_one_bucket(local_world):
     # (`replicated_reductions_to_parameters_pass`), instead of blocking the end of the backward
     assert [r.numel for r in run.bwd] == [sum(q.numel() for q in params.values())]
     assert {(r.kind, r.axis) for r in run.bwd} == {("all_reduce", "dp")}
-    # forward: scalars only: the global valid-token count and the loss itself
-    assert sorted((r.kind, r.numel) for r in run.fwd) == [("all_reduce", 1)] * 2
+    # forward: the loss itself and the global valid-token count, in one all-reduce (`fuse_loss_count_pass`)
+    assert sorted((r.kind, r.numel) for r in run.fwd) == [("all_reduce", 2)]
     gc = run.graph_counts()
     assert gc["grad_sync_bucket"] == 1 and gc["all_reduce"] == 1 and "grad_all_reduce" not in gc, gc
     assert set(gc) <= {"grad_sync_bucket", "grad_all_reduce", "all_reduce", "split"}, gc

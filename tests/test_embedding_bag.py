@@ -76,13 +76,13 @@ def _run(ref, batch, mesh, names, plan):
 
 
 def _assert_collectives(res, ref, plan):
-    """Forward: scalar all-reduces (the loss) and, under fsdp, the parameters' gather; no activation is gathered.
+    """Forward: the loss's all-reduce (its (sum, valid count) pair, `fuse_loss_count_pass`) and, under fsdp, the parameters' gather; no activation is gathered.
     Backward: the gradients' reduction, every parameter once (dp: all-reduce; fsdp: reduce-scatter of what was
     gathered, all-reduce of what it keeps replicated)."""
     forward = [(k, n) for k, _, p, n, _ in res.comms if p == "forward"]
     backward = [(k, n) for k, _, p, n, _ in res.comms if p == "backward"]
     gathered = sum(n for k, n in forward if k == "all_gather")
-    assert all(k == "all_reduce" and n == 1 for k, n in forward if k != "all_gather"), res.comms
+    assert [(k, n) for k, n in forward if k != "all_gather"] == [("all_reduce", 2)], res.comms
     assert len([k for k, _ in forward if k == "all_gather"]) == (plan == "fsdp"), res.comms
     assert {k for k, _ in backward} <= {"all_reduce", "reduce_scatter"}, res.comms
     assert sum(n for k, n in backward if k == "reduce_scatter") == gathered, res.comms

@@ -93,8 +93,8 @@ def test_one_gather_per_layer_matches_one_device(local_world, fp64, keep):
     assert sorted(c[3] for c in res.comms if c[0] == "reduce_scatter") == sorted(numels)
     assert all(c[4] == n * 8 // 2 for c in res.comms if c[0] in ("all_gather", "reduce_scatter") for n in [c[3]])
     assert {c[0] for c in res.comms} <= {"all_gather", "reduce_scatter", "all_reduce"}
-    # the rest: the loss's scalars (sum and count) all-reduced forward
-    assert all(c[2] == "forward" and c[3] == 1 for c in res.comms if c[0] == "all_reduce"), res.comms
+    # the rest: the loss's (sum, count) all-reduced forward, as one (`fuse_loss_count_pass`)
+    assert [(c[2], c[3]) for c in res.comms if c[0] == "all_reduce"] == [("forward", 2)], res.comms
     rows = [r for r in res.plan.comms if r.fn == "fsdp_gather"]
     assert [r.module for r in rows] == list(groups)
     assert [r.backward for r in rows] == ["reduce_scatter" if keep or r.module.startswith("(") else

@@ -173,7 +173,8 @@ def test_dp_collectives(local_world):
     # one bucket holds every parameter's gradient, wpe's too (its output's gradient, 16x32, is not reduced)
     assert [r.numel for r in back] == [params]
     assert sum(r.send_bytes for r in back) == sum(c.bytes_backward for c in pm.plan.comms)
-    assert all(r.dtype == "float32" and r.numel == 1 for r in _by(recs, "all_reduce", "forward"))
+    # the loss's (sum, valid count), one all-reduce (`fuse_loss_count_pass`)
+    assert [(r.dtype, r.numel) for r in _by(recs, "all_reduce", "forward")] == [("float32", 2)]
     assert {r.kind for r in recs} == {"all_reduce"}
 
 

@@ -105,12 +105,12 @@ def _check_numerics(errs):
 
 def _expected_zero2(groups: dict[str, int], parts: int) -> list[tuple]:
     """zero2's collectives of one step: per group an all-gather in the step's first forward (the gather after the
-    previous step, or the first ever), one reduce-scatter per group in every backward; the loss's two scalars
-    all-reduced in every forward."""
+    previous step, or the first ever), one reduce-scatter per group in every backward; the loss's sum and valid
+    count all-reduced together in every forward (`passes.lower.fuse_loss_count_pass`)."""
     out = []
     for i in range(parts):
         out += [("all_gather", "dp", "forward", n) for n in groups.values()] if i == 0 else []
-        out += [("all_reduce", "dp", "forward", 1)] * 2
+        out += [("all_reduce", "dp", "forward", 2)]
         out += [("reduce_scatter", "dp", "backward", n) for n in groups.values()]
     return out
 
@@ -133,12 +133,12 @@ def test_zero2_matches_one_device(d, accumulate):
 
 def _expected_zero1(numel: int, parts: int, recs) -> None:
     """zero1's collectives of one step: dp's gradient buckets all-reduced in every backward (their sizes as dp's:
-    summing to every parameter's numel), the loss's two scalars in every forward, and one all-gather of every
+    summing to every parameter's numel), the loss's (sum, count) pair in every forward, and one all-gather of every
     parameter in the step."""
     backward = [r for r in recs if r[2] == "backward"]
     assert {r[0] for r in backward} == {"all_reduce"}, backward
     assert sum(r[3] for r in backward) == parts * numel, (backward, numel)
-    assert sorted(r for r in recs if r[2] == "forward") == [("all_reduce", "dp", "forward", 1)] * 2 * parts
+    assert sorted(r for r in recs if r[2] == "forward") == [("all_reduce", "dp", "forward", 2)] * parts
     assert [r for r in recs if r[2] == "step"] == [("all_gather", "dp", "step", numel)]
     assert [r[2] for r in recs][-1] == "step"
 

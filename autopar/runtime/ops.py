@@ -14,7 +14,10 @@
 - `loss_reduce`: sum / mean of per-token losses where the batch is sharded: the mean divides by the
   *global* count of valid tokens (all-reduced, no gradient), so the result is Partial over the
   batch axes and the all-reduce that follows gives exactly the single-device mean. The losses'
-  ops issue the count's all-reduce before they compute the losses, and wait for it after.
+  ops issue the count's all-reduce before they compute the losses, and wait for it after. Where the
+  partial loss's all-reduce follows directly on one axis (`passes.lower.fuse_loss_count_pass`),
+  `cross_entropy_sum_count` returns (sum, count) instead and that one all-reduce carries both
+  (`sum_over_count` divides after it).
 - `gqa_kv_heads`: the KV heads that this rank's query heads attend to, when KV heads are
   replicated because there are fewer of them than the tensor-parallel degree.
 """
@@ -156,6 +159,25 @@ def cross_entropy_sharded_batch(logits: torch.Tensor, target: torch.Tensor, redu
     losses = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
                              label_smoothing=label_smoothing)
     return loss_reduce(losses, target, reduction, ignore_index, count_axes, logits.dtype, count)
+
+
+def cross_entropy_sum_count(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                            label_smoothing: float) -> torch.Tensor:
+    """A mean `aten.cross_entropy_loss` on a batch-sharded (N, C) input whose loss is all-reduced next
+    (`passes.lower.fuse_loss_count_pass`): this rank's (sum of the per-token losses, count of valid tokens) as one
+    2-element tensor, partial, so the loss's all-reduce carries the count too (one all-reduce, not the count's and
+    then the loss's); `sum_over_count` divides after it. The count takes no gradient."""
+    losses = F.cross_entropy(logits, target, reduction="none", ignore_index=ignore_index,
+                             label_smoothing=label_smoothing)
+    total = losses.sum()
+    with torch.no_grad():
+        count = (target != ignore_index).sum().to(total.dtype)
+    return torch.stack([total, count])
+
+
+def sum_over_count(sum_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The global (sum, count) pair of `cross_entropy_sum_count`, all-reduced: the mean loss, replicated."""
+    return (sum_count[0] / sum_count[1]).to(out_dtype)
 
 
 def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef, reduction: int,
