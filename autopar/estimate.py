@@ -821,10 +821,15 @@ class MeshCosting:
             return fixed, 0.0
         return fixed, max(0.0, self.allreduce_s(self.bucket_bytes, axis) - fixed) / self.bucket_bytes
 
-    def scalar_reductions(self, count: int) -> tuple[float, float]:
-        """(time, bytes sent) of `count` fp32 scalar all-reduces on every data and sequence axis."""
+    def scalar_reductions(self, count: int, *, fused: bool = False) -> tuple[float, float]:
+        """(time, bytes sent) of `count` fp32 scalar all-reduces on every data and sequence axis. `fused`: the
+        `count` scalars travel in one all-reduce when the batch is split on one axis (a mean cross-entropy's
+        (sum, count): `passes.lower.fuse_loss_count_pass`)."""
         t = b = 0.0
-        for a in self.data_axes + self.seq_axes:
+        axes = self.data_axes + self.seq_axes
+        if fused and count > 1 and len(axes) == 1:
+            return self.collective("all_reduce", 4 * count, axes[0])
+        for a in axes:
             ct, cb = self.collective("all_reduce", 4, a)
             t, b = t + count * ct, b + count * cb
         return t, b

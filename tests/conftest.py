@@ -76,7 +76,7 @@ FILE_SECONDS = {
     "test_checkpoint_levels.py": 165,  # +20: the dp x tp recompute cases (4 simulated ranks; 4 offline plans)
     "test_rule_check.py": 120,
     "test_zoo.py": 160,
-    "test_tune.py": 50,  # 96 before 2026-12-07: the CLI test runs main() on the 4-rank pool (58 -> 9 s), 62 s alone
+    "test_tune.py": 55,  # 96 before 2026-12-07: the CLI test runs main() on the 4-rank pool (58 -> 9 s); +4 s: k-best mirror test lists 16 plans
     "test_pipeline_tp.py": 20,  # one 4-rank case (pp2 x tp2, 2 steps); most of it is the 4-rank pool start
     "test_pipeline_runtime.py": 95,  # measured at load 8-11 on 2 cores; ~60 s of it starts the 2- and 4-rank pools
     "test_two_axis_attention.py": 68,  # 95 before 2026-12-07 (4 runs fewer: 27.7 -> 19.8 s alone, scaled)
@@ -95,7 +95,7 @@ FILE_SECONDS = {
     "test_tune_pipeline.py": 30,
     "test_pipeline_dcp.py": 12,  # measured 8 s alone (2026-12-07), the 2-rank pool started  # measured 19 s alone (2026-12-07), most of it tune measuring every hand plan  # measured 7 s alone with the 2-rank pool started (2026-12-07)
     "test_pipeline_forms.py": 100,  # measured alone, 2026-12-06: 61-76 s before the mp_policy case (+44 s alone; mostly the 4-rank pool starting)
-    "test_pipeline_auto.py": 160,  # measured at load 12-14 on 2 cores (2026-12-06), the 2- and 4-rank pools started
+    "test_pipeline_auto.py": 165,  # measured at load 12-14 on 2 cores (2026-12-06), the 2- and 4-rank pools started
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day
     "test_verify.py": 45,  # 60 before 2026-12-07: one torchrun instead of two at once (36 s -> 10 + 9 s), 42 s alone
     "test_recognition.py": 57,

@@ -125,9 +125,20 @@ def test_pm_plan_is_the_priced_plan_and_microbatches_default_to_the_cost_models_
 
 def test_auto_on_a_pp_mesh_runs_the_pipeline_it_chooses_and_trains_exactly():
     from autopar.plan import Plan
-    offline = _offline("auto")  # what autopar.plan(plan="auto") chooses on {"pp": 2}: a pipeline, and why
-    assert offline.pipeline is not None
-    results = gloo_pool(2).run(_train, dict(plan="auto"))
+    from autopar.solver import InfeasibleError
+    # the premise, computed: a memory limit under which no plan without a pipeline fits (the least any needs, from
+    # the ILP's own error) while a pipeline does (its stages hold half the layers each). Without a limit this small
+    # Llama runs fastest unpipelined on 2 ranks (its dp step's one fused loss all-reduce is cheap)
+    with pytest.raises(InfeasibleError) as no_fit:
+        _offline("auto", memory_limit=1)
+    least = no_fit.value.least_bytes
+    (free,) = [d for d in _offline("auto").decisions if d.kind == "pipeline"]
+    piped = [r.memory_bytes for r in free.candidates if "@pp" in r.label]
+    assert piped and min(piped) < least, (piped, least)
+    limit = (min(piped) + least) // 2
+    offline = _offline("auto", memory_limit=limit)  # what autopar.plan(plan="auto") chooses on {"pp": 2}, and why
+    assert offline.pipeline is not None and offline.estimate.memory_bytes_per_device <= limit
+    results = gloo_pool(2).run(_train, dict(plan="auto", memory_limit=limit))
     _check(results)
     assert all(r["pipelined"] for r in results)
     run = Plan.from_json(results[0]["plan"])

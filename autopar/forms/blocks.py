@@ -47,7 +47,9 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
         step_t, step_b = dp.step_gather(mc, st.param_bytes / param_split)
         state, gathered = dp.state_bytes(mc, st.param_bytes / param_split), 0.0
         bucket = dp.bucket_bytes(mc, st.param_bytes / param_split)
-    lr_t, lr_b = mc.scalar_reductions(st.loss_reductions)
+    # a loss not split over model axes (the replicated cross-entropy, not the vocab-parallel one) sends its mean's
+    # (sum, count) in one all-reduce (`passes.lower.fuse_loss_count_pass`)
+    lr_t, lr_b = mc.scalar_reductions(st.loss_reductions, fused=not cand.axes)
     own_t, own_b = (comms.time_s, comms.bytes) if comms else (0.0, 0.0)
     hidden = min(hidden, (own_t + lr_t) / 2, backward_s)  # within the timeline's backward half (`autopar.timeline`)
     own_t, own_b = own_t + f8_t, own_b + f8_b
