@@ -1,11 +1,19 @@
-"""Megatron inside pipeline stages beside a data axis (issue #23, `autopar.pipeline_tp`): a (pp=2, dp=2, tp=2) mesh,
-8 gloo ranks, fp64, 1f1b, 2 microbatches per data rank, a 2-layer Llama-style model (hidden 16, seq 8).
+"""Megatron inside pipeline stages beside a data axis (issue #23, `autopar.pipeline_tp`): a (pp=2, dp=2, tp=2) mesh.
 
-Against one device: the global loss on every rank, every parameter's gradient (on the ranks of its stage; every
-parameter checked on some rank) and every parameter after one AdamW step. Each stage's collectives asserted exactly:
+In the suite (`test_pp_dp_tp_layout_on_a_fake_world`, one process, the fake process group of 8 ranks, rank 0): what
+the construction builds: each parameter a DTensor on its stage's (dp, tp) sub-mesh with [Replicate(), megatron's
+placement] (empty on the other stage's ranks), the stage program on the tp line of this rank's (pp, dp)
+coordinate over the same storage, the p2p group along pp, stage 0's tp all-reduces per microbatch forward and
+backward, and `pm.plan` equal to `autopar.plan` with the same override.
+
+The run against one device on 8 gloo ranks (`_pp_dp_tp`, checked by `check_pp_dp_tp`) is too slow for the suite
+(46 s with the 8-rank pool's start at load 7-11 on 2 cores; the pool alone 51 s and the job 17 s at load 32): it
+runs from `python benchmarks/pp_dp_tp_gloo.py`. fp64, 1f1b, 2 microbatches per data rank, a 2-layer Llama-style
+model (hidden 16, seq 8): the global loss on every rank, every parameter's gradient (on the ranks of its stage;
+every parameter checked on some rank) and every parameter after one AdamW step; each stage's collectives exactly:
 the tp all-reduces of its megatron program per microbatch, the gradient all-reduce (one flat bucket) over the dp
 sub-group, the loss sums over pp and dp, and the p2p between the stages of one (dp, tp) coordinate (count and bytes
-per microbatch). `pm.plan` is `autopar.plan` with the same override.
+per microbatch).
 """
 
 from __future__ import annotations
@@ -13,7 +21,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_harness import gloo_pool
 from test_pipeline_runtime import _check
 from test_pipeline_tp import _Count
 
@@ -103,8 +110,8 @@ def _pp_dp_tp():
         torch.set_default_dtype(torch.float32)
 
 
-def test_megatron_in_pp2_dp2_stages_matches_one_device():
-    results = gloo_pool(8).run(_pp_dp_tp)
+def check_pp_dp_tp(results):
+    """The assertions on `_pp_dp_tp`'s per-rank results (`benchmarks/pp_dp_tp_gloo.py` runs it on 8 gloo ranks)."""
     _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked on some rank
     rows = B // (2 * M)
     act = rows * S * H * 8  # one microbatch's hidden state, fp64 bytes
@@ -137,3 +144,57 @@ def test_megatron_in_pp2_dp2_stages_matches_one_device():
         grads = [(n, g) for n, g in r["eager"] if g == dp and n > 1]
         assert grads == [(r["local_numel"], dp)], r["eager"]
         assert [(n, g) for n, g in r["eager"] if n == 1] == [(1, pp), (1, dp)], r["eager"]
+
+
+def test_pp_dp_tp_layout_on_a_fake_world():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    import autopar
+    from conftest import set_fake_world
+    set_fake_world(8)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama()
+        tokens = torch.randint(0, 128, (B, S))
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+        pm = autopar.parallelize(ref, mesh, (tokens, tokens), plan="megatron", overrides={"pipeline": "1f1b@pp"},
+                                 microbatches=M)
+        assert pm.local_stages == [0] and pm._data_axes == ("dp",)
+        stage = pm._stage_modules[0]
+        inner = dict(stage.pm.named_parameters())
+        assert stage.pm.mesh.mesh.tolist() == [0, 1]  # the tp line of (pp 0, dp 0)
+        assert dist.get_process_group_ranks(pm._p2p_group) == [0, 4]  # stage 0 -> stage 1 at (dp 0, tp 0)
+        assert dist.get_process_group_ranks(mesh.get_group("dp")) == [0, 2]  # the gradient sum's sub-group
+        placements = {}
+        for n, p in pm.named_parameters():
+            assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "tp"), n
+            placements[n] = tuple(p.placements)
+            assert p.placements[0] == Replicate(), n
+            if n.startswith(("embed.", "layers.0.")):  # stage 0: this rank's, the stage program's storage
+                assert p.device_mesh.mesh.tolist() == [[0, 1], [2, 3]], n
+                q = inner[n]
+                assert q.device_mesh.mesh.tolist() == [0, 1] and tuple(q.placements) == tuple(p.placements[1:])
+                assert p.to_local().data_ptr() == q.to_local().data_ptr() and p.to_local().numel() > 0
+            else:  # stage 1's, on its ranks' sub-mesh, empty here
+                assert p.device_mesh.mesh.tolist() == [[4, 5], [6, 7]] and p.to_local().numel() == 0, n
+        assert placements["layers.0.attn.wq.weight"] == placements["layers.1.attn.wq.weight"] == (Replicate(), Shard(0))
+        assert placements["layers.1.mlp.down.weight"] == (Replicate(), Shard(1))
+        assert placements["norm.weight"] == (Replicate(), Replicate())
+        # stage 0's program on one microbatch (1 row): the embedding's and each row-parallel output's all-reduce
+        # forward, the column-parallel inputs' gradients backward (the values are the fake group's, not checked)
+        rows = B // (2 * M)
+        with _Count() as c:
+            assert len(stage.user) == 1  # the tokens (the labels are the last stage's)
+            (h,) = stage(**{stage.user[0]: tokens[:rows]})
+            h.sum().backward()
+        assert sorted(c.reduces) == [("all_reduce", rows * S * H)] * 5, c.reduces
+        offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": 2}, (tokens, tokens), plan="megatron",
+                               overrides={"pipeline": "1f1b@pp"}, microbatches=M)
+        assert pm.plan.estimate.p2p_bytes_per_microbatch == offline.estimate.p2p_bytes_per_microbatch == \
+            rows * S * H * 8
+        assert tuple(pm.plan.pipeline.cut) == tuple(offline.pipeline.cut) == (0, 1, 2)
+        assert pm.plan.estimate.step_time_s == pytest.approx(offline.estimate.step_time_s, rel=1e-9)
+    finally:
+        torch.set_default_dtype(torch.float32)
