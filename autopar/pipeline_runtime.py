@@ -59,12 +59,14 @@
   weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
   their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
   each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
-  `plan="megatron"` (a (pp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own planner and
-  lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`: boundary
-  values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
+  `plan="megatron"` (a (pp, tp) or (pp, dp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own
+  planner and lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`:
+  boundary values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
   placements on the stage's sub-mesh, empty on other stages' ranks; the returned loss summed over the pipeline
-  axis only, each tp rank holding it whole). Refused there: data axes beside tp (pp x dp x tp), `zbv`, tied
-  weights, sequence parallelism across a boundary.
+  and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
+  rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
+  ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
+  (`_sum_over_data`). Refused there: `zbv`, tied weights, sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -78,8 +80,7 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`; megatron on a mesh with
-data axes beside tp);
+the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`);
 `inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's.
 
 `pm.plan` is a `Plan` (`autopar.plan`): `pm.plan.pipeline` the `PipelinePlan` run (form, axis, microbatches, the
@@ -156,9 +157,9 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only "
             f"{STAGE_PLANS + TP_STAGE_PLANS} are implemented yet (issue #23: data parallelism or FSDP on the "
-            "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) mesh), not the planner's other "
-            "forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, expert parallelism "
-            "in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
+            "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) or (pp, dp, tp) mesh), not the "
+            "planner's other forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, "
+            "expert parallelism in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
     tp = plan in TP_STAGE_PLANS
     if tp:
         check_tp_stage(value, plan, names, axis, form)

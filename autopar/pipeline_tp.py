@@ -19,8 +19,15 @@ megatron gives them; on the ranks of other stages a DTensor on that stage's sub-
 no local data (as an owned expert weight). Every rank plans every stage (offline, no collective: the same plan on
 every rank), so every rank knows every parameter's placements; only its own stages are lowered.
 
-Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with more than one axis
-besides the pipeline axis (megatron's data axes with tensor parallelism inside a stage), a weight used by two
+On a (pp, dp, tp) mesh (megatron: tensor parallel on the last axis the pipeline leaves, data parallel on dp) the
+stage program runs on the tp line of this rank's (pp, dp) coordinate (`stage_meshes`), fed this data rank's rows;
+the pipelined module's parameters are DTensors on the stage's (dp, tp) sub-mesh, [Replicate(), megatron's
+placement], over the stage program's storage (`outer_parameter`), and `PipelineModule._sum_over_data` sums their
+gradients over the dp sub-group (one bucket), as under plan='dp'; p2p runs along pp, between the stages of one
+(dp, tp) coordinate.
+
+Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
+pipeline axis, a weight used by two
 stages or at two places of a stage (tied weights), `zbv` (its split backward runs inside torch's schedule, not
 through the stage program's autograd), and any stage plan whose placements leave a boundary value sharded (sequence
 parallelism across a boundary: the plan's input placements must be replicated).

@@ -100,7 +100,8 @@ def _pp_dp_tp():
         offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": 2}, (tokens, labels), plan="megatron",
                                overrides={"pipeline": "1f1b@pp"}, microbatches=M)
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch, "step": pm.plan.estimate.step_time_s,
-                  "offline p2p": offline.estimate.p2p_bytes_per_microbatch, "offline step": offline.estimate.step_time_s,
+                  "offline p2p": offline.estimate.p2p_bytes_per_microbatch,
+                  "offline step": offline.estimate.step_time_s,
                   "cut": tuple(pm.plan.pipeline.cut), "offline cut": tuple(offline.pipeline.cut)}
         groups = {a: tuple(dist.get_process_group_ranks(mesh.get_group(a))) for a in ("pp", "dp")}
         return {"priced": priced, "errs": errs, "mine": mine, "all": sorted(refs), "placements": placements,
@@ -112,7 +113,7 @@ def _pp_dp_tp():
 
 def check_pp_dp_tp(results):
     """The assertions on `_pp_dp_tp`'s per-rank results (`benchmarks/pp_dp_tp_gloo.py` runs it on 8 gloo ranks)."""
-    _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked on some rank
+    _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked somewhere
     rows = B // (2 * M)
     act = rows * S * H * 8  # one microbatch's hidden state, fp64 bytes
     for r in results:
