@@ -59,12 +59,14 @@
   weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
   their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
   each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
-  `plan="megatron"` (a (pp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own planner and
-  lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`: boundary
-  values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
+  `plan="megatron"` (a (pp, tp) or (pp, dp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own
+  planner and lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`:
+  boundary values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
   placements on the stage's sub-mesh, empty on other stages' ranks; the returned loss summed over the pipeline
-  axis only, each tp rank holding it whole). Refused there: data axes beside tp (pp x dp x tp), `zbv`, tied
-  weights, sequence parallelism across a boundary.
+  and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
+  rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
+  ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
+  (`_sum_over_data`). Refused there: `zbv`, tied weights, sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -78,8 +80,7 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`; megatron on a mesh with
-data axes beside tp);
+the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`);
 `inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's.
 
 `pm.plan` is a `Plan` (`autopar.plan`): `pm.plan.pipeline` the `PipelinePlan` run (form, axis, microbatches, the
@@ -156,9 +157,9 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only "
             f"{STAGE_PLANS + TP_STAGE_PLANS} are implemented yet (issue #23: data parallelism or FSDP on the "
-            "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) mesh), not the planner's other "
-            "forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, expert parallelism "
-            "in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
+            "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) or (pp, dp, tp) mesh), not the "
+            "planner's other forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, "
+            "expert parallelism in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
     tp = plan in TP_STAGE_PLANS
     if tp:
         check_tp_stage(value, plan, names, axis, form)
@@ -250,8 +251,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
 def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
     """Stage k -> (its Captured, MeshInfo, Plan) on the sub-mesh of the ranks that run it (`autopar.pipeline_tp`).
     Refuses a weight used at two places of one stage (tied weights: one tensor, two placeholders)."""
-    from autopar.dtensors import owner_meshes
-    from autopar.pipeline_tp import plan_stage, stage_captured
+    from autopar.pipeline_tp import plan_stage, stage_captured, stage_meshes
     for names_, phs in _param_groups(model, captured):
         used = [ph for ph in phs if captured.placeholder(ph).users]
         if len(used) > 1:
@@ -259,14 +259,14 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
                 f"override 'pipeline' with plan={plan!r}: parameter {names_[0]!r} is one tensor under several names "
                 f"used at several places ({', '.join(used)}); tied weights inside a tensor-parallel stage are not "
                 "implemented yet. Fix: plan='dp', or untie the weight.")
-    subs = owner_meshes(mesh, ax)  # collective: every rank builds every stage's sub-mesh, in coordinate order
+    subs, lines = stage_meshes(mesh, ax)  # collective: every rank builds every stage's meshes, in coordinate order
     p = mesh.size(ax)
     out = {}
     for k in range(split.n_stages):
         gm, acts, user, st = split.stage_graph(k)
         cap = stage_captured(captured, gm, acts, user, st)
         rank = k % p  # zbv (V-shaped) is refused under tensor parallelism: stage k runs on k % p
-        out[k] = (cap, *plan_stage(cap, subs[rank], plan), user, subs[rank])
+        out[k] = (cap, *plan_stage(cap, lines[rank], plan), user, lines[rank], subs[rank])
     return out
 
 
@@ -613,7 +613,7 @@ class PipelineModule(nn.Module):
         self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
         self._names_of: dict[str, list[str]] = {}  # representative placeholder -> the parameter's names
         self._fsdp, self._mp_policy = fsdp, mp_policy
-        self._tp = tp  # stage -> (Captured, MeshInfo, Plan, user inputs, sub-mesh) under tensor parallelism
+        self._tp = tp  # stage -> (Captured, MeshInfo, Plan, user inputs, tp mesh, sub-mesh) under tensor parallelism
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -632,7 +632,8 @@ class PipelineModule(nn.Module):
                                         stride=dt.stride())
             if tp is not None and me not in owners:  # the owning stage plan's placements on its sub-mesh, empty here
                 placed = tp[stages[0]][2].param_placements()[captured.param_fqns[rep]]
-                dt = DTensor.from_local(dt.to_local(), dt.device_mesh, list(placed), run_check=False,
+                placed = [Replicate()] * (dt.device_mesh.ndim - len(placed)) + list(placed)  # dp: replicated
+                dt = DTensor.from_local(dt.to_local(), dt.device_mesh, placed, run_check=False,
                                         shape=dt.shape, stride=dt.stride())
             param = nn.Parameter(dt, requires_grad=True)
             self._names_of[rep] = names
@@ -700,18 +701,19 @@ class PipelineModule(nn.Module):
     def _tp_stage(self, k: int, planned, tensors, buffers, device, seed: int):
         """Stage k under tensor parallelism (`autopar.pipeline_tp.TPStage`): the stage's ParallelModule on its
         sub-mesh; its DTensor parameters become the pm's under their names (the optimizer steps them)."""
-        from autopar.pipeline_tp import TPStage
+        from autopar.pipeline_tp import TPStage, outer_parameter
         from autopar.runtime.ops import new_rng_stream
-        cap, info, plan, user, sub_mesh = planned
+        cap, info, plan, user, sub_mesh, stage_mesh = planned
         stream = f"pp{id(self)}-stage{k}"
         new_rng_stream(stream, seed + k)
         sub = TPStage(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
         for ph, fqn in cap.param_fqns.items():
             rep = self._leaf_of[ph]
-            inner = sub.pm.get_parameter(fqn)
-            self._leaves[rep] = self._owned[rep] = inner
+            inner = sub.pm.get_parameter(fqn)  # the leaf the stage's backward accumulates into
+            outer = outer_parameter(inner, stage_mesh)  # what the optimizer steps (the same storage)
+            self._leaves[rep], self._owned[rep] = inner, outer
             for name in self._names_of[rep]:
-                self._register(name, inner, replace=True)
+                self._register(name, outer, replace=True)
         return sub
 
     def _shard_stage(self, sub: _StageModule, mesh: DeviceMesh, ax: int, me: int, leaves: dict) -> None:

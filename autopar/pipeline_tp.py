@@ -19,8 +19,15 @@ megatron gives them; on the ranks of other stages a DTensor on that stage's sub-
 no local data (as an owned expert weight). Every rank plans every stage (offline, no collective: the same plan on
 every rank), so every rank knows every parameter's placements; only its own stages are lowered.
 
-Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with more than one axis
-besides the pipeline axis (megatron's data axes with tensor parallelism inside a stage), a weight used by two
+On a (pp, dp, tp) mesh (megatron: tensor parallel on the last axis the pipeline leaves, data parallel on dp) the
+stage program runs on the tp line of this rank's (pp, dp) coordinate (`stage_meshes`), fed this data rank's rows;
+the pipelined module's parameters are DTensors on the stage's (dp, tp) sub-mesh, [Replicate(), megatron's
+placement], over the stage program's storage (`outer_parameter`), and `PipelineModule._sum_over_data` sums their
+gradients over the dp sub-group (one bucket), as under plan='dp'; p2p runs along pp, between the stages of one
+(dp, tp) coordinate.
+
+Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
+pipeline axis, a weight used by two
 stages or at two places of a stage (tied weights), `zbv` (its split backward runs inside torch's schedule, not
 through the stage program's autograd), and any stage plan whose placements leave a boundary value sharded (sequence
 parallelism across a boundary: the plan's input placements must be replicated).
@@ -38,12 +45,11 @@ TP_STAGE_PLANS = ("megatron",)
 def check_tp_stage(value: str, plan: str, names: tuple, axis: str, form: str) -> None:
     """What tensor parallelism inside a stage does not run yet, refused before anything is built."""
     rest = [n for n in names if n != axis]
-    if len(rest) != 1:
+    if len(rest) not in (1, 2):
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan={plan!r} on mesh axes {names}: tensor parallelism inside a "
-            f"stage runs on exactly one axis besides {axis!r} (the stage's sub-mesh is its tp axis), got "
-            f"{len(rest)} ({rest or 'none'}); data axes beside tensor parallelism in a stage (pp x dp x tp) are not "
-            "implemented yet. Fix: a (pp, tp) mesh, or plan='dp' / 'fsdp' on (pp, dp).")
+            f"stage runs on the last axis besides {axis!r} (with at most one data axis before it: pp x tp or "
+            f"pp x dp x tp), got {len(rest)} other axes ({rest or 'none'}). Fix: a (pp, tp) or (pp, dp, tp) mesh.")
     if form == "zbv":
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan={plan!r}: the zero-bubble schedule splits each stage's "
@@ -85,6 +91,42 @@ def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
         env[n] = g.node_copy(n, env.__getitem__)
         env[n].meta = dict(n.meta)
     return g
+
+
+def stage_meshes(mesh, ax: int) -> tuple[list, list]:
+    """Per coordinate o of the pipeline axis `ax`: (the stage's sub-mesh, the tensor-parallel mesh its program is
+    lowered on here). On (pp, tp) both are the tp line at o. On (pp, dp, tp) the sub-mesh is the (dp, tp) mesh at o,
+    on which the pipelined module's parameters live ([Replicate(), megatron's placement]: one copy per data rank),
+    and the stage program runs on the tp line at (o, this rank's dp coordinate): each data rank runs megatron on
+    its own rows, and the gradients are summed over the dp sub-group afterwards (`PipelineModule._sum_over_data`),
+    as under plan='dp'. Collective: every rank builds every coordinate's sub-mesh and every (o, d) tp line, in
+    coordinate order (`autopar.dtensors._owner_mesh`, cached by layout)."""
+    from autopar.dtensors import _owner_mesh, owner_meshes
+    subs = owner_meshes(mesh, ax)
+    if subs[0].ndim == 1:
+        return subs, subs
+    d_ax = 0  # the (dp, tp) sub-mesh: dp first (megatron: tensor parallel on the last axis the pipeline leaves)
+    lines = [[_owner_mesh(sub, d_ax, d) for d in range(sub.size(d_ax))] for sub in subs]
+    names = list(mesh.mesh_dim_names)
+    dp_name = [n for n in names if n != names[ax]][0]
+    me = mesh.get_local_rank(names.index(dp_name))
+    return subs, [line[me] for line in lines]
+
+
+def outer_parameter(inner, sub_mesh):
+    """The pipelined module's parameter for a stage parameter `inner` (a DTensor on the stage's tp mesh): itself on
+    (pp, tp); on (pp, dp, tp) a DTensor on the stage's (dp, tp) sub-mesh, [Replicate(), *inner's placements], over
+    the same local storage (the optimizer's in-place step on it is the stage program's weight)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    if inner.device_mesh is sub_mesh:
+        return inner
+    extra = sub_mesh.ndim - inner.device_mesh.ndim
+    local = inner._local_tensor.detach()
+    dt = DTensor.from_local(local, sub_mesh, [Replicate()] * extra + list(inner.placements), run_check=False,
+                            shape=inner.shape, stride=inner.stride())
+    param = nn.Parameter(dt, requires_grad=True)
+    assert param._local_tensor.data_ptr() == inner._local_tensor.data_ptr()
+    return param
 
 
 def plan_stage(cap, sub_mesh, plan: str):
@@ -151,4 +193,5 @@ class TPStage(nn.Module):
         return out.contiguous()
 
 
-__all__ = ["TP_STAGE_PLANS", "TPStage", "check_tp_stage", "plan_stage", "stage_captured"]
+__all__ = ["TP_STAGE_PLANS", "TPStage", "check_tp_stage", "outer_parameter", "plan_stage", "stage_captured",
+           "stage_meshes"]
