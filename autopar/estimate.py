@@ -203,7 +203,8 @@ class SiteStats:
     float8_whole_bytes: float = 0.0
     float8_weight_bytes: float = 0.0
     float8_gathered: dict[str, float] = field(default_factory=dict)
-    # (recipe, M, K, N, row-parallel) of each float8 linear: its amax all-reduces (`autopar.forms.float8.CASTS`)
+    # (recipe, M, K, N, row-parallel, high-precision dtype) of each float8 linear: its amax all-reduces
+    # (`autopar.forms.float8.CASTS`), whether its local shape is `skinny`
     float8_shapes: list[tuple] = field(default_factory=list)
 
     def add_node(self, n: fx.Node) -> None:
@@ -659,7 +660,7 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
         row = id(lin) in rows
         st.float8_whole_bytes += per * (m * n if row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
         st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
-        st.float8_shapes.append((recipe, m, k, n, row))
+        st.float8_shapes.append((recipe, m, k, n, row, c.dtype))
         weight = lin.param.get("weight")
         if f8.FP8_ALL_GATHER[recipe] and weight is not None:
             v = next((p for p in ctx.captured.gm.graph.nodes if p.op == "placeholder" and p.name == weight), None)
