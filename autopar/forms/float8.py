@@ -16,9 +16,8 @@ x and g, 6 per element of w (`ACT_CAST_BYTES`, `WEIGHT_CAST_BYTES`).
   the dims it reduces (`CASTS`, `amax_reductions`: each rank then scales as one device does); under FSDP the
   weights are cast on their shard and all-gathered in fp8 (torchao `enable_fsdp_float8_all_gather`, one amax
   all-reduce for all weights per step: `precompute_float8_dynamic_scale_for_fsdp`): 1 byte per gathered element.
-  That is how the estimate prices it (torchtitan's runs did it); autopar's runtime does not do it yet: it gathers
-  the weight in its own dtype and casts it after the gather (open: the estimate is then optimistic by the gather's
-  second byte and the cast of the whole weight).
+  The estimate prices it so (torchtitan's runs did it) and the runtime runs it
+  (`autopar.runtime.float8.float8_linear_gathered`, one scalar amax all-reduce per weight on the data axis).
 - `rowwise` (one scale per row, CUTLASS; its GEMMs slower than tensorwise's: `cost_model.hardware._FP8_ACHIEVED`):
   each operand is scaled along both of its dims (the output GEMM's and the weight gradient's reduction dims
   differ); every collective stays in high precision ("all distributed communication is done in high precision", torchtitan docs/float8.md), so under
