@@ -76,7 +76,8 @@ def test_plan_float8_choice_gathers_and_round_trip():
     # FSDP gathers every fp8 weight in 1 byte instead of 2, forward and again in backward (ZeRO-3): (p-1)/p of it
     params = dict(model.named_parameters())
     fp8_numel = sum(params[f"{k}.weight"].numel() for k in chosen)
-    amax = len(chosen) * 4 * send_bytes("all_reduce", 4, 8)  # the runtime's tensorwise amaxes on dp (4 per linear)
+    # the runtime's tensorwise amaxes on dp: 4 per linear, + the weight shard's before its fp8 gather
+    amax = len(chosen) * 5 * send_bytes("all_reduce", 4, 8)
     assert bf16.estimate.comm_bytes_per_step - p.estimate.comm_bytes_per_step == 2 * fp8_numel * 7 // 8 - amax
     assert bf16.estimate.memory_bytes_per_device == p.estimate.memory_bytes_per_device  # priced as bf16 (open)
     back = Plan.from_json(p.to_json())
@@ -140,7 +141,8 @@ def test_scaling_cost_per_form_by_hand():
         s, t, b = float8_cost(st, Candidate(form="replicate", fsdp=True), mc, 1)  # FSDP: tensorwise casts the shard
         slow = 2 * f8.skinny_s(m / 4, h, f, recipe, c)
         assert s == pytest.approx(f8.cast_s(act / 4 + weight / (4 if tw else 1), c) + slow, rel=1e-12)
-        dp_only = [("dp", 1)] * 12 if tw else [("dp", e) for e in (f, h, f, h, h, f)]
+        # tensorwise: + each weight shard's amax before its fp8 gather (`float8_linear_gathered`)
+        dp_only = [("dp", 1)] * (12 + 3) if tw else [("dp", e) for e in (f, h, f, h, h, f)]
         assert (t, b) == pytest.approx(comm(dp_only))
     f8plan.set_choice(ctx, {})
     assert gather_stats(ctx)[0][mlp.key].float8_linears == 0  # the cache follows the choice
