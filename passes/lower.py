@@ -902,7 +902,9 @@ def _in_layer(gm: fx.GraphModule, n: fx.Node) -> bool:
 def _fp8_gathered_weights(gm: fx.GraphModule, ctx: LowerContext) -> set[str]:
     """The FSDP weights gathered in fp8 (`float8_linears_pass`, `autopar.runtime.float8.float8_linear_gathered`): a
     tensorwise float8 linear's weight whose only use is that linear, through one plain FSDP all-gather
-    (`all_gather_rs`) on one data axis. They stay out of the flat FSDP groups."""
+    (`all_gather_rs`) on one data axis, without mixed precision. They stay out of the flat FSDP groups."""
+    if ctx.precision is not None:  # mixed precision casts the shard in its gather: gathered in param_dtype
+        return set()
     tensorwise = {w: name for name, (recipe, w) in (ctx.float8 or {}).items() if recipe == "tensorwise"}
     out = set()
     for ph in gm.graph.find_nodes(op="placeholder"):

@@ -84,7 +84,7 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
             for numel in amax_reductions(recipe, dim, local):
                 ct, cb = mc.collective("all_reduce", 4 * numel, axis)
                 t, b = t + ct, b + cb
-        if cand.fsdp and FP8_ALL_GATHER[recipe]:  # the shard's amax before its fp8 gather (`float8_linear_gathered`)
+        if cand.fsdp and FP8_ALL_GATHER[recipe] and st.float8_gathered:  # the shard's amax before its fp8 gather
             for axis in (a for a in mc.data_axes if mc.size(a) > 1):
                 ct, cb = mc.collective("all_reduce", 4.0, axis)
                 t, b = t + ct, b + cb
