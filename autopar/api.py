@@ -211,8 +211,10 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
                               time_s=p.estimate.step_time_s,
                               excluded="" if p.estimate.fits else "does not fit the memory limit")
                  for r, c, p in tried)
-    how = ("auto: each recipe on the linears where torchao's rule says it pays, the least estimated step that fits "
-           "among the recipes" if float8 == "auto" else f"float8={float8!r}: on every nn.Linear")
+    how = ("auto: each recipe on the linears where torchao's rule says it pays, the plan solved under each recipe "
+           "(the ILP weighs that recipe's GEMM rates, casts and amax all-reduces with the forms), the least estimated "
+           f"step that fits among the recipes; {f8plan.SEPARABLE}" if float8 == "auto"
+           else f"float8={float8!r}: on every nn.Linear")
     skipped = len(f8plan.heads(ctx))
     d = Decision(keys=(f8plan.DECISION_KEY,), kind="float8", chosen=recipe or "none",
                  decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision", candidates=rows)

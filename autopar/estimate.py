@@ -205,7 +205,8 @@ class SiteStats:
     float8_whole_bytes: float = 0.0
     float8_weight_bytes: float = 0.0
     float8_gathered: dict[str, float] = field(default_factory=dict)
-    # (recipe, M, K, N, row-parallel) of each float8 linear: its amax all-reduces (`autopar.forms.float8.CASTS`)
+    # (recipe, M, K, N, row-parallel, high-precision dtype) of each float8 linear: its amax all-reduces
+    # (`autopar.forms.float8.CASTS`), whether its local shape is `skinny`
     float8_shapes: list[tuple] = field(default_factory=list)
 
     def add_node(self, n: fx.Node) -> None:
@@ -639,7 +640,7 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
     if not chosen:
         return
     rows = {id(lin) for s in ctx.planning_sites() for lin in _row_linears(s)}
-    for lin in ctx.of_kind(Kind.LINEAR):
+    for lin in ctx.of_kind(Kind.LINEAR):  # FSDP's fp8 gather: tensorwise, not under mixed precision (the runtime's)
         recipe = chosen.get(lin.key)
         key = owner.get(lin.node)
         if recipe is None or key is None:
@@ -663,9 +664,9 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
         row = id(lin) in rows
         st.float8_whole_bytes += per * (m * n if row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
         st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
-        st.float8_shapes.append((recipe, m, k, n, row))
+        st.float8_shapes.append((recipe, m, k, n, row, c.dtype))
         weight = lin.param.get("weight")
-        if f8.FP8_ALL_GATHER[recipe] and weight is not None:
+        if f8.FP8_ALL_GATHER[recipe] and weight is not None and getattr(ctx.captured, "precision", None) is None:
             v = next((p for p in ctx.captured.gm.graph.nodes if p.op == "placeholder" and p.name == weight), None)
             item = v.meta["val"].element_size() if v is not None else 2
             st.float8_gathered[weight] = 1.0 / item

@@ -26,6 +26,21 @@ import autopar.forms.float8 as f8
 
 DECISION_KEY = "(float8)"
 
+# Why the per-linear choice is made before the solve, and where that is exact (`Plan.explain` says it). A linear's
+# fp8 gain is (nearly) separable from the ILP when its form leaves its K and N whole (dp, fsdp, zero1/2: the rank runs
+# (M / ranks, K, N) whatever else is chosen, the rule decides on exactly that shape; only the small amax
+# all-reduces, which the rule leaves out and the estimate prices, depend on the axes) and the memory limit does not
+# see the choice (fp8 gathered copies are priced as bf16: the estimate's memory does not depend on it). It is not
+# exact under tensor parallelism: the form divides K or N (a rowwise share can turn `skinny`), the replicated input
+# is cast whole and amaxes are all-reduced on the tensor axis; those interactions are weighed per recipe (the plan
+# is solved under each recipe's per-linear choice and the best kept), not per linear: a linear the rule keeps in
+# fp8 on whole shapes stays fp8 under a TP form. A binary per linear class in the ILP would make that per linear.
+SEPARABLE = ("the per-linear rule decides on the rank's own shape where a linear's form keeps its K and N whole "
+             "(dp, fsdp, zero) and the memory limit does not see fp8 (its copies priced as bf16), so it is separable "
+             "from the solve there (its amax all-reduces are priced by the estimate, not by the rule); under tensor "
+             "parallelism the form's effect (skinny rowwise shares, whole casts, tp amaxes) is weighed per recipe, "
+             "not per linear")
+
 
 def heads(ctx: PassContext) -> set[str]:
     """The linears a loss reads (the output head): kept in high precision."""

@@ -205,15 +205,20 @@ def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule
     """The plan's float8 linears (`ctx.float8`) -> `autopar.runtime.float8.float8_linear` on the same local operands,
     with the mesh axes that split its tokens (the data axes: its output's placements), its out features (a
     column-parallel weight, S(0)) and its in features (a row-parallel one, S(1)); FSDP's gathered weights are whole.
-    Its amaxes are all-reduced there, so every rank scales as the single device does. The fusions of a
+    Its amaxes are all-reduced there, so every rank scales as the single device does. A tensorwise linear's FSDP
+    weight (`_fp8_gathered_weights`: one plain gather, out of the flat groups) is cast on its shard and gathered in fp8
+    (`float8_linear_gathered`: torchao's fp8 all-gather, 1 byte per element) unless mixed precision casts it in the
+    gather. The fusions of a
     column-parallel input's collective with its linears (`async_column_linears_pass`, `regather_linear_inputs_pass`)
     leave float8 linears out (their collective stays a node of its own)."""
     if not ctx.float8:
         return gm
-    from autopar.runtime.float8 import float8_linear
+    from autopar.runtime.float8 import float8_linear, float8_linear_gathered
     info = ctx.mesh
     found = set()
-    for n in gm.graph.nodes:
+    graph = gm.graph
+    fp8 = _fp8_gathered_weights(gm, ctx)
+    for n in list(gm.graph.nodes):
         if n.name not in ctx.float8 or n.op != "call_function" or n.target is not aten.linear.default:
             continue
         x, w = n.args[0], n.args[1]
@@ -236,7 +241,17 @@ def float8_linears_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphModule
         ndim = len(n.meta["val"].shape)
         m_axes = tuple(info.axes[i].key for i, po in enumerate(op)
                        if isinstance(po, Shard) and po.dim % ndim != ndim - 1 and info.sizes[i] > 1)
-        n.target, n.args, n.kwargs = float8_linear, (x, w, bias, recipe, m_axes, tuple(k_axes), tuple(n_axes)), {}
+        mp = w.args[4] if w.op == "call_function" and len(w.args) > 4 else None
+        if w.op == "call_function" and w.target is C.all_gather_rs and isinstance(w.args[0], fx.Node) \
+                and w.args[0].name in fp8 and mp is None:  # FSDP's gather in fp8, 1 byte
+            shard, g_dim, g_axis = w.args[0], w.args[1], w.args[2]
+            n.target, n.kwargs = float8_linear_gathered, {}
+            keep = shard.name in ctx.keep_gathered or shard.name in ctx.persist_gathered or not _in_layer(gm, n)
+            n.args = (x, shard, bias, g_axis, g_dim, m_axes, tuple(k_axes), tuple(n_axes), keep)
+            graph.erase_node(w)
+        else:
+            n.target, n.kwargs = float8_linear, {}
+            n.args = (x, w, bias, recipe, m_axes, tuple(k_axes), tuple(n_axes))
         found.add(n.name)
     missing = sorted(set(ctx.float8) - found)
     assert not missing, f"float8 linears {missing} were rewritten by an earlier pass"
@@ -789,8 +804,9 @@ def group_fsdp_gathers_pass(gm: fx.GraphModule, ctx: LowerContext) -> fx.GraphMo
     graph = gm.graph
     keys = {i: a.key for i, a in enumerate(ctx.mesh.axes)}
     chains = []  # (placeholder, chain nodes, axis keys innermost first, dim)
+    fp8 = _fp8_gathered_weights(gm, ctx)
     for ph in graph.find_nodes(op="placeholder"):
-        if ph.name not in ctx.gathers or len(ph.users) != 1:
+        if ph.name not in ctx.gathers or len(ph.users) != 1 or ph.name in fp8:
             continue
         nodes, x = [], ph
         while len(x.users) == 1:
@@ -901,6 +917,32 @@ def _fsdp_pad(ph: fx.Node, ctx) -> tuple[int, int] | None:
     (d,) = dims
     length = int(ph.meta["val"].shape[d])
     return (d, length) if length % _fsdp_world(ph, ctx) else None
+
+
+def _in_layer(gm: fx.GraphModule, n: fx.Node) -> bool:
+    """Whether `n` is inside one of the layers FSDP reshards after forward (`autopar.layers.fsdp_units`); outside
+    them FSDP keeps its root gathered (`group_fsdp_gathers_pass`)."""
+    from autopar.layers import fsdp_units
+    return any(n.name in set(layer.nodes) for layer in fsdp_units(gm))
+
+
+def _fp8_gathered_weights(gm: fx.GraphModule, ctx: LowerContext) -> set[str]:
+    """The FSDP weights gathered in fp8 (`float8_linears_pass`, `autopar.runtime.float8.float8_linear_gathered`): a
+    tensorwise float8 linear's weight whose only use is that linear, through one plain FSDP all-gather
+    (`all_gather_rs`) on one data axis, sharded evenly, without mixed precision. They stay out of the flat FSDP groups."""
+    if ctx.precision is not None:  # mixed precision casts the shard in its gather: gathered in param_dtype
+        return set()
+    tensorwise = {w: name for name, (recipe, w) in (ctx.float8 or {}).items() if recipe == "tensorwise"}
+    out = set()
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        if ph.name not in tensorwise or len(ph.users) != 1:
+            continue
+        (g,) = ph.users
+        if g.op == "call_function" and g.target is C.all_gather_rs and g.args[3] == 1 and len(g.users) == 1 \
+                and next(iter(g.users)).name == tensorwise[ph.name] and len(ctx.gathers.get(ph.name, ())) == 1 \
+                and _fsdp_pad(ph, ctx) is None:  # an uneven shard is gathered padded, in its dtype
+            out.add(ph.name)
+    return out
 
 
 def _group_comm(fulls: list[fx.Node], axes: tuple, keep: bool, label: str, sizes, pads=()) -> CommInfo:
@@ -1557,13 +1599,26 @@ def _float8_amax_rows(gm: fx.GraphModule) -> list:
     from autopar.forms.float8 import CASTS
     from autopar.mesh import resolve_axis
     from autopar.plan import CommRow
-    from autopar.runtime.float8 import float8_linear
+    from autopar.runtime.float8 import float8_linear, float8_linear_gathered
     from autopar.sites import module_path
     rows = []
     for n in walk(gm):
-        if n.op != "call_function" or n.target is not float8_linear:
+        if n.op != "call_function" or n.target not in (float8_linear, float8_linear_gathered):
             continue
-        x, w, _, recipe, m_axes, k_axes, n_axes = n.args
+        if n.target is float8_linear_gathered:  # FSDP's gather in fp8: its row, and its weight's amax on that axis
+            x, w, _, g_axis, _, m_axes, k_axes, n_axes, keep = n.args
+            recipe, g = "tensorwise", resolve_axis(g_axis)
+            numel, item = w.meta["val"].numel(), w.meta["val"].element_size()
+            gathered = round(send_bytes("all_gather", numel, g.size))  # 1 byte per element
+            reduced = round(send_bytes("reduce_scatter", numel * item, g.size))
+            rows.append(CommRow(module=module_path(n), fn="fsdp_gather_fp8", axis=g.name, forward="all_gather",
+                                backward="reduce_scatter" if keep else "all_gather+reduce_scatter",
+                                bytes_forward=gathered, bytes_backward=reduced + (0 if keep else gathered)))
+            rows.append(CommRow(module=module_path(n), fn="float8_amax", axis=g.name, forward="all_reduce(max) x1",
+                                backward="all_reduce(max) x0",
+                                bytes_forward=round(send_bytes("all_reduce", 4, g.size)), bytes_backward=0))
+        else:
+            x, w, _, recipe, m_axes, k_axes, n_axes = n.args
         out_f, in_f = w.meta["val"].shape  # global: (N, K)
         tokens = x.meta["val"].numel() // x.meta["val"].shape[-1]
         split = {"m": m_axes, "k": k_axes, "n": n_axes}

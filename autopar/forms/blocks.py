@@ -67,23 +67,30 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
     ranks only; the weights' on this rank's share (`param_split`), and on the FSDP shard under tensorwise (cast before
     the fp8 all-gather). The amax all-reduces autopar's runtime issues so that every rank scales as one device does
     (`autopar.forms.float8.CASTS`): on each data axis those over the tokens, on a tensor-parallel form's axis those
-    over the features it splits (a column-parallel linear's N, a row-parallel one's K)."""
+    over the features it splits (a column-parallel linear's N, a row-parallel one's K). A rowwise linear whose
+    share on this rank is `skinny` (`autopar.forms.float8.skinny`: tensor parallelism divides its N or K) runs its
+    GEMMs at the high-precision rate: the difference is added to the compute."""
     if not st.float8_linears:
         return 0.0, 0.0, 0.0
-    from autopar.forms.float8 import FP8_ALL_GATHER, amax_reductions, cast_s
+    from autopar.forms.float8 import FP8_ALL_GATHER, amax_reductions, cast_s, skinny_s
     whole = st.float8_whole_bytes if param_split > 1 else 0.0
     act = (st.float8_act_bytes - whole) / (mc.dp * param_split) + whole / mc.dp
     weight = st.float8_weight_bytes / param_split / (mc.dp if cand.fsdp and FP8_ALL_GATHER[st.float8_recipe] else 1)
-    t = b = 0.0
-    for recipe, m, k, n, row in st.float8_shapes:  # amaxes all-reduced where their dims are split (the runtime's)
+    t = b = slow = 0.0
+    for recipe, m, k, n, row, dtype in st.float8_shapes:  # amaxes all-reduced where their dims are split (the runtime's)
         tp = param_split > 1 and cand.axis is not None
         local = {"m": m / mc.dp, "k": k / param_split if row else k, "n": n if row else n / param_split}
+        slow += skinny_s(local["m"], local["k"], local["n"], recipe, mc.cluster, dtype)  # rowwise on skinny shares
         splits = [(a, "m") for a in mc.data_axes if mc.size(a) > 1] + ([(cand.axis, "k" if row else "n")] if tp else [])
         for axis, dim in splits:
             for numel in amax_reductions(recipe, dim, local):
                 ct, cb = mc.collective("all_reduce", 4 * numel, axis)
                 t, b = t + ct, b + cb
-    return cast_s(act + weight, mc.cluster), t, b
+        if cand.fsdp and FP8_ALL_GATHER[recipe] and st.float8_gathered:  # the shard's amax before its fp8 gather
+            for axis in (a for a in mc.data_axes if mc.size(a) > 1):
+                ct, cb = mc.collective("all_reduce", 4.0, axis)
+                t, b = t + ct, b + cb
+    return cast_s(act + weight, mc.cluster) + slow, t, b
 
 
 def replicated(st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:

@@ -16,13 +16,14 @@ x and g, 6 per element of w (`ACT_CAST_BYTES`, `WEIGHT_CAST_BYTES`).
   the dims it reduces (`CASTS`, `amax_reductions`: each rank then scales as one device does); under FSDP the
   weights are cast on their shard and all-gathered in fp8 (torchao `enable_fsdp_float8_all_gather`, one amax
   all-reduce for all weights per step: `precompute_float8_dynamic_scale_for_fsdp`): 1 byte per gathered element.
-  That is how the estimate prices it (torchtitan's runs did it); autopar's runtime does not do it yet: it gathers
-  the weight in its own dtype and casts it after the gather (open: the estimate is then optimistic by the gather's
-  second byte and the cast of the whole weight).
+  The estimate prices it so (torchtitan's runs did it) and the runtime runs it
+  (`autopar.runtime.float8.float8_linear_gathered`, one scalar amax all-reduce per weight on the data axis).
 - `rowwise` (one scale per row, CUTLASS; its GEMMs slower than tensorwise's: `cost_model.hardware._FP8_ACHIEVED`):
   each operand is scaled along both of its dims (the output GEMM's and the weight gradient's reduction dims
   differ); every collective stays in high precision ("all distributed communication is done in high precision", torchtitan docs/float8.md), so under
   tensor parallelism each rank casts the whole replicated activation it receives, not its shard.
+  On a skinny share (`skinny`: torchao's rowwise filter thresholds; tensor parallelism makes linears skinny) the
+  rowwise GEMMs gain nothing over bf16 and are priced at the high-precision rate (`skinny_s`), the casts on top.
 
 Which linears: torchao's rule (`docs/source/workflows/training.md`, `_auto_filter_for_recipe`): fp8 where
 `bf16_gemm_time - fp8_gemm_time > fp8_overhead_time` at the linear's shapes on one rank (`pays`); never the output
@@ -94,9 +95,32 @@ def overhead_bytes(m: float, k: float, n: float, recipe: str) -> float:
     return ACT_CAST_BYTES[recipe] * (m * k + m * n) + WEIGHT_CAST_BYTES[recipe] * k * n
 
 
+def skinny(recipe: str, k: float, n: float) -> bool:
+    """Whether a linear of `k` in and `n` out features (this rank's shares) is one whose rowwise fp8 GEMMs run no
+    faster than bf16's: torchao's `_auto_filter_for_rowwise` (`torchao/float8/float8_linear_utils.py`) leaves such
+    linears in bf16 because its H100 measurements (the rowwise table of `torchao/float8/README.md`, GEMMs and casts
+    compiled) found them slower there, thresholds read as its code reads them (`K, N = weight.shape`: out, in
+    features): in <= 2048, or out <= 1024, or in <= 4096 and out <= 2048. The CUTLASS rowwise kernel's rate falls
+    on such skinny shapes (pytorch/pytorch#147971: rowwise down to 50% of tensorwise's efficiency in the long tail),
+    which the large-shape rate (`cost_model.hardware._FP8_ACHIEVED`) does not see. Tensor parallelism makes linears
+    skinny: it divides a column-parallel linear's out features and a row-parallel one's in features by t (Llama-3.1-8B
+    on TP 8: every linear of a layer falls under these thresholds, which is why torchtitan#1207's FSDP 8 x TP 8
+    rowwise run is slower than bf16 while the FSDP runs gain)."""
+    return recipe == "rowwise" and (k <= 2048 or n <= 1024 or (k <= 4096 and n <= 2048))
+
+
+def skinny_s(m: float, k: float, n: float, recipe: str, cluster, compute_dtype: str = "bfloat16") -> float:
+    """Seconds a `skinny` rowwise linear's three GEMMs take beyond the recipe's rate: they run at `compute_dtype`'s
+    rate (no fp8 gain; its casts still paid), 0 for any other linear."""
+    if not skinny(recipe, k, n) or not has_rates(cluster):
+        return 0.0
+    return max(0.0, gemm_s(m, k, n, compute_dtype, cluster) - gemm_s(m, k, n, RATE_KEY[recipe], cluster))
+
+
 def pays(m: float, k: float, n: float, recipe: str, cluster, compute_dtype: str = "bfloat16") -> bool:
-    """torchao's rule on one rank's shapes: the GEMMs' saving exceeds the scaling's time."""
-    if not has_rates(cluster):
+    """torchao's rule on one rank's shapes: the GEMMs' saving exceeds the scaling's time (a `skinny` rowwise linear
+    saves nothing)."""
+    if not has_rates(cluster) or skinny(recipe, k, n):
         return False
     saved = gemm_s(m, k, n, compute_dtype, cluster) - gemm_s(m, k, n, RATE_KEY[recipe], cluster)
     return saved > cast_s(overhead_bytes(m, k, n, recipe), cluster)

@@ -53,7 +53,11 @@ def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (),
     """(t in fp8 `dtype`, the inverse scale `_scaled_mm` multiplies back), scaled per tensor (`dim` None) or along
     `dim` (one scale per slice over `dim`); `axes`: mesh axes whose ranks hold the other slices of what the amax
     reduces over (its amax all-reduced MAX there)."""
-    s = _scale(t, dtype, dim, axes, backward)
+    return _cast_with(t, dtype, _scale(t, dtype, dim, axes, backward))
+
+
+def _cast_with(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cast` with the scale `s` given."""
     fmax = torch.finfo(dtype).max
     return (t.to(torch.float32) * s).clamp(-fmax, fmax).to(dtype), s.reciprocal()
 
@@ -107,3 +111,77 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if recipe not in RECIPES:
         raise ValueError(f"float8_linear: recipe {recipe!r} is not one of {RECIPES}. Fix: one of them")
     return _Float8Linear.apply(x, weight, bias, recipe, (tuple(m_axes), tuple(k_axes), tuple(n_axes)))
+
+
+def _gather_fp8(w8: torch.Tensor, dim: int, axis, backward: bool = False) -> torch.Tensor:
+    """All-gather an fp8 shard in 1 byte per element (it travels as its uint8 bits, recorded as fp8)."""
+    from autopar.runtime.collectives import _c10d, _finish_all_gather, _record
+    _record("all_gather", axis, w8, w8.numel() * axis.size, backward)
+    pending = _c10d.all_gather_into_tensor(w8.view(torch.uint8).movedim(dim, 0).contiguous(), axis.size,
+                                           axis.group_name)
+    return _finish_all_gather(pending, dim, axis).view(w8.dtype)
+
+
+class _Float8GatheredLinear(torch.autograd.Function):
+    """A tensorwise float8 linear whose FSDP weight shard is cast to fp8 before its all-gather (torchao's
+    `enable_fsdp_float8_all_gather`): the shard's amax all-reduced (MAX) over the data axis (and any axis splitting
+    the weight otherwise), so the scale is the whole weight's, as on one device; the shard cast with it, gathered in
+    1 byte per element, and that fp8 weight is both GEMMs' weight operand (tensorwise: one scale, w.T's fp8 is the
+    transpose of w's). Backward: grad_input from the fp8 weight (kept from forward when FSDP keeps this layer
+    gathered, else the shard cast again with the forward's scale and gathered again in fp8, as FSDP re-gathers a
+    resharded layer), grad_weight in high precision, reduce-scattered to the shard (sum), as FSDP reduces it."""
+
+    @staticmethod
+    def forward(ctx, x, shard, bias, axes, gather):
+        from autopar.mesh import resolve_axis
+        m_axes, k_axes, n_axes = axes
+        g_axis, g_dim, _ = gather
+        x2 = x.reshape(-1, x.shape[-1])
+        x8, sx = cast(x2, E4M3, None, m_axes + k_axes)
+        scale = _scale(shard, E4M3, None, (g_axis,) + n_axes + k_axes)  # the whole weight's amax
+        s8, sw = _cast_with(shard, E4M3, scale)
+        w8 = _gather_fp8(s8, g_dim, resolve_axis(g_axis))  # (N, K), the single device's fp8 weight
+        out = _mm(x8, sx, w8, sw, x.dtype)
+        if bias is not None:
+            out = out + bias
+        keep = gather[2]
+        ctx.save_for_backward(x2, w8 if keep else shard, scale)
+        ctx.has_bias, ctx.x_shape, ctx.axes, ctx.gather, ctx.w_dtype = bias is not None, x.shape, axes, gather, \
+            shard.dtype
+        return out.reshape(*x.shape[:-1], w8.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from autopar.mesh import resolve_axis
+        from autopar.runtime.collectives import _raw_reduce_scatter
+        x2, w, scale = ctx.saved_tensors
+        m_axes, k_axes, n_axes = ctx.axes
+        g_axis, g_dim, keep = ctx.gather
+        if keep:
+            w8, sw = w, scale.reciprocal()
+        else:  # resharded after forward: the shard cast again with the forward's scale, gathered again in fp8
+            s8, sw = _cast_with(w, E4M3, scale)
+            w8 = _gather_fp8(s8, g_dim, resolve_axis(g_axis), backward=True)
+        g = grad_out.reshape(-1, w8.shape[0])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            g8, sg = cast(g, E5M2, None, m_axes + n_axes, True)
+            grad_x = _mm(g8, sg, w8.t(), sw, grad_out.dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            gt8, sgt = cast(g.t(), E5M2, None, m_axes + n_axes, True)
+            xt8, sxt = cast(x2.t(), E4M3, None, m_axes + k_axes, True)
+            full = _mm(gt8, sgt, xt8, sxt, ctx.w_dtype)
+            grad_w = _raw_reduce_scatter(full, g_dim, resolve_axis(g_axis), backward=True)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def float8_linear_gathered(x: torch.Tensor, shard: torch.Tensor, bias: torch.Tensor | None, gather_axis, gather_dim: int,
+                           m_axes: tuple = (), k_axes: tuple = (), n_axes: tuple = (), keep: bool = False
+                           ) -> torch.Tensor:
+    """`float8_linear(x, weight, bias, "tensorwise", ...)` where `weight` is FSDP's all-gather of `shard` on
+    `gather_axis` (dim `gather_dim`), gathered in fp8 (`_Float8GatheredLinear`); `keep`: the fp8 weight is kept for
+    backward rather than gathered again."""
+    return _Float8GatheredLinear.apply(x, shard, bias, (tuple(m_axes), tuple(k_axes), tuple(n_axes)),
+                                       (gather_axis, gather_dim, bool(keep)))
