@@ -94,8 +94,9 @@ def measure(model_name: str, plan_name: str) -> dict:
                 peak_est=est.memory_bytes_per_device, base=live.base, at_peak=live.at_peak)
 
 
-def pipeline_measure(form: str, microbatches: int = 4) -> dict:
-    """On every rank of a 2-rank pp mesh: one warm-up step, then the peak of a measured one against the stage's."""
+def pipeline_measure(form: str, microbatches: int = 4, dp: int = 1, plan: str = "dp") -> dict:
+    """On every rank of a (pp=2[, dp]) mesh: one warm-up step, then the peak of a measured one against the
+    stage's (`pm.plan.estimate.stages[pp coordinate]`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,8 +105,9 @@ def pipeline_measure(form: str, microbatches: int = 4) -> dict:
 
     x = inputs(B)
     x = (x[0][:, : S // 2], x[1][:, : S // 2])
-    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("pp",))
-    pm = autopar.parallelize(model("llama-pp"), mesh, x, plan="dp", overrides={"pipeline": f"{form}@pp"},
+    mesh = init_device_mesh("cpu", (W, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else \
+        init_device_mesh("cpu", (W,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(model("llama-pp"), mesh, x, plan=plan, overrides={"pipeline": f"{form}@pp"},
                              microbatches=microbatches)
     opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
     pm(*x).backward()
@@ -116,8 +118,8 @@ def pipeline_measure(form: str, microbatches: int = 4) -> dict:
         pm(*x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    s = pm.plan.estimate.stages[dist.get_rank()]
-    return dict(form=form, rank=dist.get_rank(), peak=live.peak, base=live.base, at_peak=live.at_peak,
+    s = pm.plan.estimate.stages[dist.get_rank() // dp]
+    return dict(form=form if plan == "dp" else f"{form}+{plan}", rank=dist.get_rank(), peak=live.peak, base=live.base, at_peak=live.at_peak,
                 peak_est=s.peak_bytes, params_est=s.parameters_bytes, grads_est=s.gradients_bytes,
                 opt_est=s.optimizer_bytes, act_est=s.activations_bytes, in_flight=s.in_flight)
 
