@@ -94,3 +94,73 @@ def tail_s(reduce_s: float, gather_s: float, optimizer_s: float, rank_compute_s:
     forward (1/3), and its optimizer step."""
     return (max(0.0, reduce_s - 2 / 3 * rank_compute_s) + max(0.0, gather_s - 1 / 3 * rank_compute_s)
             + optimizer_s)
+
+
+def torch_order(form: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]] | None:
+    """Rank `rank`'s compute actions, in order, as torch's schedule class for `form` runs them: (type 'F', 'B', 'I'
+    (input gradient) or 'W' (weight gradient), stage, microbatch). Read from the class's own
+    `_calculate_single_rank_operations` (the order every rank computes in its constructor, here without stages), so
+    the memory model follows the schedule torch runs; None for the forms whose in-flight count is the closed form
+    above (gpipe, 1f1b) or that torch does not run with these arguments."""
+    from types import SimpleNamespace
+
+    try:
+        from torch.distributed.pipelining import schedules as ts
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    if form == "interleaved-1f1b":
+        rounds = max(1, m // p)
+        ns = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=p * v, n_local_stages=v, rank=rank,
+                             number_of_rounds=rounds, microbatches_per_round=m // rounds)
+        fn = ts.ScheduleInterleaved1F1B._calculate_single_rank_operations
+    elif form == "zbv" and v == 2:
+        ns = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=p * v, n_local_stages=v, rank=rank)
+        fn = ts.ScheduleZBVZeroBubble._calculate_single_rank_operations
+    else:
+        return None
+    try:
+        ops = fn(ns, rank)
+    except Exception:  # noqa: BLE001 - a torch whose private schedule builder changed: the closed form stands
+        return None
+    names = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B",
+             ts._ComputationType.BACKWARD_INPUT: "I", ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    out = []
+    for a in ops:
+        if a is None or a.computation_type not in names:
+            continue
+        out.append((names[a.computation_type], a.stage_index, a.microbatch_index))
+    return out
+
+
+def backward_states(order: list[tuple[str, int, int]], rank_of: list[int] | None = None
+                    ) -> list[tuple[dict, dict, bool, int]]:
+    """At the start of every backward pass (B, I or W) of a rank's `order` (`torch_order`): (per stage, the
+    microbatches whose saved activations it holds: forwarded, not yet through B or W; per stage, those whose input
+    gradient is done and weight gradient not (the zero-bubble split: torch's `stage_backward_input` keeps the graph
+    and the gradients at the weights' ops for the W pass); whether a backward already ran, so that the gradients
+    are allocated; the boundary tensors alive: each stage output (all stages but the last, `rank_of[k]` its rank)
+    from its forward until its backward, or until the step ends when it was sent to another rank, and each input
+    gradient sent to another rank until the step ends: torch's `_PipelineScheduleRuntime` waits for its sends only
+    after the last action, so a sent tensor lives as long)."""
+    n = len(rank_of) if rank_of is not None else 0
+    held: dict[int, int] = {}
+    pending: dict[int, int] = {}
+    states, grads, outputs = [], False, 0
+    for kind, k, _ in order:
+        cross_out = rank_of is not None and k < n - 1 and rank_of[k + 1] != rank_of[k]
+        if kind == "F":
+            held[k] = held.get(k, 0) + 1
+            outputs += rank_of is not None and k < n - 1
+            continue
+        states.append((dict(held), dict(pending), grads, outputs))
+        if kind in ("B", "I") and rank_of is not None and k > 0 and rank_of[k - 1] != rank_of[k]:
+            outputs += 1
+        if kind == "I":
+            pending[k] = pending.get(k, 0) + 1
+            continue
+        if kind == "W":
+            pending[k] -= 1
+        held[k] -= 1
+        outputs -= rank_of is not None and k < n - 1 and not cross_out
+        grads = True
+    return states
