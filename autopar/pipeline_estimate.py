@@ -30,9 +30,16 @@ sub-mesh), its `pipeline` says the form, microbatches and cut, and it has no gra
 on its own capture). `parallelize` with the same override runs the pipeline on its own capture
 (`autopar.pipeline_runtime`, plan='dp' inside the stages so far); `autopar.plan(..., lower=True)` does not lower it.
 
-Not modelled: FSDP inside a stage keeps its gathered weights across the microbatches (reshard_after_forward=False, as
-torchtitan and Llama 3 run FSDP under pipelining), so its gathers are paid once per step and no re-gather per
-microbatch; a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
+Under the multi-stage schedules (interleaved 1F1B, ZB-V) a rank's peak is walked in torch's own action order
+(`cost_model.pipeline.torch_order` / `backward_states`, `_schedule_peak`): the chunks each stage holds at every
+backward, ZB-V's microbatches between their input- and weight-gradient passes, and the boundary tensors torch's
+runtime keeps alive until the step ends (it waits for its sends after the last action). FSDP inside a stage
+(plan='fsdp', as the runtime runs it: reshard_after_forward=False, as torchtitan and Llama 3 run FSDP under
+pipelining) holds the stage's parameters gathered and its gradients unsharded for the whole step
+(`_gathered_bytes`); measured / predicted per stage, benchmarks/memory_fidelity.py --pipeline: 0.94-1.08.
+
+Not modelled: FSDP's gathers are paid once per step and no re-gather per microbatch (the time of it is the
+sub-plan's); a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
 first stage (Megatron keeps a copy on the last stage and all-reduces their gradients between the two); the slowdown of
 compute under overlapped communication (`Cluster.overlap_slowdown`) is not applied inside the pipeline; the ranks do
 not finish at once (1F1B's last stage drains first), the step ends with the largest tail; `comm_bytes_per_step`

@@ -65,6 +65,24 @@ def run(quick: bool, cluster: str | None) -> None:
     t = interleaved(steps, warmup=2, rounds=6 if quick else 20, budget_s=30 if quick else 120)
     if dist.get_rank() != 0:
         return
+    # where a gap comes from: one microbatch's forward + backward of the whole model, eager on this process alone,
+    # against the stages' priced compute summed (what the pipeline composes), and AdamW on the model's parameters
+    import time
+    mb = BATCH // MICROBATCHES
+    eager, opt_t = [], []
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    for _ in range(6):
+        t0 = time.perf_counter()
+        ref(tokens[:mb], labels[:mb]).backward()
+        t1 = time.perf_counter()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        eager.append(t1 - t0)
+        opt_t.append(time.perf_counter() - t1)
+    e1 = plans["1f1b"].estimate
+    compute_pred = sum(s.compute_s + s.exposed_s for s in e1.stages)
+    opt_pred = sum(s.optimizer_s for s in e1.stages)
     e0 = plans[FORMS[0]].estimate
     print(f"pipeline step, pp{WORLD_SIZE} gloo (one core per rank), llama {CFG.num_layers} layers h={CFG.hidden} "
           f"vocab={CFG.vocab_size}, {BATCH} x {CFG.seq_len} tokens, {MICROBATCHES} microbatches, fp32, AdamW; "
@@ -75,6 +93,10 @@ def run(quick: bool, cluster: str | None) -> None:
         wall, cpu = statistics.median(t.wall_s[form]), statistics.median(t.cpu_s[form])
         print(f"{form:17s} {wall * 1e3:7.1f}ms {e.step_time_s * 1e3:7.1f}ms {wall / e.step_time_s:6.2f} "
               f"{cpu / e.step_time_s:9.2f} {e.bubble_s * 1e3:6.1f}ms")
+    print(f"one microbatch's forward + backward, whole model, eager on one rank: {statistics.median(eager[2:]) * 1e3:.1f}"
+          f" ms; the 1f1b stages' priced compute summed {compute_pred * 1e3:.1f} ms "
+          f"(measured / predicted {statistics.median(eager[2:]) / compute_pred:.2f}); AdamW on every parameter "
+          f"{statistics.median(opt_t[2:]) * 1e3:.1f} ms, priced {opt_pred * 1e3:.1f} ms over the ranks")
     for form in FORMS:
         e = plans[form].estimate
         print(f"RESULT pp step {form} {statistics.median(t.wall_s[form]) / e.step_time_s:.3f} (measured slowest rank "

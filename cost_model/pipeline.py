@@ -34,6 +34,10 @@ rank 0 holds p (1 + (p - 1) / (p v)) microbatches' worth, the paper's (1 + (p-1)
 rank, as 1F1B's first stage (Qi et al. 2024, Table 3: ZB-V peak activation memory p M_B). Capped by what exists:
 m microbatches (m v chunks).
 
+`in_flight` is the closed form the plan reports; the peak of the multi-stage schedules is priced by walking torch's
+own order instead (`torch_order`, `backward_states`: the chunks held at each backward, which per stage weigh
+differently, ZB-V's deferred W passes, the runtime's sends alive to the step's end).
+
 Gradients accumulate over the microbatches (`in_flight_later`): a stage's gradients are allocated by its first
 microbatch's backward and held until the optimizer step, so every later microbatch's backward starts with all of
 them alive next to the activations then in flight: 1F1B's steady state still holds min(m, p - s) (when m > p - s,
