@@ -30,9 +30,16 @@ sub-mesh), its `pipeline` says the form, microbatches and cut, and it has no gra
 on its own capture). `parallelize` with the same override runs the pipeline on its own capture
 (`autopar.pipeline_runtime`, plan='dp' inside the stages so far); `autopar.plan(..., lower=True)` does not lower it.
 
-Not modelled: FSDP inside a stage keeps its gathered weights across the microbatches (reshard_after_forward=False, as
-torchtitan and Llama 3 run FSDP under pipelining), so its gathers are paid once per step and no re-gather per
-microbatch; a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
+Under the multi-stage schedules (interleaved 1F1B, ZB-V) a rank's peak is walked in torch's own action order
+(`cost_model.pipeline.torch_order` / `backward_states`, `_schedule_peak`): the chunks each stage holds at every
+backward, ZB-V's microbatches between their input- and weight-gradient passes, and the boundary tensors torch's
+runtime keeps alive until the step ends (it waits for its sends after the last action). FSDP inside a stage
+(plan='fsdp', as the runtime runs it: reshard_after_forward=False, as torchtitan and Llama 3 run FSDP under
+pipelining) holds the stage's parameters gathered and its gradients unsharded for the whole step
+(`_gathered_bytes`); measured / predicted per stage, benchmarks/memory_fidelity.py --pipeline: 0.94-1.08.
+
+Not modelled: FSDP's gathers are paid once per step and no re-gather per microbatch (the time of it is the
+sub-plan's); a weight tied across the first and last stage (GPT's embedding and head) is held and reduced once, on the
 first stage (Megatron keeps a copy on the last stage and all-reduces their gradients between the two); the slowdown of
 compute under overlapped communication (`Cluster.overlap_slowdown`) is not applied inside the pipeline; the ranks do
 not finish at once (1F1B's last stage drains first), the step ends with the largest tail; `comm_bytes_per_step`
@@ -92,6 +99,40 @@ def _accumulating_bytes(costs, grad_share: float, start_bytes: float) -> float:
         h, a, g = c.live_parts(grad_share)
         held, act, grads, momentary = held + h, act + a, grads + g, max(momentary, c.peak_bytes)
     return held + grads + act + momentary + start_bytes
+
+
+def _schedule_peak(order, costs: dict, cks: dict, lc, rank_of: list[int]) -> float:
+    """A rank's peak under a multi-stage schedule, walked in torch's order (`cost_model.pipeline.backward_states`):
+    the larger of the end of the backward (`estimate.peak_bytes` with no activation) and, at the start of each
+    backward pass, what is held all step, the gradients once a backward has run, the saved activations of every
+    microbatch each stage holds (its layers' and its checkpoint level's), for a stage that sends its output held
+    with them and the received output gradient, the largest momentary buffer; and under the zero-bubble split, per
+    microbatch whose W pass is still to come, the gradients at its weights' ops, priced as its saved activations
+    (each weight op saves its input, of about its output gradient's size)."""
+    act = {k: c.act_bytes + (cks[k].act_bytes if cks.get(k) is not None else 0.0) for k, c in costs.items()}
+    transient = max((c.transient_bytes for c in cks.values() if c is not None), default=0.0)
+    hold = grads = momentary = 0.0
+    for c in costs.values():
+        h, _, g = c.live_parts(lc.grad_share)
+        hold, grads, momentary = hold + h, grads + g, max(momentary, c.peak_bytes)
+    peak = peak_bytes([_with_activations(c, 0.0) for c in costs.values()], lc.grad_share)
+    for held, pending, accumulated, boundary in pipe_cost.backward_states(order, rank_of):
+        live = hold + (grads if accumulated else 0.0) + momentary + transient
+        live += sum(n * act[k] for k, n in held.items()) + sum(n * act[k] for k, n in pending.items())
+        live += lc.boundary_bytes * (boundary + 1)  # + the output gradient received for this backward
+        peak = max(peak, live)
+    return peak
+
+
+def _gathered_bytes(held, lc) -> float:
+    """FSDP inside a stage, as the runtime runs it (`reshard_after_forward=False`, gradient sync on the last
+    microbatch only): the stage's parameters gathered whole for the step next to their shards, and its gradients
+    accumulated unsharded (the shards' gradients priced, `gather_degree - 1` times more); the per-layer gathered
+    copies the sub-plan prices as transient (`Cost.transient_bytes`) are these, counted once."""
+    state = sum(c.memory_bytes - c.act_bytes - c.transient_bytes for c in held)
+    copies = sum(c.transient_bytes for c in held)
+    return max(0.0, state * lc.param_share * lc.gather_degree - copies) + \
+        state * lc.grad_share * (lc.gather_degree - 1)
 
 
 def exposed_s(c: Cost) -> float:
@@ -172,6 +213,7 @@ class LayerCosts:
     grad_share: float
     param_share: float
     sub_plan: Plan  # the one-layer model's plan on the sub-mesh
+    gather_degree: int = 1  # plan 'fsdp': the ranks a stage's parameters are sharded over, gathered for the step
 
 
 def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None):
@@ -273,7 +315,9 @@ def layer_costs(model, sub_sizes: dict, mb_inputs, *, plan="megatron", cluster=N
         ck = dataclasses.replace(ck, memory_bytes=ck.act_bytes + ck.transient_bytes)
     return LayerCosts(layer=layer, first=pre_c, last=post_c, checkpoint=ck,
                       boundary_bytes=_boundary_bytes(ctx1, sol1, plan1, info), grad_share=mc.grad_share(),
-                      param_share=mc.param_share(), sub_plan=plan1)
+                      param_share=mc.param_share(), sub_plan=plan1,
+                      gather_degree=math.prod(info.sizes[info.names.index(a)] for a in sol1.data_axes)
+                      if plan == "fsdp" else 1)
 
 
 # ----------------------------------------------------------------------------- the pipeline priced
@@ -333,6 +377,12 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
             start_later += boundary * (later + 1)
             peak = max(peak, _accumulating_bytes([_with_activations(c, later) for c in held], lc.grad_share,
                                                  start_later))
+        order = pipe_cost.torch_order(form, p, m, v, r)
+        if order is not None:  # the multi-stage schedules: the chunks held at each backward, from torch's own order
+            peak = _schedule_peak(order, {k: stage_cost[k] for k in ks}, {k: stage_ck[k] for k in ks},
+                                  lc, rank_of)
+        if lc.gather_degree > 1:  # FSDP kept gathered through the step (module docstring)
+            peak += _gathered_bytes(held, lc)
         rank_cost = _combine(held)
         compute = sum(stage_compute[k] for k in ks)
         exposed = sum(chunk_s[k] - stage_p2p[k] - stage_compute[k] for k in ks)

@@ -14,7 +14,9 @@ Plans: dp, fsdp, megatron (TP), TP+SP (megatron with sequence norms), ulysses, r
 (MoE Llama), on a GPT and a Llama-style model (fp32, Adam), 2 gloo ranks.
 
 (c) `--pipeline`: each pipeline stage's peak (the same probe) against `Plan.estimate.stages[r].peak_bytes`, pp2
-    under 1F1B and GPipe, 4 microbatches, a 4-layer Llama (dp inside the stages). Goal: within +-10%.
+    under 1F1B, GPipe, interleaved 1F1B and ZB-V (2 stages per rank), dp inside the stages, and 1F1B with fsdp
+    inside the stages of a (pp2, dp2) mesh (4 ranks; rank = global rank, dp-major), 4 microbatches, a 4-layer
+    Llama. Goal: within +-10%.
 
     python benchmarks/memory_fidelity.py [--quick] [--pipeline]
 """
@@ -94,8 +96,9 @@ def measure(model_name: str, plan_name: str) -> dict:
                 peak_est=est.memory_bytes_per_device, base=live.base, at_peak=live.at_peak)
 
 
-def pipeline_measure(form: str, microbatches: int = 4) -> dict:
-    """On every rank of a 2-rank pp mesh: one warm-up step, then the peak of a measured one against the stage's."""
+def pipeline_measure(form: str, microbatches: int = 4, dp: int = 1, plan: str = "dp") -> dict:
+    """On every rank of a (pp=2[, dp]) mesh: one warm-up step, then the peak of a measured one against the
+    stage's (`pm.plan.estimate.stages[pp coordinate]`)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -104,8 +107,9 @@ def pipeline_measure(form: str, microbatches: int = 4) -> dict:
 
     x = inputs(B)
     x = (x[0][:, : S // 2], x[1][:, : S // 2])
-    mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("pp",))
-    pm = autopar.parallelize(model("llama-pp"), mesh, x, plan="dp", overrides={"pipeline": f"{form}@pp"},
+    mesh = init_device_mesh("cpu", (W, dp), mesh_dim_names=("pp", "dp")) if dp > 1 else \
+        init_device_mesh("cpu", (W,), mesh_dim_names=("pp",))
+    pm = autopar.parallelize(model("llama-pp"), mesh, x, plan=plan, overrides={"pipeline": f"{form}@pp"},
                              microbatches=microbatches)
     opt = torch.optim.Adam(pm.parameters(), lr=1e-3)
     pm(*x).backward()
@@ -116,37 +120,44 @@ def pipeline_measure(form: str, microbatches: int = 4) -> dict:
         pm(*x).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    s = pm.plan.estimate.stages[dist.get_rank()]
-    return dict(form=form, rank=dist.get_rank(), peak=live.peak, base=live.base, at_peak=live.at_peak,
+    s = pm.plan.estimate.stages[dist.get_rank() // dp]
+    return dict(form=form if plan == "dp" else f"{form}+{plan}", rank=dist.get_rank(), peak=live.peak, base=live.base, at_peak=live.at_peak,
                 peak_est=s.peak_bytes, params_est=s.parameters_bytes, grads_est=s.gradients_bytes,
                 opt_est=s.optimizer_bytes, act_est=s.activations_bytes, in_flight=s.in_flight)
 
 
-def _pipeline_worker(out_path: str, forms: list) -> None:
+def _pipeline_worker(out_path: str, cases: list, dp: int) -> None:
     import torch.distributed as dist
 
-    rows = [pipeline_measure(f) for f in forms]
-    got = [None] * W
+    rows = [pipeline_measure(f, dp=dp, plan=plan) for f, plan in cases]
+    got = [None] * dist.get_world_size()
     dist.all_gather_object(got, rows)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump([r for form_rows in zip(*got) for r in form_rows], f)
 
 
+# (schedule, stage plan, data-parallel degree): pp2 alone, then fsdp inside the stages of a (pp2, dp2) mesh
+PIPELINE_CASES = [("1f1b", "dp", 1), ("gpipe", "dp", 1), ("interleaved-1f1b", "dp", 1), ("zbv", "dp", 1),
+                  ("1f1b", "fsdp", 2)]
+
+
 def pipeline_main() -> None:
-    forms = ["1f1b", "gpipe"]
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        launch(_pipeline_worker, W, out, forms)
-        with open(out) as f:
-            rows = json.load(f)
+    rows = []
+    for dp in sorted({c[2] for c in PIPELINE_CASES}):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows.json")
+            launch(_pipeline_worker, W * dp, out, [(f, pl) for f, pl, n in PIPELINE_CASES if n == dp], dp)
+            with open(out) as f:
+                rows += [r for r in json.load(f) if r["rank"] % dp == 0]  # one data rank per stage (alike)
+    forms = list(dict.fromkeys(r["form"] for r in rows))
     mib = 2**20
     print(f"pipeline stage peak memory, pp{W} gloo, llama 4 layers h={2 * H} b={B} s={S // 2} vocab={V}, 4 microbatches,"
           f" fp32, Adam")
-    print(f"{'form':6s} {'rank':>4s} {'measured':>10s} {'predicted':>10s} {'ratio':>6s}   predicted parts (MiB): "
+    print(f"{'form':16s} {'rank':>4s} {'measured':>10s} {'predicted':>10s} {'ratio':>6s}   predicted parts (MiB): "
           f"params grads optimizer activations x in flight")
     for r in sorted(rows, key=lambda r: (forms.index(r["form"]), r["rank"])):
-        print(f"{r['form']:6s} {r['rank']:4d} {r['peak'] / mib:8.3f}Mi {r['peak_est'] / mib:8.3f}Mi "
+        print(f"{r['form']:16s} {r['rank']:4d} {r['peak'] / mib:8.3f}Mi {r['peak_est'] / mib:8.3f}Mi "
               f"{r['peak'] / r['peak_est']:6.3f}   {r['params_est'] / mib:.3f} {r['grads_est'] / mib:.3f} "
               f"{r['opt_est'] / mib:.3f} {r['act_est'] / mib:.3f} x {r['in_flight']:g}")
     for r in rows:

@@ -92,6 +92,7 @@ FILE_SECONDS = {
     "test_batch_local.py": 35,  # not from that run: measured alone, 2026-12-04 (one gloo test)
     "test_pipeline_cost.py": 30,
     "test_pipeline_memory.py": 20,
+    "test_pipeline_memory_schedules.py": 25,  # one 2-rank job (interleaved, zbv), one 4-rank job (fsdp stages)
     "test_pipeline_census.py": 15,
     "test_tune_pipeline.py": 30,
     "test_pipeline_dcp.py": 12,  # measured 8 s alone (2026-12-07), the 2-rank pool started  # measured 19 s alone (2026-12-07), most of it tune measuring every hand plan  # measured 7 s alone with the 2-rank pool started (2026-12-07)
