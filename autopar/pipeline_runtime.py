@@ -72,9 +72,22 @@
 
 Errors reach every rank: building checks everything it can before its first collective and agrees on failure
 (one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
-batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation
-after that would still leave its peers waiting in p2p until the process group's timeout (torch's schedules have
-no cross-rank error path).
+batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation (a
+forward or backward that raises on one rank, a NaN check, an OOM) is raised on every rank right after the schedule,
+not after the process group's timeout (torch's schedules have no cross-rank error path): each stage is a
+`PipelineStage` subclass (`_guarded_stage`) that records the exception and goes on with zeros in its place (the
+outputs' shapes, or zero input gradients), so the static schedule still posts every send and receive its peers
+wait for and every rank runs it to its end; the failing rank adds NaN to the call's loss all-reduce, so every rank
+of it sees a NaN loss; a NaN loss (only then) makes the ranks exchange what they recorded (`all_gather_object` over
+the summed axes), and each raises the first failure by time, the failing rank its own exception, the others a copy
+of its type and message, noting the rank, stage and microbatch (`PipelineModule._raise_failure`). The call's
+gradients are dropped and the model stays usable for the next call. The normal path pays a try block per stage
+computation and one read of the summed loss (a device-to-host sync on GPU). Why not abort the p2p group: on gloo
+a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's connections stayed open inside
+torch's schedule (issue #23's findings). Not covered: a rank blocked in a collective *inside* a stage that the
+failing rank left (a tensor-parallel all-reduce under plan='megatron' when one tp rank raises mid-forward; FSDP's
+reduce-scatter under plan='fsdp' when the failing rank holds no gradient from a real microbatch): those wait for
+the timeout as before.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
