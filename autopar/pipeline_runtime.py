@@ -611,24 +611,27 @@ class _StepFailure:
 class _StandIn(torch.autograd.Function):
     """What a stage whose computation raised passes on instead of its outputs: zeros of the outputs' shapes and
     dtypes, connected to the stage's inputs so that the schedule's backward runs through it (its backward sends
-    zeros back for each input that needs a gradient) and to `anchor`, a fresh leaf that makes the outputs need a
-    gradient as the real ones do (a first stage's, or the loss, whose inputs need none)."""
+    zeros back for each input that needs a gradient), to the stage's parameters (each gets a zero gradient, so
+    FSDP's reduce-scatter after the last microbatch runs on every rank of the stage even where every microbatch
+    raised: a parameter without a gradient would be left out on this rank only) and to `anchor`, a fresh leaf that
+    makes the outputs need a gradient as the real ones do (a first stage's, or the loss, whose inputs need none)."""
 
     @staticmethod
     def forward(ctx, metas, anchor, *inputs):
-        ctx.inputs = [(i.shape, i.dtype, i.device) for i in inputs]
+        ctx.inputs = inputs
         return tuple(torch.zeros(shape, dtype=dtype, device=anchor.device) for shape, dtype in metas)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.inputs))
+        return (None, None, *(torch.zeros_like(i) for i in ctx.inputs))
 
 
-def _stand_in(metas, last: bool, device, args):
-    """`_StandIn` for a stage's call with positional inputs `args`: the loss (a tensor) for the last stage, else
-    the tuple of its outputs."""
+def _stand_in(metas, last: bool, device, args, params=()):
+    """`_StandIn` for a stage's call with positional inputs `args` and parameters `params` (the module's at the
+    time: FSDP's unsharded ones in its forward): the loss (a tensor) for the last stage, else the tuple of its
+    outputs."""
     anchor = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
-    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    inputs = [a for a in (*args, *params) if isinstance(a, torch.Tensor) and a.requires_grad]
     out = _StandIn.apply(metas, anchor, *inputs)
     return out[0] if last else out
 
@@ -679,7 +682,7 @@ def _guarded_stage_class():
                 return compute()
             except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
                 self._failure.record(_original(e), self._where(doing))
-                return _stand_in(self._metas, self.is_last, self.device, args)
+                return _stand_in(self._metas, self.is_last, self.device, args, self.submod.parameters())
 
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             self._chunk = ("forward", fwd_chunk_id)

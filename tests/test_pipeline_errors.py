@@ -7,7 +7,9 @@ On 2 gloo ranks (the shared pool), pp2 under `1f1b` and `gpipe`, 4 microbatches:
 hook, as a NaN check or an OOM would raise there). Without the guard the other rank waits in p2p for the process
 group's timeout (60 s in the pool). Each failing step still runs the schedule's every p2p op (counted: the same as
 a normal step's), and leaves no gradient. After them both ranks train one step exactly (fp64): the loss, every
-gradient and every parameter after an AdamW step against the single-device model.
+gradient and every parameter after an AdamW step against the single-device model. On 4 ranks, pp2 x dp2 under
+`plan="fsdp"`: one data rank of stage 0 raises on every microbatch, its peer does not; FSDP's reduce-scatter after
+the last microbatch still meets on both (the stand-ins give every parameter a zero gradient).
 """
 from __future__ import annotations
 
@@ -30,7 +32,15 @@ class Blocks(torch.nn.Module):
         return torch.nn.functional.mse_loss(x, y)
 
 
-def _failing_steps(form: str):
+PP2 = ((2,), ("pp",), "dp", [(1, "forward", 2, None), (0, "forward", 2, None), (1, "backward", 2, None)])
+# pp2 x dp2 under FSDP: rank 1 (stage 0, data rank 1) raises on every microbatch; rank 0, its data-parallel peer,
+# has gradients to reduce-scatter, rank 1 its zero stand-ins' (a parameter with none would be left out there)
+FSDP = ((2, 2), ("pp", "dp"), "fsdp", [(0, "forward", 0, 1)])
+
+
+def _failing_steps(form: str, mesh_shape, names, plan, injections):
+    """Per injection (stage, forward or backward, the nth call that raises (0: every call), the only rank it is
+    injected on (None: every rank of the stage)): one failing call, after two normal ones; then one exact step."""
     import copy
     import time
     import torch.distributed as dist
@@ -44,8 +54,8 @@ def _failing_steps(form: str):
         ref = Blocks()
         model = copy.deepcopy(ref)
         x, y = torch.randn(8, 8), torch.randn(8, 8)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-        pm = autopar.parallelize(model, mesh, (x, y), plan="dp", overrides={"pipeline": f"{form}@pp"},
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        pm = autopar.parallelize(model, mesh, (x, y), plan=plan, overrides={"pipeline": f"{form}@pp"},
                                  microbatches=4)
         with _P2P() as normal:
             t0 = time.perf_counter()
@@ -56,18 +66,18 @@ def _failing_steps(form: str):
             pm(x, y)
             step_s = time.perf_counter() - t0
         out = {"rank": dist.get_rank(), "failures": [], "step_s": step_s, "first_s": first_s}
-        for stage, kind in ((1, "forward"), (0, "forward"), (1, "backward")):
+        for stage, kind, nth, only in injections:
             sub = pm._stage_modules.get(stage)
             calls = []
 
-            def raise_on_2nd(*_):
+            def raise_on_nth(*_):
                 calls.append(1)
-                if len(calls) == 2:
-                    raise ValueError(f"stage {stage} saw a NaN on its 2nd microbatch's {kind}")
+                if len(calls) == nth or nth == 0:
+                    raise ValueError(f"stage {stage} saw a NaN in its {kind}")
             handle = None
-            if sub is not None:
-                handle = (sub.gm.register_forward_pre_hook(raise_on_2nd) if kind == "forward"
-                          else sub.gm.register_full_backward_pre_hook(raise_on_2nd))
+            if sub is not None and only in (None, dist.get_rank()):
+                handle = (sub.gm.register_forward_pre_hook(raise_on_nth) if kind == "forward"
+                          else sub.gm.register_full_backward_pre_hook(raise_on_nth))
             t0 = time.perf_counter()
             error = None
             with _P2P() as rec:
@@ -79,7 +89,8 @@ def _failing_steps(form: str):
             if handle is not None:
                 handle.remove()
             grads = [n for n, p in pm.named_parameters() if p.grad is not None]
-            out["failures"].append({"stage": stage, "kind": kind, "error": error, "elapsed": elapsed,
+            out["failures"].append({"stage": stage, "kind": kind, "rank": stage if only is None else only,
+                                    "mb": nth - 1 if nth else 0, "error": error, "elapsed": elapsed,
                                     "same p2p": sorted(rec.ops) == sorted(normal.ops), "grads": grads})
         # the model stays usable: the next step is exact
         errs = {}
@@ -106,18 +117,26 @@ def _failing_steps(form: str):
 
 @pytest.mark.parametrize("form", ["1f1b", "gpipe"])
 def test_an_error_on_one_stage_is_raised_on_every_rank(form):
-    results = gloo_pool(2).run(_failing_steps, form)
+    _check(gloo_pool(2).run(_failing_steps, form, *PP2))
+
+
+def test_an_error_on_one_data_rank_of_an_fsdp_stage():
+    _check(gloo_pool(4).run(_failing_steps, "1f1b", *FSDP))
+
+
+def _check(results):
     for r in results:
         for f in r["failures"]:
             assert f["error"] is not None, (r["rank"], f)
             kind, message, notes = f["error"]
             stage = f["stage"]
-            assert kind == "ValueError" and f"stage {stage} saw a NaN on its 2nd microbatch's {f['kind']}" in message
-            assert f"rank {stage} raised this in pipeline stage {stage}'s {f['kind']} of microbatch 1 " in notes, notes
+            assert kind == "ValueError" and f"stage {stage} saw a NaN in its {f['kind']}" in message
+            assert f"rank {f['rank']} raised this in pipeline stage {stage}'s {f['kind']} of microbatch {f['mb']} " \
+                in notes, notes
             assert "raised on every rank" in notes and "stays usable" in notes, notes
             assert f["elapsed"] < 10.0, f  # not the process group's timeout (60 s)
             assert f["same p2p"], f  # the schedule ran to its end on both ranks
             assert f["grads"] == [], f  # a failed call leaves no gradient
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, (r["rank"], bad)
-    assert sorted(n for r in results for n in r["mine"]) == sorted(n for n, _ in Blocks().named_parameters())
+    assert {n for r in results for n in r["mine"]} == {n for n, _ in Blocks().named_parameters()}
