@@ -84,10 +84,11 @@ of its type and message, noting the rank, stage and microbatch (`PipelineModule.
 gradients are dropped and the model stays usable for the next call. The normal path pays a try block per stage
 computation and one read of the summed loss (a device-to-host sync on GPU). Why not abort the p2p group: on gloo
 a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's connections stayed open inside
-torch's schedule (issue #23's findings). Not covered: a rank blocked in a collective *inside* a stage that the
-failing rank left (a tensor-parallel all-reduce under plan='megatron' when one tp rank raises mid-forward; FSDP's
-reduce-scatter under plan='fsdp' when the failing rank holds no gradient from a real microbatch): those wait for
-the timeout as before.
+torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
+its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Not covered: a rank blocked
+in a collective *inside* a stage's program that the failing rank left midway (a tensor-parallel all-reduce under
+plan='megatron' when only one tp rank raises mid-forward) still waits for the timeout; the failure is summed over
+the pipeline and data axes, not tp, as the loss is.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
