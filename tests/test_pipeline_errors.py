@@ -6,7 +6,7 @@ On 2 gloo ranks (the shared pool), pp2 under `1f1b` and `gpipe`, 4 microbatches:
 2nd microbatch, then stage 0's does, then stage 1's backward does (each injected into the stage's program by a
 hook, as a NaN check or an OOM would raise there). Without the guard the other rank waits in p2p for the process
 group's timeout (60 s in the pool). Each failing step still runs the schedule's every p2p op (counted: the same as
-a normal step's), and leaves no gradient. After them both ranks train one step exactly (fp64): the loss, every
+a normal step's), and leaves no gradient; a NaN loss without an error is returned as is. After them both ranks train one step exactly (fp64): the loss, every
 gradient and every parameter after an AdamW step against the single-device model. On 4 ranks, pp2 x dp2 under
 `plan="fsdp"`: one data rank of stage 0 raises on every microbatch, its peer does not; FSDP's reduce-scatter after
 the last microbatch still meets on both (the stand-ins give every parameter a zero gradient).
@@ -92,6 +92,8 @@ def _failing_steps(form: str, mesh_shape, names, plan, injections):
             out["failures"].append({"stage": stage, "kind": kind, "rank": stage if only is None else only,
                                     "mb": nth - 1 if nth else 0, "error": error, "elapsed": elapsed,
                                     "same p2p": sorted(rec.ops) == sorted(normal.ops), "grads": grads})
+        # a NaN loss with no failure (a NaN in the batch): the ranks find no error to raise; the loss is NaN
+        out["nan loss"] = float(pm(torch.full_like(x, float("nan")), y))
         # the model stays usable: the next step is exact
         errs = {}
         loss = pm(x, y)
@@ -137,6 +139,7 @@ def _check(results):
             assert f["elapsed"] < 10.0, f  # not the process group's timeout (60 s)
             assert f["same p2p"], f  # the schedule ran to its end on both ranks
             assert f["grads"] == [], f  # a failed call leaves no gradient
+        assert r["nan loss"] != r["nan loss"], r["nan loss"]
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, (r["rank"], bad)
     assert {n for r in results for n in r["mine"]} == {n for n, _ in Blocks().named_parameters()}
