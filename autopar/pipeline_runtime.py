@@ -829,7 +829,15 @@ class PipelineModule(nn.Module):
             self._stages.append(stage(sub, k))
             self._stage_modules[k] = sub
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
-        loss_fn = _weigh
+        failure, loss_dtype = self._failure, split.loss.meta["val"].dtype
+
+        def loss_fn(output, weight):  # the schedule's, on the last stage; guarded as the stages are
+            try:
+                return _weigh(output, weight)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
+                last = next(st for st in self._stages if st.is_last)
+                failure.record(e, f"the loss function on {last._where('')}")
+                return _stand_in([((), loss_dtype)], True, device, [output])
         if pplan.form in ("gpipe", "1f1b"):
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
             cls = ScheduleGPipe if pplan.form == "gpipe" else Schedule1F1B
