@@ -75,8 +75,8 @@ Errors reach every rank: building checks everything it can before its first coll
 batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation (a
 forward or backward that raises on one rank, a NaN check, an OOM) is raised on every rank right after the schedule,
 not after the process group's timeout (torch's schedules have no cross-rank error path): each stage is a
-`PipelineStage` subclass (`_guarded_stage`) that records the exception and goes on with zeros in its place (the
-outputs' shapes, or zero input gradients), so the static schedule still posts every send and receive its peers
+`PipelineStage` subclass (`_guarded_stage`), and the schedule's loss function a wrapper, that record the exception
+and go on with zeros in its place (the outputs' shapes, or zero input gradients), so the static schedule still posts every send and receive its peers
 wait for and every rank runs it to its end; the failing rank adds NaN to the call's loss all-reduce, so every rank
 of it sees a NaN loss; a NaN loss (only then) makes the ranks exchange what they recorded (`all_gather_object` over
 the summed axes), and each raises the first failure by time, the failing rank its own exception, the others a copy
