@@ -107,6 +107,8 @@ chooses a pipeline (`autopar.api._auto_runnable`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import fx, nn
@@ -659,12 +661,9 @@ def _guarded_stage(submod: nn.Module, k: int, n: int, device, *, group, failure:
                                   microbatches=microbatches)
 
 
-_GUARDED_STAGE = []
-
-
+@functools.cache
 def _guarded_stage_class():
-    if _GUARDED_STAGE:
-        return _GUARDED_STAGE[0]
+    """The class, made on first use: `torch.distributed.pipelining` is imported only when a pipeline is built."""
     from torch.distributed.pipelining import PipelineStage
 
     class _GuardedStage(PipelineStage):
@@ -723,7 +722,6 @@ def _guarded_stage_class():
                 return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
                              for v in all_fwd_inputs)
 
-    _GUARDED_STAGE.append(_GuardedStage)
     return _GuardedStage
 
 
