@@ -74,9 +74,23 @@
 
 Errors reach every rank: building checks everything it can before its first collective and agrees on failure
 (one all-gather; `autopar.agree`); each call checks out-of-range ids and labels and that the ranks pass the same
-batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation
-after that would still leave its peers waiting in p2p until the process group's timeout (torch's schedules have
-no cross-rank error path).
+batch before any stage runs (`PipelineModule._check_call`). An exception raised inside one stage's computation (a
+forward or backward that raises on one rank, a NaN check, an OOM) is raised on every rank right after the schedule,
+not after the process group's timeout (torch's schedules have no cross-rank error path): each stage is a
+`PipelineStage` subclass (`_guarded_stage`), and the schedule's loss function a wrapper, that record the exception
+and go on with zeros in its place (the outputs' shapes, or zero input gradients), so the static schedule still posts every send and receive its peers
+wait for and every rank runs it to its end; the failing rank adds NaN to the call's loss all-reduce, so every rank
+of it sees a NaN loss; a NaN loss (only then) makes the ranks exchange what they recorded (`all_gather_object` over
+the summed axes), and each raises the first failure by time, the failing rank its own exception, the others a copy
+of its type and message, noting the rank, stage and microbatch (`PipelineModule._raise_failure`). The call's
+gradients are dropped and the model stays usable for the next call. The normal path pays a try block per stage
+computation and one read of the summed loss (a device-to-host sync on GPU). Why not abort the p2p group: on gloo
+a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's connections stayed open inside
+torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
+its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Not covered: a rank blocked
+in a collective *inside* a stage's program that the failing rank left midway (a tensor-parallel all-reduce under
+plan='megatron' when only one tp rank raises mid-forward) still waits for the timeout; the failure is summed over
+the pipeline and data axes, not tp, as the loss is.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
@@ -93,6 +107,8 @@ chooses a pipeline (`autopar.api._auto_runnable`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -581,6 +597,134 @@ class _ReleaseGrads(torch.autograd.Function):
         return (None, None, *out)
 
 
+# ----------------------------------------------------------------------------- an error inside a stage
+
+class _StepFailure:
+    """The exceptions raised inside this rank's stages during one call (`_GuardedStage`), each with where: the
+    first one is raised on every rank after the schedule (`PipelineModule._raise_failure`)."""
+
+    def __init__(self):
+        self.errors: list[tuple[float, str, BaseException]] = []  # (time.time(), where, the exception)
+
+    def record(self, error: BaseException, where: str) -> None:
+        import time
+        self.errors.append((time.time(), where, error))
+
+
+class _StandIn(torch.autograd.Function):
+    """What a stage whose computation raised passes on instead of its outputs: zeros of the outputs' shapes and
+    dtypes, connected to the stage's inputs so that the schedule's backward runs through it (its backward sends
+    zeros back for each input that needs a gradient), to the stage's parameters (each gets a zero gradient, so
+    FSDP's reduce-scatter after the last microbatch runs on every rank of the stage even where every microbatch
+    raised: a parameter without a gradient would be left out on this rank only) and to `anchor`, a fresh leaf that
+    makes the outputs need a gradient as the real ones do (a first stage's, or the loss, whose inputs need none)."""
+
+    @staticmethod
+    def forward(ctx, metas, anchor, *inputs):
+        ctx.inputs = inputs
+        return tuple(torch.zeros(shape, dtype=dtype, device=anchor.device) for shape, dtype in metas)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(torch.zeros_like(i) for i in ctx.inputs))
+
+
+def _stand_in(metas, last: bool, device, args, params=()):
+    """`_StandIn` for a stage's call with positional inputs `args` and parameters `params` (the module's at the
+    time: FSDP's unsharded ones in its forward): the loss (a tensor) for the last stage, else the tuple of its
+    outputs."""
+    anchor = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())
+    inputs = [a for a in (*args, *params) if isinstance(a, torch.Tensor) and a.requires_grad]
+    out = _StandIn.apply(metas, anchor, *inputs)
+    return out[0] if last else out
+
+
+def _original(e: BaseException) -> BaseException:
+    """The user's exception under torch's wrappers ('failed to run forward', 'Failed to run stage backward')."""
+    while isinstance(e, RuntimeError) and e.__cause__ is not None and (
+            "failed to run" in str(e).lower() or "stage backward" in str(e).lower()):
+        e = e.__cause__
+    return e
+
+
+def _guarded_stage(submod: nn.Module, k: int, n: int, device, *, group, failure: _StepFailure, metas,
+                   microbatches: int):
+    """`PipelineStage` for stage k whose computation cannot leave the peers waiting: an exception raised by its
+    forward or backward (a forward raising on one rank, a NaN check, an OOM) is recorded in `failure` and the stage
+    goes on with `_StandIn` outputs (zeros) or zero input gradients, so the schedule still posts every send and
+    receive its peers expect; the schedule is static, so each rank runs it to its end and the call raises after it
+    on every rank (`PipelineModule._raise_failure`). Later microbatches run for real (each guarded again): a stage's
+    own collectives (FSDP's gather) stay in step. Where torch lets a subclass compute: the forward
+    (`forward_maybe_with_nosync`), the backward (`backward_maybe_with_nosync`) and their metadata-inference
+    counterparts (`_compute_outputs`, `_compute_input_grads`)."""
+    return _guarded_stage_class()(submod, k, n, device, group=group, failure=failure, metas=metas,
+                                  microbatches=microbatches)
+
+
+@functools.cache
+def _guarded_stage_class():
+    """The class, made on first use: `torch.distributed.pipelining` is imported only when a pipeline is built."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class _GuardedStage(PipelineStage):
+        def __init__(self, submod, k, n, device, *, group, failure, metas, microbatches):
+            super().__init__(submod, k, n, device, group=group)
+            self._failure, self._metas, self._m = failure, metas, microbatches
+            self._chunk: tuple[str, int | None] = ("forward", None)
+
+        def _where(self, doing: str) -> str:
+            what, i = self._chunk
+            mb = "" if i is None else f" of microbatch {i} (0-based, of {self._m})"
+            return f"pipeline stage {self.stage_index}'s {what}{mb}{doing}"
+
+        def _forward(self, compute, args, doing=""):
+            try:
+                return compute()
+            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
+                self._failure.record(_original(e), self._where(doing))
+                return _stand_in(self._metas, self.is_last, self.device, args, self.submod.parameters())
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            self._chunk = ("forward", fwd_chunk_id)
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            self._chunk = ("backward", bwd_chunk_id)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            self._chunk = ("weight backward", bwd_chunk_id)
+            return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def forward_maybe_with_nosync(self, *args, **kwargs):
+            return self._forward(lambda: super(_GuardedStage, self).forward_maybe_with_nosync(*args, **kwargs), args)
+
+        def _compute_outputs(self, *args, module, **kwargs):
+            self._chunk = ("forward", None)
+            return self._forward(lambda: super(_GuardedStage, self)._compute_outputs(*args, module=module, **kwargs),
+                                 args, " (torch's metadata inference)")
+
+        def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            try:
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
+                self._failure.record(_original(e), self._where(""))
+                values = bwd_kwargs.get("input_values") or ()
+                return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
+                             for v in values), None
+
+        def _compute_input_grads(self, outputs, all_fwd_inputs, grad_outputs=None):
+            try:
+                return super()._compute_input_grads(outputs, all_fwd_inputs, grad_outputs)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
+                self._chunk = ("backward", None)
+                self._failure.record(_original(e), self._where(" (torch's metadata inference)"))
+                return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
+                             for v in all_fwd_inputs)
+
+    return _GuardedStage
+
+
 class PipelineModule(nn.Module):
     """The pipelined model: `pm(*inputs)` returns the global loss on every rank (see the module docstring).
     `check_inputs` (True): the ranks check at each call that they pass the same batch (`_check_call`)."""
@@ -590,7 +734,6 @@ class PipelineModule(nn.Module):
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
                  flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None, tp: dict | None = None):
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
         from torch.distributed.tensor import DTensor, Replicate, Shard
         from autopar.dtensors import mesh_device, owned_tensor
@@ -658,6 +801,14 @@ class PipelineModule(nn.Module):
             assert leaf.data_ptr() == param._local_tensor.data_ptr()
             self._leaves[ph] = leaf
         group = self._p2p_group = _p2p_group(mesh, ax)
+        self._failure = _StepFailure()  # what this rank's stages raised during the current call
+        n_stages = pplan.n_stages(p)
+
+        def stage(sub, k):
+            outs = split.acts[k + 1] if k + 1 < n_stages else [split.loss]
+            metas = [(tuple(u.meta["val"].shape), u.meta["val"].dtype) for u in outs]
+            return _guarded_stage(sub, k, n_stages, device, group=group, failure=self._failure, metas=metas,
+                                  microbatches=pplan.microbatches)
         self._stages = []
         self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
         if tp is not None:
@@ -666,7 +817,7 @@ class PipelineModule(nn.Module):
         for k in self._local_stages:
             if tp is not None:
                 sub = self._tp_stage(k, tp[k], tensors, buffers, device, seed)
-                self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+                self._stages.append(stage(sub, k))
                 self._stage_modules[k] = sub
                 continue
             gm, acts, user, st = split.stage_graph(k)
@@ -674,10 +825,18 @@ class PipelineModule(nn.Module):
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             if fsdp:
                 self._shard_stage(sub, mesh, ax, me, leaves)
-            self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+            self._stages.append(stage(sub, k))
             self._stage_modules[k] = sub
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
-        loss_fn = _weigh
+        failure, loss_dtype = self._failure, split.loss.meta["val"].dtype
+
+        def loss_fn(output, weight):  # the schedule's, on the last stage; guarded as the stages are
+            try:
+                return _weigh(output, weight)
+            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
+                last = next(st for st in self._stages if st.is_last)
+                failure.record(e, f"the loss function on {last._where('')}")
+                return _stand_in([((), loss_dtype)], True, device, [output])
         if pplan.form in ("gpipe", "1f1b"):
             from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
             cls = ScheduleGPipe if pplan.form == "gpipe" else Schedule1F1B
@@ -817,6 +976,7 @@ class PipelineModule(nn.Module):
         # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
         # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
         held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp or self._tp is not None else None
+        self._failure.errors.clear()
         if train:
             for leaf in self._leaves.values():
                 leaf.grad = None
@@ -829,7 +989,11 @@ class PipelineModule(nn.Module):
                     self._schedule.eval(target=w, losses=losses, return_outputs=False, **mb_kwargs)
         total = torch.stack([l.detach() for l in losses]).sum() if self._is_last and losses else \
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
+        if self._failure.errors:  # the loss all-reduce carries it: every rank's sum is NaN (`_raise_failure`)
+            total = torch.full((), float("nan"), dtype=self._loss_dtype, device=self._device)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
+        if torch.isnan(total):
+            self._raise_failure(held if held is not None else [None] * len(self._leaves))
         if self._mp_policy is not None and self._mp_policy.output_dtype is not None:  # FSDP2's output cast
             total = total.to(self._mp_policy.output_dtype)
         grads = [leaf.grad for leaf in self._leaves.values()]
@@ -851,6 +1015,44 @@ class PipelineModule(nn.Module):
             grads = self._sum_over_data(grads)
             grads = self._sum_over_sharing_stages(grads)
         return _ReleaseGrads.apply(total, grads, *self._owned.values())
+
+    def _raise_failure(self, grads: list) -> None:
+        """After the schedule, where the loss summed over the mesh is NaN: a NaN loss, or a stage's computation
+        raised on some rank (`_guarded_stage`; that rank's contribution is NaN, so every rank of the sum sees it).
+        Which: the ranks exchange what they recorded (`all_gather_object` over each summed axis, as the loss was
+        summed: only here, so a step without a NaN pays nothing). No failure: return, the loss is NaN. Else every
+        rank puts back the gradients it held before the call (none under plan='dp'), resets the FSDP stages, and
+        raises the first failure (by time): the failing rank its own exception, the others a copy (same type and
+        message), each with a note naming the rank, the stage and microbatch, and the other failures. The schedule
+        ran to its end on every rank, so the model is usable for the next call."""
+        from autopar.agree import _portable
+        mine = [(t, dist.get_rank(), where, _portable(e)) for t, where, e in self._failure.errors]
+        found = mine
+        names = tuple(self._mesh.mesh_dim_names)
+        for i in sorted({names.index(self._plan.axis), *(names.index(a) for a in self._data_axes)}):
+            if self._mesh.size(i) > 1:
+                box: list = [None] * self._mesh.size(i)
+                dist.all_gather_object(box, found, group=self._mesh.get_group(i))
+                found = [f for part in box for f in part]
+        if not found:
+            return
+        for leaf, g in zip(self._leaves.values(), grads):
+            leaf.grad = g
+        self._reshard()
+        found.sort(key=lambda f: (f[0], f[1]))
+        _, rank, where, err = found[0]
+        others = "; ".join(f"rank {r}: {type(e).__name__} in {w}" for _, r, w, e in found[1:])
+        note = (f"autopar: rank {rank} raised this in {where}, inside the pipeline schedule; it is raised on every "
+                "rank, so none waits for the others (the other ranks ran the schedule to its end on zeros in its "
+                "place); this call's loss and gradients are dropped and the model stays usable for the next call"
+                + (f". Raised after it (e.g. on those zeros): {others}" if others else ""))
+        self._failure.errors, own = [], self._failure.errors
+        if rank == dist.get_rank() and own:
+            first = min(own, key=lambda f: f[0])[2]
+            first.add_note(note)
+            raise first
+        err.add_note(note)
+        raise err
 
     def _reshard(self) -> None:
         """FSDP stages back to their shards after a call: a forward-only call (no backward reshards them) would
@@ -879,7 +1081,12 @@ class PipelineModule(nn.Module):
             carried: tuple = ()
             for k in range(n):
                 if where[k] == me:
-                    out = self._stage_modules[k](*carried, **inputs)
+                    try:
+                        out = self._stage_modules[k](*carried, **inputs)
+                    except Exception as e:  # noqa: BLE001 - raised on every rank after the loop (_raise_failure)
+                        self._failure.record(e, f"pipeline stage {k}'s forward of microbatch {i} (0-based, of {m})")
+                        out = _stand_in(self._stages[self._local_stages.index(k)]._metas, k == n - 1,
+                                        self._device, carried)
                     if k == n - 1:
                         losses.append(_weigh(out, weight))
                         continue
