@@ -480,8 +480,9 @@ def _refuse_meta_moe(model: nn.Module) -> None:
             f"{type(model).__name__} is on the meta device and has MoE blocks of its own ({found[0].path}, "
             f"{found[0].spelling}, ...): autopar verifies its rewrite of such a block by running it on real weights, "
             "which a meta model does not have, and can build a smaller copy to verify instead only for a Hugging "
-            "Face experts module (built from its config). Fix: build the model on the CPU (or its device) and "
-            "parallelise that; autopar.plan(...) plans the meta model.")
+            "Face experts module (built from its config), so parallelising it on meta is not supported yet. Fix: "
+            "build the model on the CPU (or its device) and parallelise that; autopar.plan(...) plans the meta "
+            "model.")
 
 
 def _names(model) -> set[str]:

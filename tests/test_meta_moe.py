@@ -1,0 +1,86 @@
+"""Hugging Face MoE models on the meta device: `parallelize` (the experts verified on a shrunken copy,
+`passes/moe_shrunken.py`) and `autopar.load` of a checkpoint in Hugging Face's on-disk key layout (per-expert
+`block_sparse_moe.experts.<e>.w1/w2/w3`, renamed and stacked as `from_pretrained` does), each rank reading only the
+experts it owns; exact (fp64) against one device loaded from the same files with `from_pretrained`."""
+
+from __future__ import annotations
+
+import torch
+
+from dist_harness import gloo_pool
+
+TOL = 1e-5  # Hugging Face Mixtral routes and computes its loss in fp32 (tests/zoo.py)
+LR = 0.01
+
+
+def _meta_moe_worker(path: str):
+    import re
+
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    import zoo
+    from autopar.runtime.collectives import record_comms
+
+    rank = dist.get_rank()
+    ref, inputs, _ = zoo.mixtral()  # fp64, seeded
+    if rank == 0:
+        ref.m.save_pretrained(path)  # Hugging Face's on-disk layout (the reverse of from_pretrained's renames)
+    dist.barrier()
+    saved = transformers.MixtralForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    ref = zoo.LossWrap(saved).eval()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            meta = zoo.LossWrap(transformers.MixtralForCausalLM(saved.config)).eval()
+    finally:
+        torch.set_default_dtype(old)
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
+    pm = autopar.parallelize(meta, mesh, (inputs["input_ids"], inputs["labels"]), plan="dp",
+                             overrides={"moe": "expert@ep"})
+    autopar.load(pm, path)
+    with record_comms() as recs:
+        loss = pm(inputs["input_ids"], inputs["labels"])
+        loss.backward()
+    rloss = ref(inputs["input_ids"], inputs["labels"])
+    rloss.backward()
+    grads = {n: float((p.grad.full_tensor() - dict(ref.named_parameters())[n].grad).abs().max())
+             for n, p in pm.named_parameters()}
+    torch.optim.AdamW(pm.parameters(), lr=LR).step()
+    torch.optim.AdamW(ref.parameters(), lr=LR).step()
+    params = {n: float((p.full_tensor() - dict(ref.named_parameters())[n]).abs().max())
+              for n, p in pm.named_parameters()}
+    counts: dict[str, int] = {}
+    for r in recs:
+        counts[f"{r.kind}.{r.pass_}"] = counts.get(f"{r.kind}.{r.pass_}", 0) + 1
+    experts = {k: v for k, v in pm._bytes_read.items() if re.search(r"\.experts\.\d+\.", k)}
+    keys = sorted(pm._bytes_read)
+    notes = [n for n in pm.plan.notes if "shrunken copy" in n]
+    return float(loss), float(rloss), grads, params, counts, experts, keys, notes, \
+        {n for n, _ in ref.named_parameters()}
+
+
+def test_meta_mixtral_expert_parallel_loads_hf_layout_experts_on_owners(tmp_path):
+    results = gloo_pool(4).run(_meta_moe_worker, str(tmp_path))
+    for rank, (loss, rloss, grads, params, counts, experts, keys, notes, names) in enumerate(results):
+        assert abs(loss - rloss) <= TOL, (rank, loss, rloss)
+        assert set(grads) == set(params) == names
+        bad = {n: e for n, e in {**grads, **{f"{k} (after AdamW)": v for k, v in params.items()}}.items()
+               if not e <= TOL}
+        assert not bad, f"rank {rank}: differs from one device: {bad}"
+        # the checkpoint is in the per-expert layout from_pretrained converts: 2 layers x 4 experts x w1/w2/w3
+        assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in keys), keys[:5]
+        assert len(experts) == 2 * 4 * 3, sorted(experts)
+        # ep4 over 4 experts: rank r owns expert r of each layer and reads it whole; nothing of the others
+        for key, read in experts.items():
+            e = int(key.split(".experts.")[1].split(".")[0])
+            assert (read > 0) == (e == rank), (rank, key, read)
+        owned = [v for k, v in experts.items() if f".experts.{rank}." in k]
+        assert owned and all(v == owned[0] for v in owned[:2])
+        assert len(notes) == 2, notes  # both layers' experts verified on a shrunken copy
+        # per MoE layer: counts, tokens out, tokens back forward; tokens out and back backward
+        assert counts.get("all_to_all.forward") == 3 * 2 and counts.get("all_to_all.backward") == 2 * 2, counts
+    assert all(r[4] == results[0][4] for r in results)
