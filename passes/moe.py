@@ -35,6 +35,8 @@ the stacked spellings, inferred from a ModuleList expert's shapes and checked nu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import itertools
 from dataclasses import dataclass, field
@@ -470,7 +472,7 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
         if not real and f.level == "experts":  # a meta model: verified on a shrunken copy (passes.moe_shrunken)
             from passes.moe_shrunken import owner_config, verify_shrunken
             spec.top_k = _meta_top_k(model, f, owner_config(model, f.path))
-            why = verify_shrunken(f, model, spec.top_k)
+            why = verify_shrunken(f, model, spec.top_k, functools.partial(_check_copy, f))
             if why is None:
                 notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{spec.top_k}) on the meta "
                              "device: verified on a shrunken copy built with the same code and config (small sizes, "
@@ -540,6 +542,12 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
         hidden = v.found.router.in_features if v.found.router is not None else None
         spec.ffn_dims, spec.ffn_why = _ffn_dims(v.found, spec.expert_fn, hidden)
     return out
+
+
+def _check_copy(f: Found, copy: nn.Module, key: str, args: tuple) -> str | None:
+    """Why a materialised copy of experts module `f` differs from its canonical form on `args`, or None."""
+    found = dataclasses.replace(f, module=copy)
+    return _compare(copy, canonical_experts(found, key), args, list(copy.parameters()))
 
 
 def _meta_top_k(model: nn.Module, f: Found, config) -> int:

@@ -121,10 +121,10 @@ def _calls(mod: nn.Module, args) -> list[str]:
 _CHECKED: dict[tuple, str | None] = {}
 
 
-def verify_shrunken(found, model: nn.Module, top_k: int) -> str | None:
+def verify_shrunken(found, model: nn.Module, top_k: int, check) -> str | None:
     """None if a shrunken copy of the Hugging Face experts module `found` (on the meta device) matches autopar's
-    canonical form and computes as the real one does (module docstring); else why not."""
-    from passes.moe import Found, _compare, canonical_experts
+    canonical form and computes as the real one does (module docstring); else why not. `check(copy, spec key,
+    args)`: why the copy differs from the canonical form on `args` (`passes.moe`), or None."""
     mod, E = found.module, found.num_experts
     config = owner_config(model, found.path)
     if config is None:
@@ -140,11 +140,11 @@ def verify_shrunken(found, model: nn.Module, top_k: int) -> str | None:
     dtype = next(iter(params.values())).dtype
     key = (type(mod), repr(config.to_dict()), tuple((n, tuple(p.shape)) for n, p in params.items()), dtype, top_k)
     if key not in _CHECKED:
-        _CHECKED[key] = _verify(found, mod, config, E, dtype, top_k, Found, _compare, canonical_experts)
+        _CHECKED[key] = _verify(found, mod, config, E, dtype, top_k, check)
     return _CHECKED[key]
 
 
-def _verify(found, mod, config, E, dtype, top_k, Found, _compare, canonical_experts) -> str | None:
+def _verify(found, mod, config, E, dtype, top_k, check) -> str | None:
     shapes = {n: tuple(p.shape) for n, p in mod.named_parameters()}
     fields = _size_fields(type(mod), config, shapes, E)
     if not fields or len(set(fields.values())) > len(_SMALL):
@@ -163,10 +163,9 @@ def _verify(found, mod, config, E, dtype, top_k, Found, _compare, canonical_expe
     spec = rt.ExpertsSpec(found.path, E, k, list(found.expert_params), rt.gated_hf_expert(small.act_fn),
                           found.spelling)
     spec_key = rt.register(spec, small)
-    small_found = Found(found.path, small, "experts", found.spelling, E, expert_params=list(found.expert_params))
     for seed in (1, 2):  # two routings of other tokens
         args = _routing(T, hidden, E, k, dtype, seed=seed)
-        why = _compare(small, canonical_experts(small_found, spec_key), args, list(small.parameters()))
+        why = check(small, spec_key, args)
         if why is not None:
             return f"on a shrunken copy ({hidden} hidden features, random weights): {why}"
     x, idx, w = args

@@ -5,6 +5,8 @@ experts it owns; exact (fp64) against one device loaded from the same files with
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dist_harness import gloo_pool
@@ -59,13 +61,28 @@ def _meta_moe_worker(path: str):
     experts = {k: v for k, v in pm._bytes_read.items() if re.search(r"\.experts\.\d+\.", k)}
     keys = sorted(pm._bytes_read)
     notes = [n for n in pm.plan.notes if "shrunken copy" in n]
+    # megatron on the same files (experts split on their FFN features: `moe: tp`), loss and gradients
+    tp = autopar.parallelize(meta, init_device_mesh("cpu", (4,), mesh_dim_names=("tp",)),
+                             (inputs["input_ids"], inputs["labels"]), plan="megatron")
+    autopar.load(tp, path)
+    loss_tp = tp(inputs["input_ids"], inputs["labels"])
+    loss_tp.backward()
+    saved2 = transformers.MixtralForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    ref2 = zoo.LossWrap(saved2).eval()
+    rloss2 = ref2(inputs["input_ids"], inputs["labels"])
+    rloss2.backward()
+    ref2_params = dict(ref2.named_parameters())
+    tp_err = max([abs(float(loss_tp) - float(rloss2))] +
+                 [float((p.grad.full_tensor() - ref2_params[n].grad).abs().max()) for n, p in tp.named_parameters()])
     return float(loss), float(rloss), grads, params, counts, experts, keys, notes, \
-        {n for n, _ in ref.named_parameters()}
+        {n for n, _ in ref.named_parameters()}, tp_err, tp.plan.table()
 
 
 def test_meta_mixtral_expert_parallel_loads_hf_layout_experts_on_owners(tmp_path):
     results = gloo_pool(4).run(_meta_moe_worker, str(tmp_path))
-    for rank, (loss, rloss, grads, params, counts, experts, keys, notes, names) in enumerate(results):
+    for rank, (loss, rloss, grads, params, counts, experts, keys, notes, names, tp_err, table) in enumerate(results):
+        assert tp_err <= TOL, (rank, tp_err)  # megatron: loss and every gradient
+        assert re.search(r"mlp\.experts.*moe +tp@tp +gate_up_proj=SS\(1,2\), down_proj=S\(2\)", table), table
         assert abs(loss - rloss) <= TOL, (rank, loss, rloss)
         assert set(grads) == set(params) == names
         bad = {n: e for n, e in {**grads, **{f"{k} (after AdamW)": v for k, v in params.items()}}.items()
