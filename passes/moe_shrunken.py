@@ -12,7 +12,8 @@ cannot be materialised either (one Mixtral-8x22B experts module is 4.8 GB in bf1
 2. **Checked on its own**: `passes.moe._compare` runs the copy and autopar's canonical form on random tokens
    routed to every expert, and on a second routing, comparing outputs and the gradients of the tokens, the
    routing weights and every parameter.
-3. **Same computation**: the copy runs the same Python code (the same class) as the real module, and the
+3. **Same computation**: the copy runs the same Python code (the same class, and the same forward where one is
+   set on the instance) as the real module, and the
    config fields it was not built with differently are equal, so the two differ only in sizes. That the
    code's path does not depend on the sizes is checked too, on the captured graphs: where the real module
    exports on the meta device (`torch.export`, e.g. `experts_implementation="grouped_mm"` or
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 
 import torch
 from torch import nn
@@ -78,10 +80,14 @@ def _shrunken_config(config, fields: dict[str, int], table):
     return small
 
 
-def _build(cls, config, dtype, seed: int) -> nn.Module:
+def _build(cls, config, dtype, seed: int, forward=None) -> nn.Module:
+    """`cls(config)` on the CPU in `dtype`, seeded random weights; `forward`: the real module's own (an instance
+    attribute bound to it), bound to the copy too."""
     with torch.device("cpu"):
         mod = cls(config)
     mod = mod.to(dtype)
+    if forward is not None:
+        mod.forward = types.MethodType(forward.__func__, mod)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in mod.parameters():
@@ -138,19 +144,23 @@ def verify_shrunken(found, model: nn.Module, top_k: int, check) -> str | None:
         return f"{type(mod).__name__}(...) does not take the config alone, so a smaller copy cannot be built"
     params = dict(mod.named_parameters())
     dtype = next(iter(params.values())).dtype
-    key = (type(mod), repr(config.to_dict()), tuple((n, tuple(p.shape)) for n, p in params.items()), dtype, top_k)
+    own = mod.__dict__.get("forward")  # a forward set on the instance: the copy runs it too
+    if own is not None and not (isinstance(own, types.MethodType) and own.__self__ is mod):
+        return "its forward is replaced on the instance by a function not bound to it, which a copy cannot run"
+    key = (type(mod), getattr(own, "__func__", None), repr(config.to_dict()),
+           tuple((n, tuple(p.shape)) for n, p in params.items()), dtype, top_k)
     if key not in _CHECKED:
-        _CHECKED[key] = _verify(found, mod, config, E, dtype, top_k, check)
+        _CHECKED[key] = _verify(found, mod, config, E, dtype, top_k, check, own)
     return _CHECKED[key]
 
 
-def _verify(found, mod, config, E, dtype, top_k, check) -> str | None:
+def _verify(found, mod, config, E, dtype, top_k, check, own) -> str | None:
     shapes = {n: tuple(p.shape) for n, p in mod.named_parameters()}
     fields = _size_fields(type(mod), config, shapes, E)
     if not fields or len(set(fields.values())) > len(_SMALL):
         return f"its parameter shapes depend on {len(fields)} config sizes, which a shrunken copy cannot map"
     try:
-        small = _build(type(mod), _shrunken_config(config, fields, _SMALL), dtype, seed=0)
+        small = _build(type(mod), _shrunken_config(config, fields, _SMALL), dtype, seed=0, forward=own)
     except Exception as e:  # noqa: BLE001 - the module's own constructor failing on the smaller config is a reason
         return f"building it with a smaller config failed: {type(e).__name__}: {e}"
     got = {n: tuple(p.shape) for n, p in small.named_parameters()}
@@ -176,7 +186,7 @@ def _verify(found, mod, config, E, dtype, top_k, check) -> str | None:
         if small_graph != real_graph:
             return "its graph captured at the real sizes is not the graph of its shrunken copy (other ops)"
         return None
-    other = _build(type(mod), _shrunken_config(config, fields, _OTHER_SMALL), dtype, seed=0)
+    other = _build(type(mod), _shrunken_config(config, fields, _OTHER_SMALL), dtype, seed=0, forward=own)
     x2 = torch.randn(T, other.down_proj.shape[1], dtype=torch.float64).to(dtype)
     if _calls(small, args) != _calls(other, (x2, *args[1:])):
         return "its forward makes other torch calls at other sizes, so a shrunken copy does not stand for it"

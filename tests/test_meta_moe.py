@@ -101,3 +101,50 @@ def test_meta_mixtral_expert_parallel_loads_hf_layout_experts_on_owners(tmp_path
         # per MoE layer: counts, tokens out, tokens back forward; tokens out and back backward
         assert counts.get("all_to_all.forward") == 3 * 2 and counts.get("all_to_all.backward") == 2 * 2, counts
     assert all(r[4] == results[0][4] for r in results)
+
+
+def _meta_notes(family: str, experts_implementation: str | None = "eager", break_it: bool = False):
+    """The capture notes of `family` from the zoo built on the meta device (fp32 unless eager: fp64)."""
+    import transformers
+
+    import zoo
+    from passes.moe import recognise_moe_modules
+    model, inputs, _ = getattr(zoo, family)()
+    config = model.m.config
+    config._experts_implementation = experts_implementation
+    with torch.device("meta"):
+        meta = zoo.LossWrap(type(model.m)(config).to(torch.float64 if experts_implementation == "eager" else
+                                                     torch.float32))
+    if break_it:  # experts whose gate and up halves are swapped: not what autopar's canonical form computes
+        for layer in meta.m.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                cls = type(experts)
+
+                def swapped(self, hidden_states, top_k_index, top_k_weights, _cls=cls):
+                    g, u = self.gate_up_proj.chunk(2, dim=1)
+                    saved = self.gate_up_proj
+                    self.gate_up_proj = torch.nn.Parameter(torch.cat([u, g], 1))
+                    try:
+                        return _cls.forward(self, hidden_states, top_k_index, top_k_weights)
+                    finally:
+                        self.gate_up_proj = saved
+                experts.forward = swapped.__get__(experts)
+    notes: list[str] = []
+    del transformers
+    recognise_moe_modules(meta, (), {k: v.to("meta") for k, v in inputs.items()}, notes)
+    return notes
+
+
+def test_shrunken_copy_verifies_mixtral_qwen3_deepseek_and_catches_a_wrong_experts_module():
+    """In one process: the experts modules of three families on meta are verified on shrunken copies (the eager
+    loop: by calls at two sizes; grouped_mm: by the exported graphs), and experts computing something else are
+    left as written with the reason."""
+    for family, layers in (("mixtral", 2), ("qwen3_moe", 2), ("deepseek_v3", 1)):
+        notes = _meta_notes(family)
+        assert sum("verified on a shrunken copy" in n for n in notes) == layers, (family, notes)
+    notes = _meta_notes("mixtral", "grouped_mm")
+    assert sum("verified on a shrunken copy" in n for n in notes) == 2, notes
+    notes = _meta_notes("mixtral", break_it=True)
+    assert notes and all("left as written (replicated)" in n and "shrunken copy" in n and "differs" in n
+                         for n in notes), notes
