@@ -107,6 +107,7 @@ def _meta_notes(family: str, experts_implementation: str | None = "eager", break
     """The capture notes of `family` from the zoo built on the meta device (fp32 unless eager: fp64)."""
     import transformers
 
+    import autopar  # noqa: F401 - before passes.moe (autopar's own import order)
     import zoo
     from passes.moe import recognise_moe_modules
     model, inputs, _ = getattr(zoo, family)()
