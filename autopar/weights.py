@@ -10,8 +10,12 @@ uninitialised, and refuses to run until one of these fills them:
   parallelism only on its owners), so a rank's memory while loading stays near its shards. Checkpoint keys
   are the model's parameter names without the user's wrapper prefix (`model.layers.0...` for
   `m.model.layers.0...`): the prefix is found as the one that matches the most names, or given as `prefix=`.
-  Tied weights are read once. A name the model needs and the checkpoint lacks, or (with `strict`) one the
-  checkpoint has and the model does not, is an error listing them. Tensors are cast to the parameter's dtype.
+  Tied weights are read once. Keys are first renamed as `from_pretrained` renames them for the model's Hugging
+  Face class (transformers' conversion mapping, `_converted_keys`); a tensor a converter stacks and concatenates
+  from several (Mixtral's per-expert `w1`/`w3` into `gate_up_proj`) is read piece by piece, each rank reading only
+  the pieces its shard holds (`_fill_converted`; bytes per checkpoint key in `pm._bytes_read`). A name the model
+  needs and the checkpoint lacks, or (with `strict`) one the checkpoint has and the model does not, is an error
+  listing them. Tensors are cast to the parameter's dtype.
   Or a `torch.distributed.checkpoint` directory (from `dcp.save(pm.state_dict(), ...)`, under any plan or mesh):
   DCP reads each rank's shards into `pm.state_dict()`.
 - `init_weights(pm)`: the model's own initialisation on the shards: Hugging Face `_init_weights` of the nearest
