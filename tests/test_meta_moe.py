@@ -15,7 +15,7 @@ TOL = 1e-5  # Hugging Face Mixtral routes and computes its loss in fp32 (tests/z
 LR = 0.01
 
 
-def _meta_moe_worker(path: str):
+def _meta_moe_worker(path: str, family: str = "mixtral"):
     import re
 
     import torch.distributed as dist
@@ -27,17 +27,18 @@ def _meta_moe_worker(path: str):
     from autopar.runtime.collectives import record_comms
 
     rank = dist.get_rank()
-    ref, inputs, _ = zoo.mixtral()  # fp64, seeded
+    ref, inputs, _ = getattr(zoo, family)()  # fp64, seeded
+    cls = type(ref.m)
     if rank == 0:
         ref.m.save_pretrained(path)  # Hugging Face's on-disk layout (the reverse of from_pretrained's renames)
     dist.barrier()
-    saved = transformers.MixtralForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    saved = cls.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
     ref = zoo.LossWrap(saved).eval()
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         with torch.device("meta"):
-            meta = zoo.LossWrap(transformers.MixtralForCausalLM(saved.config)).eval()
+            meta = zoo.LossWrap(cls(saved.config)).eval()
     finally:
         torch.set_default_dtype(old)
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
@@ -67,7 +68,7 @@ def _meta_moe_worker(path: str):
     autopar.load(tp, path)
     loss_tp = tp(inputs["input_ids"], inputs["labels"])
     loss_tp.backward()
-    saved2 = transformers.MixtralForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    saved2 = cls.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
     ref2 = zoo.LossWrap(saved2).eval()
     rloss2 = ref2(inputs["input_ids"], inputs["labels"])
     rloss2.backward()
