@@ -469,18 +469,22 @@ def _agreed_prepare(model, mesh, example_inputs, arguments: dict, copies: int):
 
 
 def _refuse_meta_moe(model: nn.Module) -> None:
-    """A meta-device model is parallelised without running it; an MoE block's canonical form is checked by running
-    it on real weights, so a meta MoE model cannot be parallelised yet (it can be planned)."""
+    """A meta-device model is parallelised without running it. A Hugging Face experts module (Mixtral, Qwen-MoE,
+    DeepSeek-V3) is verified on a shrunken copy built with the same code and config (`passes.moe_shrunken`); a
+    user's own MoE block (a router and a ModuleList or GroupedExperts) has no config to build a smaller copy from,
+    and its canonical form is checked by running it on real weights, so it cannot be parallelised on meta yet."""
     if not is_meta_model(model):
         return
     from passes.moe import find_moe_modules
-    found = find_moe_modules(model)
+    found = [f for f in find_moe_modules(model) if f.level != "experts"]
     if found:
         raise NotImplementedError(
-            f"{type(model).__name__} is on the meta device and has MoE blocks ({found[0].path}, ...): autopar verifies "
-            "its rewrite of an MoE block on real weights, which a meta model does not have, so parallelising a meta "
-            "MoE model is not supported yet. Fix: build the model on the CPU (or its device) and parallelise that; "
-            "autopar.plan(...) plans the meta model.")
+            f"{type(model).__name__} is on the meta device and has MoE blocks of its own ({found[0].path}, "
+            f"{found[0].spelling}, ...): autopar verifies its rewrite of such a block by running it on real weights, "
+            "which a meta model does not have, and can build a smaller copy to verify instead only for a Hugging "
+            "Face experts module (built from its config), so parallelising it on meta is not supported yet. Fix: "
+            "build the model on the CPU (or its device) and parallelise that; autopar.plan(...) plans the meta "
+            "model.")
 
 
 def _names(model) -> set[str]:

@@ -10,8 +10,12 @@ uninitialised, and refuses to run until one of these fills them:
   parallelism only on its owners), so a rank's memory while loading stays near its shards. Checkpoint keys
   are the model's parameter names without the user's wrapper prefix (`model.layers.0...` for
   `m.model.layers.0...`): the prefix is found as the one that matches the most names, or given as `prefix=`.
-  Tied weights are read once. A name the model needs and the checkpoint lacks, or (with `strict`) one the
-  checkpoint has and the model does not, is an error listing them. Tensors are cast to the parameter's dtype.
+  Tied weights are read once. Keys are first renamed as `from_pretrained` renames them for the model's Hugging
+  Face class (transformers' conversion mapping, `_converted_keys`); a tensor a converter stacks and concatenates
+  from several (Mixtral's per-expert `w1`/`w3` into `gate_up_proj`) is read piece by piece, each rank reading only
+  the pieces its shard holds (`_fill_converted`; bytes per checkpoint key in `pm._bytes_read`). A name the model
+  needs and the checkpoint lacks, or (with `strict`) one the checkpoint has and the model does not, is an error
+  listing them. Tensors are cast to the parameter's dtype.
   Or a `torch.distributed.checkpoint` directory (from `dcp.save(pm.state_dict(), ...)`, under any plan or mesh):
   DCP reads each rank's shards into `pm.state_dict()`.
 - `init_weights(pm)`: the model's own initialisation on the shards: Hugging Face `_init_weights` of the nearest
@@ -285,19 +289,24 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(index[a]), int(index[b - 1]) + 1, a) for a, b in zip(bounds, bounds[1:])]
 
 
-def _read_into(local: torch.Tensor, sl, index: list[torch.Tensor]) -> None:
-    """Copy this rank's slice (global `index` per dim) of a safetensors tensor into `local`, one read per block."""
+def _read_into(local: torch.Tensor, sl, index: list[torch.Tensor]) -> int:
+    """Copy this rank's slice (global `index` per dim) of a safetensors tensor into `local`, one read per block;
+    returns the bytes read."""
     import itertools
     per_dim = [_runs(i) for i in index]
+    read = 0
     for blocks in itertools.product(*per_dim):
         src = sl[tuple(slice(a, b) for a, b, _ in blocks)] if blocks else sl[:]
         dst = local[tuple(slice(o, o + b - a) for a, b, o in blocks)] if blocks else local
         dst.copy_(src.reshape(dst.shape))
+        read += src.numel() * src.element_size()
+    return read
 
 
 def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> set[str]:
     """Read this rank's slices; returns the names filled."""
-    where = _safetensors_index(path)
+    files = _safetensors_index(path)
+    where, converted = _converted_keys(pm, files)
     targets = _targets(pm)
     all_names = [n for names in targets.values() for n in names]
     if prefix is None:
@@ -322,17 +331,170 @@ def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> set[s
             "names carry another wrapper prefix, or strict=False to ignore extra checkpoint keys.")
     by_file: dict[Path, list[str]] = {}
     for first, key in key_of.items():
-        by_file.setdefault(where[key], []).append(first)
+        if key not in converted:
+            by_file.setdefault(where[key], []).append(first)
+    listed = (path / "model.safetensors.index.json").exists()
+    read: dict[str, int] = {}  # checkpoint key -> bytes this rank read of it
     with torch.no_grad():
         for file, firsts in sorted(by_file.items()):
-            listed = (path / "model.safetensors.index.json").exists()
             with _open(file, listed=listed) as sf:  # one file mapped at a time
                 for first in firsts:
-                    _fill(pm._lookup(first), sf.get_slice(key_of[first]), key_of[first])
+                    original = where.original(key_of[first])
+                    read[original] = _fill(pm._lookup(first), sf.get_slice(original), original)
+        for first, key in key_of.items():
+            if key in converted:
+                read.update(_fill_converted(pm._lookup(first), key, converted[key], files, listed))
+    object.__setattr__(pm, "_bytes_read", read)
     return set(targets)
 
 
-def _fill(target, sl, key: str) -> None:
+# ----------------------------------------------------------------------------- Hugging Face key conversions
+
+
+class _Keys(dict):
+    """Checkpoint key as the model names it (after `from_pretrained`'s renames) -> its file; `original(key)`: the
+    key in the file."""
+
+    def __init__(self, files: dict[str, Path], renamed: dict[str, str] | None = None):
+        renamed = renamed or {k: k for k in files}
+        super().__init__({new: files[old] for new, old in renamed.items()})
+        self._old = renamed
+
+    def original(self, key: str) -> str:
+        return self._old[key]
+
+
+def _hf_model(pm):
+    """The outermost Hugging Face `PreTrainedModel` of the model `pm` was built from, or None."""
+    model = pm._source if pm._source is not None else pm._model
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _converted_keys(pm, files: dict[str, Path]):
+    """The checkpoint's keys renamed as `from_pretrained` of the model's Hugging Face class renames them in the
+    installed transformers (`transformers.conversion_mapping.get_model_conversion_mapping`: its `WeightRenaming`s,
+    then at most one `WeightConverter` per key, by `core_model_loading.rename_source_key`). Returns (`_Keys` of
+    the renamed keys, {target key: (converter, {source pattern: its checkpoint keys in natural order})}) for the
+    targets a converter assembles from several tensors (Mixtral's per-expert `w1`/`w3` -> `gate_up_proj`)."""
+    hf = _hf_model(pm)
+    if hf is None:
+        return _Keys(files), {}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    transforms = get_model_conversion_mapping(hf)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    if not renamings and not converters:
+        return _Keys(files), {}
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    renamed: dict[str, str] = {}
+    converted: dict[str, tuple] = {}
+    for key in sorted(files, key=dot_natural_key):
+        new, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            renamed[new] = key
+        else:
+            converted.setdefault(new, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
+    keys = _Keys(files, renamed)
+    for new, (conv, sources) in converted.items():
+        keys[new] = files[next(iter(sources.values()))[0]]
+    return keys, converted
+
+
+def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed: bool) -> dict[str, int]:
+    """Fill `target` (the model's tensor `key`) from the checkpoint tensors a `WeightConverter` assembles it from;
+    returns the bytes read per checkpoint key. Stacking (`MergeModulelist`) then concatenating (`Concatenate`), the
+    converters of MoE experts: each source tensor's block of the target is known, so this rank reads only the
+    parts of the blocks its shard holds (an expert it does not own: nothing). Any other operations: the sources
+    are read whole and converted by transformers' own operations, then this rank's shard is taken."""
+    conv, sources = conversion
+    kinds = [type(op).__name__ for op in conv.operations]
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if isinstance(target, DTensor):
+        index = local_indices(tuple(target.shape), target.device_mesh, target.placements)
+    else:
+        index = [torch.arange(n) for n in target.shape]
+    if local.numel() == 0:
+        return {k: 0 for keys in sources.values() for k in keys}
+    patterns = [p for p in conv.source_patterns if p in sources]
+    if kinds not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
+        return _fill_by_transformers(local, index, key, conv, {p: sources[p] for p in patterns}, files, listed)
+    stack = conv.operations[0].dim
+    cat = conv.operations[1].dim if len(kinds) == 2 else None
+    read: dict[str, int] = {}
+    offset = 0
+    for p in patterns:
+        keys = sources[p]
+        if len(keys) != target.shape[stack]:
+            raise ValueError(f"autopar.load{_on_rank()}: {key} {tuple(target.shape)} is stacked on dim {stack} from "
+                             f"{len(keys)} checkpoint tensors ({keys[0]}, ...), not {target.shape[stack]}. Fix: load "
+                             "the checkpoint of a model with the same config")
+        size = None
+        for i, k in enumerate(keys):
+            with _open(files[k], listed=listed) as sf:
+                sl = sf.get_slice(k)
+                shape = tuple(sl.get_shape())
+                size = shape[cat - 1 if cat > stack else cat] if cat is not None else None
+                read[k] = _read_block(local, index, sl, stack, i, cat, offset, shape, key, k, tuple(target.shape))
+        offset += size or 0
+    if cat is not None and offset != target.shape[cat]:
+        raise ValueError(f"autopar.load{_on_rank()}: {key} {tuple(target.shape)} is concatenated on dim {cat} from "
+                         f"checkpoint tensors of {offset} there. Fix: load the checkpoint of a model with this config")
+    return read
+
+
+def _read_block(local, index, sl, stack: int, i: int, cat: int | None, offset: int, shape, key: str, k: str,
+                full_shape) -> int:
+    """Read the part of source tensor `k` (item `i` stacked on dim `stack`, at `offset` on dim `cat`) that this
+    rank's shard (global `index` per dim) holds into `local`; the bytes read."""
+    pos = (index[stack] == i).nonzero().flatten()
+    if len(pos) == 0:
+        return 0  # an expert this rank does not hold
+    src_index, dst_pos = [], []
+    for t in range(len(index)):
+        if t == stack:
+            continue
+        n = shape[t - 1 if t > stack else t]
+        lo = offset if t == cat else 0
+        if t != cat and n != full_shape[t]:
+            raise ValueError(f"autopar.load{_on_rank()}: checkpoint tensor {k} has shape {shape}, which does not fit "
+                             f"{key} {full_shape}. Fix: load the checkpoint of a model with the same config")
+        mask = (index[t] >= lo) & (index[t] < lo + n)
+        if not mask.any():
+            return 0
+        src_index.append(index[t][mask] - lo)
+        dst_pos.append(mask.nonzero().flatten())
+    block = torch.empty([len(s) for s in src_index], dtype=local.dtype)
+    read = _read_into(block, sl, src_index)
+    dst = local.select(stack, int(pos[0]))
+    dst.index_put_(torch.meshgrid(*dst_pos, indexing="ij"), block.to(dst.device))
+    return read
+
+
+def _fill_by_transformers(local, index, key, conv, sources: dict[str, list[str]], files, listed) -> dict[str, int]:
+    """A converter autopar does not slice: its sources read whole, converted by transformers' operations."""
+    read: dict[str, int] = {}
+    collected: dict[str, list[torch.Tensor]] = {}
+    for p, keys in sources.items():
+        for k in keys:
+            with _open(files[k], listed=listed) as sf:
+                t = sf.get_tensor(k)
+            read[k] = t.numel() * t.element_size()
+            collected.setdefault(p, []).append(t)
+    for op in conv.operations:
+        collected = op.convert(collected, source_patterns=list(conv.source_patterns),
+                               target_patterns=list(conv.target_patterns), full_layer_name=key)
+    (full,) = collected.values()
+    full = full[0] if isinstance(full, list) else full
+    local.copy_(full[torch.meshgrid(*index, indexing="ij")])
+    return read
+
+
+def _fill(target, sl, key: str) -> int:
     shape = tuple(sl.get_shape())
     if tuple(target.shape) != shape:
         raise ValueError(f"checkpoint tensor {key} has shape {shape}, the model's has {tuple(target.shape)}; "
@@ -340,11 +502,10 @@ def _fill(target, sl, key: str) -> None:
     if isinstance(target, DTensor):
         local = target.to_local()
         if local.numel() == 0:
-            return  # an expert this rank does not own
+            return 0  # an expert this rank does not own
         # an owned expert is a replicated DTensor on its owners' sub-mesh: read whole there
-        _read_into(local, sl, local_indices(shape, target.device_mesh, target.placements))
-    else:
-        _read_into(target, sl, [torch.arange(n) for n in shape])
+        return _read_into(local, sl, local_indices(shape, target.device_mesh, target.placements))
+    return _read_into(target, sl, [torch.arange(n) for n in shape])
 
 
 # ----------------------------------------------------------------------------- init

@@ -35,6 +35,8 @@ the stacked spellings, inferred from a ModuleList expert's shapes and checked nu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import inspect
 import itertools
 from dataclasses import dataclass, field
@@ -467,15 +469,27 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
                               capacity_factor=getattr(f.module, "capacity_factor", None) if f.level == "block" else None)
         key = rt.register(spec, f.module)
         params = list(f.module.parameters())
+        if not real and f.level == "experts":  # a meta model: verified on a shrunken copy (passes.moe_shrunken)
+            from passes.moe_shrunken import owner_config, verify_shrunken
+            spec.top_k = _meta_top_k(model, f, owner_config(model, f.path))
+            why = verify_shrunken(f, model, spec.top_k, functools.partial(_check_copy, f))
+            if why is None:
+                notes.append(f"MoE {f.path} ({f.spelling}, {f.num_experts} experts, top-{spec.top_k}) on the meta "
+                             "device: verified on a shrunken copy built with the same code and config (small sizes, "
+                             "random weights) and checked to compute as it does")
+                out.append(Verified(f, key, canonical_experts(f, key, _graph_op), None))
+            else:
+                notes.append(f"MoE {f.path} ({f.spelling}) left as written (replicated): the model is on the meta "
+                             f"device, and autopar's expert-parallel form could not be verified on a shrunken copy: "
+                             f"{why}")
+            continue
         if not real:  # planning on meta: nothing can run; routing details do not change the cost
             notes.append(f"MoE {f.path} ({f.spelling}) not verified: the model is on the meta device; it is planned "
                          "as recognised, and verified when parallelised with real parameters")
-            if f.level == "experts":
-                out.append(Verified(f, key, canonical_experts(f, key, _graph_op), None))
-            else:  # assumed to return y alone (a block returning a loss too must be planned with real weights)
-                spec.top_k = f.top_k_hint or 2
-                guess = Routing(spec.top_k, "softmax_topk", True, False, None, "y")
-                out.append(Verified(f, key, canonical_block(f, key, guess, _graph_op), guess))
+            # a block: assumed to return y alone (a block returning a loss too must be planned with real weights)
+            spec.top_k = f.top_k_hint or 2
+            guess = Routing(spec.top_k, "softmax_topk", True, False, None, "y")
+            out.append(Verified(f, key, canonical_block(f, key, guess, _graph_op), guess))
             continue
         if f.path not in seen:
             notes.append(f"MoE {f.path} ({f.spelling}) left as written: it did not run on the example inputs")
@@ -528,6 +542,20 @@ def recognise_moe_modules(model: nn.Module, args: tuple, kwargs: dict, notes: li
         hidden = v.found.router.in_features if v.found.router is not None else None
         spec.ffn_dims, spec.ffn_why = _ffn_dims(v.found, spec.expert_fn, hidden)
     return out
+
+
+def _check_copy(f: Found, copy: nn.Module, key: str, args: tuple) -> str | None:
+    """Why a materialised copy of experts module `f` differs from its canonical form on `args`, or None."""
+    found = dataclasses.replace(f, module=copy)
+    return _compare(copy, canonical_experts(found, key), args, list(copy.parameters()))
+
+
+def _meta_top_k(model: nn.Module, f: Found, config) -> int:
+    """Experts per token of a Hugging Face experts module on the meta device (its block's or router's `top_k`, else
+    the config's `num_experts_per_tok`): the routing of the shrunken copy it is verified on."""
+    parent = model.get_submodule(f.path.rsplit(".", 1)[0]) if "." in f.path else model
+    k = _top_k_attr(parent, *parent.children()) or getattr(config, "num_experts_per_tok", None)
+    return min(k if isinstance(k, int) and k > 0 else 2, f.num_experts)
 
 
 @contextlib.contextmanager
