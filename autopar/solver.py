@@ -164,6 +164,8 @@ class Priced:
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """What `cand` costs for `site`: the form's own cost model (with FSDP, on the parameters it shards)."""
     form = form_of(site.kind, cand.form)
+    if cand.zero:  # this class's ZeRO stage, whatever the plan's (`autopar.forms.zero`: dp / fsdp priced with it)
+        mc = dataclasses.replace(mc, zero=cand.zero)
     if cand.fsdp:
         model = model_placements(site, form, cand.axes, mc.names, [mc.size(a) for a in cand.axes])
         st = dataclasses.replace(st, fsdp_whole=fsdp_form.whole(st, _data_sizes(mc), model))
@@ -363,6 +365,10 @@ def all_candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced:
             out.append((Candidate(form=form.name, axes=axes), ""))
             if dp > 1:  # without a data axis there is nothing to shard over: no row
                 out.append((Candidate(form=form.name, axes=axes, fsdp=True), f"FSDP: {fsdp_why}" if fsdp_why else ""))
+                # ZeRO-1 / ZeRO-2 of this class's parameters (`autopar.forms.zero`): the same dims as FSDP's
+                out.append((Candidate(form=form.name, axes=axes, zero=1), f"ZeRO-1: {fsdp_why}" if fsdp_why else ""))
+                out.append((Candidate(form=form.name, axes=axes, fsdp=True, zero=2),
+                            f"ZeRO-2: {fsdp_why}" if fsdp_why else ""))
     return out
 
 
@@ -875,7 +881,7 @@ def _keep_terms(ck: CheckpointTerms | None, classes, cands, costs, stats, mc: Me
         st = stats[site.key]
         again = any(a for _, a in st.fsdp_groups.values())
         keep_st = dataclasses.replace(st, fsdp_groups={p: (b, False) for p, (b, _) in st.fsdp_groups.items()})
-        row = [site_cost(site, keep_st, c, mc) if c.fsdp and again and site.key in group_of else None for c in cs]
+        row = [site_cost(site, keep_st, c, mc) if c.fsdp and not c.zero and again and site.key in group_of else None for c in cs]
         kept.append(row)
         saved.append([max(0.0, overlapped_s(c) - overlapped_s(k)) if k is not None else 0.0 for c, k in zip(cost, row)])
         held.append([max(0.0, k.memory_bytes - c.memory_bytes) if k is not None else 0.0 for c, k in zip(cost, row)])
@@ -955,6 +961,9 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
         for axes in {c.axes for c in cands[ka]} | {c.axes for c in cands[kb]}:
             model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.axes == axes) ==
                       sum(v for v, c in zip(x[kb], cands[kb]) if c.axes == axes))
+        for zero in (1, 2):  # and the same ZeRO stage
+            model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.zero == zero) ==
+                      sum(v for v, c in zip(x[kb], cands[kb]) if c.zero == zero))
         model.Add(sum(v for v, c in zip(x[ka], cands[ka]) if c.fsdp) ==
                   sum(v for v, c in zip(x[kb], cands[kb]) if c.fsdp))
     view = ConstraintView(model, classes, cands, x, stats)
