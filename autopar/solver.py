@@ -365,7 +365,10 @@ def all_candidates(site: Site, st: SiteStats, mesh: MeshInfo, data_axes, forced:
             out.append((Candidate(form=form.name, axes=axes), ""))
             if dp > 1:  # without a data axis there is nothing to shard over: no row
                 out.append((Candidate(form=form.name, axes=axes, fsdp=True), f"FSDP: {fsdp_why}" if fsdp_why else ""))
-                # ZeRO-1 / ZeRO-2 of this class's parameters (`autopar.forms.zero`): the same dims as FSDP's
+                # ZeRO-1 / ZeRO-2 of this class's parameters (`autopar.forms.zero`): the same dims as FSDP's. Not yet
+                # for a class whose form an override forces (its dp / fsdp choice, and FSDP's keep, as before)
+                if forced is not None:
+                    continue
                 out.append((Candidate(form=form.name, axes=axes, zero=1), f"ZeRO-1: {fsdp_why}" if fsdp_why else ""))
                 out.append((Candidate(form=form.name, axes=axes, fsdp=True, zero=2),
                             f"ZeRO-2: {fsdp_why}" if fsdp_why else ""))

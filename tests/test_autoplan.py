@@ -52,7 +52,8 @@ def test_auto_is_the_fastest_candidate_by_the_plans_own_estimate(gpt):
     d, rows = _rows(auto)
     assert list(rows) == ["ILP solution 1", "ILP solution 2", "ILP solution 3"] + [h[0] for h in HANDS]
     fitting = {label: r.compute_s + r.comm_s for label, r in rows.items() if not r.excluded}
-    assert d.chosen == min(fitting, key=fitting.get) == "ILP solution 2"  # the ILP's first is not the fastest here
+    # (the ILP's first solution was not the fastest here before classes could take zero1/zero2: issue #24; now it is)
+    assert d.chosen == min(fitting, key=fitting.get)
     assert auto.estimate.step_time_s == pytest.approx(fitting[d.chosen], rel=1e-9)
     # each hand plan's row is that plan's own estimate; auto is no slower than any that fits
     for label, name, level in HANDS:
@@ -65,12 +66,15 @@ def test_auto_is_the_fastest_candidate_by_the_plans_own_estimate(gpt):
     # the notes and explain say which won, and by how much
     first = fitting["ILP solution 1"]
     note = next(n for n in auto.notes if n.startswith("auto: "))
-    assert note.startswith(f"auto: ILP solution 2 re-ranked on the step's timeline "
-                           f"({first / auto.estimate.step_time_s - 1:.2%} faster than ILP solution 1"), note
-    assert first > auto.estimate.step_time_s
+    if d.chosen != "ILP solution 1":
+        assert note.startswith(f"auto: {d.chosen} re-ranked on the step's timeline "
+                               f"({first / auto.estimate.step_time_s - 1:.2%} faster than ILP solution 1"), note
+        assert first > auto.estimate.step_time_s
+    else:  # since classes take zero1/zero2 (issue #24) the ILP's first is the fastest on this model
+        assert note.startswith("auto: ILP solution 1 re-ranked on the step's timeline (ILP solution 1 stays"), note
     text = auto.explain(RERANKED_KEY)
-    assert f"chosen ILP solution 2: the least estimated step (the timeline): " in text
-    assert re.search(r"\*\s+ILP solution 2\s", text)
+    assert f"chosen {d.chosen}: the least estimated step (the timeline): " in text
+    assert re.search(rf"\*\s+{d.chosen}\s", text)
     assert auto.name == "auto" and "ILP optimal" in auto.estimate.solver
 
 
@@ -84,7 +88,9 @@ def test_planning_is_deterministic_and_the_tune_path_is_not_re_ranked(gpt):
     batch, shapes = input_batch(captured)
     first = build_plan(ctx, info, "auto", None, batch, cluster="h100", input_shapes=shapes, rerank=False)
     assert not any(d.keys == (RERANKED_KEY,) for d in first.decisions)
-    assert first.params != auto.params  # ILP solution 1, which the timeline ranks below solution 2
+    chosen = next(d for d in auto.decisions if d.keys == (RERANKED_KEY,)).chosen
+    # ILP solution 1: the plan where the timeline ranks it first (so since classes take zero1/zero2, issue #24)
+    assert (first.params == auto.params) == (chosen == "ILP solution 1"), chosen
 
 
 def test_a_hand_plan_that_wins_is_the_plan(gpt, monkeypatch):
