@@ -152,7 +152,9 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
 
 def _plan_unpipelined(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, progress,
                       precision, float8=None) -> Plan:
-    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision)
+    # offline planning: identical layers captured once and copied (autopar.repeated; parallelize captures all)
+    info, captured, ctx = _prepare(model, mesh, example_inputs, progress=progress, precision=precision,
+                                   reuse_layers=True)
     t0 = time.perf_counter()
     with _local_tensor_off():
         if float8 is None:

@@ -104,7 +104,10 @@ class MeshInfo:
         return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.names, self.sizes)) + ")"
 
 
-def mesh_info(mesh: "DeviceMesh | dict[str, int]") -> MeshInfo:
+def mesh_info(mesh: "DeviceMesh | dict[str, int]", *, part: bool = False) -> MeshInfo:
+    """The mesh's axes. `part`: a mesh over some of the world's ranks (a pipeline stage's sub-mesh,
+    `autopar.pipeline_tp`), which only those ranks run on; otherwise every rank must be in the mesh (unless the
+    mesh was registered as such a part before)."""
     if isinstance(mesh, dict):  # planning without processes: {"dp": 8, "tp": 8}
         if not mesh or not all(isinstance(k, str) and isinstance(v, int) and v >= 1 for k, v in mesh.items()):
             raise ValueError(f"a mesh given as a dict maps axis names to sizes, e.g. {{'dp': 8, 'tp': 8}}; got {mesh!r}")
@@ -117,7 +120,11 @@ def mesh_info(mesh: "DeviceMesh | dict[str, int]") -> MeshInfo:
             "build one with init_device_mesh('cpu' or 'cuda', (sizes...), mesh_dim_names=(...))")
     if not 1 <= mesh.ndim <= 3:
         raise ValueError(f"autopar supports 1-D to 3-D meshes, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
-    if dist.is_initialized() and mesh.size() != dist.get_world_size():
+    names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
+    for mid, m in _MESHES.items():  # a mesh seen before (a stage's sub-mesh registered with `part`) as it was
+        if m is mesh:
+            return MeshInfo(mid, names, tuple(mesh.shape), mesh.device_type)
+    if not part and dist.is_initialized() and mesh.size() != dist.get_world_size():
         raise ValueError(
             f"the mesh has {mesh.size()} devices (shape {tuple(mesh.shape)}) but the world has "
             f"{dist.get_world_size()} ranks: every rank must be in the mesh; build the mesh with "

@@ -59,6 +59,12 @@
   weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
   their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
   each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  `plan="megatron"` (a (pp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own planner and
+  lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`: boundary
+  values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
+  placements on the stage's sub-mesh, empty on other stages' ranks; the returned loss summed over the pipeline
+  axis only, each tp rank holding it whole). Refused there: data axes beside tp (pp x dp x tp), `zbv`, tied
+  weights, sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -72,7 +78,8 @@ no cross-rank error path).
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
-tensor parallelism (`megatron`) or the planner's other forms inside a stage (`plan` other than `STAGE_PLANS`);
+the planner's other forms inside a stage (`plan` other than `STAGE_PLANS` and `megatron`; megatron on a mesh with
+data axes beside tp);
 `inputs="local"`; `mp_policy` under plan='dp'; calls whose shapes differ from the example's.
 
 `pm.plan` is a `Plan` (`autopar.plan`): `pm.plan.pipeline` the `PipelinePlan` run (form, axis, microbatches, the
@@ -143,13 +150,18 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     from autopar.inputs import batch_dims
     from autopar.layers import find_layers
 
+    from autopar.pipeline_tp import TP_STAGE_PLANS, check_tp_stage
     value = f"{form}@{axis}"
-    if not isinstance(plan, str) or plan not in STAGE_PLANS:
+    if not isinstance(plan, str) or plan not in STAGE_PLANS + TP_STAGE_PLANS:
         raise NotImplementedError(
-            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only {STAGE_PLANS} are "
-            "implemented yet (issue #23: data parallelism, or FSDP, on the remaining mesh axes), not the planner's "
-            "or a named plan's other forms (tensor parallelism inside a stage included). Fix: plan='dp' or "
-            "plan='fsdp'.")
+            f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only "
+            f"{STAGE_PLANS + TP_STAGE_PLANS} are implemented yet (issue #23: data parallelism or FSDP on the "
+            "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) mesh), not the planner's other "
+            "forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, expert parallelism "
+            "in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
+    tp = plan in TP_STAGE_PLANS
+    if tp:
+        check_tp_stage(value, plan, names, axis, form)
     rest = {k: v for k, v in (overrides or {}).items() if k != "pipeline"}
     if rest:
         raise NotImplementedError(f"overrides {sorted(rest)} with a 'pipeline' override: forms inside a pipeline "
@@ -166,6 +178,8 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     if stages_per_rank is None:
         stages_per_rank = 2 if form in ("interleaved-1f1b", "zbv") else 1
     data = [n for n in names if n != axis]
+    if tp:  # megatron: tensor parallel on the last axis the pipeline leaves, data parallel on the others
+        data = data[:-1]
     if plan == "fsdp" and len(data) != 1:
         raise NotImplementedError(
             f"override 'pipeline': {value!r} with plan='fsdp' on mesh axes {names}: FSDP inside a stage shards over "
@@ -212,19 +226,48 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"override 'pipeline': {value!r} runs {n_stages} stages ({p} ranks on axis {axis!r} x {stages_per_rank} "
             f"per rank) but {type(model).__name__} has {len(layers)} repeated layer(s) "
             f"({', '.join(l.path for l in layers) or 'none found'}) and each stage needs at least one. Fix: "
-            f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank.")
+            + (f"pipeline over an axis of at most {len(layers)} ranks, or fewer stages per rank." if layers else
+               "this model has no repeated layers to cut between (autopar.layers.find_layers found none: e.g. one "
+               "nn.LSTM holding all its layers): drop the 'pipeline' override and use a plan without a pipeline "
+               "(dp, fsdp, megatron, auto), or pipeline a model built from a list of layers."))
     split = _Split(captured, layers, n_stages)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
         _refuse_shared_weights(model, captured)
-    if plan == "fsdp":
-        _refuse_weights_across_stages(model, captured, split)
+    if plan == "fsdp" or tp:
+        _refuse_weights_across_stages(model, captured, split, plan)
+    stage_plans = None
+    if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
+        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                         shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy)
+                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans)
     pm._priced = (model, example_inputs, priced, chosen_note, auto, plan)
     return pm
+
+
+def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
+    """Stage k -> (its Captured, MeshInfo, Plan) on the sub-mesh of the ranks that run it (`autopar.pipeline_tp`).
+    Refuses a weight used at two places of one stage (tied weights: one tensor, two placeholders)."""
+    from autopar.dtensors import owner_meshes
+    from autopar.pipeline_tp import plan_stage, stage_captured
+    for names_, phs in _param_groups(model, captured):
+        used = [ph for ph in phs if captured.placeholder(ph).users]
+        if len(used) > 1:
+            raise NotImplementedError(
+                f"override 'pipeline' with plan={plan!r}: parameter {names_[0]!r} is one tensor under several names "
+                f"used at several places ({', '.join(used)}); tied weights inside a tensor-parallel stage are not "
+                "implemented yet. Fix: plan='dp', or untie the weight.")
+    subs = owner_meshes(mesh, ax)  # collective: every rank builds every stage's sub-mesh, in coordinate order
+    p = mesh.size(ax)
+    out = {}
+    for k in range(split.n_stages):
+        gm, acts, user, st = split.stage_graph(k)
+        cap = stage_captured(captured, gm, acts, user, st)
+        rank = k % p  # zbv (V-shaped) is refused under tensor parallelism: stage k runs on k % p
+        out[k] = (cap, *plan_stage(cap, subs[rank], plan), user, subs[rank])
+    return out
 
 
 def _choose_microbatches(model, mesh, names, example_inputs, value, v, degree, stage_plan="dp"):
@@ -545,7 +588,7 @@ class PipelineModule(nn.Module):
     check_inputs = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
-                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None):
+                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None, tp: dict | None = None):
         super().__init__()
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
@@ -570,6 +613,7 @@ class PipelineModule(nn.Module):
         self._first_holder: dict[str, int] = {}  # representative of a shared weight -> its first holder on the axis
         self._names_of: dict[str, list[str]] = {}  # representative placeholder -> the parameter's names
         self._fsdp, self._mp_policy = fsdp, mp_policy
+        self._tp = tp  # stage -> (Captured, MeshInfo, Plan, user inputs, sub-mesh) under tensor parallelism
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -586,6 +630,10 @@ class PipelineModule(nn.Module):
             if fsdp and me not in owners:  # FSDP's placement on the stage's sub-mesh, empty here (see below)
                 dt = DTensor.from_local(dt.to_local(), dt.device_mesh, [Shard(0)], run_check=False, shape=dt.shape,
                                         stride=dt.stride())
+            if tp is not None and me not in owners:  # the owning stage plan's placements on its sub-mesh, empty here
+                placed = tp[stages[0]][2].param_placements()[captured.param_fqns[rep]]
+                dt = DTensor.from_local(dt.to_local(), dt.device_mesh, list(placed), run_check=False,
+                                        shape=dt.shape, stride=dt.stride())
             param = nn.Parameter(dt, requires_grad=True)
             self._names_of[rep] = names
             for ph in phs:
@@ -611,7 +659,15 @@ class PipelineModule(nn.Module):
         group = self._p2p_group = _p2p_group(mesh, ax)
         self._stages = []
         self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
+        if tp is not None:
+            from autopar.agree import agreed_seed
+            seed = agreed_seed(mesh)  # collective, on every rank: one dropout seed for every stage's program
         for k in self._local_stages:
+            if tp is not None:
+                sub = self._tp_stage(k, tp[k], tensors, buffers, device, seed)
+                self._stages.append(PipelineStage(sub, k, pplan.n_stages(p), device, group=group))
+                self._stage_modules[k] = sub
+                continue
             gm, acts, user, st = split.stage_graph(k)
             leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
@@ -640,6 +696,23 @@ class PipelineModule(nn.Module):
         from autopar.runtime import local_step  # an optimizer step on these DTensors runs on their local tensors
         local_step.install()
         local_step.register(list(self.parameters()))
+
+    def _tp_stage(self, k: int, planned, tensors, buffers, device, seed: int):
+        """Stage k under tensor parallelism (`autopar.pipeline_tp.TPStage`): the stage's ParallelModule on its
+        sub-mesh; its DTensor parameters become the pm's under their names (the optimizer steps them)."""
+        from autopar.pipeline_tp import TPStage
+        from autopar.runtime.ops import new_rng_stream
+        cap, info, plan, user, sub_mesh = planned
+        stream = f"pp{id(self)}-stage{k}"
+        new_rng_stream(stream, seed + k)
+        sub = TPStage(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
+        for ph, fqn in cap.param_fqns.items():
+            rep = self._leaf_of[ph]
+            inner = sub.pm.get_parameter(fqn)
+            self._leaves[rep] = self._owned[rep] = inner
+            for name in self._names_of[rep]:
+                self._register(name, inner, replace=True)
+        return sub
 
     def _shard_stage(self, sub: _StageModule, mesh: DeviceMesh, ax: int, me: int, leaves: dict) -> None:
         """FSDP2 inside a stage: torch's `fully_shard` on the stage module over the stage's sub-mesh (the data axis of
@@ -741,7 +814,7 @@ class PipelineModule(nn.Module):
         train = self.training and torch.is_grad_enabled()
         # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
         # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
-        held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp else None
+        held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp or self._tp is not None else None
         if train:
             for leaf in self._leaves.values():
                 leaf.grad = None
@@ -770,6 +843,8 @@ class PipelineModule(nn.Module):
         if self._fsdp:  # FSDP's reduce-scatter already summed them over the data axis: this rank's shards
             self._reshard()
             grads = [None if g is None else g.to_local() for g in grads]
+        elif self._tp is not None:  # the stage programs' DTensor gradients: this rank's tensor-parallel shards
+            grads = self._sum_over_data([None if g is None else g.to_local() for g in grads])
         else:
             grads = self._sum_over_data(grads)
             grads = self._sum_over_sharing_stages(grads)
@@ -842,7 +917,11 @@ class PipelineModule(nn.Module):
                           values=dict(zip(self._user_inputs, flat)))
 
     def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
-        for i in range(self._mesh.ndim):
+        """Summed over the pipeline axis and the data axes (not a tensor-parallel axis: each of its ranks holds
+        the same loss)."""
+        names = tuple(self._mesh.mesh_dim_names)
+        summed = {names.index(self._plan.axis), *(names.index(a) for a in self._data_axes)}
+        for i in sorted(summed):
             if self._mesh.size(i) > 1:
                 dist.all_reduce(t, group=self._mesh.get_group(i))
         return t
@@ -859,7 +938,7 @@ class PipelineModule(nn.Module):
         me = self._mesh.get_local_rank(ax)
         grads = [q.grad.to_local() for q in self._owned.values() if q.grad is not None]
         counted = [q.grad.to_local() for rep, q in self._owned.items()
-                   if q.grad is not None and self._first_holder.get(rep, me) == me]
+                   if q.grad is not None and self._first_holder.get(rep, me) == me and self._counts_here(q)]
         norm_type = float(norm_type)
         dtype = grads[0].dtype if grads else self._loss_dtype
         if counted:
@@ -869,6 +948,8 @@ class PipelineModule(nn.Module):
             part = torch.zeros((), dtype=dtype, device=self._device)
         # under FSDP each data rank holds a different shard: its part is summed over the data axis too
         axes = [ax] + ([names.index(a) for a in self._data_axes] if self._fsdp else [])
+        if self._tp is not None:  # tensor-parallel shards differ over the tp axis: their parts are summed there too
+            axes.append(names.index(self._tp_axis()))
         if norm_type == float("inf"):
             for i in axes:
                 dist.all_reduce(part, op=dist.ReduceOp.MAX, group=self._mesh.get_group(i))
@@ -885,6 +966,20 @@ class PipelineModule(nn.Module):
         for g in grads:
             g.mul_(scale.to(g.dtype))
         return total
+
+    def _tp_axis(self) -> str:
+        """The tensor-parallel axis inside the stages (megatron: the last axis the pipeline leaves)."""
+        return [n for n in self._mesh.mesh_dim_names if n != self._plan.axis and n not in self._data_axes][-1]
+
+    def _counts_here(self, q) -> bool:
+        """Under tensor parallelism a gradient replicated over the tp axis counts once, on its first tp rank; a
+        sharded one on every tp rank (each holds its shard)."""
+        from torch.distributed.tensor import Replicate
+        if self._tp is None:
+            return True
+        sub = q.device_mesh
+        tp = list(sub.mesh_dim_names).index(self._tp_axis())
+        return not isinstance(q.placements[tp], Replicate) or sub.get_local_rank(tp) == 0
 
     def _sum_over_sharing_stages(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """A weight used by stages on several ranks (tied embedding and head): each rank's gradient is its stages'
@@ -997,7 +1092,7 @@ def _refuse_shared_weights(model: nn.Module, captured) -> None:
                 "model.")
 
 
-def _refuse_weights_across_stages(model: nn.Module, captured, split: "_Split") -> None:
+def _refuse_weights_across_stages(model: nn.Module, captured, split: "_Split", plan: str = "fsdp") -> None:
     """FSDP inside stages shards each stage module's parameters on its own (`fully_shard` per stage), so a weight
     that two stages use (GPT-2's embedding tied to its head) would be two sharded copies with no gradient sum
     between them: refused under plan='fsdp'."""
@@ -1005,10 +1100,10 @@ def _refuse_weights_across_stages(model: nn.Module, captured, split: "_Split") -
         stages = sorted({k for ph in phs if captured.placeholder(ph).users for k in split.stages_of[ph]})
         if len(stages) > 1:
             raise NotImplementedError(
-                f"override 'pipeline' with plan='fsdp': parameter {names[0]!r} is used by stages {stages}; a weight "
-                "shared by several stages under FSDP inside the stages is not implemented yet (each stage shards "
-                "its own parameters). Fix: plan='dp' (whose tied weights are summed across their stages), or untie "
-                "the weight.")
+                f"override 'pipeline' with plan={plan!r}: parameter {names[0]!r} is used by stages {stages}; a "
+                f"weight shared by several stages under {plan} inside the stages is not implemented yet (each stage "
+                "shards its own parameters). Fix: plan='dp' (whose tied weights are summed across their stages), or "
+                "untie the weight.")
 
 
 def _full_to_placed(module, state_dict, prefix, *_):

@@ -12,22 +12,27 @@ from autopar.inputs import global_example
 from autopar.mesh import MeshInfo, mesh_info
 from autopar.precision import capture_dtypes, cast_inputs, mark_captured
 from autopar.relower import plain_inputs
+from autopar.repeated import capture_repeated
 from autopar.sites import PassContext
 from passes.pipeline import RECOGNISE, run_passes
 
 
-def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None
-             ) -> tuple[MeshInfo, Captured, PassContext]:
+def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None,
+             reuse_layers: bool = False) -> tuple[MeshInfo, Captured, PassContext]:
     """Capture and recognise: the mesh's axes, the captured program, and its recognised sites. `copies` > 1
     (inputs="local"): captured on that many copies of each batched input (`autopar.inputs.global_example`).
-    `precision` (`autopar.precision`): captured with the parameters (and floating inputs) at its param_dtype."""
+    `precision` (`autopar.precision`): captured with the parameters (and floating inputs) at its param_dtype.
+    `reuse_layers` (offline planning only): a list of identical layers is captured as two and copied
+    (`autopar.repeated`; the whole model when its layers differ)."""
     info = mesh_info(mesh)
     args, kwargs = split_example_inputs(example_inputs)
     args, kwargs = cast_inputs(precision, *plain_inputs(args, kwargs))
     t0 = time.perf_counter()
     with _local_tensor_off(), capture_dtypes(model, precision):  # tracing runs on fake tensors, not simulated ranks
         args, kwargs = global_example(args, kwargs, copies)
-        captured = capture(model, args, kwargs)
+        captured = capture_repeated(model, args, kwargs, capture) if reuse_layers else None
+        if captured is None:
+            captured = capture(model, args, kwargs)
     mark_captured(captured, model, precision)
     t1 = time.perf_counter()
     if progress:

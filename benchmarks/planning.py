@@ -55,7 +55,8 @@ def llama_tt_meta(shape: dict, seq: int, batch: int, layers: int | None = None):
 
     cfg = LlamaConfig(vocab_size=shape["vocab"], seq_len=seq, num_layers=layers or shape["layers"],
                       num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], hidden=shape["hidden"],
-                      ffn_hidden=shape["ffn"], rope_theta=500000.0, norm_eps=1e-5, attention="sdpa")
+                      ffn_hidden=shape["ffn"], rope_theta=500000.0, norm_eps=1e-5, attention="sdpa",
+                      moe_experts=shape.get("experts", 0), moe_top_k=shape.get("top_k", 2), moe_style="grouped")
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
         ids = torch.zeros(batch, seq, dtype=torch.long)
@@ -220,27 +221,43 @@ def _one(name: str) -> dict:
 
 
 LLAMA_405B = dict(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
+# Mixtral 8x22B: 56 layers, 8 experts top-2 (autopar.models.Llama with grouped experts: Mixtral's block shape).
+MIXTRAL_8X22B = dict(layers=56, hidden=6144, heads=48, kv_heads=8, ffn=16384, vocab=32768, experts=8, top_k=2)
+# DeepSeek-V3's size as a Llama-shaped stand-in: 61 layers, 256 routed experts top-8 of width 2048, 128 heads;
+# not its MLA attention, shared expert or first 3 dense layers (a plain Llama block of its widths).
+DEEPSEEK_V3 = dict(layers=61, hidden=7168, heads=128, kv_heads=128, ffn=2048, vocab=129280, experts=256, top_k=8)
 # issue #25 item 1: planning time per stage against depth, meshes up to 16,384 ranks (no pipeline axis: the
-# unpipelined auto plan, the part whose capture grows with depth). MoE shapes (Mixtral 8x22B, DeepSeek-V3): open.
+# unpipelined auto plan, the part whose capture grows with depth).
 STAGE_SHAPES = {
     "8b_8k_64": (LLAMA_8B, 8192, {"dp": 8, "tp": 8}, 8),
     "70b_8k_512": (LLAMA_70B, 8192, {"dp": 64, "tp": 8}, 64),
     "405b_8k_16384": (LLAMA_405B, 8192, {"dp": 2048, "tp": 8}, 2048),
+    "mixtral_8x22b_4k_512": (MIXTRAL_8X22B, 4096, {"dp": 64, "tp": 8}, 64),
+    "deepseek_v3_4k_2048": (DEEPSEEK_V3, 4096, {"dp": 256, "tp": 8}, 256),
 }
 
 
-def stage_row(name: str) -> dict:
+def stage_row(name: str, full: bool = False) -> dict:
     """`autopar.plan(plan="auto")` on one STAGE_SHAPES shape, in this process: wall seconds and each stage's
     seconds as `progress` reports them (capture, recognise, solve)."""
     import autopar
+    if full:  # the baseline: every layer captured (autopar.repeated off)
+        import autopar.prepare
+        autopar.prepare.capture_repeated = lambda *a, **k: None
     shape, seq, mesh, batch = STAGE_SHAPES[name]
     model, inputs = llama_tt_meta(shape, seq, batch)
     stages: dict[str, float] = {}
     t0, c0 = time.perf_counter(), time.process_time()
-    autopar.plan(model, mesh, inputs, plan="auto", cluster="h100",
-                 progress=lambda s, d: stages.__setitem__(s, stages.get(s, 0.0) + d))
-    return dict(name=name, layers=shape["layers"], ranks=_ranks(mesh), wall_s=time.perf_counter() - t0,
-                cpu_s=time.process_time() - c0, stages=stages)
+    p = autopar.plan(model, mesh, inputs, plan="auto", cluster="h100",
+                     progress=lambda s, d: stages.__setitem__(s, stages.get(s, 0.0) + d))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    t1 = time.perf_counter()  # lowering on fake tensors (the collectives `parallelize` would issue), not in `wall`
+    autopar.plan(model, mesh, inputs, plan="megatron", cluster="h100", lower=True,
+                 progress=lambda s, d: stages.__setitem__("megatron " + s, d))
+    stages["megatron lowered, total"] = time.perf_counter() - t1
+    copies = any("planned on copies of" in n for n in p.notes)
+    return dict(name=name, layers=shape["layers"], ranks=_ranks(mesh), wall_s=wall, cpu_s=cpu, stages=stages,
+                copies=copies)
 
 
 def _ranks(mesh: dict) -> int:
@@ -251,24 +268,27 @@ def _ranks(mesh: dict) -> int:
 
 
 def stages_main() -> None:
-    """`python benchmarks/planning.py --stages`: one fresh process per STAGE_SHAPES shape."""
+    """`python benchmarks/planning.py --stages [--full]`: one fresh process per STAGE_SHAPES shape; `--full`: the
+    baseline, every layer captured (without `autopar.repeated`'s copies)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for name in STAGE_SHAPES:
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--stage-one", name], env=env,
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--stage-one", name]
+                              + (["--full"] if "--full" in sys.argv else []), env=env,
                               capture_output=True, text=True)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("JSON ")]
         if proc.returncode or not lines:
             sys.exit(f"planning {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
         r = json.loads(lines[0][5:])
         st = ", ".join(f"{k} {v:.2f} s" for k, v in r["stages"].items())
-        print(f"STAGES planning_{name}: {r['layers']} layers on {r['ranks']} ranks: wall {r['wall_s']:.1f} s "
+        print(f"STAGES planning_{name}: {r['layers']} layers on {r['ranks']} ranks "
+              f"({'layers captured once' if r.get('copies') else 'every layer captured'}): auto wall {r['wall_s']:.1f} s "
               f"({r['cpu_s']:.1f} s CPU; {st}), goal <= 10 s, {os.cpu_count()} CPU cores, load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--stage-one":
-        print("JSON " + json.dumps(stage_row(sys.argv[2])), flush=True)
+        print("JSON " + json.dumps(stage_row(sys.argv[2], "--full" in sys.argv)), flush=True)
         return
     if "--stages" in sys.argv:
         stages_main()

@@ -76,7 +76,8 @@ FILE_SECONDS = {
     "test_checkpoint_levels.py": 165,  # +20: the dp x tp recompute cases (4 simulated ranks; 4 offline plans)
     "test_rule_check.py": 120,
     "test_zoo.py": 160,
-    "test_tune.py": 96,
+    "test_tune.py": 50,  # 96 before 2026-12-07: the CLI test runs main() on the 4-rank pool (58 -> 9 s), 62 s alone
+    "test_pipeline_tp.py": 20,  # one 4-rank case (pp2 x tp2, 2 steps); most of it is the 4-rank pool start
     "test_pipeline_runtime.py": 95,  # measured at load 8-11 on 2 cores; ~60 s of it starts the 2- and 4-rank pools
     "test_two_axis_attention.py": 68,  # 95 before 2026-12-07 (4 runs fewer: 27.7 -> 19.8 s alone, scaled)
     "test_equivalence_local.py": 90,
@@ -96,7 +97,7 @@ FILE_SECONDS = {
     "test_pipeline_forms.py": 100,  # measured alone, 2026-12-06: 61-76 s before the mp_policy case (+44 s alone; mostly the 4-rank pool starting)
     "test_pipeline_auto.py": 160,  # measured at load 12-14 on 2 cores (2026-12-06), the 2- and 4-rank pools started
     "test_rule_sweep.py": 20,  # not from that run: one eighth of the OpInfo sweep a day
-    "test_verify.py": 60,
+    "test_verify.py": 45,  # 60 before 2026-12-07: one torchrun instead of two at once (36 s -> 10 + 9 s), 42 s alone
     "test_recognition.py": 57,
     "test_meta.py": 60,
     "test_release.py": 30,  # measured 2026-12-06: 21 s (8-12 s per plan: four parallelize each, a 42 MB model)
@@ -114,7 +115,7 @@ FILE_SECONDS = {
     "test_zero_ilp.py": 15,  # 2026-12-07 estimate: 4 offline plans + one 2-rank gloo run of a mixed zero1/fsdp plan
     "test_sharding.py": 24,
     "test_local_step.py": 23,
-    "test_inspect.py": 40,
+    "test_inspect.py": 36,  # 40 before 2026-12-07: the HF-config CLI test runs main() in-process (6.4 -> 2.7 s alone)
     "test_mixed_precision.py": 22,
     "test_mixed_precision_tp.py": 30,
     "test_collectives.py": 20,
@@ -139,6 +140,7 @@ FILE_SECONDS = {
     "test_moe_permute_kernel.py": 6,
     "test_checkpoint.py": 5,
     "test_planning_shapes.py": 4,
+    "test_repeated_capture.py": 8,
     "test_fake_mesh.py": 4,
     "test_numerics_modes.py": 4,
     "test_ring_attention.py": 4,

@@ -65,25 +65,27 @@ def test_cli_plan_from_a_factory(tmp_path, capsys):
     assert again.err == "" and plan.table() in again.out
 
 
-def test_cli_plan_from_a_hugging_face_config(tmp_path):
+def test_cli_plan_from_a_hugging_face_config(tmp_path, capsys):
     """A Llama config file: built on the meta device (nothing materialised), held as users train it (ids and
-    labels in, `.loss` out), planned by the ILP; parameters keep their checkpoint names."""
+    labels in, `.loss` out), planned by the ILP; parameters keep their checkpoint names. The command's main()
+    in-process (the entry point's own subprocess is the test above: a second one only re-imported torch)."""
     from transformers import LlamaConfig
 
     cfg = tmp_path / "config.json"
     LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64).to_json_file(str(cfg))
     out = tmp_path / "plan.json"
-    r = _cli("--hf", str(cfg), "--mesh", "dp=2,tp=2", "--cluster", "h100", "--batch", "4", "--seq", "32",
-             "--out", str(out), "--explain")
-    assert r.returncode == 0, r.stderr
+    rc = main(["plan", "--hf", str(cfg), "--mesh", "dp=2,tp=2", "--cluster", "h100", "--batch", "4", "--seq", "32",
+               "--out", str(out), "--explain"])
+    r = capsys.readouterr()
+    assert rc == 0, r.err
     plan = autopar.Plan.load(str(out))
     keys = {s.key for s in plan.strategies}
     assert {"model.layers.0.self_attn", "model.layers.1.mlp", "model.embed_tokens"} <= keys, keys
     assert "lm_head.weight" in dict(plan.params) and "model.layers.0.self_attn.q_proj.weight" in dict(plan.params)
     for d in plan.decisions:  # --explain without a key: every structure, each with what decided it
-        assert f"{d.keys[0]} ({d.kind}" in r.stdout and d.decided_by in r.stdout
-    assert plan.name == "auto" and "ILP optimal" in r.stdout
+        assert f"{d.keys[0]} ({d.kind}" in r.out and d.decided_by in r.out
+    assert plan.name == "auto" and "ILP optimal" in r.out
 
 
 def test_cli_plan_errors_say_what_to_fix(tmp_path):

@@ -97,7 +97,7 @@ def test_fsdp_stages_under_mp_policy_compute_gather_and_send_in_param_dtype():
      r"plan='fsdp': parameter '(wte|lm_head)\.weight' is used by stages \[0, 1\].*Fix: plan='dp'"),
     (("llama2", (2,), ("pp",), "1f1b@pp", 2, 8, "fsdp"),
      r"plan='fsdp' on mesh axes \('pp',\): FSDP inside a stage shards over exactly one data axis"),
-    (("llama2", (2,), ("pp",), "1f1b@pp", 2, 8, "auto"), r"inside a pipeline stage only \('dp', 'fsdp'\)"),
+    (("llama2", (2,), ("pp",), "1f1b@pp", 2, 8, "auto"), r"inside a pipeline stage only \('dp', 'fsdp', 'megatron'\)"),
 ])
 def test_unsupported_stage_forms_raise_on_every_rank(case, expected):
     for r in gloo_pool(2 if len(case[1]) == 1 else 4).run(_error, *case):

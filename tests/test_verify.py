@@ -19,6 +19,7 @@ import autopar
 import autopar.api
 from autopar.models import GPT, MLP, GPTConfig
 from autopar.verify import Check, VerifyReport, rtol_for
+from dist_harness import gloo_pool
 from verify_models import WRONG_PARAM, moe_top1
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,43 +223,51 @@ def _torchrun(factory: str, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture(scope="module")
-def cli_runs():
-    """Both command lines, started together (most of each is starting Python and torch)."""
-    procs = {"pass": _torchrun("moe_top1", "--mesh-names", "ep", "--plan", "dp", "--override", "moe=expert@ep",
-                               "--steps", "2", "--table"),
-             "fail": _torchrun("gpt_wrong_on_rank1", "--mesh-names", "tp", "--plan", "megatron")}
-    results = {}
-    try:
-        for key, proc in procs.items():
-            out, err = proc.communicate(timeout=150)
-            results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+def _job_cli(argv: list[str]):
+    """`python -m autopar ...`'s main() on this pool rank (its process group already joined, as under torchrun):
+    (exit status, stdout)."""
+    import contextlib
+    import io
+
+    from autopar.__main__ import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(argv)
+    return rc, out.getvalue()
 
 
-def test_cli_passes_on_gloo(cli_runs):
+def test_cli_passes_on_gloo():
     """Expert parallelism over a ModuleList: each expert's weights live on its owner only (the other rank holds
-    none), and the last expert receives no token; both ranks run the check, rank 0 prints it."""
-    out = cli_runs["pass"]
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("autopar.verify: PASSED: plan 'dp' on mesh (ep=2)") == 1
-    assert "moe expert@ep x2" in out.stdout and "2 SGD step(s)" in out.stdout
+    none), and the last expert receives no token; both ranks run the check, rank 0 prints it. The `verify`
+    command's main() runs on the shared 2-rank gloo pool (what torchrun runs after joining the group, without
+    starting 2 more interpreters); the entry point itself is the failing command line's test below."""
+    outs = gloo_pool(2).run(_job_cli, ["verify", "--model", "verify_models:moe_top1", "--mesh", "2", "--mesh-names",
+                                       "ep", "--plan", "dp", "--override", "moe=expert@ep", "--steps", "2", "--table"])
+    assert [o[0] for o in outs] == [0, 0], outs
+    assert outs[1][1] == ""  # rank 0 only prints
+    stdout = outs[0][1]
+    assert stdout.count("autopar.verify: PASSED: plan 'dp' on mesh (ep=2)") == 1
+    assert "moe expert@ep x2" in stdout and "2 SGD step(s)" in stdout
     model, _ = moe_top1()
     names = [n for n, _ in model.named_parameters()]
-    assert f"{2 * (1 + 2 * len(names))} checks" in out.stdout and ", 0 failed" in out.stdout
-    rows = [line.split() for line in out.stdout.splitlines() if line[:1] in "12" and len(line.split()) >= 7]
+    assert f"{2 * (1 + 2 * len(names))} checks" in stdout and ", 0 failed" in stdout
+    rows = [line.split() for line in stdout.splitlines() if line[:1] in "12" and len(line.split()) >= 7]
     assert {r[1] for r in rows if r[1] != "loss"} == set(names)  # --table: every parameter, both steps
     assert all(r[6] == "ok" for r in rows)
-    assert "Plan 'dp' on mesh (ep=2)" in out.stdout  # and the plan's table
+    assert "Plan 'dp' on mesh (ep=2)" in stdout  # and the plan's table
 
 
-def test_cli_fails_when_one_rank_is_wrong(cli_runs):
-    out = cli_runs["fail"]
+def test_cli_fails_when_one_rank_is_wrong():
+    """The real entry point: `torchrun -m autopar verify`, the ranks exiting with the failure status."""
+    proc = _torchrun("gpt_wrong_on_rank1", "--mesh-names", "tp", "--plan", "megatron")
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.returncode != 0
     assert "autopar.verify: FAILED" in out.stdout, out.stdout + out.stderr
     assert f"grad {WRONG_PARAM}:" in out.stdout and "(rel 0.5)" in out.stdout
