@@ -925,22 +925,30 @@ def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, e
     each solved on its role assignment's prices."""
     found = [sol for _, _, sol, why in tried if sol is not None and not why]
     found.sort(key=lambda s: s.objective_s)
+    plain = []  # the same search without ZeRO-1/2 classes (`Candidate.zero`), as before they were offered
     for first in list(found[:2]):  # the next best of the two best role assignments
         mc, cands, costs, base, ck, kp = first.priced
-        seen = [first.choices]
-        for _ in range(top - 1):
-            try:
-                sol, _ = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck,
-                                    list(exclude) + seen, grad_share=mc.grad_share(), kp=kp)
-            except _Conflict:  # every assignment of this role assignment has been found
-                break
-            if sol is None:
-                break
-            sol.data_axes, sol.seq_axes, sol.priced = first.data_axes, first.seq_axes, first.priced
-            seen.append(sol.choices)
-            found.append(sol)
+        for no_zero, out in ((False, found), (True, plain)):
+            if no_zero and not any(c.zero for cs in cands for c in cs):
+                continue
+            seen = [] if no_zero else [first.choices]
+            for _ in range(top if no_zero else top - 1):
+                try:
+                    sol, _ = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck,
+                                        list(exclude) + seen, grad_share=mc.grad_share(), kp=kp, no_zero=no_zero)
+                except _Conflict:  # every assignment of this role assignment has been found
+                    break
+                if sol is None:
+                    break
+                sol.data_axes, sol.seq_axes, sol.priced = first.data_axes, first.seq_axes, first.priced
+                seen.append(sol.choices)
+                out.append(sol)
     found.sort(key=lambda s: s.objective_s)  # stable: the role assignments' order breaks ties
-    found = found[:top]
+    # and the best plans without ZeRO classes: the ILP prices a ZeRO class's step and gathers per class, the timeline
+    # (`rank`) on the whole step, so its zero variant of a plan can win the ILP and lose the step (the gpt golden on
+    # h100: 3.398 against 3.392 ms); re-ranked beside them, auto is never worse than it was without ZeRO classes
+    plain.sort(key=lambda s: s.objective_s)
+    found = found[:top] + [s for s in plain[:top] if all(s.choices != f.choices for f in found[:top])]
     scores = [rank(s) for s in found]
     i = min(range(len(found)), key=lambda j: (scores[j], j))
     winner = found[i]
@@ -950,7 +958,8 @@ def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, e
 
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
-               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float, kp: "KeepTerms | None" = None):
+               ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float, kp: "KeepTerms | None" = None,
+               no_zero: bool = False):
     from ortools.sat.python import cp_model  # here, not at import: it costs ~1 s (it imports pandas)
 
     model = cp_model.CpModel()
@@ -958,6 +967,11 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     for xs in x:
         model.AddExactlyOne(xs)
     no_good(model, classes, cands, x, exclude)
+    if no_zero:  # `_ranked`: the plans without ZeRO-1/2 classes
+        for cs, xs in zip(cands, x):
+            for c, v in zip(cs, xs):
+                if c.zero:
+                    model.Add(v == 0)
     index = {s.key: k for k, cls in enumerate(classes) for s in cls}
     for a, b in pairs:  # tied parameters: the same axes (or none) and the same FSDP choice
         ka, kb = index[a.key], index[b.key]
@@ -1097,12 +1111,22 @@ def no_good(model, classes, cands, x, exclude) -> None:
     """A no-good cut per excluded assignment: sum_k x[k, c_k] <= |K| - 1, where c_k is the candidate the
     assignment gives class k, so the ILP's plan differs from it in at least one structure's form (`autopar.tune`'s
     k best distinct plans). An assignment that takes a candidate this role assignment does not offer cannot be
-    chosen anyway: no cut."""
+    chosen anyway: no cut. A class's ZeRO stage does not make it distinct (`_family`): the cut takes the chosen
+    candidate's zero1 / zero2 variants with it, so the k best are not one plan's ZeRO variants (near-equal in the
+    ILP's objective) crowding out the next distinct plans that `_ranked` re-ranks on the timeline."""
     for choices in exclude:
-        chosen = [next((v for v, c in zip(xs, cs) if c == choices.get(cls[0].key)), None)
-                  for cls, cs, xs in zip(classes, cands, x)]
+        chosen = []
+        for cls, cs, xs in zip(classes, cands, x):
+            c0 = choices.get(cls[0].key)
+            vs = [v for v, c in zip(xs, cs) if c0 is not None and _family(c) == _family(c0)]
+            chosen.append(sum(vs) if any(c == c0 for c in cs) else None)
         if all(v is not None for v in chosen):
             model.Add(sum(chosen) <= len(chosen) - 1)
+
+
+def _family(c: Candidate) -> Candidate:
+    """`c` without its ZeRO stage: zero1 is dp's family, zero2 fsdp's."""
+    return dataclasses.replace(c, zero=0) if c.zero else c
 
 
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str, grad_share: float,
