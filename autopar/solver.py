@@ -944,9 +944,9 @@ def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, e
                 seen.append(sol.choices)
                 out.append(sol)
     found.sort(key=lambda s: s.objective_s)  # stable: the role assignments' order breaks ties
-    # and the best plans without ZeRO classes: the ILP prices a ZeRO class's step and gathers per class, the timeline
-    # (`rank`) on the whole step, so its zero variant of a plan can win the ILP and lose the step (the gpt golden on
-    # h100: 3.398 against 3.392 ms); re-ranked beside them, auto is never worse than it was without ZeRO classes
+    # and the best plans without ZeRO classes: the ILP's k best can be one plan's zero1/zero2 variants (near-equal in
+    # its objective) that the timeline (`rank`) ranks below the next distinct plans (the gpt golden on h100: 3.423
+    # against 3.392 ms); re-ranked beside them, auto is never worse than it was without ZeRO classes
     plain.sort(key=lambda s: s.objective_s)
     found = found[:top] + [s for s in plain[:top] if all(s.choices != f.choices for f in found[:top])]
     scores = [rank(s) for s in found]
@@ -1111,22 +1111,12 @@ def no_good(model, classes, cands, x, exclude) -> None:
     """A no-good cut per excluded assignment: sum_k x[k, c_k] <= |K| - 1, where c_k is the candidate the
     assignment gives class k, so the ILP's plan differs from it in at least one structure's form (`autopar.tune`'s
     k best distinct plans). An assignment that takes a candidate this role assignment does not offer cannot be
-    chosen anyway: no cut. A class's ZeRO stage does not make it distinct (`_family`): the cut takes the chosen
-    candidate's zero1 / zero2 variants with it, so the k best are not one plan's ZeRO variants (near-equal in the
-    ILP's objective) crowding out the next distinct plans that `_ranked` re-ranks on the timeline."""
+    chosen anyway: no cut."""
     for choices in exclude:
-        chosen = []
-        for cls, cs, xs in zip(classes, cands, x):
-            c0 = choices.get(cls[0].key)
-            vs = [v for v, c in zip(xs, cs) if c0 is not None and _family(c) == _family(c0)]
-            chosen.append(sum(vs) if any(c == c0 for c in cs) else None)
+        chosen = [next((v for v, c in zip(xs, cs) if c == choices.get(cls[0].key)), None)
+                  for cls, cs, xs in zip(classes, cands, x)]
         if all(v is not None for v in chosen):
             model.Add(sum(chosen) <= len(chosen) - 1)
-
-
-def _family(c: Candidate) -> Candidate:
-    """`c` without its ZeRO stage: zero1 is dp's family, zero2 fsdp's."""
-    return dataclasses.replace(c, zero=0) if c.zero else c
 
 
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str, grad_share: float,
