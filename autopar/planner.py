@@ -218,12 +218,14 @@ class _Placements:
         for ph in site.all_params():
             self.pls[ph] = [R] * len(self.mesh.sizes)
 
-    def shard_step(self, axes: list[str], notes: list[str]) -> list[Directive]:
-        """ZeRO-1: each parameter's optimizer step sharded over the data axes on its `fsdp.shard_dim` (the
-        parameter itself stays as placed)."""
+    def shard_step(self, axes: list[str], notes: list[str], phs=None) -> list[Directive]:
+        """ZeRO-1: each parameter's (of `phs`; None: every one) optimizer step sharded over the data axes on its
+        `fsdp.shard_dim` (the parameter itself stays as placed)."""
         sizes = [self.mesh.axis(a).size for a in axes]
         out = []
         for ph, fqn in self.ctx.captured.param_fqns.items():
+            if phs is not None and ph not in phs:
+                continue
             shape = tuple(self.ctx.captured.placeholder(ph).meta["val"].shape)
             dim = fsdp_form.shard_dim(shape, self.pls[ph], sizes)
             if dim is None or any(self.pls[ph][self.mesh.names.index(a)] != R for a in axes):
@@ -513,6 +515,14 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         directives += pls.shard_step(data_axes, notes)
     if solution is not None and solution.keep_gathered:  # the ILP keeps these layers' gathered weights (ZeRO-2-like)
         directives = _keep_gathered(ctx, layers, solution.keep_gathered, directives, notes)
+    # `auto`: the ZeRO stage the ILP gave each class (`Candidate.zero`), per parameter
+    zero2_fqns = {ctx.captured.param_fqns[ph] for site, _, cand in chosen if cand.zero == 2 for ph in site.all_params()}
+    if zero2_fqns:
+        directives = [d for d in directives if d.kind is not DirectiveKind.GATHER or d.node not in zero2_fqns] + \
+            zero_form.persist_directives([d for d in directives if d.kind is DirectiveKind.GATHER and d.node in zero2_fqns])
+    zero1_phs = {ph for site, _, cand in chosen if cand.zero == 1 for ph in site.all_params()}
+    if zero1_phs and data_axes and name != "zero1":
+        directives += pls.shard_step(data_axes, notes, zero1_phs)
     # lowering directives
     for site, form, cand in chosen:
         directives += form.directives(site, cand.axes)

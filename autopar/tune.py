@@ -476,9 +476,14 @@ def plan_choices(plan: Plan) -> tuple[dict[str, Candidate], tuple[str, ...], tup
             assert m, d.chosen
             data, seq = (tuple(a for a in g.split("+") if a != "-") for g in m.groups())
             continue
-        label, fsdp = d.chosen.removesuffix("+fsdp"), d.chosen.endswith("+fsdp")
+        label, zero = d.chosen, 0  # `Candidate.label`: '+zero1' / '+zero2' / '+fsdp' last, or nothing
+        for z in (1, 2):
+            if label.endswith(f"+zero{z}"):
+                label, zero = label.removesuffix(f"+zero{z}"), z
+        fsdp = zero == 2 or label.endswith("+fsdp")
+        label = label.removesuffix("+fsdp")
         forms, axes = zip(*(part.partition("@")[::2] for part in label.split("+")))
-        cand = Candidate(form="+".join(forms), axes=tuple(a for a in axes if a), fsdp=fsdp)
+        cand = Candidate(form="+".join(forms), axes=tuple(a for a in axes if a), fsdp=fsdp, zero=zero)
         for k in d.keys:
             if plan.name != "auto" and d.kind == Kind.LINEAR.value:  # named plans price lone linears replicated
                 cand = dataclasses.replace(REPLICATE, fsdp=fsdp)

@@ -50,9 +50,11 @@ def _rows(plan):
 def test_auto_is_the_fastest_candidate_by_the_plans_own_estimate(gpt):
     plan, auto, _ = gpt
     d, rows = _rows(auto)
-    assert list(rows) == ["ILP solution 1", "ILP solution 2", "ILP solution 3"] + [h[0] for h in HANDS]
+    # the ILP's 3 best, then (issue #24: classes may take zero1/zero2) the 3 best without ZeRO classes
+    assert list(rows) == [f"ILP solution {i}" for i in range(1, 7)] + [h[0] for h in HANDS]
     fitting = {label: r.compute_s + r.comm_s for label, r in rows.items() if not r.excluded}
-    assert d.chosen == min(fitting, key=fitting.get) == "ILP solution 2"  # the ILP's first is not the fastest here
+    chosen = d.chosen
+    assert chosen == min(fitting, key=fitting.get) != "ILP solution 1"  # the ILP's first is not the fastest here
     assert auto.estimate.step_time_s == pytest.approx(fitting[d.chosen], rel=1e-9)
     # each hand plan's row is that plan's own estimate; auto is no slower than any that fits
     for label, name, level in HANDS:
@@ -65,12 +67,12 @@ def test_auto_is_the_fastest_candidate_by_the_plans_own_estimate(gpt):
     # the notes and explain say which won, and by how much
     first = fitting["ILP solution 1"]
     note = next(n for n in auto.notes if n.startswith("auto: "))
-    assert note.startswith(f"auto: ILP solution 2 re-ranked on the step's timeline "
+    assert note.startswith(f"auto: {chosen} re-ranked on the step's timeline "
                            f"({first / auto.estimate.step_time_s - 1:.2%} faster than ILP solution 1"), note
     assert first > auto.estimate.step_time_s
     text = auto.explain(RERANKED_KEY)
-    assert f"chosen ILP solution 2: the least estimated step (the timeline): " in text
-    assert re.search(r"\*\s+ILP solution 2\s", text)
+    assert f"chosen {chosen}: the least estimated step (the timeline): " in text
+    assert re.search(rf"\*\s+{chosen}\s", text)
     assert auto.name == "auto" and "ILP optimal" in auto.estimate.solver
 
 

@@ -38,7 +38,10 @@ def _meta_gpt(layers=2, hidden=1024, heads=16, vocab=32768, seq=1024, batch=16):
 
 
 def test_ilp_objective_equals_exhaustive_search():
-    """Every assignment of candidates to the site classes (the ILP's variables), priced one by one."""
+    """Every assignment of candidates to the site classes (the ILP's variables), priced one by one. Two role
+    options, not all four: with ZeRO-1/2 offered per class (`Candidate.zero`) the ("dp",) and ("tp",) options have 8
+    candidates per class (8**7 assignments, ~10 min of pricing); () keeps the tensor-parallel forms, ("dp", "tp")
+    every data form (dp, fsdp, zero1, zero2), 3**7 + 4**7 assignments in all."""
     model, inputs = _meta_gpt(layers=2)
     mesh = {"dp": 2, "tp": 4}
     info, captured, ctx = _prepare(model, mesh, inputs, None)
@@ -48,20 +51,22 @@ def test_ilp_objective_equals_exhaustive_search():
     stats, _, _ = gather_stats(ctx)
     classes = _classes(sites, {s.key for p in pairs for s in p}, stats)  # as `solve` groups them (by FSDP groups too)
     best_exhaustive, tried = float("inf"), 0
-    for data_axes in [(), ("dp",), ("tp",), ("dp", "tp")]:
+    options = [(), ("dp", "tp")]
+    for data_axes in options:
         cands = [candidates(cls[0], stats[cls[0].key], info, data_axes, None) for cls in classes]
         for combo in itertools.product(*cands):
             choice = {s.key: c for cls, c in zip(classes, combo) for s in cls}
-            if any((choice[a.key].axis, choice[a.key].fsdp) != (choice[b.key].axis, choice[b.key].fsdp)
-                   for a, b in pairs):
+            if any((choice[a.key].axis, choice[a.key].fsdp, choice[a.key].zero) !=
+                   (choice[b.key].axis, choice[b.key].fsdp, choice[b.key].zero) for a, b in pairs):
                 continue  # tied weights: one placement
             sol = evaluate(ctx, info, cluster, choice, data_axes)
             tried += 1
             if sol.memory_bytes <= cluster.device_memory_bytes:
                 best_exhaustive = min(best_exhaustive, sol.objective_s)  # the ILP's objective (`overlapped_s`)
     assert tried > 100
-    sol = solve(ctx, info, cluster)
+    sol = solve(ctx, info, cluster, data_axes_options=options)
     assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.data_axes == ("dp", "tp") and any(c.zero for c in sol.choices.values()), sol.choices  # ZeRO is in play
     assert sol.objective_s == pytest.approx(best_exhaustive, rel=1e-6)
 
 

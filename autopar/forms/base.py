@@ -61,6 +61,13 @@ class Candidate:
     form: str
     axes: tuple[str, ...] = ()
     fsdp: bool = False
+    # the ZeRO stage of its parameters over the data axes (`autopar.forms.zero`): 0 (dp / fsdp as `fsdp` says),
+    # 1 (zero1: replicated, the optimizer step sharded; fsdp False) or 2 (zero2: sharded, gathered copies persisting;
+    # fsdp True)
+    zero: int = 0
+
+    def __post_init__(self):
+        assert self.zero in (0, 1, 2) and (self.zero != 1 or not self.fsdp) and (self.zero != 2 or self.fsdp), self
 
     @property
     def axis(self) -> str | None:
@@ -68,7 +75,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return form_label(self.form, self.axes) + ("+fsdp" if self.fsdp else "")
+        return form_label(self.form, self.axes) + (f"+zero{self.zero}" if self.zero else "+fsdp" if self.fsdp else "")
 
 
 class Form:

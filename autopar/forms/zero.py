@@ -42,10 +42,12 @@ after the step (`step_gather_s`, `dp.step_gather`), on the critical path (it run
 overlaps it with the next forward, autopar's zero1 does not yet). Volume per step: `2(p-1)/p · Ψ` for zero2 (reduce-scatter +
 all-gather), `3(p-1)/p · Ψ` for zero1 (all-reduce + all-gather).
 
-`auto` takes zero1 / zero2 as whole plans: they are among the hand plans its ILP solutions are re-ranked against on
-the step's timeline (`autopar.planner._reranked`), so auto is zero1 or zero2 where that is the fastest plan that
-fits. Not yet (issue #24): the ILP does not offer them per layer class (its candidates carry fsdp or not, not a
-ZeRO stage; a mix such as zero1 layers beside fsdp layers is not priced), and `autopar.tune` does not measure them; zero1's gather after the step is not overlapped with the next forward; MoE
+`auto`: the ILP offers each layer class zero1 and zero2 beside dp and fsdp (`Candidate.zero`, priced with this
+class's stage: `solver.site_cost`), lowered per parameter (SHARD_STEP for zero1 classes, persisting gathers for zero2
+ones), so a memory limit between stages gives a mixed plan (tests/test_zero_ilp.py); the whole plans zero1 / zero2 are
+still among the hand plans it is re-ranked against, and so are the ILP's best plans without ZeRO classes
+(`solver._ranked`: its k best can be one plan's zero variants that the timeline ranks below the next distinct plans). Not yet (issue #24): a class whose form an override forces is
+offered dp / fsdp only; parameters outside every site stay dp; and `autopar.tune` does not measure them; zero1's gather after the step is not overlapped with the next forward; MoE
 experts under a zero plan are priced as `dp`; ZeRO-1's one reduction per step under gradient accumulation (full
 gradients accumulated locally, a `no_sync`-like opt-in) is not offered: every backward reduces.
 Under `mp_policy` zero1 keeps the masters replicated and all-gathers them after the step in the master dtype (fp32),
