@@ -111,7 +111,12 @@ def numeric_problems(res, names: set[str], tol: float) -> list[str]:
 
 
 def _held(res, model) -> float:
-    return sum(res.local_numel.values()) / sum(p.numel() for p in model.parameters())  # tied weights once
+    """The largest rank's share of the parameters (an uneven shard's numel differs per rank: a symbolic int under
+    LocalTensorMode, its per-rank values read)."""
+    def most(k):
+        import torch
+        return max(k.node._local_ints.values()) if isinstance(k, torch.SymInt) else k
+    return sum(most(k) for k in res.local_numel.values()) / sum(p.numel() for p in model.parameters())  # tied once
 
 
 # ----------------------------------------------------------------------------- 2 simulated ranks

@@ -93,9 +93,11 @@ def shard_dim(shape: tuple[int, ...], model: Iterable[Placement], data_sizes: It
     taken = {p.dim for p in model if is_shard(p)}
     free = [d for d in range(min(2, len(shape))) if d not in taken]
     even = next((d for d in free if shape[d] % size == 0), None)
-    if even is not None or not uneven or not free:
+    if even is not None or not uneven:
         return even
-    return free[0]
+    # uneven only on a dim whose longest shard is shorter than the dim (length >= 2): a dim of 1 would leave the
+    # whole parameter on one rank, the per-device peak unchanged (a ViT's (1, 1, d) class token stays whole)
+    return next((d for d in free if shape[d] >= 2), None)
 
 
 def padded_rows(length: int, sizes) -> int:
