@@ -376,20 +376,25 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         if error is not None:
             raise IndexError(error)
         return None
-    digest = _digest([repr(key)])
+    digest = _key_digest(key)
     rank = dist.get_rank()
     device = _device(mesh)
     names = list(values or {})
     same_batch = values is not None  # inputs="global"
-    head = torch.tensor([digest, -digest, rank + 1 if error is not None else 0], dtype=torch.int64, device=device)
-    data = input_digests(list(values.values())).to(device) if names else head[:0]
-    mine = torch.cat([head, data, -data])
-    got = mine.clone()
+    head = [digest, -digest, rank + 1 if error is not None else 0]
+    if names:
+        data = input_digests(list(values.values())).to(device)
+        mine_t = torch.cat([torch.tensor(head, dtype=torch.int64, device=device), data, -data])
+        got = mine_t.clone()
+    else:  # inputs="local": the header alone, built once from Python ints (no cat, clone or read-back of `mine`)
+        data = ()
+        got = torch.tensor(head, dtype=torch.int64, device=device)
     work = dist.all_reduce(got, op=dist.ReduceOp.MAX, async_op=True)
 
     def settle() -> None:
         work.wait()
-        g, m = got.tolist(), mine.tolist()
+        g = got.tolist()
+        m = mine_t.tolist() if names else head
         if g[0] != digest or -g[1] != digest:
             must = ("with inputs='global' (the default) every rank must pass the same inputs" if same_batch else
                     "with inputs='local' every rank must pass a shard of the same shapes, dtypes and non-tensor values")
@@ -416,6 +421,20 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         settle()
         return None
     return settle
+
+
+_KEY_DIGESTS: "OrderedDict[tuple, int]" = OrderedDict()  # guard key -> `_digest([repr(key)])`, a few kept
+
+
+def _key_digest(key: tuple) -> int:
+    """`_digest([repr(key)])`, computed once per guard key (a step's key repeats at every call; its repr and sha256
+    are the same each time)."""
+    d = _KEY_DIGESTS.get(key)
+    if d is None:
+        d = _KEY_DIGESTS[key] = _digest([repr(key)])
+        while len(_KEY_DIGESTS) > 64:
+            _KEY_DIGESTS.popitem(last=False)
+    return d
 
 
 _WEIGHTS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()  # (numel, device) -> per-position weights, a few kept

@@ -1,0 +1,116 @@
+"""Where autopar's per-call CPU time goes under plan="dp" on a small model, against DDP and eager (issue #22 item 5).
+
+Two gloo ranks, the torch.nn census's Conv2d + GroupNorm ConvNet (`common.census_model("convnet")`), each rank
+passing its shard (inputs="local"). Rank 0 prints, as medians of interleaved rounds of this process's CPU time
+(`time.process_time`: gloo's threads included): the forward and the backward of autopar, DDP and the eager model;
+then the ParallelModule forward wrapper's pieces timed alone (the guard key, the per-call agreement with its
+all-reduce, the parameters' `to_local`, a bare 3-int64 all-reduce for scale, the program without the wrapper).
+`--cprofile` prints rank 0's cProfile (CPU timer) of autopar's forward + backward instead. For an A/B of two
+checkouts, run this script with PYTHONPATH at each in turn (the script reads autopar from the path).
+
+    python benchmarks/dp_call_profile.py [--rounds N] [--cprofile]
+"""
+
+from __future__ import annotations
+
+import copy
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree as pytree
+
+import autopar
+from autopar.agree import agree_on_call
+from autopar.dtensors import to_locals
+from common import census_model, launch
+
+
+def body(rounds: int, cprofile: bool) -> None:
+    rank = dist.get_rank()
+    model, batch, _, _ = census_model("convnet", 8)
+    local = tuple(t.chunk(2)[rank] for t in batch)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+    models = {"autopar": pm, "DDP": DistributedDataParallel(copy.deepcopy(model)), "eager": copy.deepcopy(model)}
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
+
+    def step(name: str) -> None:
+        m = models[name]
+        c0 = time.process_time()
+        loss = m(*local)
+        c1 = time.process_time()
+        loss.backward()
+        times[name].append((c1 - c0, time.process_time() - c1))
+        for p in m.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        for n in models:
+            step(n)
+    if cprofile:
+        pr = cProfile.Profile(time.process_time)
+        pr.enable()
+        for _ in range(rounds):
+            step("autopar")
+        pr.disable()
+        if rank == 0:
+            out = io.StringIO()
+            pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(40)
+            print(out.getvalue())
+        return
+    for n in times:
+        times[n].clear()
+    for _ in range(rounds):
+        for n in models:
+            step(n)
+    if rank == 0:
+        for n, v in times.items():
+            f, b = statistics.median(x for x, _ in v) * 1e3, statistics.median(y for _, y in v) * 1e3
+            print(f"{n:8s} forward {f:6.2f} ms  backward {b:6.2f} ms  (CPU per step, median of {rounds})")
+    key = pm._key(local, {})
+    prog = pm._programs[key]
+    cap = prog.captured
+    flat = pytree.tree_flatten((local, {}))[0]
+    dts = list(pm.parameters())
+    t3 = torch.zeros(3, dtype=torch.int64)
+
+    def no_grad(f):
+        def run():
+            with torch.no_grad():
+                f()
+        return run
+
+    pieces = {
+        "guard key": lambda: pm._key(local, {}),
+        "agreement (agree_on_call)": lambda: agree_on_call(key, mesh, None, wait=True),
+        "_check_inputs (index checks + agreement)": lambda: pm._check_inputs(key, cap, flat, wait=True),
+        "bare all-reduce, 3 int64": lambda: dist.all_reduce(t3, op=dist.ReduceOp.MAX),
+        "to_locals (14 parameters)": lambda: to_locals(dts),
+        "program, no_grad (wrapper skipped)": no_grad(lambda: pm._run(prog, cap, flat)),
+        "autopar forward, no_grad": no_grad(lambda: pm(*local)),
+        "eager forward, no_grad": no_grad(lambda: models["eager"](*local)),
+    }
+    got: dict[str, list[float]] = {n: [] for n in pieces}
+    for _ in range(rounds):
+        for n, f in pieces.items():
+            c0 = time.process_time()
+            for _ in range(5):
+                f()
+            got[n].append((time.process_time() - c0) / 5)
+    if rank == 0:
+        for n, v in got.items():
+            print(f"  {n:42s} {statistics.median(v) * 1e6:8.1f} us")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    n = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 30
+    launch(body, 2, n, "--cprofile" in args)
