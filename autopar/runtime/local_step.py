@@ -57,6 +57,7 @@ import math
 import weakref
 
 import torch
+from torch.distributed._local_tensor import maybe_run_for_local_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -116,8 +117,15 @@ def _chunk(t: torch.Tensor, p: DTensor) -> torch.Tensor:
         k = t.shape[dim] // n
         return t.narrow(dim, r * k, k)
     # uneven: torch.chunk's chunk, nested over the mesh dims as DTensor's `Shard(dim)` (the last ranks' shorter or empty)
-    off, k = shard_layout(t.shape[dim], _sizes(p, mesh_dims))[r]
-    return t.narrow(dim, off, k)
+    length, sizes = t.shape[dim], _sizes(p, mesh_dims)
+    return t.narrow(dim, _layout_at(length, sizes, r, 0), _layout_at(length, sizes, r, 1))
+
+
+@maybe_run_for_local_tensor
+def _layout_at(length: int, sizes: tuple[int, ...], r: int, i: int) -> int:
+    """The offset (i=0) or length (i=1) of rank `r`'s uneven chunk; per simulated rank under LocalTensorMode, where
+    `r` is a per-rank int (the even case's `narrow` takes those as they are)."""
+    return shard_layout(length, sizes)[r][i]
 
 
 def _sizes(p: DTensor, mesh_dims) -> tuple[int, ...]:
