@@ -76,7 +76,7 @@ FILE_SECONDS = {
     "test_checkpoint_levels.py": 165,  # +20: the dp x tp recompute cases (4 simulated ranks; 4 offline plans)
     "test_rule_check.py": 120,
     "test_zoo.py": 160,
-    "test_tune.py": 55,  # 96 before 2026-12-07: the CLI test runs main() on the 4-rank pool (58 -> 9 s); +4 s: k-best mirror test lists 16 plans
+    "test_tune.py": 50,  # 96 before 2026-12-07: the CLI test runs main() on the 4-rank pool (58 -> 9 s); +4 s: k-best mirror test lists 16 plans; -5: memory-limit model 64 -> 16 MiB (30.4 -> 27.4 s alone)
     "test_pipeline_dtp.py": 10,  # one fake-PG build of pp2 x dp2 x tp2: 5 s alone, 9 s at load 15 (2026-12-07)
     "test_pipeline_tp.py": 20,  # one 4-rank case (pp2 x tp2, 2 steps); most of it is the 4-rank pool start
     "test_pipeline_errors.py": 30,  # 21-40 s alone at load 5-8 (2026-12-07); all but ~3 s of it starts the 2- and 4-rank pools

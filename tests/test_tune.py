@@ -476,7 +476,7 @@ def _job_memory_limit(cache_dir: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     def run():
-        model, inputs = tiny(vocab=65536, hidden=256, batch=4)  # 64 MiB of parameters, nearly all the embedding
+        model, inputs = tiny(vocab=16384, hidden=256, batch=4)  # 16 MiB of parameters, nearly all the embedding
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp_state = 4 * sum(p.numel() * p.element_size() for p in model.parameters())  # AdamW: p, grad, 2 states
         limit = int(0.9 * dp_state)
