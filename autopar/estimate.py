@@ -88,6 +88,9 @@ class Cost:
     gather_s: float = 0.0
     reduce_s: float = 0.0
     regather_s: float = 0.0  # of comm_s: ZeRO-3's re-gather of FSDP's released parameters, before its backward
+    # of comm_s: ZeRO-1's all-gather of the parameters after the optimizer step (`autopar.forms.zero`): inside the
+    # step, after the optimizer (`autopar.timeline`: nothing covers it); not on a structure's critical stream
+    step_gather_s: float = 0.0
     # not in compute_s: its share of the optimizer step (`optimizer_step_s`), and the slowdown of its compute while
     # its parameters' synchronisation overlaps it (`Cluster.overlap_slowdown`): the timeline's terms, for the ILP
     optimizer_s: float = 0.0
@@ -104,7 +107,7 @@ class Cost:
     @property
     def critical_s(self) -> float:
         """Communication on the critical path: what no compute hides."""
-        return max(0.0, self.comm_s - self.gather_s - self.reduce_s - self.regather_s)
+        return max(0.0, self.comm_s - self.gather_s - self.reduce_s - self.regather_s - self.step_gather_s)
 
     def live_parts(self, grad_share: float) -> tuple[float, float, float]:
         """(held all step: parameters, optimizer state, FSDP's gathered copies; saved activations; gradients), with

@@ -67,7 +67,7 @@ PIPELINE_KEY = "pipeline"
 DECISION_KEY = "(pipeline)"
 
 _SUMMED = ("compute_s", "comm_s", "comm_bytes", "memory_bytes", "act_bytes", "transient_bytes", "bucket_bytes",
-           "gather_s", "reduce_s", "regather_s", "optimizer_s", "overlap_slowdown", "hidden_s")
+           "gather_s", "reduce_s", "regather_s", "optimizer_s", "overlap_slowdown", "hidden_s", "step_gather_s")
 _LARGEST = ("peak_bytes", "reduce_transient_bytes")  # momentary: the largest counts, not the sum
 
 
@@ -387,7 +387,9 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
         compute = sum(stage_compute[k] for k in ks)
         exposed = sum(chunk_s[k] - stage_p2p[k] - stage_compute[k] for k in ks)
         opt_s = optimizer_step_s(held, optimizer, clus)
-        tail = pipe_cost.tail_s(rank_cost.reduce_s, rank_cost.gather_s, opt_s, compute + exposed)
+        # ZeRO-1's gather after the step (`Cost.step_gather_s`): once per step, after the optimizer
+        tail = pipe_cost.tail_s(rank_cost.reduce_s, rank_cost.gather_s, opt_s, compute + exposed) \
+            + rank_cost.step_gather_s
         state = rank_cost.memory_bytes - rank_cost.act_bytes - rank_cost.transient_bytes
         act = rank_cost.act_bytes + sum(c.act_bytes for c in cks)
         ranks.append(StageEstimate(

@@ -748,7 +748,7 @@ def step_timeline(ctx, solution, priced, data_axes, seq_axes, cluster=None, opti
         pieces.append(timeline.Piece(
             key=s.key, compute_s=share(c, "compute_s"), critical_s=share(c, "critical_s"),
             gather_s=share(c, "gather_s"), reduce_s=share(c, "reduce_s"), regather_s=share(c, "regather_s"),
-            hidden_s=c.hidden_s, sync_stream=sync,
+            hidden_s=c.hidden_s, step_gather_s=share(c, "step_gather_s"), sync_stream=sync,
             critical_stream="+".join(cand.axes) if cand is not None and cand.axes else "model"))
     if not pieces and other is not None:
         pieces.append(timeline.piece("(other)", other, sync))

@@ -233,7 +233,8 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
         state = dp_form.state_bytes(mc, st.param_bytes)
         gather = regather = 0.0
     sync_s = comm_s  # the parameters' synchronisation (overlappable, `autopar.timeline`); the rest is critical
-    if not fsdp:  # zero1's gather after the step: critical
+    step_t = 0.0
+    if not fsdp:  # zero1's gather after the step (`Cost.step_gather_s`)
         step_t, step_b = dp_form.step_gather(mc, st.param_bytes)
         comm_s, comm_b = comm_s + step_t, comm_b + step_b
     compute, comm_s, comm_b = compute + unsplit_s[0], comm_s + unsplit_s[1], comm_b + unsplit_b
@@ -259,7 +260,7 @@ def other_cost(st: SiteStats, mc: MeshCosting, *, fsdp: bool = False) -> Cost:
     return step_terms(Cost(compute_s=compute, comm_s=comm_s, comm_bytes=comm_b, memory_bytes=state + act,
                            act_bytes=act, transient_bytes=transient, peak_bytes=st.peak_bytes / mc.dp,
                            bucket_bytes=0.0 if fsdp else dp_form.bucket_bytes(mc, st.param_bytes), gather_s=gather,
-                           reduce_s=sync_s - gather - regather, regather_s=regather,
+                           reduce_s=sync_s - gather - regather, regather_s=regather, step_gather_s=step_t,
                            reduce_transient_bytes=fsdp_form.reduce_transient_bytes(mc, st, 1) if fsdp else 0.0), mc)
 
 

@@ -29,7 +29,9 @@ Backward, last structure first:
 - `reduce i` (sync stream): its gradients' reduction (the data-parallel bucket share, FSDP's reduce-scatter),
   which waits only for its backward compute, so it overlaps the backward of the structures before it.
 `optimizer` (compute, `optimizer_s`: `autopar.estimate.optimizer_step_s`) waits for every reduction: the last
-ones are exposed. On one sync stream the tasks run in issue order, as NCCL runs a process group's collectives.
+ones are exposed. `step-gather` (sync stream, `Piece.step_gather_s` summed: ZeRO-1's all-gather of the parameters
+after the step, one flat buffer, `autopar.forms.zero`) waits for the optimizer: the step returns after it, nothing
+covers it. On one sync stream the tasks run in issue order, as NCCL runs a process group's collectives.
 
 Contention (`contended`): a collective's NCCL kernels run on SMs the compute kernels then lack, so compute that
 overlaps communication runs slower (`Cluster.overlap_slowdown`, measured: `cost_model.hardware`). The step is
@@ -39,7 +41,8 @@ and simulated again (one fixed-point step: stretching moves the overlap little).
 `overlapped_s(cost)`: what one structure adds to the step in that steady state, for the ILP (a sum over
 structures, linear in the choices): compute + critical communication - what its weight gradients cover + the part
 of its gathers its forward does not cover + the part of its reductions and re-gathers its backward does not cover
-+ its share of the optimizer step + the slowdown of the compute its synchronisation overlaps. (In the timeline a
++ its share of the optimizer step + its share of ZeRO-1's gather after it (whole: nothing overlaps it) + the slowdown
+of the compute its synchronisation overlaps. (In the timeline a
 gather hides behind the previous structure's forward and a reduction behind the next-earlier backward; per
 structure, its own compute stands for that neighbour's: identical layers make them equal.)
 
@@ -133,6 +136,7 @@ class Piece:
     sync_stream: str = "data"
     critical_stream: str = "model"
     hidden_s: float = 0.0  # of critical_s' backward half: what its weight gradients cover (`Cost.hidden_s`)
+    step_gather_s: float = 0.0  # ZeRO-1: its parameters' all-gather after the optimizer step (`Cost.step_gather_s`)
 
     def __post_init__(self):
         if not 0.0 <= self.hidden_s <= min(self.critical_s / 2, 2 * self.compute_s / 3) + 1e-15:
@@ -144,7 +148,7 @@ def piece(key: str, cost, sync_stream: str = "data", critical_stream: str = "mod
     """A `Piece` from an `autopar.estimate.Cost` (its `gather_s`, `reduce_s`, `hidden_s` and the rest of `comm_s`)."""
     return Piece(key=key, compute_s=cost.compute_s, critical_s=cost.critical_s, gather_s=cost.gather_s,
                  reduce_s=cost.reduce_s, regather_s=cost.regather_s, sync_stream=sync_stream,
-                 critical_stream=critical_stream, hidden_s=cost.hidden_s)
+                 critical_stream=critical_stream, hidden_s=cost.hidden_s, step_gather_s=cost.step_gather_s)
 
 
 def step_tasks(pieces: list[Piece], optimizer_s: float = 0.0) -> list[Task]:
@@ -196,6 +200,10 @@ def step_tasks(pieces: list[Piece], optimizer_s: float = 0.0) -> list[Task]:
             prev = computed + (f"bwd-comm {p.key}",)
     if optimizer_s > 0:
         tasks.append(Task("optimizer", COMPUTE, optimizer_s, prev + tuple(reduces)))
+        prev, reduces = ("optimizer",), []
+    step_gather = sum(p.step_gather_s for p in pieces)
+    if step_gather > 0:  # ZeRO-1: one flat all-gather after the step (`autopar.runtime.local_step`)
+        tasks.append(Task("step-gather", pieces[0].sync_stream, step_gather, prev + tuple(reduces)))
     return tasks
 
 
@@ -238,4 +246,5 @@ def overlapped_s(cost) -> float:
     fwd, bwd = cost.compute_s / 3, 2 * cost.compute_s / 3
     behind = min(cost.gather_s, fwd) + min(cost.reduce_s + cost.regather_s, bwd)  # compute communication overlaps
     return (cost.compute_s + cost.critical_s - cost.hidden_s + max(0.0, cost.gather_s - fwd)
-            + max(0.0, cost.reduce_s + cost.regather_s - bwd) + cost.optimizer_s + cost.overlap_slowdown * behind)
+            + max(0.0, cost.reduce_s + cost.regather_s - bwd) + cost.optimizer_s + cost.step_gather_s
+            + cost.overlap_slowdown * behind)

@@ -35,7 +35,7 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
     compute += f8_s
     bucket = 0.0  # under FSDP, the few parameters it leaves whole are bucketed: not counted
     gather = regather = reducing = 0.0
-    step_t = step_b = 0.0  # zero1's gather after the step: critical (not in reduce_s)
+    step_t = step_b = 0.0  # zero1's gather after the step (`Cost.step_gather_s`)
     if cand.fsdp:
         t, b, state, gathered = fsdp.params_cost(mc, st, param_split, backward_s)
         reducing = fsdp.reduce_transient_bytes(mc, st, param_split)
@@ -57,7 +57,7 @@ def finish(st: SiteStats, cand: Candidate, mc: MeshCosting, *, compute: float, c
                 memory_bytes=state + act,
                 act_bytes=act, transient_bytes=gathered, peak_bytes=peak, bucket_bytes=bucket, gather_s=gather,
                 reduce_s=t - gather - regather, regather_s=regather, hidden_s=hidden,
-                reduce_transient_bytes=reducing)
+                reduce_transient_bytes=reducing, step_gather_s=step_t)
 
 
 def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: int) -> tuple[float, float, float]:
