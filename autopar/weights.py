@@ -207,6 +207,34 @@ def _open(file: Path, listed: bool):
             "it again from where it was saved (the same files on every node).") from e
 
 
+class _OneOpen:
+    """The checkpoint file last asked for, kept open until another is asked for: the converted (stacked) MoE
+    experts are read key by key, and one layer's experts sit in one file, so opening that file once per expert
+    tensor (256 per layer at DeepSeek-V3's size, each parsing the file's header) was the cost. One file mapped at a
+    time, as the plain keys' loop does."""
+
+    def __init__(self, listed: bool):
+        self.listed, self.file, self.handle = listed, None, None
+
+    def get(self, file: Path):
+        if file != self.file:
+            self.close()
+            self.handle = _open(file, listed=self.listed).__enter__()
+            self.file = file
+        return self.handle
+
+    def close(self) -> None:
+        if self.handle is not None:
+            handle, self.handle, self.file = self.handle, None, None
+            handle.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _load_dcp(pm, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     state = pm.state_dict()
@@ -341,9 +369,10 @@ def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> set[s
                 for first in firsts:
                     original = where.original(key_of[first])
                     read[original] = _fill(pm._lookup(first), sf.get_slice(original), original)
-        for first, key in key_of.items():
-            if key in converted:
-                read.update(_fill_converted(pm._lookup(first), key, converted[key], files, listed))
+        with _OneOpen(listed) as opened:
+            for first, key in key_of.items():
+                if key in converted:
+                    read.update(_fill_converted(pm._lookup(first), key, converted[key], files, opened))
     object.__setattr__(pm, "_bytes_read", read)
     return set(targets)
 
@@ -405,7 +434,7 @@ def _converted_keys(pm, files: dict[str, Path]):
     return keys, converted
 
 
-def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed: bool) -> dict[str, int]:
+def _fill_converted(target, key: str, conversion, files: dict[str, Path], opened: _OneOpen) -> dict[str, int]:
     """Fill `target` (the model's tensor `key`) from the checkpoint tensors a `WeightConverter` assembles it from;
     returns the bytes read per checkpoint key. Stacking (`MergeModulelist`) then concatenating (`Concatenate`), the
     converters of MoE experts: each source tensor's block of the target is known, so this rank reads only the
@@ -422,7 +451,7 @@ def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed
         return {k: 0 for keys in sources.values() for k in keys}
     patterns = [p for p in conv.source_patterns if p in sources]
     if kinds not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
-        return _fill_by_transformers(local, index, key, conv, {p: sources[p] for p in patterns}, files, listed)
+        return _fill_by_transformers(local, index, key, conv, {p: sources[p] for p in patterns}, files, opened)
     stack = conv.operations[0].dim
     cat = conv.operations[1].dim if len(kinds) == 2 else None
     read: dict[str, int] = {}
@@ -435,11 +464,10 @@ def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed
                              "the checkpoint of a model with the same config")
         size = None
         for i, k in enumerate(keys):
-            with _open(files[k], listed=listed) as sf:
-                sl = sf.get_slice(k)
-                shape = tuple(sl.get_shape())
-                size = shape[cat - 1 if cat > stack else cat] if cat is not None else None
-                read[k] = _read_block(local, index, sl, stack, i, cat, offset, shape, key, k, tuple(target.shape))
+            sl = opened.get(files[k]).get_slice(k)
+            shape = tuple(sl.get_shape())
+            size = shape[cat - 1 if cat > stack else cat] if cat is not None else None
+            read[k] = _read_block(local, index, sl, stack, i, cat, offset, shape, key, k, tuple(target.shape))
         offset += size or 0
     if cat is not None and offset != target.shape[cat]:
         raise ValueError(f"autopar.load{_on_rank()}: {key} {tuple(target.shape)} is concatenated on dim {cat} from "
@@ -475,14 +503,13 @@ def _read_block(local, index, sl, stack: int, i: int, cat: int | None, offset: i
     return read
 
 
-def _fill_by_transformers(local, index, key, conv, sources: dict[str, list[str]], files, listed) -> dict[str, int]:
+def _fill_by_transformers(local, index, key, conv, sources: dict[str, list[str]], files, opened) -> dict[str, int]:
     """A converter autopar does not slice: its sources read whole, converted by transformers' operations."""
     read: dict[str, int] = {}
     collected: dict[str, list[torch.Tensor]] = {}
     for p, keys in sources.items():
         for k in keys:
-            with _open(files[k], listed=listed) as sf:
-                t = sf.get_tensor(k)
+            t = opened.get(files[k]).get_tensor(k)
             read[k] = t.numel() * t.element_size()
             collected.setdefault(p, []).append(t)
     for op in conv.operations:
