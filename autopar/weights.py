@@ -207,6 +207,36 @@ def _open(file: Path, listed: bool):
             "it again from where it was saved (the same files on every node).") from e
 
 
+class _OneOpen:
+    """The checkpoint file last asked for, kept open until another is asked for: the converted (stacked) MoE
+    experts are read key by key, and one layer's experts sit in one file, so opening that file once per expert
+    tensor (256 per layer at DeepSeek-V3's size, each parsing the file's header) was the cost. One file mapped at a
+    time, as the plain keys' loop does."""
+
+    def __init__(self, listed: bool, hf=None):
+        self.listed, self.file, self.handle = listed, None, None
+        self.hf = hf  # the Hugging Face model (transformers' conversions that need it or its config)
+        self.converted = {}  # first target key -> [outputs, targets still to fill] of a one-to-many conversion
+
+    def get(self, file: Path):
+        if file != self.file:
+            self.close()
+            self.handle = _open(file, listed=self.listed).__enter__()
+            self.file = file
+        return self.handle
+
+    def close(self) -> None:
+        if self.handle is not None:
+            handle, self.handle, self.file = self.handle, None, None
+            handle.__exit__(None, None, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _load_dcp(pm, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     state = pm.state_dict()
@@ -341,9 +371,10 @@ def _load_safetensors(pm, path: Path, prefix: str | None, strict: bool) -> set[s
                 for first in firsts:
                     original = where.original(key_of[first])
                     read[original] = _fill(pm._lookup(first), sf.get_slice(original), original)
-        for first, key in key_of.items():
-            if key in converted:
-                read.update(_fill_converted(pm._lookup(first), key, converted[key], files, listed))
+        with _OneOpen(listed, _hf_model(pm)) as opened:
+            for first, key in key_of.items():
+                if key in converted:
+                    read.update(_fill_converted(pm._lookup(first), key, converted[key], files, opened))
     object.__setattr__(pm, "_bytes_read", read)
     return set(targets)
 
@@ -399,19 +430,30 @@ def _converted_keys(pm, files: dict[str, Path]):
             renamed[new] = key
         else:
             converted.setdefault(new, (by_pattern[pattern], {}))[1].setdefault(pattern, []).append(key)
+    # a one-to-many converter (Dinov2's SwiGLU `weights_in` -> `gate_proj`, `up_proj`: `Chunk`, `Split`) names its
+    # first target; its other targets are the same key with the first target pattern replaced, as transformers'
+    # `WeightConverter.convert` names them
+    for first in list(converted):
+        conv, sources = converted[first]
+        converted[first] = (conv, sources, first)
+        head = conv.target_patterns[0]
+        if len(conv.target_patterns) > 1 and head in first:
+            prefix, _, suffix = first.partition(head)
+            for other in conv.target_patterns[1:]:
+                converted[prefix + other + suffix] = (conv, sources, first)
     keys = _Keys(files, renamed)
-    for new, (conv, sources) in converted.items():
+    for new, (conv, sources, _) in converted.items():
         keys[new] = files[next(iter(sources.values()))[0]]
     return keys, converted
 
 
-def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed: bool) -> dict[str, int]:
+def _fill_converted(target, key: str, conversion, files: dict[str, Path], opened: _OneOpen) -> dict[str, int]:
     """Fill `target` (the model's tensor `key`) from the checkpoint tensors a `WeightConverter` assembles it from;
     returns the bytes read per checkpoint key. Stacking (`MergeModulelist`) then concatenating (`Concatenate`), the
     converters of MoE experts: each source tensor's block of the target is known, so this rank reads only the
     parts of the blocks its shard holds (an expert it does not own: nothing). Any other operations: the sources
     are read whole and converted by transformers' own operations, then this rank's shard is taken."""
-    conv, sources = conversion
+    conv, sources, layer = conversion
     kinds = [type(op).__name__ for op in conv.operations]
     local = target.to_local() if isinstance(target, DTensor) else target
     if isinstance(target, DTensor):
@@ -421,8 +463,8 @@ def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed
     if local.numel() == 0:
         return {k: 0 for keys in sources.values() for k in keys}
     patterns = [p for p in conv.source_patterns if p in sources]
-    if kinds not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]):
-        return _fill_by_transformers(local, index, key, conv, {p: sources[p] for p in patterns}, files, listed)
+    if kinds not in (["MergeModulelist"], ["MergeModulelist", "Concatenate"]) or len(conv.target_patterns) > 1:
+        return _fill_by_transformers(local, index, tuple(target.shape), key, layer, conv, {p: sources[p] for p in patterns}, files, opened)
     stack = conv.operations[0].dim
     cat = conv.operations[1].dim if len(kinds) == 2 else None
     read: dict[str, int] = {}
@@ -435,11 +477,10 @@ def _fill_converted(target, key: str, conversion, files: dict[str, Path], listed
                              "the checkpoint of a model with the same config")
         size = None
         for i, k in enumerate(keys):
-            with _open(files[k], listed=listed) as sf:
-                sl = sf.get_slice(k)
-                shape = tuple(sl.get_shape())
-                size = shape[cat - 1 if cat > stack else cat] if cat is not None else None
-                read[k] = _read_block(local, index, sl, stack, i, cat, offset, shape, key, k, tuple(target.shape))
+            sl = opened.get(files[k]).get_slice(k)
+            shape = tuple(sl.get_shape())
+            size = shape[cat - 1 if cat > stack else cat] if cat is not None else None
+            read[k] = _read_block(local, index, sl, stack, i, cat, offset, shape, key, k, tuple(target.shape))
         offset += size or 0
     if cat is not None and offset != target.shape[cat]:
         raise ValueError(f"autopar.load{_on_rank()}: {key} {tuple(target.shape)} is concatenated on dim {cat} from "
@@ -475,21 +516,45 @@ def _read_block(local, index, sl, stack: int, i: int, cat: int | None, offset: i
     return read
 
 
-def _fill_by_transformers(local, index, key, conv, sources: dict[str, list[str]], files, listed) -> dict[str, int]:
-    """A converter autopar does not slice: its sources read whole, converted by transformers' operations."""
+def _fill_by_transformers(local, index, shape, key, layer, conv, sources: dict[str, list[str]], files,
+                          opened) -> dict[str, int]:
+    """A converter autopar does not slice: its sources read whole, converted by transformers' operations (with the
+    model and config some need: `Split` sizes its pieces by the model's parameters), then this rank's shard of the
+    target `key` taken. `layer` is the converter's first target key: a one-to-many converter's outputs are keyed by
+    target pattern, and its siblings' fills reuse the conversion (`opened.converted`, held until all are filled):
+    the sources are read once."""
     read: dict[str, int] = {}
-    collected: dict[str, list[torch.Tensor]] = {}
-    for p, keys in sources.items():
-        for k in keys:
-            with _open(files[k], listed=listed) as sf:
-                t = sf.get_tensor(k)
-            read[k] = t.numel() * t.element_size()
-            collected.setdefault(p, []).append(t)
-    for op in conv.operations:
-        collected = op.convert(collected, source_patterns=list(conv.source_patterns),
-                               target_patterns=list(conv.target_patterns), full_layer_name=key)
-    (full,) = collected.values()
+    if layer not in opened.converted:
+        collected: dict[str, list[torch.Tensor]] = {}
+        for p, keys in sources.items():
+            for k in keys:
+                t = opened.get(files[k]).get_tensor(k)
+                read[k] = t.numel() * t.element_size()
+                collected.setdefault(p, []).append(t)
+        for op in conv.operations:
+            collected = op.convert(collected, source_patterns=list(conv.source_patterns),
+                                   target_patterns=list(conv.target_patterns), full_layer_name=layer,
+                                   model=opened.hf, config=getattr(opened.hf, "config", None), missing_keys=None)
+        opened.converted[layer] = [collected, len(conv.target_patterns)]
+    held = opened.converted[layer]
+    collected = held[0]
+    held[1] -= 1
+    if held[1] <= 0:  # every target of this conversion filled: let its tensors go
+        del opened.converted[layer]
+    if len(collected) == 1:
+        (full,) = collected.values()
+    else:
+        prefix, _, suffix = layer.partition(conv.target_patterns[0])
+        full = next((v for p, v in collected.items() if prefix + p + suffix == key), None)
+        if full is None:
+            raise ValueError(f"autopar.load{_on_rank()}: transformers' {type(conv).__name__} of {layer} gave "
+                             f"{sorted(collected)}, none of which is {key}. Fix: load with the transformers version the "
+                             "checkpoint was saved with, or report this model class")
     full = full[0] if isinstance(full, list) else full
+    if tuple(full.shape) != shape:
+        raise ValueError(f"autopar.load{_on_rank()}: {key} converted from the checkpoint has shape "
+                         f"{tuple(full.shape)}, the model's is {shape}. Fix: load the checkpoint of a model with the "
+                         "same config")
     local.copy_(full[torch.meshgrid(*index, indexing="ij")])
     return read
 

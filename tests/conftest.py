@@ -104,6 +104,7 @@ FILE_SECONDS = {
     "test_recognition.py": 57,
     "test_meta.py": 60,
     "test_meta_moe.py": 30,  # 2026-12-07 at load 19: the 4-rank job 24 s cold (pool started, workers importing transformers), 4 s warm; 80 s alone with the pool start; the in-process check 4 s
+    "test_load_conversions.py": 8,  # 2026-12-07: Dinov2 SwiGLU save/load under fsdp and megatron on the 2-rank pool
     "test_release.py": 30,  # measured 2026-12-06: 21 s (8-12 s per plan: four parallelize each, a 42 MB model)
     "test_solver.py": 44,
     "test_shapes.py": 36,

@@ -44,7 +44,15 @@ def _meta_moe_worker(path: str, family: str = "mixtral"):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     pm = autopar.parallelize(meta, mesh, (inputs["input_ids"], inputs["labels"]), plan="dp",
                              overrides={"moe": "expert@ep"})
-    autopar.load(pm, path)
+    import autopar.weights as weights
+    opened, real_open = [], weights._open
+    weights._open = lambda file, listed: (opened.append(file), real_open(file, listed))[1]
+    try:
+        autopar.load(pm, path)
+    finally:
+        weights._open = real_open
+    import os
+    n_files = len([f for f in os.listdir(path) if f.endswith(".safetensors")])
     with record_comms() as recs:
         loss = pm(inputs["input_ids"], inputs["labels"])
         loss.backward()
@@ -76,12 +84,16 @@ def _meta_moe_worker(path: str, family: str = "mixtral"):
     tp_err = max([abs(float(loss_tp) - float(rloss2))] +
                  [float((p.grad.full_tensor() - ref2_params[n].grad).abs().max()) for n, p in tp.named_parameters()])
     return float(loss), float(rloss), grads, params, counts, experts, keys, notes, \
-        {n for n, _ in ref.named_parameters()}, tp_err, tp.plan.table()
+        {n for n, _ in ref.named_parameters()}, tp_err, tp.plan.table(), len(opened), n_files
 
 
 def test_meta_mixtral_expert_parallel_loads_hf_layout_experts_on_owners(tmp_path):
     results = gloo_pool(4).run(_meta_moe_worker, str(tmp_path))
-    for rank, (loss, rloss, grads, params, counts, experts, keys, notes, names, tp_err, table) in enumerate(results):
+    for rank, (loss, rloss, grads, params, counts, experts, keys, notes, names, tp_err, table, opened, n_files) \
+            in enumerate(results):
+        # each file opened at most three times (its keys listed, the plain tensors, the stacked experts), not once
+        # per expert tensor (24 here)
+        assert opened <= 3 * n_files, (rank, opened, n_files)
         assert tp_err <= TOL, (rank, tp_err)  # megatron: loss and every gradient
         assert re.search(r"mlp\.experts.*moe +tp@tp +gate_up_proj=SS\(1,2\), down_proj=S\(2\)", table), table
         assert abs(loss - rloss) <= TOL, (rank, loss, rloss)
