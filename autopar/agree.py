@@ -461,21 +461,22 @@ class SummedAgreement:
         self.key, self.error = key, error
         self.group = mesh.get_group(0)
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank()
-        row = _ROWS.get((key, self.world, self.rank, error is not None))
-        if row is None:
+        self._device = _device(mesh)
+        at = (key, self.world, self.rank, error is not None, self._device)
+        cached = _ROWS.get(at)
+        if cached is None:
             words = _digest_words(_key_digest(key), self.world)
             flags = [1.0, self.rank + 1.0] if error is not None else [0.0, 0.0]
             row = [0.0, 0.0, *flags, 0.0, 0.0, *words]
-            _ROWS[(key, self.world, self.rank, error is not None)] = row
+            cached = _ROWS[at] = (row, torch.tensor(row[_INDEX:], dtype=torch.float64, device=self._device))
             while len(_ROWS) > 64:
                 _ROWS.popitem(last=False)
-        self.row = row
-        self._payload: torch.Tensor | None = None
-        self._device = _device(mesh)
+        self.row, self._payload = cached
 
     def payload(self) -> torch.Tensor:
-        """The row after the loss's two entries, to append to this rank's (sum, count) (fp64)."""
-        return torch.tensor(self.row[_INDEX:], dtype=torch.float64, device=self._device)
+        """The row after the loss's two entries, to append to this rank's (sum, count) (fp64; kept per key and
+        never written: the loss path concatenates it)."""
+        return self._payload
 
     def alone(self, failed: bool = False):
         """The row all-reduced by itself (the loss's entries zero); returns the function that waits and checks.
@@ -511,7 +512,8 @@ class SummedAgreement:
             raise e
 
 
-_ROWS: "OrderedDict[tuple, list[float]]" = OrderedDict()  # (guard key, world, rank, error) -> the row, a few kept
+# (guard key, world, rank, error, device) -> the row and its payload tensor, a few kept
+_ROWS: "OrderedDict[tuple, tuple[list[float], torch.Tensor]]" = OrderedDict()
 
 
 def _shapes_differ(rank: int, key: tuple, same_batch: bool) -> RankMismatchError:
