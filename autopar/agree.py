@@ -21,6 +21,9 @@ every rank:
 - `agree_on_call`: at every call of the ParallelModule, one small all-reduce, left in flight until the program's
   first collective: the call's shapes agree, no rank holds an out-of-range id, and under inputs="global" every rank
   passed the same values (`input_digests` of every tensor input).
+- `SummedAgreement`: the same agreement under inputs="local" on a 1-D mesh, as an exact SUM of fp64 integers that
+  rides on the loss's (sum, count) all-reduce where that is the call's first collective (one forward
+  synchronisation), and is all-reduced alone on the same group otherwise.
 
 The fingerprint parts (`PARTS`): the mesh (axis names, sizes, rank layout), the plan arguments (plan, overrides,
 memory_limit, cluster, inputs), the parameters and buffers (names, shapes, dtypes), the example inputs (structure,

@@ -3,7 +3,8 @@
 `pm(*inputs)` takes the same global inputs as the model (with `parallelize(..., inputs="local")`, each
 data-parallel rank's own shard of the batch) and returns the same outputs on every rank; every call agrees with the
 other ranks on its shapes and, under inputs="global", on its values (`autopar.agree.agree_on_call`: one small
-all-reduce left in flight until the program's first collective; `pm.check_inputs = False` skips the values);
+all-reduce left in flight until the program's first collective; `pm.check_inputs = False` skips the values;
+under inputs="local" on a 1-D mesh `autopar.agree.SummedAgreement`, riding on the loss's all-reduce);
 parameters keep their fully-qualified names (tied weights stay tied) and are DTensors with the plan's
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. Making one installs DTensor's fast path for
