@@ -21,6 +21,9 @@ every rank:
 - `agree_on_call`: at every call of the ParallelModule, one small all-reduce, left in flight until the program's
   first collective: the call's shapes agree, no rank holds an out-of-range id, and under inputs="global" every rank
   passed the same values (`input_digests` of every tensor input).
+- `SummedAgreement`: the same agreement under inputs="local" on a 1-D mesh, as an exact SUM of fp64 integers that
+  rides on the loss's (sum, count) all-reduce where that is the call's first collective (one forward
+  synchronisation), and is all-reduced alone on the same group otherwise.
 
 The fingerprint parts (`PARTS`): the mesh (axis names, sizes, rank layout), the plan arguments (plan, overrides,
 memory_limit, cluster, inputs), the parameters and buffers (names, shapes, dtypes), the example inputs (structure,
@@ -65,6 +68,11 @@ def _one_process() -> bool:
     from torch.distributed._local_tensor import local_tensor_mode
     return (not dist.is_initialized() or dist.get_world_size() == 1 or local_tensor_mode() is not None
             or dist.get_backend() == "fake")
+
+
+def one_process() -> bool:
+    """One process plays every rank (LocalTensorMode, the fake backend) or there is one rank: no agreement to run."""
+    return _one_process()
 
 
 def _device(mesh: DeviceMesh) -> str:
@@ -396,15 +404,7 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         g = got.tolist()
         m = mine_t.tolist() if names else head
         if g[0] != digest or -g[1] != digest:
-            must = ("with inputs='global' (the default) every rank must pass the same inputs" if same_batch else
-                    "with inputs='local' every rank must pass a shard of the same shapes, dtypes and non-tensor values")
-            raise RankMismatchError(
-                f"rank {rank}: {must}" +
-                f" at each call, but the ranks differ at this call (this rank: {key[1]}). "
-                + ("A DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True "
-                   "on the sampler or DataLoader, or pad the last batch." if not same_batch else
-                   "Fix: give every rank the same whole batch, or, if each rank loads its own batch (e.g. with a "
-                   "DistributedSampler, as for DDP), pass inputs='local' to parallelize."))
+            raise _shapes_differ(rank, key, same_batch)
         n = len(data)
         if n and (g[3:3 + n] != m[3:3 + n] or [-x for x in g[3 + n:]] != m[3:3 + n]):
             raise _values_differ(names, data)
@@ -421,6 +421,114 @@ def agree_on_call(key: tuple, mesh: DeviceMesh, error: str | None = None, *, wai
         settle()
         return None
     return settle
+
+
+# ----------------------------------------------------------------------------- the call's agreement, summed
+
+# The row each rank contributes to a summed agreement (fp64, every entry an integer, every sum exact below 2^53):
+# [loss sum, valid count, index errors, sum of (rank + 1) of those, forward failures, sum of (rank + 1) of those,
+# *the guard key's digest]. The loss's two entries are zero where the agreement does not ride on the loss.
+_SUM, _COUNT, _INDEX, _INDEX_RANKS, _FAILED, _FAILED_RANKS, _WORDS = range(7)
+_DIGEST_BITS = 62
+
+
+def _bits_per_word(world: int) -> int:
+    """Digest bits per fp64 entry: bit b of the digest is digit b of the entry in base world + 1, so the sum over
+    the ranks of each digit (at most `world`) never carries into the next, and the whole sum stays below 2^53."""
+    n = 0
+    while (world + 1) ** (n + 1) <= 2**53:
+        n += 1
+    return n
+
+
+def _digest_words(digest: int, world: int) -> list[float]:
+    n, base = _bits_per_word(world), world + 1
+    words = []
+    for start in range(0, _DIGEST_BITS, n):
+        bits = range(start, min(start + n, _DIGEST_BITS))
+        words.append(float(sum(((digest >> b) & 1) * base ** (b - start) for b in bits)))
+    return words
+
+
+class SummedAgreement:
+    """The per-call agreement of `agree_on_call` carried by a SUM all-reduce of fp64 integers (`_WORDS` layout above)
+    on the mesh's one axis, so that it can ride on the loss's (sum, count) all-reduce
+    (`autopar.runtime.ops.cross_entropy_sum_count`) where that is the call's first collective: one forward
+    synchronisation of the ranks, as DDP's forward has none of its own. Exact: every rank contributes, per digest
+    word, digits 0 or 1 (`_digest_words`), so the ranks passed the same shapes iff every summed word is `world` times
+    this rank's; the flags are counts. Where it does not ride (no such loss, an error found before the program runs,
+    a collective first) the same row is all-reduced alone, on the same group, so every rank's first collective of
+    the call is this all-reduce, whichever path its program takes."""
+
+    def __init__(self, key: tuple, mesh: DeviceMesh, error: str | None):
+        self.key, self.error = key, error
+        self.group = mesh.get_group(0)
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank()
+        self._device = _device(mesh)
+        at = (key, self.world, self.rank, error is not None, self._device)
+        cached = _ROWS.get(at)
+        if cached is None:
+            words = _digest_words(_key_digest(key), self.world)
+            flags = [1.0, self.rank + 1.0] if error is not None else [0.0, 0.0]
+            row = [0.0, 0.0, *flags, 0.0, 0.0, *words]
+            cached = _ROWS[at] = (row, torch.tensor(row[_INDEX:], dtype=torch.float64, device=self._device))
+            while len(_ROWS) > 64:
+                _ROWS.popitem(last=False)
+        self.row, self._payload = cached
+
+    def payload(self) -> torch.Tensor:
+        """The row after the loss's two entries, to append to this rank's (sum, count) (fp64; kept per key and
+        never written: the loss path concatenates it)."""
+        return self._payload
+
+    def alone(self, failed: bool = False):
+        """The row all-reduced by itself (the loss's entries zero); returns the function that waits and checks.
+        `failed`: this rank's program raised before its first collective: the other ranks are told (they raise
+        too, never summing a loss this rank did not add)."""
+        row = self.row if not failed else [*self.row[:_FAILED], 1.0, self.rank + 1.0, *self.row[_WORDS:]]
+        got = torch.tensor(row, dtype=torch.float64, device=self._device)
+        work = dist.all_reduce(got, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+        def settle() -> None:
+            work.wait()
+            if not failed:
+                self.check(got.tolist())
+        return settle
+
+    def check(self, got: list[float]) -> None:
+        """Raise, on every rank alike, if the summed row says the ranks differ or one failed."""
+        mine, w = self.row, self.world
+        if any(g != w * m for g, m in zip(got[_WORDS:], mine[_WORDS:])):
+            raise _shapes_differ(self.rank, self.key, same_batch=False)
+        if got[_FAILED]:
+            ranks = int(got[_FAILED_RANKS]) - 1
+            who = f"rank {ranks}" if got[_FAILED] == 1 else f"{int(got[_FAILED])} ranks"
+            raise RuntimeError(f"{who} raised an error in this call's forward (its traceback is there), before the "
+                               "call's first collective; every rank stops at this call rather than reduce without it")
+        if got[_INDEX]:
+            first = int(got[_INDEX_RANKS]) - 1
+            who = (f"rank {first}'s batch has" if got[_INDEX] == 1 else f"{int(got[_INDEX])} ranks' batches have")
+            e = IndexError(f"{who} a token id or label out of range (one device raises IndexError there); every "
+                           "rank stops at this call")
+            if self.error is not None:
+                e.add_note(f"rank {self.rank}: {self.error}")
+            raise e
+
+
+# (guard key, world, rank, error, device) -> the row and its payload tensor, a few kept
+_ROWS: "OrderedDict[tuple, tuple[list[float], torch.Tensor]]" = OrderedDict()
+
+
+def _shapes_differ(rank: int, key: tuple, same_batch: bool) -> RankMismatchError:
+    must = ("with inputs='global' (the default) every rank must pass the same inputs" if same_batch else
+            "with inputs='local' every rank must pass a shard of the same shapes, dtypes and non-tensor values")
+    return RankMismatchError(
+        f"rank {rank}: {must}" +
+        f" at each call, but the ranks differ at this call (this rank: {key[1]}). "
+        + ("A DistributedSampler's last batch is shorter when the dataset does not divide. Fix: drop_last=True "
+           "on the sampler or DataLoader, or pad the last batch." if not same_batch else
+           "Fix: give every rank the same whole batch, or, if each rank loads its own batch (e.g. with a "
+           "DistributedSampler, as for DDP), pass inputs='local' to parallelize."))
 
 
 _KEY_DIGESTS: "OrderedDict[tuple, int]" = OrderedDict()  # guard key -> `_digest([repr(key)])`, a few kept

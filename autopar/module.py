@@ -3,7 +3,8 @@
 `pm(*inputs)` takes the same global inputs as the model (with `parallelize(..., inputs="local")`, each
 data-parallel rank's own shard of the batch) and returns the same outputs on every rank; every call agrees with the
 other ranks on its shapes and, under inputs="global", on its values (`autopar.agree.agree_on_call`: one small
-all-reduce left in flight until the program's first collective; `pm.check_inputs = False` skips the values);
+all-reduce left in flight until the program's first collective; `pm.check_inputs = False` skips the values;
+under inputs="local" on a 1-D mesh `autopar.agree.SummedAgreement`, riding on the loss's all-reduce);
 parameters keep their fully-qualified names (tied weights stay tied) and are DTensors with the plan's
 placements (`shard_tensor`; a ModuleList expert under expert parallelism lives whole on the ranks that
 own it, `owned_tensor`); buffers are registered as they were. Making one installs DTensor's fast path for
@@ -27,25 +28,26 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils import _pytree as pytree
 
-from autopar.agree import agree_on_call
+from autopar.agree import SummedAgreement, agree_on_call, one_process
 from autopar.inputs import batch_dims, data_degree
 from autopar.capture import split_example_inputs
 from autopar.captured import Captured
 from autopar.checkpoint import strided_to_replicated, to_placements
-from autopar.mesh import mesh_info
+from autopar.mesh import mesh_info, resolve_axis
 from autopar.plan import GATHER_PERSIST, DirectiveKind, Plan
 from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
-from autopar.runtime.collectives import after_backward, before_next_collective, settle_pending
+from autopar.runtime.collectives import after_backward, before_next_collective, ride_on_loss, settle_pending
 from autopar.runtime.fsdp import fsdp_step, persist_versions
-from autopar.runtime.ops import advance_rng_stream
+from autopar.runtime.ops import advance_rng_stream, riding_loss_axis
 from autopar.runtime import local_step, scalar_ops
 from autopar.dtensors import empty_like_placed, mesh_device, owned_tensor, shard_tensor, to_locals
 from autopar.weights import compute_buffers, init_weights, is_meta_model, meta_copy
@@ -158,6 +160,8 @@ class ParallelModule(nn.Module):
         self._stored = dict(plan.params)  # every parameter's placements, whatever program runs
         self._persists = any(d.kind is DirectiveKind.GATHER and d.value == GATHER_PERSIST for d in plan.directives)
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
+        self._riding: dict[tuple, bool] = {}  # program key -> whether the call's agreement rides on its loss
+        self._summed_agreement: bool | None = None  # `_summed`, decided at the first call
         args, kwargs = split_example_inputs(example_inputs) if example_inputs is not None else (None, None)
         key = self._key(args, kwargs) if args is not None else None
         self._current = self._keep(make_program(key, captured, plan, gm, self._stored))
@@ -226,13 +230,16 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten(cast_inputs(self._precision, args, {k: kwargs[k] for k in prog.kw_order}))
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
-        settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard))  # resharding is a collective
+        # resharding is a collective
+        settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard), ride=self._rides(prog))
         if settle is not None:  # the ranks' agreement on this call completes before the call's first collective
             before_next_collective(settle)
         try:
             outs = self._run(prog, cap, flat)
-        finally:
-            settle_pending()
+        except BaseException:
+            settle_pending(failed=True)
+            raise
+        settle_pending()
         return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
 
     def _run(self, prog: Program, cap: Captured, flat: list):
@@ -277,8 +284,33 @@ class ParallelModule(nn.Module):
                 # directly: `DTensor.from_local` is an autograd function, tens of microseconds per parameter
                 p.grad = DTensor(local, g._spec, requires_grad=False) if isinstance(g, DTensor) else local
 
+    def _rides(self, prog: Program) -> bool:
+        """Whether this call's agreement can ride on `prog`'s loss all-reduce (`SummedAgreement`): several processes,
+        a 1-D mesh over the whole world (the loss's axis is the agreement's group), inputs="local" (no value digests
+        to carry), no parameter resharded first (a collective), not compiling, and the program's first fused loss
+        pair all-reduced on that axis before any other collective (`ops.riding_loss_axis`)."""
+        if not self._summed or prog.reshard or torch.compiler.is_compiling():
+            return False
+        rides = self._riding.get(prog.key)
+        if rides is None:
+            axis = riding_loss_axis(prog.gm)
+            rides = axis is not None and resolve_axis(axis).group_name == self._mesh.get_group(0).group_name
+            self._riding[prog.key] = rides
+            while len(self._riding) > max(8, self.max_programs):
+                self._riding.pop(next(iter(self._riding)))
+        return rides
+
+    @property
+    def _summed(self) -> bool:
+        """The per-call agreement is a `SummedAgreement` (riding on the loss where it can, else alone): under
+        inputs="local" on a 1-D mesh spanning every process. Else `agree_on_call`'s all-reduce."""
+        if self._summed_agreement is None:
+            self._summed_agreement = (self._local_axes is not None and self._mesh.ndim == 1 and not one_process()
+                                      and self._mesh.size() == dist.get_world_size())
+        return self._summed_agreement
+
     @torch._dynamo.disable  # under torch.compile(pm) too: host-side checks and an all-reduce left in flight, as eager
-    def _check_inputs(self, key: tuple, cap: Captured, flat: list, wait: bool = True):
+    def _check_inputs(self, key: tuple, cap: Captured, flat: list, wait: bool = True, ride: bool = False):
         """Out-of-range ids and labels raise one device's `IndexError` on every rank (`autopar.index_checks`), and the
         ranks agree on the call in one all-reduce (`autopar.agree.agree_on_call`): on its shapes, and under
         inputs="global" (unless `check_inputs` is off) on a digest of every tensor input's values, as each rank must
@@ -297,6 +329,16 @@ class ParallelModule(nn.Module):
                 checked = {n: v.repeat(copies, *[1] * (v.dim() - 1)) if d and copies > 1 else v
                            for (n, v), d in zip(values.items(), dims) if n in read}
             error = cap.index_checks(checked)
+        if self._local_axes is not None and self._summed:
+            agreement = SummedAgreement(key, self._mesh, error)
+            if ride and error is None:
+                ride_on_loss(agreement)  # checked where the loss's pair is summed, before any result is returned
+                return None
+            settle = agreement.alone()
+            if wait or error is not None:
+                settle()
+                return None
+            return settle
         if self._local_axes is not None:
             return agree_on_call(key, self._mesh, error, wait=wait)
         if self.check_inputs:
@@ -328,7 +370,7 @@ class ParallelModule(nn.Module):
 def _shard_steps(plan: Plan, mesh: DeviceMesh, pm: "ParallelModule") -> None:
     """The plan's `SHARD_STEP` directives (ZeRO-1, `autopar.forms.zero`) marked on the parameters
     (`local_step.shard_step`): per parameter its data mesh dims and tensor dim."""
-    from autopar.mesh import mesh_info
+    from autopar.mesh import mesh_info, resolve_axis
     names = mesh_info(mesh).names
     steps: dict[str, tuple[list[int], int]] = {}
     for d in plan.directives:

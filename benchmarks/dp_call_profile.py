@@ -29,6 +29,10 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.agree import agree_on_call
+try:
+    from autopar.agree import SummedAgreement
+except ImportError:  # a checkout before the agreement rode on the loss
+    SummedAgreement = None
 from autopar.dtensors import to_locals
 from common import census_model, launch
 
@@ -40,15 +44,19 @@ def body(rounds: int, cprofile: bool) -> None:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
     models = {"autopar": pm, "DDP": DistributedDataParallel(copy.deepcopy(model)), "eager": copy.deepcopy(model)}
-    times: dict[str, list[tuple[float, float]]] = {n: [] for n in models}
+    if hasattr(pm, "_rides"):  # the A/B of the agreement riding on the loss: the same program, the agreement alone
+        alone = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+        alone._rides = lambda prog: False
+        models = {"autopar": pm, "autopar, agreement alone": alone, **{n: m for n, m in models.items() if n != "autopar"}}
+    times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in models}
 
     def step(name: str) -> None:
         m = models[name]
-        c0 = time.process_time()
+        w0, c0 = time.perf_counter(), time.process_time()
         loss = m(*local)
-        c1 = time.process_time()
+        w1, c1 = time.perf_counter(), time.process_time()
         loss.backward()
-        times[name].append((c1 - c0, time.process_time() - c1))
+        times[name].append((c1 - c0, time.process_time() - c1, w1 - w0, time.perf_counter() - w1))
         for p in m.parameters():
             p.grad = None
 
@@ -73,8 +81,9 @@ def body(rounds: int, cprofile: bool) -> None:
             step(n)
     if rank == 0:
         for n, v in times.items():
-            f, b = statistics.median(x for x, _ in v) * 1e3, statistics.median(y for _, y in v) * 1e3
-            print(f"{n:8s} forward {f:6.2f} ms  backward {b:6.2f} ms  (CPU per step, median of {rounds})")
+            f, b, wf, wb = (statistics.median(x[i] for x in v) * 1e3 for i in range(4))
+            print(f"{n:26s} forward {f:6.2f} ms  backward {b:6.2f} ms  (CPU per step, median of {rounds}); "
+                  f"wall {wf:6.2f} / {wb:6.2f} ms")
     key = pm._key(local, {})
     prog = pm._programs[key]
     cap = prog.captured
@@ -91,7 +100,9 @@ def body(rounds: int, cprofile: bool) -> None:
     pieces = {
         "guard key": lambda: pm._key(local, {}),
         "agreement (agree_on_call)": lambda: agree_on_call(key, mesh, None, wait=True),
-        "_check_inputs (index checks + agreement)": lambda: pm._check_inputs(key, cap, flat, wait=True),
+        **({"agreement alone (SummedAgreement, waited)": lambda: SummedAgreement(key, mesh, None).alone()()}
+           if SummedAgreement is not None else {}),
+        "_check_inputs (index checks + agreement)": lambda: pm._check_inputs(key, cap, flat, wait=True),  # alone
         "bare all-reduce, 3 int64": lambda: dist.all_reduce(t3, op=dist.ReduceOp.MAX),
         "to_locals (14 parameters)": lambda: to_locals(dts),
         "program, no_grad (wrapper skipped)": no_grad(lambda: pm._run(prog, cap, flat)),

@@ -4,8 +4,8 @@ Under `dp` on one data axis the loss was two small forward all-reduces (the coun
 partial loss): now one all-reduce of this rank's (sum, count), divided after it. Asserted on 2 gloo ranks against
 one device in fp64, with ignored targets (so the count is not the batch size) and label smoothing: the loss, every
 parameter gradient and the parameters after two AdamW steps; the exact collectives of a step (forward: one
-2-element all-reduce; backward: the one gradient bucket); and the lowered graph (the fused op, no
-`cross_entropy_sharded_batch` left).
+all-reduce of the (sum, count) pair with the call's agreement riding on it, `autopar.agree.SummedAgreement`;
+backward: the one gradient bucket); and the lowered graph (the fused op, no `cross_entropy_sharded_batch` left).
 """
 
 from __future__ import annotations
@@ -79,5 +79,6 @@ def test_count_rides_on_the_loss_all_reduce_exactly():
         assert res["fused"] == (1, 1, 0), res
         fwd = [c for c in res["comms"] if c[1] == "forward"]
         bwd = [c for c in res["comms"] if c[1] == "backward"]
-        assert [(k, n) for k, _, n in fwd] == [("all_reduce", 2)], res["comms"]  # (sum, count): one all-reduce
+        # (sum, count) and the call's agreement riding on it (4 flags, 2 digest words at 2 ranks): one all-reduce
+        assert [(k, n) for k, _, n in fwd] == [("all_reduce", 2 + 4 + 2)], res["comms"]
         assert [(k, n) for k, _, n in bwd] == [("all_reduce", n_params)], res["comms"]  # the one bucket

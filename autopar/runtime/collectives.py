@@ -48,13 +48,40 @@ class _Functional:
     raising on every rank if they differ) before the first collective of the step is looked up."""
 
     def __getattr__(self, name: str):
-        if _BEFORE_COLLECTIVE:
+        if _BEFORE_COLLECTIVE or _RIDING:
             settle_pending()
         return getattr(torch.ops._c10d_functional, name)
 
 
 _c10d = _Functional()
 _BEFORE_COLLECTIVE: list = []  # at most one function: a step's agreement, run before its first collective
+# At most one `autopar.agree.SummedAgreement`: a call's agreement waiting to ride on its loss's (sum, count)
+# all-reduce (`ride_on_loss`); then, once appended to that pair, waiting to be checked (`_RIDDEN`).
+_RIDING: list = []
+_RIDDEN: list = []
+
+
+def ride_on_loss(agreement) -> None:
+    """Carry `agreement` (an `autopar.agree.SummedAgreement`) in this call's loss all-reduce: the next
+    `ops.cross_entropy_sum_count` appends its row to the (sum, count) pair and `ops.sum_over_count` checks the summed
+    row before it divides. Any collective issued first instead (through `_c10d`), or `settle_pending()`, all-reduces
+    the row alone, on the same group: every rank's first collective of the call is that row's all-reduce either way."""
+    _RIDDEN.clear()
+    _RIDING[:] = [agreement]
+
+
+def take_riding():
+    """The agreement waiting to ride, now riding (None if there is none)."""
+    if not _RIDING:
+        return None
+    agreement = _RIDING.pop()
+    _RIDDEN[:] = [agreement]
+    return agreement
+
+
+def take_ridden():
+    """The agreement whose row was appended to the loss's pair, to check on the summed pair (None if none)."""
+    return _RIDDEN.pop() if _RIDDEN else None
 
 
 def before_next_collective(fn) -> None:
@@ -63,8 +90,13 @@ def before_next_collective(fn) -> None:
     _BEFORE_COLLECTIVE[:] = [fn]
 
 
-def settle_pending() -> None:
-    """Run the function `before_next_collective` left, if it has not run (it runs once, even if it raises)."""
+def settle_pending(failed: bool = False) -> None:
+    """Run the function `before_next_collective` left, if it has not run (it runs once, even if it raises); an
+    agreement still waiting to ride (`ride_on_loss`) is all-reduced alone and checked. `failed`: the call's program
+    raised on this rank: a waiting agreement tells the other ranks so (they raise rather than reduce without this
+    rank), and is not checked here (this rank's own error is the one to raise)."""
+    if _RIDING:
+        _RIDING.pop().alone(failed=failed)()
     if _BEFORE_COLLECTIVE:
         fn = _BEFORE_COLLECTIVE.pop()
         fn()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
-from autopar.runtime.collectives import _c10d, _raw_all_reduce, _record, _wait
+from autopar.runtime.collectives import _c10d, _raw_all_reduce, _record, _wait, take_ridden, take_riding
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> None:
@@ -172,12 +172,45 @@ def cross_entropy_sum_count(logits: torch.Tensor, target: torch.Tensor, ignore_i
     total = losses.sum()
     with torch.no_grad():
         count = (target != ignore_index).sum().to(total.dtype)
-    return torch.stack([total, count])
+    pair = torch.stack([total, count])
+    agreement = take_riding()
+    if agreement is None:
+        return pair
+    # the call's agreement rides along (`collectives.ride_on_loss`): one fp64 all-reduce of (sum, count, its row)
+    return torch.cat([pair.to(torch.float64), agreement.payload()])
 
 
 def sum_over_count(sum_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The global (sum, count) pair of `cross_entropy_sum_count`, all-reduced: the mean loss, replicated."""
+    """The global (sum, count) pair of `cross_entropy_sum_count`, all-reduced: the mean loss, replicated. With the
+    call's agreement riding on it (more than 2 entries), the summed row is checked first: ranks that differ, or one
+    that failed, raise here on every rank, before any of this call's results is returned."""
+    if sum_count.numel() > 2:
+        agreement = take_ridden()
+        assert agreement is not None, "a summed agreement row without its agreement"
+        agreement.check(sum_count.detach().tolist())
     return (sum_count[0] / sum_count[1]).to(out_dtype)
+
+
+def riding_loss_axis(gm) -> str | None:
+    """The mesh axis (its graph key) of the fused loss all-reduce that this call's agreement can ride on, or None.
+    It can where the program's first `cross_entropy_sum_count` (the one that takes the agreement) is followed by its
+    all-reduce with only ATen ops between them (no collective slips in between: a collective issued BEFORE the pair
+    meets the waiting agreement first and all-reduces it alone, on every rank alike)."""
+    from autopar.runtime import collectives as C
+    nodes = list(gm.graph.nodes)
+    first = next((i for i, n in enumerate(nodes) if n.op == "call_function" and n.target is cross_entropy_sum_count),
+                 None)
+    if first is None or len(nodes[first].users) != 1:
+        return None
+    (ar,) = nodes[first].users
+    if ar.target is not C.all_reduce or len(ar.args) != 2 or ar.kwargs:
+        return None
+    for n in nodes[first + 1:nodes.index(ar)]:
+        if n.op == "call_function" and not isinstance(n.target, torch._ops.OpOverload):
+            return None
+        if n.op in ("call_module", "call_method"):
+            return None
+    return ar.args[1] if isinstance(ar.args[1], str) else None
 
 
 def vocab_parallel_cross_entropy_loss(logits: torch.Tensor, target: torch.Tensor, axis: AxisRef, reduction: int,
