@@ -179,11 +179,8 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     tp = plan in TP_STAGE_PLANS
     if tp:
         check_tp_stage(value, plan, names, axis, form)
-    rest = {k: v for k, v in (overrides or {}).items() if k != "pipeline"}
-    if rest:
-        raise NotImplementedError(f"overrides {sorted(rest)} with a 'pipeline' override: forms inside a pipeline "
-                                  "stage are not implemented yet (issue #23); the other axes are data parallel. "
-                                  "Fix: drop them.")
+    from autopar.pipeline_ep import ep_stage_axis
+    ep = ep_stage_axis(value, plan, overrides, names, axis, form)  # moe=expert@AXIS in the stages, or None
     if inputs != "global":
         raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
                                   "passes the whole batch. Fix: inputs='global'.")
@@ -255,11 +252,15 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     stage_plans = None
     if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
         stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan)
+    if ep is not None:
+        _refuse_weights_across_stages(model, captured, split, f"dp with moe=expert@{ep}")
+        stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
+                                      (mb_args, mb_kwargs), degree)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
     pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                         shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans)
+                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans, ep_axis=ep)
     pm._priced = (model, example_inputs, priced, chosen_note, auto, plan)
     return pm
 
@@ -283,6 +284,37 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
         cap = stage_captured(captured, gm, acts, user, st)
         rank = k % p  # zbv (V-shaped) is refused under tensor parallelism: stage k runs on k % p
         out[k] = (cap, *plan_stage(cap, lines[rank], plan), user, lines[rank], subs[rank])
+    return out
+
+
+def _plan_ep_stages(model, mesh, captured, split, ax: int, overrides: dict, mb_inputs, ep: int) -> dict:
+    """Stage k -> (its Captured, MeshInfo, Plan, user inputs, ep mesh, ep mesh) under expert parallelism in the
+    stages (`autopar.pipeline_ep`): the model captured once more on the ep line's microbatch (`ep` x this rank's
+    rows), cut where `split` is cut, each stage planned there with plan='dp' and the `moe` override."""
+    from autopar.capture import capture
+    from autopar.inputs import batch_dims
+    from autopar.layers import find_layers
+    from autopar.pipeline_ep import plan_ep_stage
+    from autopar.pipeline_tp import stage_captured
+    from autopar.dtensors import owner_meshes
+    args, kwargs = mb_inputs
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    dims = batch_dims([tuple(a.shape) for a in flat])
+    flat = [a.repeat(ep, *[1] * (a.dim() - 1)) if d else a for a, d in zip(flat, dims)]
+    g_args, g_kwargs = pytree.tree_unflatten(flat, spec)
+    group = capture(model, tuple(g_args), dict(g_kwargs))
+    state = set(group.param_fqns) | set(group.buffer_fqns)
+    g_split = _Split(group, find_layers(group.gm, state), split.n_stages, cut=split.cut)
+    subs = owner_meshes(mesh, ax)  # collective: every rank builds every stage's sub-mesh, in coordinate order
+    p = mesh.size(ax)
+    out = {}
+    for k in range(split.n_stages):
+        gm, acts, user, st = g_split.stage_graph(k)
+        mine = split.stage_graph(k)[1:]
+        assert (acts, user, st) == tuple(mine), (k, (acts, user, st), mine)  # the two captures cut alike
+        cap = stage_captured(group, gm, acts, user, st)
+        rank = k % p  # zbv (V-shaped) is refused here: stage k runs on k % p
+        out[k] = (cap, *plan_ep_stage(cap, subs[rank], overrides), user, subs[rank], subs[rank])
     return out
 
 
@@ -339,7 +371,7 @@ class _Split:
     (no parameter, no random op): recomputed where used. `acts[t]`: for t >= 1, the values stage t receives from
     stage t-1, in graph order (the non-free values made before stage t and used at or after it)."""
 
-    def __init__(self, captured, layers, n_stages: int):
+    def __init__(self, captured, layers, n_stages: int, cut: tuple | None = None):
         gm = captured.gm
         self.captured, self.n_stages = captured, n_stages
         flops = {n.name: _node_flops(n) for n in gm.graph.nodes}
@@ -356,7 +388,8 @@ class _Split:
                 pre += flops[n.name]
             elif current == len(layers) - 1:
                 post += flops[n.name]
-        self.cut = balanced_cut(costs, n_stages, first=pre, last=post)
+        # `cut`: another capture's (the same model on other shapes, `_plan_ep_stages`), else balanced here
+        self.cut = tuple(cut) if cut is not None else balanced_cut(costs, n_stages, first=pre, last=post)
         stage_of_layer = {i: k for k in range(n_stages) for i in range(self.cut[k], self.cut[k + 1])}
         self.order = {n: i for i, n in enumerate(nodes)}
         self.stage: dict[fx.Node, int] = {}
@@ -732,7 +765,8 @@ class PipelineModule(nn.Module):
     check_inputs = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
-                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None, tp: dict | None = None):
+                 flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None, tp: dict | None = None,
+                 ep_axis: str | None = None):
         super().__init__()
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -757,6 +791,7 @@ class PipelineModule(nn.Module):
         self._names_of: dict[str, list[str]] = {}  # representative placeholder -> the parameter's names
         self._fsdp, self._mp_policy = fsdp, mp_policy
         self._tp = tp  # stage -> (Captured, MeshInfo, Plan, user inputs, tp mesh, sub-mesh) under tensor parallelism
+        self._ep_axis = ep_axis  # expert parallelism in the stages (`autopar.pipeline_ep`): `tp` holds their plans
         for names, phs in _param_groups(model, captured):
             used = [ph for ph in phs if captured.placeholder(ph).users]
             stages = sorted({k for ph in used for k in split.stages_of[ph]}) or [0]
@@ -863,9 +898,11 @@ class PipelineModule(nn.Module):
         from autopar.pipeline_tp import TPStage, outer_parameter
         from autopar.runtime.ops import new_rng_stream
         cap, info, plan, user, sub_mesh, stage_mesh = planned
+        from autopar.pipeline_ep import EPStage
         stream = f"pp{id(self)}-stage{k}"
         new_rng_stream(stream, seed + k)
-        sub = TPStage(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
+        cls = EPStage if self._ep_axis is not None else TPStage
+        sub = cls(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
         for ph, fqn in cap.param_fqns.items():
             rep = self._leaf_of[ph]
             inner = sub.pm.get_parameter(fqn)  # the leaf the stage's backward accumulates into
@@ -1010,7 +1047,10 @@ class PipelineModule(nn.Module):
             self._reshard()
             grads = [None if g is None else g.to_local() for g in grads]
         elif self._tp is not None:  # the stage programs' DTensor gradients: this rank's tensor-parallel shards
-            grads = self._sum_over_data([None if g is None else g.to_local() for g in grads])
+            # (expert parallelism: this rank's rows' part of a replicated weight's, summed over ep here; an
+            # expert's whole on its owner)
+            grads = self._sum_over_data([None if g is None else g.to_local() for g in grads],
+                                        [self._replicated_on_data(q) for q in self._owned.values()])
         else:
             grads = self._sum_over_data(grads)
             grads = self._sum_over_sharing_stages(grads)
@@ -1177,7 +1217,10 @@ class PipelineModule(nn.Module):
         return total
 
     def _tp_axis(self) -> str:
-        """The tensor-parallel axis inside the stages (megatron: the last axis the pipeline leaves)."""
+        """The tensor-parallel axis inside the stages (megatron: the last axis the pipeline leaves; under expert
+        parallelism the expert axis: its weights' parts are counted as tensor-parallel shards are)."""
+        if self._ep_axis is not None:
+            return self._ep_axis
         return [n for n in self._mesh.mesh_dim_names if n != self._plan.axis and n not in self._data_axes][-1]
 
     def _counts_here(self, q) -> bool:
@@ -1206,25 +1249,35 @@ class PipelineModule(nn.Module):
             out[i] = g
         return out
 
-    def _sum_over_data(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _sum_over_data(self, grads: list[torch.Tensor | None], summed: list[bool] | None = None
+                       ) -> list[torch.Tensor | None]:
         """The stage's gradients summed over its data-parallel ranks: one all-reduce of one flat bucket per data
-        axis (the loss is already weighed by the global count, so a sum is the gradient)."""
+        axis (the loss is already weighed by the global count, so a sum is the gradient). `summed`: which of them
+        (default all; under expert parallelism not the experts', sharded over the data axis)."""
         names = tuple(self._mesh.mesh_dim_names)
         axes = [names.index(a) for a in self._data_axes if self._mesh.size(names.index(a)) > 1]
-        present = [g for g in grads if g is not None]
+        summed = summed if summed is not None else [True] * len(grads)
+        present = [g for g, s in zip(grads, summed) if g is not None and s]
         if not axes or not present:
             return grads
         flat = torch.cat([g.reshape(-1) for g in present])
         for i in axes:
             dist.all_reduce(flat, group=self._mesh.get_group(i))
         out, offset = [], 0
-        for g in grads:
-            if g is None:
-                out.append(None)
+        for g, s in zip(grads, summed):
+            if g is None or not s:
+                out.append(g)
                 continue
             out.append(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         return out
+
+    def _replicated_on_data(self, q) -> bool:
+        """Whether parameter `q` (a DTensor on its stage's sub-mesh) is replicated over the stage's data axes
+        (its gradient is summed there), not sharded over them (an expert under expert parallelism)."""
+        from torch.distributed.tensor import Replicate
+        sub = list(q.device_mesh.mesh_dim_names or ())
+        return all(isinstance(q.placements[sub.index(a)], Replicate) for a in self._data_axes if a in sub)
 
 
 def _param_groups(model: nn.Module, captured) -> list[tuple[list[str], list[str]]]:

@@ -18,7 +18,7 @@ Contract (what `lower_pass` guarantees for the rewritten graph):
   and ops whose sharded form differs are replaced by their parallel form
   (`autopar.runtime.ops`: vocab-parallel embedding and cross-entropy, global-count means, GQA).
 - Every graph output is replicated (`R` on every axis): `pm(*inputs)` returns on every rank what
-  the model returns.
+  the model returns (unless `ctx.keep_outputs`: a pipeline stage's outputs keep their placements).
 - `meta["val"]` keeps the *global* fake value; local shapes follow from it and the placements.
 - Under a plan's mixed precision (`Plan.precision`, `autopar.precision`) the graph was captured with the parameters
   at param_dtype while they arrive in the master dtype: `mixed_precision_pass` casts them (inside their first
@@ -97,6 +97,8 @@ class LowerContext:
     parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
+    # outputs leave as propagated, not replicated (a pipeline stage's rows and partial loss, `autopar.pipeline_ep`)
+    keep_outputs: bool = False
     precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
     # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
     checkpoint: list = field(default_factory=list)
@@ -697,6 +699,8 @@ class _Lowerer:
         return out
 
     def _output(self, node: fx.Node) -> None:
+        if self.ctx.keep_outputs:
+            return
         flat, spec = pytree.tree_flatten(node.args)
         flat = [self.redistribute(a, self.all_r, (), node) if _is_tensor_node(a) and a in self.pl else a for a in flat]
         node.args = pytree.tree_unflatten(flat, spec)
