@@ -57,6 +57,27 @@ def check_tp_stage(value: str, plan: str, names: tuple, axis: str, form: str) ->
             "collectives are not written for. Fix: '1f1b', 'gpipe' or 'interleaved-1f1b'.")
 
 
+def check_shared_placements(model, captured, split, planned: dict, plan: str) -> None:
+    """A weight used by several stages (GPT-2's embedding tied to its head) is one tensor on each of their ranks,
+    its gradient parts summed over them per tensor-parallel shard (`PipelineModule._sum_over_sharing_stages`): that
+    needs every such stage's plan to place it alike (megatron: the vocab-parallel embedding and the column-parallel
+    head both shard it on the vocabulary, `Shard(0)`). Refused otherwise, before anything is built."""
+    from autopar.pipeline_runtime import _param_groups
+    for names, phs in _param_groups(model, captured):
+        used = [ph for ph in phs if captured.placeholder(ph).users]
+        stages = sorted({k for ph in used for k in split.stages_of[ph]})
+        if len(stages) < 2:
+            continue
+        fqn = captured.param_fqns[used[0]]
+        placed = {k: tuple(planned[k][2].param_placements()[fqn]) for k in stages}
+        if len(set(placed.values())) > 1:
+            raise NotImplementedError(
+                f"override 'pipeline' with plan={plan!r}: parameter {names[0]!r} is used by stages {stages}, whose "
+                f"plans place it differently ({', '.join(f'stage {k}: {v}' for k, v in placed.items())}); a weight "
+                "shared by stages is summed over them shard by shard, which needs one placement. Fix: plan='dp', "
+                "or untie the weight.")
+
+
 def stage_captured(captured, gm: fx.GraphModule, acts: list[str], user: list[str], state: list[str]):
     """Stage k's program as a `Captured` of its own: its placeholders in order (received activations, user
     inputs it reads, then its parameters, buffers and constants as the model's capture named them); its output a
