@@ -50,11 +50,6 @@ def check_tp_stage(value: str, plan: str, names: tuple, axis: str, form: str) ->
             f"override 'pipeline': {value!r} with plan={plan!r} on mesh axes {names}: tensor parallelism inside a "
             f"stage runs on the last axis besides {axis!r} (with at most one data axis before it: pp x tp or "
             f"pp x dp x tp), got {len(rest)} other axes ({rest or 'none'}). Fix: a (pp, tp) or (pp, dp, tp) mesh.")
-    if form == "zbv":
-        raise NotImplementedError(
-            f"override 'pipeline': {value!r} with plan={plan!r}: the zero-bubble schedule splits each stage's "
-            "backward into input and weight gradients inside torch's schedule, which a tensor-parallel stage's "
-            "collectives are not written for. Fix: '1f1b', 'gpipe' or 'interleaved-1f1b'.")
 
 
 def check_shared_placements(model, captured, split, planned: dict, plan: str) -> None:

@@ -1,5 +1,5 @@
 """Megatron inside pipeline stages beyond 1f1b on a Llama (issue #23, `autopar.pipeline_tp`): GPT's embedding tied to
-its head on the other stage, and what is refused with a reason, gloo fp64 on the shared 4-rank pool.
+its head on the other stage, and the zero-bubble V schedule, gloo fp64 on the shared 4-rank pool.
 
 pp2 x tp2, `1f1b`, 2 microbatches, GPT (autopar.models.GPT, 2 layers): the embedding (vocab-parallel, `Shard(0)`)
 on stage 0 and the head (column-parallel on the vocabulary, `Shard(0)`) on stage 1 are one weight: each stage's
@@ -7,6 +7,10 @@ ranks hold its tp shard, their gradient parts are summed over the pipeline axis 
 the shard per step), and both stages step it alike. The global loss on every rank, every gradient and every
 parameter after two AdamW steps against one device; the tp all-reduces of each stage program (per microbatch), the
 tied weight's sum and the p2p sends (count and bytes) asserted exactly.
+
+pp2 x tp2 under `zbv` (torch's ScheduleZBVZeroBubble, 4 one-layer stages of a Llama, V-shaped: stages 0 and 3 on the
+first pipeline rank): the loss, every gradient and every parameter after two AdamW steps exact, a forward-only call
+too; the p2p and every tp all-reduce counted (see the test for the weight step's repeated backward all-reduces).
 """
 from __future__ import annotations
 
@@ -118,3 +122,86 @@ def test_gpt_tied_embedding_and_head_on_two_megatron_stages():
             inference = [] if step else [("all_reduce", act // 8)] * 3 if first else per_mb
             assert sorted(reduces) == sorted(per_mb * M + inference), (step, reduces)
     assert {n for r in results for n in r["mine"]} == {n for n, _ in _gpt().named_parameters()}
+
+
+def _llama(layers: int):
+    from autopar.models import Llama, LlamaConfig
+    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
+
+
+def _zbv_pp_tp():
+    """pp2 x tp2 under zbv: 4 stages of one layer, V-shaped (stages 0 and 3 on the first pipeline rank)."""
+    import copy
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama(4)
+        model = copy.deepcopy(ref)
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, V, (B, S), generator=g)
+        labels = torch.randint(0, V, (B, S), generator=g)
+        labels[0, :5] = -100
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
+                                 overrides={"pipeline": "zbv@pp"}, microbatches=M)
+        refs = dict(ref.named_parameters())
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+        errs, counts, mine = {}, [], []
+        for step in range(2):
+            opt_ref.zero_grad()
+            opt.zero_grad()
+            ref_loss = ref(tokens, labels)
+            ref_loss.backward()
+            with _Count() as c:
+                loss = pm(tokens, labels)
+            loss.backward()
+            counts.append((c.p2p, c.reduces))
+            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
+            for n, p in pm.named_parameters():
+                if p.device_mesh.get_coordinate() is None:
+                    assert p.grad is None and p.to_local().numel() == 0
+                    continue
+                if step == 0:
+                    mine.append(n)
+                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+            opt_ref.step()
+            opt.step()
+            for n, p in pm.named_parameters():
+                if n in mine:
+                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        with torch.no_grad():
+            errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
+        return {"errs": errs, "mine": mine, "counts": counts, "stages": pm.local_stages, "rank": dist.get_rank()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_zbv_with_megatron_stages():
+    results = gloo_pool(4).run(_zbv_pp_tp)
+    act = (B // M) * S * 32 * 8  # one microbatch's hidden state, fp64 bytes (Llama hidden 32)
+    hidden, rows = act // 8, (B // M) * S
+    for r in results:
+        bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
+        assert not bad, (r["rank"], bad)
+        ends = r["stages"] == [0, 3]
+        assert r["stages"] == ([0, 3] if r["rank"] < 2 else [1, 2]), r
+        p2p, reduces = r["counts"][1]  # the steady step (the first adds torch's metadata inference)
+        # per microbatch: the activation of boundaries 0->1 and 2->3 forward, their gradients backward (1->2 stays
+        # on the second rank)
+        assert sorted(p2p) == sorted([("isend", act), ("irecv", act)] * 2 * M), p2p
+        # per microbatch and layer: 2 forward all-reduces (row-parallel outputs) and 2 backward (column-parallel
+        # inputs' gradients); stage 0 adds the embedding's forward one, stage 3 the head's backward one and the
+        # cross-entropy's three. torch's zero-bubble split runs a non-first stage's backward twice through autopar's
+        # fused linear-and-reduce node (input step, then weight step from that node: `stage_backward_weight`), so
+        # each backward all-reduce of stages 1-3 is issued twice (the second result unused; the gradients exact)
+        if ends:
+            per_mb = [hidden] * (3 + 2) + [hidden] * 2 + [rows] * 3 + [hidden] * (2 + 1) * 2
+        else:
+            per_mb = ([hidden] * 2 + [hidden] * 2 * 2) * 2
+        assert sorted(n for _, n in reduces) == sorted(per_mb * M), reduces
+    assert {n for r in results for n in r["mine"]} == {n for n, _ in _llama(4).named_parameters()}
