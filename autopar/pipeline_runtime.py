@@ -66,7 +66,7 @@
   and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
   rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
   ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
-  (`_sum_over_data`). Refused there: `zbv`, tied weights, sequence parallelism across a boundary.
+  (`_sum_over_data`). Refused there: sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -87,10 +87,12 @@ gradients are dropped and the model stays usable for the next call. The normal p
 computation and one read of the summed loss (a device-to-host sync on GPU). Why not abort the p2p group: on gloo
 a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's connections stayed open inside
 torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
-its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Not covered: a rank blocked
-in a collective *inside* a stage's program that the failing rank left midway (a tensor-parallel all-reduce under
-plan='megatron' when only one tp rank raises mid-forward) still waits for the timeout; the failure is summed over
-the pipeline and data axes, not tp, as the loss is.
+its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Under plan='megatron' the
+failing rank also issues the rest of its stage program's collectives on NaN (`_GuardedStage._finish`: the sequence
+recorded from the stage's first complete run of that computation, `collectives.tracking` / `replay`), so its tp
+peers never wait in an all-reduce it left, and the loss and the failure are summed over one group of the whole
+mesh (the tp ranks but the first add zero). Not covered: a raise in a stage's very first forward or backward
+(torch's metadata inference), before its collectives are known.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;

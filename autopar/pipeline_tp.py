@@ -26,10 +26,14 @@ placement], over the stage program's storage (`outer_parameter`), and `PipelineM
 gradients over the dp sub-group (one bucket), as under plan='dp'; p2p runs along pp, between the stages of one
 (dp, tp) coordinate.
 
+A weight used by stages on several ranks (GPT-2's embedding and head) is one DTensor on their sharing mesh
+([Replicate() over the sharing pipeline ranks, megatron's placement], `check_shared_placements`), its gradient
+summed shard by shard over those ranks. `zbv` runs torch's split backward on the stage programs (exact; the weight
+step re-runs each fused linear-and-reduce node, issuing its backward all-reduce a second time).
+
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
-pipeline axis, a weight used by two
-stages or at two places of a stage (tied weights), `zbv` (its split backward runs inside torch's schedule, not
-through the stage program's autograd), and any stage plan whose placements leave a boundary value sharded (sequence
+pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently
+or that two stages of one rank hold, and any stage plan whose placements leave a boundary value sharded (sequence
 parallelism across a boundary: the plan's input placements must be replicated).
 """
 
