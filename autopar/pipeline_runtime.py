@@ -286,7 +286,7 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: Pip
         cap = stage_captured(captured, gm, acts, user, st)
         rank = pplan.stage_rank(k, p)
         out[k] = (cap, *plan_stage(cap, lines[rank], plan), user, lines[rank], subs[rank])
-    check_shared_placements(model, captured, split, out, plan)
+    check_shared_placements(_param_groups(model, captured), captured, split, out, plan)
     return out
 
 

@@ -56,13 +56,13 @@ def check_tp_stage(value: str, plan: str, names: tuple, axis: str, form: str) ->
             f"pp x dp x tp), got {len(rest)} other axes ({rest or 'none'}). Fix: a (pp, tp) or (pp, dp, tp) mesh.")
 
 
-def check_shared_placements(model, captured, split, planned: dict, plan: str) -> None:
+def check_shared_placements(groups, captured, split, planned: dict, plan: str) -> None:
     """A weight used by several stages (GPT-2's embedding tied to its head) is one tensor on each of their ranks,
     its gradient parts summed over them per tensor-parallel shard (`PipelineModule._sum_over_sharing_stages`): that
     needs every such stage's plan to place it alike (megatron: the vocab-parallel embedding and the column-parallel
-    head both shard it on the vocabulary, `Shard(0)`). Refused otherwise, before anything is built."""
-    from autopar.pipeline_runtime import _param_groups
-    for names, phs in _param_groups(model, captured):
+    head both shard it on the vocabulary, `Shard(0)`). Refused otherwise, before anything is built. `groups`: per
+    parameter tensor, (its names, its placeholders) (`pipeline_runtime._param_groups`)."""
+    for names, phs in groups:
         used = [ph for ph in phs if captured.placeholder(ph).users]
         stages = sorted({k for ph in used for k in split.stages_of[ph]})
         if len(stages) < 2:
