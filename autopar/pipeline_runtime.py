@@ -66,7 +66,7 @@
   and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
   rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
   ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
-  (`_sum_over_data`). Refused there: `zbv`, tied weights, sequence parallelism across a boundary.
+  (`_sum_over_data`). Refused there: sequence parallelism across a boundary.
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -87,10 +87,12 @@ gradients are dropped and the model stays usable for the next call. The normal p
 computation and one read of the summed loss (a device-to-host sync on GPU). Why not abort the p2p group: on gloo
 a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's connections stayed open inside
 torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
-its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Not covered: a rank blocked
-in a collective *inside* a stage's program that the failing rank left midway (a tensor-parallel all-reduce under
-plan='megatron' when only one tp rank raises mid-forward) still waits for the timeout; the failure is summed over
-the pipeline and data axes, not tp, as the loss is.
+its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Under plan='megatron' the
+failing rank also issues the rest of its stage program's collectives on NaN (`_GuardedStage._finish`: the sequence
+recorded from the stage's first complete run of that computation, `collectives.tracking` / `replay`), so its tp
+peers never wait in an all-reduce it left, and the loss and the failure are summed over one group of the whole
+mesh (the tp ranks but the first add zero). Not covered: a raise in a stage's very first forward or backward
+(torch's metadata inference), before its collectives are known.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
@@ -247,17 +249,18 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     split = _Split(captured, layers, n_stages)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
         _refuse_shared_weights(model, captured)
-    if plan == "fsdp" or tp:
+    if plan == "fsdp":
         _refuse_weights_across_stages(model, captured, split, plan)
-    stage_plans = None
-    if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
-        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan)
     if ep is not None:
         _refuse_weights_across_stages(model, captured, split, f"dp with moe=expert@{ep}")
-        stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
-                                      (mb_args, mb_kwargs), degree)
     pplan = PipelinePlan(form=form, axis=axis, microbatches=microbatches, stages_per_rank=stages_per_rank,
                          cut=split.cut)
+    stage_plans = None
+    if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
+        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan)
+    if ep is not None:
+        stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
+                                      (mb_args, mb_kwargs), degree)
     pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                         shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
                         data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans, ep_axis=ep)
@@ -265,10 +268,11 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     return pm
 
 
-def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
+def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: PipelinePlan) -> dict:
     """Stage k -> (its Captured, MeshInfo, Plan) on the sub-mesh of the ranks that run it (`autopar.pipeline_tp`).
-    Refuses a weight used at two places of one stage (tied weights: one tensor, two placeholders)."""
-    from autopar.pipeline_tp import plan_stage, stage_captured, stage_meshes
+    Refuses a weight used at two places of one stage (tied weights: one tensor, two placeholders), and a weight
+    shared by several stages that their plans place differently (`pipeline_tp.check_shared_placements`)."""
+    from autopar.pipeline_tp import check_shared_placements, plan_stage, stage_captured, stage_meshes
     for names_, phs in _param_groups(model, captured):
         used = [ph for ph in phs if captured.placeholder(ph).users]
         if len(used) > 1:
@@ -282,8 +286,9 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str) -> dict:
     for k in range(split.n_stages):
         gm, acts, user, st = split.stage_graph(k)
         cap = stage_captured(captured, gm, acts, user, st)
-        rank = k % p  # zbv (V-shaped) is refused under tensor parallelism: stage k runs on k % p
+        rank = pplan.stage_rank(k, p)
         out[k] = (cap, *plan_stage(cap, lines[rank], plan), user, lines[rank], subs[rank])
+    check_shared_placements(_param_groups(model, captured), captured, split, out, plan)
     return out
 
 
@@ -638,10 +643,15 @@ class _StepFailure:
 
     def __init__(self):
         self.errors: list[tuple[float, str, BaseException]] = []  # (time.time(), where, the exception)
+        self.stood_in: set[tuple[int, int | None]] = set()  # (stage, microbatch) whose forward raised this call
 
     def record(self, error: BaseException, where: str) -> None:
         import time
         self.errors.append((time.time(), where, error))
+
+    def clear(self) -> None:
+        self.errors.clear()
+        self.stood_in.clear()
 
 
 class _StandIn(torch.autograd.Function):
@@ -704,6 +714,29 @@ def _guarded_stage_class():
             super().__init__(submod, k, n, device, group=group)
             self._failure, self._metas, self._m = failure, metas, microbatches
             self._chunk: tuple[str, int | None] = ("forward", None)
+            # what -> the collectives of the stage program's first complete run of it (`collectives.tracking`):
+            # "forward", ("backward", torch's backward type), "inference backward"
+            self._comms: dict = {}
+
+        def _finish(self, what, log: list, failed: bool) -> None:
+            """After one computation of the stage program (`what`) that issued the collectives `log`: a complete
+            run's (nothing raised, and not the backward of a microbatch whose forward raised) is kept as the
+            program's; a run that raised, or ran on stand-ins, issues the rest of the program's collectives on NaN
+            (`collectives.replay`), so the peers of this rank's tensor-parallel group, which run the whole program,
+            meet every collective they wait in, and see NaN. Nothing to replay when the program issues none (plan
+            'dp'). A run that raised before any complete run of it (its collectives not known yet: the stage's first
+            forward, in torch's metadata inference on the first call) cannot replay: its peers wait."""
+            from autopar.runtime.collectives import replay
+            known = self._comms.get(what)
+            if not failed:
+                if known is None:
+                    self._comms[what] = log
+                return
+            if known is not None and len(log) < len(known):
+                replay(known[len(log):])
+
+        def _stood_in(self) -> bool:
+            return (self.stage_index, self._chunk[1]) in self._failure.stood_in
 
         def _where(self, doing: str) -> str:
             what, i = self._chunk
@@ -711,11 +744,19 @@ def _guarded_stage_class():
             return f"pipeline stage {self.stage_index}'s {what}{mb}{doing}"
 
         def _forward(self, compute, args, doing=""):
+            from autopar.runtime.collectives import tracking
+            log: list = []
+            what = ("forward", self.submod.training, torch.is_grad_enabled())  # eval and no_grad: other programs
             try:
-                return compute()
+                with tracking(log):
+                    out = compute()
             except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
                 self._failure.record(_original(e), self._where(doing))
+                self._failure.stood_in.add((self.stage_index, self._chunk[1]))
+                self._finish(what, log, True)
                 return _stand_in(self._metas, self.is_last, self.device, args, self.submod.parameters())
+            self._finish(what, log, False)
+            return out
 
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
             self._chunk = ("forward", fwd_chunk_id)
@@ -738,22 +779,35 @@ def _guarded_stage_class():
                                  args, " (torch's metadata inference)")
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+            from autopar.runtime.collectives import tracking
+            log: list = []
+            what = ("backward", backward_type)
             try:
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+                with tracking(log):
+                    out = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
             except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
                 self._failure.record(_original(e), self._where(""))
+                self._finish(what, log, True)
                 values = bwd_kwargs.get("input_values") or ()
                 return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
                              for v in values), None
+            self._finish(what, log, self._stood_in())
+            return out
 
         def _compute_input_grads(self, outputs, all_fwd_inputs, grad_outputs=None):
+            from autopar.runtime.collectives import tracking
+            log: list = []
             try:
-                return super()._compute_input_grads(outputs, all_fwd_inputs, grad_outputs)
+                with tracking(log):
+                    out = super()._compute_input_grads(outputs, all_fwd_inputs, grad_outputs)
             except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
                 self._chunk = ("backward", None)
                 self._failure.record(_original(e), self._where(" (torch's metadata inference)"))
+                self._finish("inference backward", log, True)
                 return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
                              for v in all_fwd_inputs)
+            self._finish("inference backward", log, (self.stage_index, None) in self._failure.stood_in)
+            return out
 
     return _GuardedStage
 
@@ -847,6 +901,8 @@ class PipelineModule(nn.Module):
         self._stages = []
         self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
         if tp is not None:
+            self._whole_group = _whole_group(mesh)  # collective, on every rank
+            self._tp_holder: dict[str, int] = {}  # representative placeholder -> the local stage holding it
             from autopar.agree import agreed_seed
             seed = agreed_seed(mesh)  # collective, on every rank: one dropout seed for every stage's program
         for k in self._local_stages:
@@ -906,7 +962,17 @@ class PipelineModule(nn.Module):
         for ph, fqn in cap.param_fqns.items():
             rep = self._leaf_of[ph]
             inner = sub.pm.get_parameter(fqn)  # the leaf the stage's backward accumulates into
-            outer = outer_parameter(inner, stage_mesh)  # what the optimizer steps (the same storage)
+            held = self._tp_holder.setdefault(rep, k)
+            if held != k:
+                raise NotImplementedError(
+                    f"override 'pipeline' with plan='megatron': parameter {self._names_of[rep][0]!r} is used by "
+                    f"stages {held} and {k}, both on this rank; "
+                    "each tensor-parallel stage program holds its own copy of its weights, so a weight shared by "
+                    "two stages of one rank would step one copy only. Fix: a schedule placing those stages on "
+                    "different ranks ('1f1b', 'interleaved-1f1b'), or untie the weight.")
+            # what the optimizer steps (the same storage): on the stage's sub-mesh, or for a weight stages on
+            # several ranks share (tied embedding and head) on their sharing mesh, replicated over its first dim
+            outer = outer_parameter(inner, self._shared.get(rep, stage_mesh))
             self._leaves[rep], self._owned[rep] = inner, outer
             for name in self._names_of[rep]:
                 self._register(name, outer, replace=True)
@@ -1013,7 +1079,7 @@ class PipelineModule(nn.Module):
         # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
         # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
         held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp or self._tp is not None else None
-        self._failure.errors.clear()
+        self._failure.clear()
         if train:
             for leaf in self._leaves.values():
                 leaf.grad = None
@@ -1028,6 +1094,8 @@ class PipelineModule(nn.Module):
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if self._failure.errors:  # the loss all-reduce carries it: every rank's sum is NaN (`_raise_failure`)
             total = torch.full((), float("nan"), dtype=self._loss_dtype, device=self._device)
+        elif self._tp is not None and self._mesh.get_local_rank(self._tp_axis()) != 0:
+            total = torch.zeros_like(total)  # each tp rank holds the same loss: counted once (`_sum_over_mesh`)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
         if torch.isnan(total):
             self._raise_failure(held if held is not None else [None] * len(self._leaves))
@@ -1051,6 +1119,7 @@ class PipelineModule(nn.Module):
             # expert's whole on its owner)
             grads = self._sum_over_data([None if g is None else g.to_local() for g in grads],
                                         [self._replicated_on_data(q) for q in self._owned.values()])
+            grads = self._sum_over_sharing_stages(grads)
         else:
             grads = self._sum_over_data(grads)
             grads = self._sum_over_sharing_stages(grads)
@@ -1068,12 +1137,10 @@ class PipelineModule(nn.Module):
         from autopar.agree import _portable
         mine = [(t, dist.get_rank(), where, _portable(e)) for t, where, e in self._failure.errors]
         found = mine
-        names = tuple(self._mesh.mesh_dim_names)
-        for i in sorted({names.index(self._plan.axis), *(names.index(a) for a in self._data_axes)}):
-            if self._mesh.size(i) > 1:
-                box: list = [None] * self._mesh.size(i)
-                dist.all_gather_object(box, found, group=self._mesh.get_group(i))
-                found = [f for part in box for f in part]
+        for group in self._summed_groups():
+            box: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(box, found, group=group)
+            found = [f for part in box for f in part]
         if not found:
             return
         for leaf, g in zip(self._leaves.values(), grads):
@@ -1168,12 +1235,20 @@ class PipelineModule(nn.Module):
     def _sum_over_mesh(self, t: torch.Tensor) -> torch.Tensor:
         """Summed over the pipeline axis and the data axes (not a tensor-parallel axis: each of its ranks holds
         the same loss)."""
+        for group in self._summed_groups():
+            dist.all_reduce(t, group=group)
+        return t
+
+    def _summed_groups(self) -> list:
+        """The groups the call's loss (and a failure) is summed over: the pipeline axis and the data axes; under
+        tensor parallelism one group of the whole mesh instead (the tp ranks other than the first add zero, or NaN
+        where one failed: a tp rank whose program raised must reach its tp peers' pipeline lines too, and this is
+        the one collective every rank of the call meets)."""
+        if self._tp is not None:
+            return [self._whole_group]
         names = tuple(self._mesh.mesh_dim_names)
         summed = {names.index(self._plan.axis), *(names.index(a) for a in self._data_axes)}
-        for i in sorted(summed):
-            if self._mesh.size(i) > 1:
-                dist.all_reduce(t, group=self._mesh.get_group(i))
-        return t
+        return [self._mesh.get_group(i) for i in sorted(summed) if self._mesh.size(i) > 1]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
         """`torch.nn.utils.clip_grad_norm_` over the whole pipelined model; returns the total norm (a plain tensor,
@@ -1244,7 +1319,8 @@ class PipelineModule(nn.Module):
             if ph not in index:
                 continue
             i = index[ph]
-            g = out[i] if out[i] is not None else torch.zeros_like(self._leaves[ph])
+            leaf = self._leaves[ph]
+            g = out[i] if out[i] is not None else torch.zeros_like(getattr(leaf, "_local_tensor", leaf))
             dist.all_reduce(g, group=sub.get_group(0))
             out[i] = g
         return out
@@ -1311,6 +1387,13 @@ def _p2p_group(mesh: DeviceMesh, ax: int) -> dist.ProcessGroup:
         return mine
 
     return collective_cached(("p2p", layout_key(mesh), ax), build)
+
+
+def _whole_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """Every rank of the mesh as one process group (the loss and failure sum under tensor parallelism); created on
+    every rank, once per mesh layout."""
+    from autopar.mesh import collective_cached, layout_key
+    return collective_cached(("whole", layout_key(mesh)), lambda: dist.new_group(sorted(mesh.mesh.flatten().tolist())))
 
 
 def _shared_mesh(mesh: DeviceMesh, ax: int, owners: tuple[int, ...]) -> DeviceMesh:

@@ -26,10 +26,14 @@ placement], over the stage program's storage (`outer_parameter`), and `PipelineM
 gradients over the dp sub-group (one bucket), as under plan='dp'; p2p runs along pp, between the stages of one
 (dp, tp) coordinate.
 
+A weight used by stages on several ranks (GPT-2's embedding and head) is one DTensor on their sharing mesh
+([Replicate() over the sharing pipeline ranks, megatron's placement], `check_shared_placements`), its gradient
+summed shard by shard over those ranks. `zbv` runs torch's split backward on the stage programs (exact; the weight
+step re-runs each fused linear-and-reduce node, issuing its backward all-reduce a second time).
+
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
-pipeline axis, a weight used by two
-stages or at two places of a stage (tied weights), `zbv` (its split backward runs inside torch's schedule, not
-through the stage program's autograd), and any stage plan whose placements leave a boundary value sharded (sequence
+pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently
+or that two stages of one rank hold, and any stage plan whose placements leave a boundary value sharded (sequence
 parallelism across a boundary: the plan's input placements must be replicated).
 """
 
@@ -50,11 +54,27 @@ def check_tp_stage(value: str, plan: str, names: tuple, axis: str, form: str) ->
             f"override 'pipeline': {value!r} with plan={plan!r} on mesh axes {names}: tensor parallelism inside a "
             f"stage runs on the last axis besides {axis!r} (with at most one data axis before it: pp x tp or "
             f"pp x dp x tp), got {len(rest)} other axes ({rest or 'none'}). Fix: a (pp, tp) or (pp, dp, tp) mesh.")
-    if form == "zbv":
-        raise NotImplementedError(
-            f"override 'pipeline': {value!r} with plan={plan!r}: the zero-bubble schedule splits each stage's "
-            "backward into input and weight gradients inside torch's schedule, which a tensor-parallel stage's "
-            "collectives are not written for. Fix: '1f1b', 'gpipe' or 'interleaved-1f1b'.")
+
+
+def check_shared_placements(groups, captured, split, planned: dict, plan: str) -> None:
+    """A weight used by several stages (GPT-2's embedding tied to its head) is one tensor on each of their ranks,
+    its gradient parts summed over them per tensor-parallel shard (`PipelineModule._sum_over_sharing_stages`): that
+    needs every such stage's plan to place it alike (megatron: the vocab-parallel embedding and the column-parallel
+    head both shard it on the vocabulary, `Shard(0)`). Refused otherwise, before anything is built. `groups`: per
+    parameter tensor, (its names, its placeholders) (`pipeline_runtime._param_groups`)."""
+    for names, phs in groups:
+        used = [ph for ph in phs if captured.placeholder(ph).users]
+        stages = sorted({k for ph in used for k in split.stages_of[ph]})
+        if len(stages) < 2:
+            continue
+        fqn = captured.param_fqns[used[0]]
+        placed = {k: tuple(planned[k][2].param_placements()[fqn]) for k in stages}
+        if len(set(placed.values())) > 1:
+            raise NotImplementedError(
+                f"override 'pipeline' with plan={plan!r}: parameter {names[0]!r} is used by stages {stages}, whose "
+                f"plans place it differently ({', '.join(f'stage {k}: {v}' for k, v in placed.items())}); a weight "
+                "shared by stages is summed over them shard by shard, which needs one placement. Fix: plan='dp', "
+                "or untie the weight.")
 
 
 def stage_captured(captured, gm: fx.GraphModule, acts: list[str], user: list[str], state: list[str]):

@@ -50,7 +50,10 @@ class _Functional:
     def __getattr__(self, name: str):
         if _BEFORE_COLLECTIVE or _RIDING:
             settle_pending()
-        return getattr(torch.ops._c10d_functional, name)
+        op = getattr(torch.ops._c10d_functional, name)
+        if _TRACKERS and name != "wait_tensor":
+            return functools.partial(_tracked, _TRACKERS[-1], name, op)
+        return op
 
 
 _c10d = _Functional()
@@ -82,6 +85,34 @@ def take_riding():
 def take_ridden():
     """The agreement whose row was appended to the loss's pair, to check on the summed pair (None if none)."""
     return _RIDDEN.pop() if _RIDDEN else None
+_TRACKERS: list[list] = []  # the innermost list gets every collective issued (`tracking`); empty: nothing recorded
+
+
+def _tracked(log: list, name: str, op, x: torch.Tensor, *rest):
+    log.append((name, tuple(x.shape), x.dtype, x.device, rest))
+    return op(x, *rest)
+
+
+@contextlib.contextmanager
+def tracking(log: list):
+    """Every collective the runtime issues inside is appended to `log` as (op name, the input's shape, dtype and device,
+    the op's other arguments: reduce op, group size, splits, group name), in issue order, so that `replay` can
+    issue the same ones again (`autopar.pipeline_runtime`: a stage whose computation raised midway issues the rest
+    of its program's collectives, which its peers wait in)."""
+    _TRACKERS.append(log)
+    try:
+        yield log
+    finally:
+        _TRACKERS.pop()
+
+
+def replay(calls, fill: float = float("nan")) -> None:
+    """Issue `calls` (entries of a `tracking` log) on tensors filled with `fill` (zeros for an integer dtype) and
+    wait for each: what a rank whose program raised sends its peers instead, so they do not wait for a collective
+    that never comes (and see NaN in what they receive)."""
+    for name, shape, dtype, device, rest in calls:
+        x = torch.full(shape, fill if dtype.is_floating_point or dtype.is_complex else 0, dtype=dtype, device=device)
+        _wait(getattr(torch.ops._c10d_functional, name)(x, *rest))
 
 
 def before_next_collective(fn) -> None:
