@@ -1094,8 +1094,10 @@ class PipelineModule(nn.Module):
             torch.zeros((), dtype=self._loss_dtype, device=self._device)
         if self._failure.errors:  # the loss all-reduce carries it: every rank's sum is NaN (`_raise_failure`)
             total = torch.full((), float("nan"), dtype=self._loss_dtype, device=self._device)
-        elif self._tp is not None and self._mesh.get_local_rank(self._tp_axis()) != 0:
-            total = torch.zeros_like(total)  # each tp rank holds the same loss: counted once (`_sum_over_mesh`)
+        elif self._tp is not None and self._ep_axis is None and self._mesh.get_local_rank(self._tp_axis()) != 0:
+            # each tp rank holds the same loss: counted once (`_sum_over_mesh`); an expert-parallel line's ranks
+            # hold different rows, each its own part of the loss
+            total = torch.zeros_like(total)
         total = self._sum_over_mesh(total.to(self._loss_dtype))
         if torch.isnan(total):
             self._raise_failure(held if held is not None else [None] * len(self._leaves))

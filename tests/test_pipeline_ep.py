@@ -185,9 +185,10 @@ def test_expert_parallel_pp2_x_ep2_stages_match_one_device(tmp_path):
             tokens = [c[1] for c in colls if c[1] != E]
             assert len(tokens) == 4 * M + inference[1], colls
             assert tokens.count(routed) >= 2 * M + inference[1] // 2, colls  # what this rank sends out
-            # the pipeline's own: the ranks' agreement on the batch (11 digests), the loss over pp and over ep, and
-            # one bucket of the stage's replicated gradients over ep (the experts' are not summed)
-            assert reduces == [(11, 4), (1, 2), (1, 2), (r["replicated"], 2)], reduces
+            # the pipeline's own: the ranks' agreement on the batch (11 digests), the loss over the whole (pp, ep)
+            # mesh in one all-reduce (each ep rank adds its rows' part), and one bucket of the stage's replicated
+            # gradients over ep (the experts' are not summed)
+            assert reduces == [(11, 4), (1, 4), (r["replicated"], 2)], reduces
     for a, b in ((0, 1), (2, 3)):  # what one ep rank's experts receive the other sends: the pair moves 2 x routed
         for step in range(2):
             moved = [sum(c[1] for c in results[i]["counts"][step][1] if c[1] != E) for i in (a, b)]
