@@ -18,7 +18,10 @@ those are the ops `passes.decompose` decomposes in the graph instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
+import unittest
 import warnings
 
 import torch
@@ -121,16 +124,44 @@ def _calls(info, wanted: set) -> list[tuple]:
     return out
 
 
+@contextlib.contextmanager
+def _no_test_fn_crawl():
+    """torch's `extract_test_fn` (called by every `OpInfo.sample_inputs`, twice) crawls the whole call stack with
+    `inspect.stack()` (which resolves every frame's module: ~0.1 s a call under pytest, 3/4 of the samples' cost)
+    looking for a `unittest.TestCase` method; the samples here are drawn outside any TestCase (pytest functions,
+    the sweep's script), where it returns None: it is replaced by that None while they are drawn (the samples'
+    seeds, `SEED` when it is None, unchanged)."""
+    from torch.testing._internal import common_utils
+    from torch.testing._internal.opinfo import core
+    assert not any(isinstance(f.f_locals.get("self"), unittest.TestCase) for f in _frames()), \
+        "opinfo_samples inside a unittest.TestCase: extract_test_fn would find it (and seed by its name)"
+    saved = common_utils.extract_test_fn, core.extract_test_fn
+    common_utils.extract_test_fn = core.extract_test_fn = lambda: None
+    try:
+        yield
+    finally:
+        common_utils.extract_test_fn, core.extract_test_fn = saved
+
+
+def _frames():
+    f = sys._getframe(1)
+    while f is not None:
+        yield f
+        f = f.f_back
+
+
 @functools.lru_cache(maxsize=None)
 def _all_calls(wanted: frozenset, infos: frozenset | None) -> dict:
     found: dict[object, dict[str, tuple]] = {}
-    for info in _op_db():
-        if infos is not None and opinfo_name(info) not in infos:
-            continue
-        for func, args, kwargs in _calls(info, set(wanted)):
-            if not _usable(args, kwargs):
+    db = _op_db()
+    with _no_test_fn_crawl():
+        for info in db:
+            if infos is not None and opinfo_name(info) not in infos:
                 continue
-            found.setdefault(func, {}).setdefault(_signature(args, kwargs), (args, kwargs, opinfo_name(info)))
+            for func, args, kwargs in _calls(info, set(wanted)):
+                if not _usable(args, kwargs):
+                    continue
+                found.setdefault(func, {}).setdefault(_signature(args, kwargs), (args, kwargs, opinfo_name(info)))
     return found
 
 
