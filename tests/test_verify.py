@@ -262,7 +262,10 @@ def test_cli_fails_when_one_rank_is_wrong():
     """The real entry point: `torchrun -m autopar verify`, the ranks exiting with the failure status."""
     proc = _torchrun("gpt_wrong_on_rank1", "--mesh-names", "tp", "--plan", "megatron")
     try:
-        stdout, stderr = proc.communicate(timeout=150)
+        # a guard, not a budget: 5 s quiet; on 2 cores with another job running (load 12, a CPU hog) this launch of
+        # three fresh interpreters took past 150 s with the verdict already printed (2026-12-07), so 150 s failed a
+        # run that was only slow
+        stdout, stderr = proc.communicate(timeout=400)
     finally:
         if proc.poll() is None:
             proc.kill()
