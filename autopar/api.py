@@ -189,38 +189,51 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
         raise ValueError(f"float8='auto' on cluster {clus.name!r}: it has no `_scaled_mm` rates "
                          f"({', '.join(f8.RATE_KEY.values())} in peak_flops), so auto cannot weigh fp8. Fix: a preset "
                          "with FP8 tensor cores (cluster='h100', 'h100_hbm2e', 'h200'), a named recipe, or float8=None")
-    recipes = (None, *f8.RECIPES) if float8 == "auto" else (float8,)
+    # auto on auto: fp8 a binary per linear class in the ILP, under each recipe (`autopar.float8.set_offer`); on a
+    # named plan: torchao's rule per linear, under each recipe and none
+    in_ilp = float8 == "auto" and plan == "auto"
+    recipes = f8.RECIPES if in_ilp else (None, *f8.RECIPES) if float8 == "auto" else (float8,)
     world = f8plan.world_size(info.sizes)
     tried, err = [], None
     for recipe in recipes:
-        choice = f8plan.linears(ctx, recipe, clus, world, rule=float8 == "auto") if recipe else {}
-        f8plan.set_choice(ctx, choice)
+        if in_ilp:
+            f8plan.set_choice(ctx, {})
+            f8plan.set_offer(ctx, f8plan.linears(ctx, recipe, clus, world, rule=False))
+        else:
+            f8plan.set_choice(ctx, f8plan.linears(ctx, recipe, clus, world, rule=float8 == "auto") if recipe else {})
         try:
             p = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
         except InfeasibleError as e:  # noqa: PERF203 - a recipe under which no plan fits
             err = e
             continue
-        tried.append((recipe, choice, p))
+        finally:
+            f8plan.set_offer(ctx, {})
+        tried.append((recipe, dict(p.float8) if in_ilp else dict(ctx.float8), p))
     if not tried:
         raise err
     fits = [t for t in tried if t[2].estimate.fits] or tried
     recipe, choice, best = min(fits, key=lambda t: t[2].estimate.step_time_s)
+    recipe = recipe if choice else None
     f8plan.set_choice(ctx, choice)  # what lowering and any later pricing of this ctx see
     rows = tuple(CandidateRow(label=f"{r or 'none'} ({len(c)} linears)", compute_s=p.estimate.compute_time_s,
                               comm_s=p.estimate.comm_time_s, memory_bytes=p.estimate.memory_bytes_per_device,
                               time_s=p.estimate.step_time_s,
                               excluded="" if p.estimate.fits else "does not fit the memory limit")
                  for r, c, p in tried)
-    how = ("auto: each recipe on the linears where torchao's rule says it pays, the plan solved under each recipe "
+    how = (f"auto: {f8plan.IN_ILP}" if in_ilp else
+           "auto: each recipe on the linears where torchao's rule says it pays, the plan solved under each recipe "
            "(the ILP weighs that recipe's GEMM rates, casts and amax all-reduces with the forms), the least estimated "
            f"step that fits among the recipes; {f8plan.SEPARABLE}" if float8 == "auto"
            else f"float8={float8!r}: on every nn.Linear")
     skipped = len(f8plan.heads(ctx))
+    per_class = [d for d in best.decisions if d.kind == "float8-classes"]  # the ILP's per class (`planner`)
     d = Decision(keys=(f8plan.DECISION_KEY,), kind="float8", chosen=recipe or "none",
-                 decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision", candidates=rows)
+                 decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision",
+                 candidates=rows + tuple(r for pc in per_class for r in pc.candidates))
     notes = (f"float8={float8!r} on cluster {clus.name!r}, which has no `_scaled_mm` rates: its fp8 GEMMs are priced "
              "at the high-precision fallback rate, plus the casts",) if unpriced else ()
-    return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=best.decisions + (d,),
+    kept = tuple(x for x in best.decisions if x.kind != "float8-classes")
+    return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=kept + (d,),
                                notes=best.notes + notes)
 
 

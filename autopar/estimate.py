@@ -211,6 +211,9 @@ class SiteStats:
     # (recipe, M, K, N, row-parallel, high-precision dtype) of each float8 linear: its amax all-reduces
     # (`autopar.forms.float8.CASTS`), whether its local shape is `skinny`
     float8_shapes: list[tuple] = field(default_factory=list)
+    # what pricing one of its linears in fp8 needs (`float8_facts`, `with_float8`), by index into `float8_members`:
+    # the `aten.linear` nodes (nn.Linear) the site owns
+    float8_facts: dict[int, "Float8Facts"] = field(default_factory=dict)
 
     def add_node(self, n: fx.Node) -> None:
         c = node_cost(n)
@@ -634,45 +637,94 @@ def float8_shapes(lin) -> tuple[int, int, int]:
     return out.numel() // n, int(lin.in_features), n
 
 
-def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats]) -> None:
-    """Price the linears `ctx.float8` names ({linear site key: recipe}) in fp8: their matmul work moves to the
-    recipe's `_scaled_mm` rate (`autopar.forms.float8.RATE_KEY`), and their scaling traffic is recorded on the site
-    that owns them (priced in `autopar.forms.blocks.finish`, which knows the form's split)."""
-    import autopar.forms.float8 as f8
-    chosen = getattr(ctx, "float8", None) or {}
-    if not chosen:
-        return
-    rows = {id(lin) for s in ctx.planning_sites() for lin in _row_linears(s)}
-    for lin in ctx.of_kind(Kind.LINEAR):  # FSDP's fp8 gather: tensorwise, not under mixed precision (the runtime's)
-        recipe = chosen.get(lin.key)
-        key = owner.get(lin.node)
-        if recipe is None or key is None:
+@dataclass(frozen=True)
+class Float8Facts:
+    """One linear of a site as `with_float8` prices it in fp8: its key, its GEMM's work entry (flops per call, bytes,
+    dtype), (M, K, N), whether a tensor-parallel form makes it row-parallel, and its weight placeholder with the bytes
+    per element FSDP would gather it in (None: no fp8 gather, under mixed precision the runtime's)."""
+
+    key: str
+    flops: float
+    nbytes: float
+    dtype: str
+    mkn: tuple[int, int, int]
+    row: bool
+    weight: str | None
+    item: int | None
+
+
+def float8_members(site) -> list:
+    """The linears a site's float8 choice indexes (`Candidate.float8`): its members, or a lone linear itself."""
+    return site.members() or ([site] if site.kind is Kind.LINEAR else [])
+
+
+def _float8_facts(ctx: PassContext, site, owner: dict[fx.Node, str]) -> dict[int, Float8Facts]:
+    rows = {id(lin) for lin in _row_linears(site)}
+    out = {}
+    precision = getattr(ctx.captured, "precision", None)
+    phs = {p.name: p for p in ctx.captured.gm.graph.find_nodes(op="placeholder")}
+    for i, lin in enumerate(float8_members(site)):
+        if owner.get(lin.node) != site.key or lin.node.meta.get("val") is None \
+                or lin.node.target is not torch.ops.aten.linear.default:
             continue
-        st = stats[key]
         c = node_cost(lin.node)
-        size = c.flops
-        w = st.work.get(("matmul", c.dtype, size))
-        if w is None or not c.flops:
+        if not c.flops:
             continue
-        w[0], w[1], w[2] = w[0] - c.flops, w[1] - c.bytes, w[2] - 1
-        if w[2] <= 0:
-            del st.work[("matmul", c.dtype, size)]
-        f = st.work.setdefault(("matmul", f8.RATE_KEY[recipe], size), [0.0, 0.0, 0])
-        f[0], f[1], f[2] = f[0] + c.flops, f[1] + c.bytes, f[2] + 1
-        m, k, n = float8_shapes(lin)
-        per = f8.ACT_CAST_BYTES[recipe]
-        st.float8_recipe = recipe
-        st.float8_linears += 1
-        st.float8_act_bytes += per * (m * k + m * n)
-        row = id(lin) in rows
-        st.float8_whole_bytes += per * (m * n if row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
-        st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
-        st.float8_shapes.append((recipe, m, k, n, row, c.dtype))
         weight = lin.param.get("weight")
-        if f8.FP8_ALL_GATHER[recipe] and weight is not None and getattr(ctx.captured, "precision", None) is None:
-            v = next((p for p in ctx.captured.gm.graph.nodes if p.op == "placeholder" and p.name == weight), None)
+        item = None
+        if weight is not None and precision is None:
+            v = phs.get(weight)
             item = v.meta["val"].element_size() if v is not None else 2
-            st.float8_gathered[weight] = 1.0 / item
+        out[i] = Float8Facts(key=lin.key, flops=c.flops, nbytes=c.bytes, dtype=c.dtype, mkn=float8_shapes(lin),
+                             row=id(lin) in rows, weight=weight, item=item)
+    return out
+
+
+def _add_float8(st: SiteStats, f: Float8Facts, recipe: str) -> None:
+    """Move one linear's GEMMs to `recipe`'s `_scaled_mm` rate and record its scaling traffic on `st` (priced in
+    `autopar.forms.blocks.finish`, which knows the form's split)."""
+    import autopar.forms.float8 as f8
+    w = st.work.get(("matmul", f.dtype, f.flops))
+    if w is None:
+        return
+    w[0], w[1], w[2] = w[0] - f.flops, w[1] - f.nbytes, w[2] - 1
+    if w[2] <= 0:
+        del st.work[("matmul", f.dtype, f.flops)]
+    g = st.work.setdefault(("matmul", f8.RATE_KEY[recipe], f.flops), [0.0, 0.0, 0])
+    g[0], g[1], g[2] = g[0] + f.flops, g[1] + f.nbytes, g[2] + 1
+    m, k, n = f.mkn
+    per = f8.ACT_CAST_BYTES[recipe]
+    st.float8_recipe = recipe
+    st.float8_linears += 1
+    st.float8_act_bytes += per * (m * k + m * n)
+    st.float8_whole_bytes += per * (m * n if f.row else (m * k if f8.CASTS_GATHERED_INPUT[recipe] else 0.0))
+    st.float8_weight_bytes += f8.WEIGHT_CAST_BYTES[recipe] * k * n
+    st.float8_shapes.append((recipe, m, k, n, f.row, f.dtype))
+    if f8.FP8_ALL_GATHER[recipe] and f.weight is not None and f.item is not None:
+        st.float8_gathered[f.weight] = 1.0 / f.item
+
+
+def with_float8(st: SiteStats, linears: tuple[int, ...], recipe: str) -> SiteStats:
+    """`st` (a site's stats without float8) with its linears `linears` (indices into `float8_members`) in fp8 under
+    `recipe`: the stats a candidate with `Candidate.float8` is priced on (`autopar.solver.site_cost`)."""
+    assert st.float8_linears == 0, "float8 chosen twice: by ctx.float8 and by the candidate"
+    out = dataclasses.replace(st, work={k: list(v) for k, v in st.work.items()}, float8_shapes=[],
+                              float8_gathered={})
+    for i in linears:
+        _add_float8(out, st.float8_facts[i], recipe)
+    return out
+
+
+def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, SiteStats]) -> None:
+    """Price the linears `ctx.float8` names ({linear site key: recipe}) in fp8 (`_add_float8`), and record on every
+    site what pricing its linears in fp8 needs (`SiteStats.float8_facts`: the candidates' float8, `with_float8`)."""
+    chosen = getattr(ctx, "float8", None) or {}
+    for site in ctx.planning_sites():
+        st = stats[site.key]
+        st.float8_facts = _float8_facts(ctx, site, owner)
+        for f in st.float8_facts.values():
+            if f.key in chosen:
+                _add_float8(st, f, chosen[f.key])
 
 
 def fsdp_groups(gm, params: set[str]) -> dict[str, tuple[float, bool]]:

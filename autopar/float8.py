@@ -65,6 +65,21 @@ def linears(ctx: PassContext, recipe: str, cluster, world: int, *, rule: bool = 
     return out
 
 
+IN_ILP = ("fp8 a binary per linear class in the ILP (identical layers' linears share it, as their forms), solved "
+          "under each recipe: each candidate form of a structure beside its fp8 variant, the linears whose fp8 makes "
+          "the structure's time less under that form (`solver.float8_variants`: the recipe's `_scaled_mm` rate, the "
+          "casts as the form splits them, the amax all-reduces on the axes splitting their dims, FSDP's 1-byte "
+          "gathers under tensorwise), so a linear whose fp8 pays under dp can stay bf16 under tensor parallelism; "
+          "the hand plans it is re-ranked with take each structure's variant where it pays; the least estimated step "
+          "that fits among the recipes; the rows after the recipes: per class, its linears in fp8 and the time that "
+          "saves per structure")
+
+
+def set_offer(ctx: PassContext, offer: dict[str, str]) -> None:
+    """The linears ({key: recipe}) the ILP may run in fp8, deciding per class (`autopar.solver.float8_variants`)."""
+    ctx.float8_offer = dict(offer)
+
+
 def set_choice(ctx: PassContext, chosen: dict[str, str]) -> None:
     """The linears the estimate prices in fp8 (`autopar.estimate.apply_float8`)."""
     ctx.float8 = dict(chosen)

@@ -548,11 +548,46 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         decisions += _checkpoint_decisions(layers, levels, ck_forced, solution, priced)
         decisions += _keep_decisions(solution)
     fqn_pls = {fqn: fmt_placements(pls.pls[ph]) for ph, fqn in ctx.captured.param_fqns.items()}
-    return Plan(name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
+    float8 = _float8_chosen(ctx, priced)
+    if float8 is not None and explain:
+        decisions += (_float8_classes_decision(priced),)
+    return Plan(float8=float8 or (),name=name, mesh=tuple(zip(mesh.names, mesh.sizes)), strategies=tuple(strategies),
                 params=tuple(fqn_pls.items()), inputs=tuple(inputs.items()), directives=tuple(directives),
                 graph=ctx.captured.fingerprint() if explain else "", notes=tuple(notes), estimate=estimate,
                 decisions=decisions,
                 checkpoint=tuple((la.path, levels[la.path].name) for la in layers)), priced
+
+
+def _float8_chosen(ctx: PassContext, solution) -> tuple[tuple[str, str], ...] | None:
+    """`float8="auto"` (`autopar.float8.set_offer`): the (linear, recipe) pairs the priced candidates run in fp8
+    (`Candidate.float8`, the ILP's per-class choice or a hand plan's variant where it pays); None without an offer."""
+    from autopar.estimate import float8_members
+    from autopar.solver import float8_offer
+    if not float8_offer(ctx) or solution is None:
+        return None
+    sites = {s.key: s for s in ctx.planning_sites()}
+    return tuple(sorted((float8_members(sites[k])[i].key, c.float8_recipe)
+                        for k, c in solution.choices.items() if k in sites for i in c.float8))
+
+
+def _float8_classes_decision(solution) -> Decision:
+    """Which linears each class runs in fp8 and what that gains under its form (`solver.Float8Class`), for the
+    `(float8)` decision (`autopar.api._plan_float8` completes it)."""
+    from autopar.float8 import DECISION_KEY
+    from autopar.plan import CandidateRow
+    rows = []
+    for fc in getattr(solution, "float8_classes", ()):
+        where = fc.keys[0] if len(fc.keys) == 1 else f"{fc.keys[0]} (x{len(fc.keys)})"
+        if fc.fp8:
+            label = (f"{where} under {fc.chosen}: fp8 on {', '.join(fc.fp8)} of {', '.join(fc.offered)}, saving "
+                     f"{(fc.gain_s or 0.0) * 1e3:.4f} ms per structure")
+            why = ""
+        else:
+            label = f"{where} under {fc.chosen}: bf16, fp8 offered on {', '.join(fc.offered)}"
+            why = "fp8 pays on none of its linears under this form"
+        rows.append(CandidateRow(label=label, excluded=why))
+    return Decision(keys=(DECISION_KEY,), kind="float8-classes", chosen="per class", decided_by="the ILP",
+                    candidates=tuple(rows))
 
 
 def _layers(ctx: PassContext):
@@ -701,6 +736,7 @@ def _estimate(ctx, mesh: MeshInfo, clus, name, choices, solution, data_axes, seq
         solution = ilp.evaluate(ctx, mesh, clus, priced, data_axes, optimizer, tuple(seq_axes),
                                 other_fsdp=name in _SHARDED, layers=layers, checkpoint=levels,
                                 zero=zero_form.PLANS.get(name, 0))
+        priced = {**priced, **{k: c for k, c in solution.choices.items() if c.float8}}  # float8="auto"'s variants
     else:
         data_axes, seq_axes = solution.data_axes, solution.seq_axes
     limit = memory_limit if memory_limit is not None else clus.device_memory_bytes

@@ -87,7 +87,7 @@ import torch
 from torch import fx
 
 from autopar.estimate import Cost, MeshCosting, SiteStats, _row_linears, block_nodes, compute_s, gather_stats, \
-    mesh_costing, optimizer_step_s, peak_bytes
+    mesh_costing, optimizer_step_s, peak_bytes, float8_members, with_float8
 from autopar.forms import Candidate, Form, Role, form_of, forms_for
 from autopar.forms import checkpoint as ckpt
 from autopar.forms import dp as dp_form
@@ -141,6 +141,8 @@ class Solution:
     # and the index of the one that won
     ranking: list = field(default_factory=list)
     ranked_index: int = 0
+    # `float8="auto"` (`float8_offer`): per class with linears offered in fp8, what its choice gains (`_float8_classes`)
+    float8_classes: list["Float8Class"] = field(default_factory=list)
 
 
 @dataclass
@@ -164,12 +166,88 @@ class Priced:
 def site_cost(site: Site, st: SiteStats, cand: Candidate, mc: MeshCosting) -> Cost:
     """What `cand` costs for `site`: the form's own cost model (with FSDP, on the parameters it shards)."""
     form = form_of(site.kind, cand.form)
+    if cand.float8:  # its linears in fp8 (`autopar.float8`: the ILP's per-class choice)
+        st = with_float8(st, cand.float8, cand.float8_recipe)
     if cand.zero:  # this class's ZeRO stage, whatever the plan's (`autopar.forms.zero`: dp / fsdp priced with it)
         mc = dataclasses.replace(mc, zero=cand.zero)
     if cand.fsdp:
         model = model_placements(site, form, cand.axes, mc.names, [mc.size(a) for a in cand.axes])
         st = fsdp_form.priced_stats(st, _data_sizes(mc), model)
     return step_terms(form.cost(site, st, cand, mc), mc)
+
+
+def float8_offer(ctx: PassContext) -> dict[str, str]:
+    """{linear key: recipe} the ILP may run in fp8 (`autopar.float8.set_offer`; {} : none)."""
+    return getattr(ctx, "float8_offer", None) or {}
+
+
+def float8_variants(site: Site, st: SiteStats, cand: Candidate, cost: Cost, mc: MeshCosting,
+                    offer: dict[str, str]) -> list[tuple[Candidate, Cost]]:
+    """The fp8 variant of `cand` (priced `cost`) the ILP is offered beside it, per recipe `offer` gives the site's
+    linears: those of its offered linears whose fp8 alone makes the structure's time (`timeline.overlapped_s`, the
+    ILP's) less under this form, together; none where no linear pays. The form decides it: a linear whose fp8 pays
+    under dp (its K, N whole) can lose under tensor parallelism (skinny rowwise shares, whole casts, tp amaxes).
+    One variant, not every subset: a linear's fp8 changes its own GEMMs, casts and amaxes, so the structure's time is
+    (nearly) additive over its linears and the paying ones together are the best subset (the exhaustive test,
+    tests/test_float8_ilp.py, checks it against every subset); the memory does not see fp8 (its copies priced as
+    bf16), so nothing else can prefer another subset."""
+    if cand.float8 or not st.float8_facts:
+        return []
+    members = float8_members(site)
+    by_recipe: dict[str, list[int]] = {}
+    for i in sorted(st.float8_facts):
+        if members[i].key in offer:
+            by_recipe.setdefault(offer[members[i].key], []).append(i)
+    out = []
+    t = overlapped_s(cost)
+    for recipe, idx in by_recipe.items():
+        singles = [(i, site_cost(site, st, dataclasses.replace(cand, float8=(i,), float8_recipe=recipe), mc))
+                   for i in idx]
+        paying = [(i, k) for i, k in singles if overlapped_s(k) < t - 1e-15]
+        if len(paying) == 1:
+            out.append((dataclasses.replace(cand, float8=(paying[0][0],), float8_recipe=recipe), paying[0][1]))
+        elif paying:
+            c = dataclasses.replace(cand, float8=tuple(i for i, _ in paying), float8_recipe=recipe)
+            k = site_cost(site, st, c, mc)
+            out.append((c, k))
+    return [(c, k) for c, k in out if overlapped_s(k) < t - 1e-15]
+
+
+@dataclass(frozen=True)
+class Float8Class:
+    """One class's float8 choice (`Plan.explain`'s (float8) decision): its sites, the candidate chosen, its linears
+    offered (names within the structure) and those chosen, and the time per structure fp8 saves under the chosen form
+    (its fp8 variant's against the candidate without; None where no linear pays under it)."""
+
+    keys: tuple[str, ...]
+    chosen: str
+    offered: tuple[str, ...]
+    fp8: tuple[str, ...]
+    gain_s: float | None
+
+
+def _float8_classes(best: Solution, classes, stats, offer: dict[str, str]) -> list[Float8Class]:
+    mc, cands, costs = best.priced[:3]
+    out = []
+    for cls, cs, cost in zip(classes, cands, costs):
+        site = cls[0]
+        members = float8_members(site)
+        offered = tuple(i for i in sorted(stats[site.key].float8_facts) if members[i].key in offer)
+        if not offered:
+            continue
+        chosen = best.choices[site.key]
+        known = dict(zip(cs, cost))
+        bf16 = chosen.without_float8()
+        variants = [c for c in cs if c.float8 and c.without_float8() == bf16]
+        gain = None
+        if variants:
+            v = variants[0]
+            gain = overlapped_s(known[bf16]) - overlapped_s(known[v]) if bf16 in known else None
+        name = lambda i: members[i].key.removeprefix(site.key + ".")  # noqa: E731
+        out.append(Float8Class(keys=tuple(s.key for s in cls), chosen=bf16.label,
+                               offered=tuple(name(i) for i in offered),
+                               fp8=tuple(name(i) for i in chosen.float8), gain_s=gain))
+    return out
 
 
 def step_terms(cost: Cost, mc: MeshCosting) -> Cost:
@@ -462,6 +540,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
+    offer = float8_offer(ctx)
     sites = ctx.planning_sites()
     pairs = _tied_pairs(sites)
     tied = {s.key for p in pairs for s in p}
@@ -485,6 +564,12 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         if any(not cs for cs in cands):
             continue
         costs = [[site_cost(cls[0], stats[cls[0].key], c, mc) for c in cs] for cls, cs in zip(classes, cands)]
+        if offer:  # each candidate's fp8 variant beside it (`float8_variants`)
+            for cls, cs, cost in zip(classes, cands, costs):
+                extra = [v for c, k in zip(list(cs), list(cost))
+                         for v in float8_variants(cls[0], stats[cls[0].key], c, k, mc, offer)]
+                cs += [c for c, _ in extra]
+                cost += [k for _, k in extra]
         base = other_cost(other, mc)
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         kp = _keep_terms(ck, classes, cands, costs, stats, mc)
@@ -524,6 +609,8 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
             limit_bytes=limit, least_bytes=least_memory)
     if top > 1 and rank is not None:
         best = _ranked(best, tried, classes, pairs, stats, limit, time_limit_s, exclude, top, rank)
+    if offer:
+        best.float8_classes = _float8_classes(best, classes, stats, offer)
     best.priced = _priced(best, classes, pairs, stats, mesh, forced, limit, time_limit_s, tried)
     best.solve_s = time.perf_counter() - t0
     best.classes = len(classes)
@@ -543,7 +630,8 @@ def _priced(best: Solution, classes, pairs, stats, mesh: MeshInfo, forced, limit
         known = dict(zip(cs, cost))
         rows.append([(c, None if why else known.get(c) or site_cost(cls[0], st, c, mc), why)
                      for c, why in all_candidates(cls[0], st, mesh, best.data_axes, forced.get(cls[0].key),
-                                                  best.seq_axes)])
+                                                  best.seq_axes)]
+                    + [(c, k, "") for c, k in zip(cs, cost) if c.float8])  # the fp8 variants (`float8_variants`)
     out = Priced(classes=classes, rows=rows, pairs=pairs,
                  roles=[(d, q, sol, why) for d, q, sol, why in tried])
     cheapest = [min(overlapped_s(c) for c in cost) for cost in costs]
@@ -653,10 +741,12 @@ def _checkpoint_terms(groups, classes, cands, costs, mc: MeshCosting, mesh: Mesh
     # candidate is replicated or tensor-parallel beside a data axis; FSDP's gathers are issued before the layers'
     # regions (`passes.checkpoint`: the recompute reads the full parameters through the backward re-gather the FSDP
     # form prices with or without checkpointing): an FSDP candidate re-issues what its candidate without FSDP does
-    own = [{(cand.form, cand.axes): c.critical_s / 2 if cand.axes else 0.0 for cand, c in zip(cs, cost) if not cand.fsdp}
-           for cs, cost in zip(cands, costs)]
-    reissue_s = [[mine.get((cand.form, cand.axes), c.critical_s / 2 if cand.axes else 0.0) for cand, c in zip(cs, cost)]
-                 for cs, cost, mine in zip(cands, costs, own)]
+    # (an fp8 variant, `Candidate.float8`: its own twin without FSDP, else the bf16 one's)
+    own = [{(cand.form, cand.axes, cand.float8): c.critical_s / 2 if cand.axes else 0.0
+            for cand, c in zip(cs, cost) if not cand.fsdp} for cs, cost in zip(cands, costs)]
+    reissue_s = [[mine.get((cand.form, cand.axes, cand.float8), mine.get((cand.form, cand.axes, ()),
+                                                                          c.critical_s / 2 if cand.axes else 0.0))
+                  for cand, c in zip(cs, cost)] for cs, cost, mine in zip(cands, costs, own)]
     # saved bytes under recompute (`CheckpointTerms.saved_under`): each structure's own saved bytes are freed, the
     # level keeps the layers' inputs and (selective) some outputs
     act = [[c.act_bytes for c in cost] for cost in costs]
@@ -1154,6 +1244,8 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
             memo[key] = site_cost(site, st, cand, mc)
         return memo[key]
 
+    offer = float8_offer(ctx)
+    choices = dict(choices)
     for site in sites:
         cand = choices.get(site.key, Candidate(form=Replicate.name))
         st = stats[site.key]
@@ -1161,6 +1253,14 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         if st.summed_into and (leader is None or (leader.form, leader.axes) != (cand.form, cand.axes)):
             st = dataclasses.replace(st, summed_into=None)  # the earlier embedding's sum is not reduced with it
         per_site[site.key] = price(site, st, cand)
+        if offer and not cand.float8:  # a hand plan under float8="auto": each structure's fp8 variant where it pays
+            key = (site.key if site.key in tied else _signature(site), repr(sorted(st.fsdp_groups.values())),
+                   st.summed_into, cand, "float8")
+            if key not in memo:
+                memo[key] = min(float8_variants(site, st, cand, per_site[site.key], mc, offer),
+                                key=lambda v: overlapped_s(v[1]), default=None)
+            if memo[key] is not None:
+                choices[site.key], per_site[site.key] = memo[key]
     extra = ck = None
     if checkpoint:
         groups = ckpt.groups(ctx.captured.gm, list(layers), checkpoint)
@@ -1170,7 +1270,7 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         costs = [[per_site[s.key]] for s in sites]
         for s, cs, cost in zip(sites, cands, costs):  # an FSDP choice re-issues what it does without FSDP
             if cs[0].fsdp:
-                cs.append(Candidate(form=cs[0].form, axes=cs[0].axes))
+                cs.append(dataclasses.replace(cs[0], fsdp=False, zero=0))
                 cost.append(price(s, stats[s.key], cs[1]))
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,

@@ -33,6 +33,7 @@ new module (listed in `autopar/forms/__init__.py`) and its tests.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
@@ -65,9 +66,14 @@ class Candidate:
     # 1 (zero1: replicated, the optimizer step sharded; fsdp False) or 2 (zero2: sharded, gathered copies persisting;
     # fsdp True)
     zero: int = 0
+    # `float8="auto"` under `plan="auto"` (`autopar.float8`): the linears of the structure (indices into
+    # `autopar.estimate.float8_members`) whose GEMMs run in fp8 under `float8_recipe`; () : none
+    float8: tuple[int, ...] = ()
+    float8_recipe: str = ""
 
     def __post_init__(self):
         assert self.zero in (0, 1, 2) and (self.zero != 1 or not self.fsdp) and (self.zero != 2 or self.fsdp), self
+        assert bool(self.float8) == bool(self.float8_recipe), self
 
     @property
     def axis(self) -> str | None:
@@ -75,7 +81,11 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        return form_label(self.form, self.axes) + (f"+zero{self.zero}" if self.zero else "+fsdp" if self.fsdp else "")
+        return (form_label(self.form, self.axes) + (f"+zero{self.zero}" if self.zero else "+fsdp" if self.fsdp else "")
+                + (f"+{self.float8_recipe}{list(self.float8)}" if self.float8 else ""))
+
+    def without_float8(self) -> "Candidate":
+        return dataclasses.replace(self, float8=(), float8_recipe="")
 
 
 class Form:
