@@ -130,6 +130,7 @@ FILE_SECONDS = {
     "test_published_runs.py": 30,
     "test_float8_plan.py": 22,  # the torchtitan bf16/float8 pairs priced offline (11 s)
     "test_float8_kernel.py": 2,
+    "test_float8_ilp.py": 5,  # the ILP's per-class fp8 against an exhaustive search, offline (3 s)
     "test_float8_runtime.py": 12,  # dp, fsdp, megatron x2 on the shared 2-rank pool (2-3 s each)
     "test_float8_fsdp_gather.py": 8,  # fsdp tensorwise with the fp8 all-gather on the shared 2-rank pool
     "test_float8_torchao_model.py": 2,
