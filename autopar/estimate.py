@@ -658,11 +658,10 @@ def float8_members(site) -> list:
     return site.members() or ([site] if site.kind is Kind.LINEAR else [])
 
 
-def _float8_facts(ctx: PassContext, site, owner: dict[fx.Node, str]) -> dict[int, Float8Facts]:
+def _float8_facts(ctx: PassContext, site, owner: dict[fx.Node, str], phs: dict[str, fx.Node]) -> dict[int, Float8Facts]:
     rows = {id(lin) for lin in _row_linears(site)}
     out = {}
     precision = getattr(ctx.captured, "precision", None)
-    phs = {p.name: p for p in ctx.captured.gm.graph.find_nodes(op="placeholder")}
     for i, lin in enumerate(float8_members(site)):
         if owner.get(lin.node) != site.key or lin.node.meta.get("val") is None \
                 or lin.node.target is not torch.ops.aten.linear.default:
@@ -719,9 +718,10 @@ def apply_float8(ctx: PassContext, owner: dict[fx.Node, str], stats: dict[str, S
     """Price the linears `ctx.float8` names ({linear site key: recipe}) in fp8 (`_add_float8`), and record on every
     site what pricing its linears in fp8 needs (`SiteStats.float8_facts`: the candidates' float8, `with_float8`)."""
     chosen = getattr(ctx, "float8", None) or {}
+    phs = {p.name: p for p in ctx.captured.gm.graph.find_nodes(op="placeholder")}
     for site in ctx.planning_sites():
         st = stats[site.key]
-        st.float8_facts = _float8_facts(ctx, site, owner)
+        st.float8_facts = _float8_facts(ctx, site, owner, phs)
         for f in st.float8_facts.values():
             if f.key in chosen:
                 _add_float8(st, f, chosen[f.key])
