@@ -6,7 +6,10 @@
 - `"tensorwise"` / `"rowwise"`: that recipe on every linear (`nn.Linear`: an `aten.linear` node) but the output head
   (the linears a loss reads: torchtitan keeps `output` in high precision), as torchtitan's float8 converter
   converts them (`filter_fqns=["output"]`; `linears(..., rule=False)`).
-- `"auto"`: per linear, each recipe where it pays (`linears`: torchao's rule, `autopar.forms.float8.pays`: the
+- `"auto"` on `plan="auto"`: a binary per linear class inside the ILP, solved under each recipe (`IN_ILP`,
+  `set_offer`, `autopar.solver.float8_variants`): priced with the form, so tensor parallelism's effect is weighed per
+  linear; the `(float8)` decision lists each recipe's plan and each class's fp8 linears with the time they save.
+- `"auto"` on a named plan: per linear, each recipe where it pays (`linears`: torchao's rule, `autopar.forms.float8.pays`: the
   GEMMs' saving beats the scaling's traffic, on the linear's shapes on one rank: its tokens over every rank of the
   mesh, the least a rank computes; small KxN linears fail it), then the plan priced under each recipe (and under
   none), the least estimated step that fits winning; the `(float8)` decision lists each with its step
@@ -34,7 +37,8 @@ DECISION_KEY = "(float8)"
 # exact under tensor parallelism: the form divides K or N (a rowwise share can turn `skinny`), the replicated input
 # is cast whole and amaxes are all-reduced on the tensor axis; those interactions are weighed per recipe (the plan
 # is solved under each recipe's per-linear choice and the best kept), not per linear: a linear the rule keeps in
-# fp8 on whole shapes stays fp8 under a TP form. A binary per linear class in the ILP would make that per linear.
+# fp8 on whole shapes stays fp8 under a TP form. That is the named plans' path: `auto`
+# decides per linear class inside the ILP (`IN_ILP`).
 SEPARABLE = ("the per-linear rule decides on the rank's own shape where a linear's form keeps its K and N whole "
              "(dp, fsdp, zero) and the memory limit does not see fp8 (its copies priced as bf16), so it is separable "
              "from the solve there (its amax all-reduces are priced by the estimate, not by the rule); under tensor "
