@@ -132,3 +132,35 @@ def test_plan_auto_float8_auto_chooses_per_class_and_explains(planned):
     assert "tensorwise (4 linears)" in text and "rowwise (4 linears)" in text  # each recipe solved
     assert "fp8 on layers.0.up, layers.0.down of layers.0.up, layers.0.down, saving" in text
     assert "float8-classes" not in {d.kind for d in p.decisions}  # merged into the (float8) decision
+
+
+class _Mlp(nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.up = nn.Linear(h, f, bias=False)
+        self.down = nn.Linear(f, h, bias=False)
+
+    def forward(self, x, y):
+        return nn.functional.mse_loss(x + self.down(nn.functional.gelu(self.up(x))), y)
+
+
+def test_uneven_fsdp_shard_gathered_in_its_dtype_as_lowered():
+    """A tensorwise weight FSDP shards unevenly (neither 16388 nor 4100 divides dp 8) is gathered padded in bf16 by
+    the lowering (no `fsdp_gather_fp8`), and the estimate now agrees: fp8 adds only the activations' and gradients'
+    amax all-reduces (4 scalars per linear on dp), no 1-byte gather, no shard amax; an even one keeps its fp8 gather."""
+    from cost_model.analytical import send_bytes
+    amax = send_bytes("all_reduce", 4, 8)
+    for h, f, even in ((4096, 16384, True), (4100, 16388, False)):
+        with torch.device("meta"):
+            model = _Mlp(h, f).to(torch.bfloat16)
+            x = torch.zeros(8, 256, h, dtype=torch.bfloat16)
+        kw = dict(plan="fsdp", cluster="h100")
+        bf16 = autopar.plan(model, {"dp": 8}, (x, x), **kw)
+        fp8 = autopar.plan(model, {"dp": 8}, (x, x), float8="tensorwise", lower=True, **kw)
+        assert len(fp8.float8) == 2
+        saved = bf16.estimate.comm_bytes_per_step - fp8.estimate.comm_bytes_per_step
+        fp8_gathers = [c for c in fp8.comms if c.fn == "fsdp_gather_fp8"]
+        if even:  # each weight gathered once in 1 byte instead of 2: (p - 1) / p of its elements saved
+            assert len(fp8_gathers) == 2 and saved == 2 * h * f * 7 // 8 - 2 * 5 * amax
+        else:
+            assert not fp8_gathers and saved == -2 * 4 * amax

@@ -86,7 +86,8 @@ def float8_cost(st: SiteStats, cand: Candidate, mc: MeshCosting, param_split: in
             for numel in amax_reductions(recipe, dim, local):
                 ct, cb = mc.collective("all_reduce", 4 * numel, axis)
                 t, b = t + ct, b + cb
-        if cand.fsdp and FP8_ALL_GATHER[recipe] and st.float8_gathered:  # the shard's amax before its fp8 gather
+    if cand.fsdp:  # each weight shard's amax before its fp8 gather (not an uneven one's: gathered in its dtype)
+        for _ in (w for w in st.float8_gathered if w not in st.fsdp_pad):
             for axis in (a for a in mc.data_axes if mc.size(a) > 1):
                 ct, cb = mc.collective("all_reduce", 4.0, axis)
                 t, b = t + ct, b + cb

@@ -202,6 +202,13 @@ def reduce_time_s(mc: MeshCosting, nbytes: float, group: float, interval_s: floa
     return t, b
 
 
+def gather_factor(st: SiteStats, name: str) -> float:
+    """The bytes FSDP gathers parameter `name` in, per byte of its own dtype: a tensorwise float8 weight's 1 byte
+    (`SiteStats.float8_gathered`), but not one sharded unevenly (`st.fsdp_pad`), which the runtime gathers padded in
+    its dtype (`passes.lower`'s fp8 gathers leave it out)."""
+    return 1.0 if name in st.fsdp_pad else st.float8_gathered.get(name, 1.0)
+
+
 def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float) -> tuple[float, float, float, float]:
     """(time, bytes sent, state bytes, gathered bytes) of a structure's parameters, divided `split` ways by its form,
     under FSDP: those it shards (`sync`, `state_bytes`), and those it leaves whole (`st.fsdp_whole`) data parallel."""
@@ -211,7 +218,7 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
         again = again and mc.zero != 2  # zero2: every group kept (and persisting): none gathered again in backward
         if used:  # a tensorwise float8 weight is gathered in 1 byte (`SiteStats.float8_gathered`)
-            gathered.append((nbytes * st.float8_gathered.get(name, 1.0) / split, group / split, again))
+            gathered.append((nbytes * gather_factor(st, name) / split, group / split, again))
         if synced:
             reduced.append((nbytes / split, group / split))
     t, b = sync(mc, gathered, reduced, backward_s)
@@ -236,7 +243,7 @@ def gather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group = sharded.fsdp_groups.get(name, (nbytes, False))[0] if synced else nbytes
         if used:
-            t += gather_time_s(mc, nbytes * st.float8_gathered.get(name, 1.0) / split, group / split)[0]
+            t += gather_time_s(mc, nbytes * gather_factor(st, name) / split, group / split)[0]
     return t
 
 
@@ -247,7 +254,7 @@ def regather_s(mc: MeshCosting, st: SiteStats, split: float) -> float:
     for name, (nbytes, used, synced) in sharded.param_facts.items():
         group, again = sharded.fsdp_groups.get(name, (nbytes, False)) if synced else (nbytes, False)
         if used and again and mc.zero != 2:
-            t += regather_time_s(mc, nbytes * st.float8_gathered.get(name, 1.0) / split, group / split)[0]
+            t += regather_time_s(mc, nbytes * gather_factor(st, name) / split, group / split)[0]
     return t
 
 
