@@ -9,8 +9,8 @@
 - `"auto"` on `plan="auto"`: a binary per linear class inside the ILP, solved under each recipe (`IN_ILP`,
   `set_offer`, `autopar.solver.float8_variants`): priced with the form, so tensor parallelism's effect is weighed per
   linear; the `(float8)` decision lists each recipe's plan and each class's fp8 linears with the time they save.
-- `"auto"` on a named plan: per linear, each recipe where it pays (`linears`: torchao's rule, `autopar.forms.float8.pays`: the
-  GEMMs' saving beats the scaling's traffic, on the linear's shapes on one rank: its tokens over every rank of the
+- `"auto"` on a named plan: per linear, each recipe where it pays (`linears`: torchao's rule,
+  `autopar.forms.float8.pays`: the GEMMs' saving beats the scaling's traffic, on the linear's shapes on one rank: its tokens over every rank of the
   mesh, the least a rank computes; small KxN linears fail it), then the plan priced under each recipe (and under
   none), the least estimated step that fits winning; the `(float8)` decision lists each with its step
   (`Plan.explain`). A recipe whose scaling the plan's forms make expensive (rowwise under tensor parallelism: each
@@ -33,14 +33,15 @@ DECISION_KEY = "(float8)"
 # fp8 gain is (nearly) separable from the ILP when its form leaves its K and N whole (dp, fsdp, zero1/2: the rank runs
 # (M / ranks, K, N) whatever else is chosen, the rule decides on exactly that shape; only the small amax
 # all-reduces, which the rule leaves out and the estimate prices, depend on the axes) and the memory limit does not
-# see the choice (fp8 gathered copies are priced as bf16: the estimate's memory does not depend on it). It is not
+# see the choice (only FSDP's fp8 copies kept for backward, in 1 byte). It is not
 # exact under tensor parallelism: the form divides K or N (a rowwise share can turn `skinny`), the replicated input
 # is cast whole and amaxes are all-reduced on the tensor axis; those interactions are weighed per recipe (the plan
 # is solved under each recipe's per-linear choice and the best kept), not per linear: a linear the rule keeps in
 # fp8 on whole shapes stays fp8 under a TP form. That is the named plans' path: `auto`
 # decides per linear class inside the ILP (`IN_ILP`).
 SEPARABLE = ("the per-linear rule decides on the rank's own shape where a linear's form keeps its K and N whole "
-             "(dp, fsdp, zero) and the memory limit does not see fp8 (its copies priced as bf16), so it is separable "
+             "(dp, fsdp, zero) and the memory limit barely sees fp8 (only FSDP's kept fp8 copies, 1 byte), so it is "
+             "separable "
              "from the solve there (its amax all-reduces are priced by the estimate, not by the rule); under tensor "
              "parallelism the form's effect (skinny rowwise shares, whole casts, tp amaxes) is weighed per recipe, "
              "not per linear")

@@ -189,8 +189,9 @@ def float8_variants(site: Site, st: SiteStats, cand: Candidate, cost: Cost, mc: 
     under dp (its K, N whole) can lose under tensor parallelism (skinny rowwise shares, whole casts, tp amaxes).
     One variant, not every subset: a linear's fp8 changes its own GEMMs, casts and amaxes, so the structure's time is
     (nearly) additive over its linears and the paying ones together are the best subset (the exhaustive test,
-    tests/test_float8_ilp.py, checks it against every subset); the memory does not see fp8 (its copies priced as
-    bf16), so nothing else can prefer another subset."""
+    tests/test_float8_ilp.py, checks it against every subset). Memory sees fp8 only where FSDP keeps a tensorwise
+    weight gathered for backward (held in 1 byte), and a variant that saves time saves those bytes too; a linear whose
+    fp8 would save held bytes but no time is not offered (open: it matters only where the memory limit binds)."""
     if cand.float8 or not st.float8_facts:
         return []
     members = float8_members(site)

@@ -147,7 +147,8 @@ class _Mlp(nn.Module):
 def test_uneven_fsdp_shard_gathered_in_its_dtype_as_lowered():
     """A tensorwise weight FSDP shards unevenly (neither 16388 nor 4100 divides dp 8) is gathered padded in bf16 by
     the lowering (no `fsdp_gather_fp8`), and the estimate now agrees: fp8 adds only the activations' and gradients'
-    amax all-reduces (4 scalars per linear on dp), no 1-byte gather, no shard amax; an even one keeps its fp8 gather."""
+    amax all-reduces (4 scalars per linear on dp), no 1-byte gather, no shard amax; an even one keeps its fp8 gather,
+    and its gathered copy kept for backward is held in 1 byte (the runtime saves the fp8 weight)."""
     from cost_model.analytical import send_bytes
     amax = send_bytes("all_reduce", 4, 8)
     for h, f, even in ((4096, 16384, True), (4100, 16388, False)):
@@ -160,7 +161,10 @@ def test_uneven_fsdp_shard_gathered_in_its_dtype_as_lowered():
         assert len(fp8.float8) == 2
         saved = bf16.estimate.comm_bytes_per_step - fp8.estimate.comm_bytes_per_step
         fp8_gathers = [c for c in fp8.comms if c.fn == "fsdp_gather_fp8"]
-        if even:  # each weight gathered once in 1 byte instead of 2: (p - 1) / p of its elements saved
+        held = bf16.estimate.memory_bytes_per_device - fp8.estimate.memory_bytes_per_device
+        if even:  # each weight gathered once in 1 byte instead of 2: (p - 1) / p of its elements saved; its gathered
+            # copy (outside any layer: kept to backward, as FSDP2's root) held in fp8, 1 byte per element
             assert len(fp8_gathers) == 2 and saved == 2 * h * f * 7 // 8 - 2 * 5 * amax
+            assert held == 2 * h * f
         else:
-            assert not fp8_gathers and saved == -2 * 4 * amax
+            assert not fp8_gathers and saved == -2 * 4 * amax and held == 0

@@ -79,7 +79,7 @@ def test_plan_float8_choice_gathers_and_round_trip():
     # the runtime's tensorwise amaxes on dp: 4 per linear, + the weight shard's before its fp8 gather
     amax = len(chosen) * 5 * send_bytes("all_reduce", 4, 8)
     assert bf16.estimate.comm_bytes_per_step - p.estimate.comm_bytes_per_step == 2 * fp8_numel * 7 // 8 - amax
-    assert bf16.estimate.memory_bytes_per_device == p.estimate.memory_bytes_per_device  # priced as bf16 (open)
+    assert bf16.estimate.memory_bytes_per_device == p.estimate.memory_bytes_per_device  # resharded: no fp8 copy held
     back = Plan.from_json(p.to_json())
     assert back.float8 == p.float8 and back == p
     assert "float8: tensorwise on 14 linears (layers.{0,1}.attn.wk" in p.table()

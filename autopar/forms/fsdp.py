@@ -229,8 +229,10 @@ def params_cost(mc: MeshCosting, st: SiteStats, split: float, backward_s: float)
         state = full + (zero.state_bytes(mc, local, 2) - local)  # zero2's whole compute copy is not padded
         return t + kept_t, b + kept_b, state + dp.state_bytes(mc, kept.param_bytes / split), 0.0
     # the gathered copies backward reads stay alive until then (a weight; not a bias, not an embedding table) in a
-    # group kept gathered; a resharded group gathers them again in backward instead
-    gathered = sum(held_gathered_bytes(st.param_facts[p][0], not sharded.fsdp_groups.get(p, (0.0, False))[1])
+    # group kept gathered; a resharded group gathers them again in backward instead. A tensorwise float8 weight
+    # gathered in fp8 is kept so, in 1 byte (`autopar.runtime.float8._Float8GatheredLinear` saves the fp8 weight)
+    gathered = sum(held_gathered_bytes(st.param_facts[p][0] * gather_factor(st, p),
+                                       not sharded.fsdp_groups.get(p, (0.0, False))[1])
                    for p in sharded.saved_params) / split
     return (t + kept_t, b + kept_b, local * mc.state_factor() / mc.dp + gathered
             + dp.state_bytes(mc, kept.param_bytes / split), gathered)
