@@ -245,7 +245,7 @@ class ParallelModule(nn.Module):
         if settle is not None:  # the ranks' agreement on this call completes before the call's first collective
             before_next_collective(settle)
         try:
-            outs = self._run(prog, cap, flat, defer=ride and settle is None and self._defers(prog, flat))
+            outs = self._run(prog, cap, flat, ride and settle is None and self._defers(prog, flat))
         except BaseException:
             settle_pending(failed=True)
             raise
