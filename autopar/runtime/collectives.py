@@ -608,6 +608,9 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 FIRST_GRAD_BUCKET_BYTES = 2**20
 
 
+CHECK_BEFORE_ISSUE = True
+
+
 class _GradSyncBucket(torch.autograd.Function):
     """Identity on several tensors; backward all-reduces all their gradients in one flat buffer.
 
@@ -641,13 +644,18 @@ class _GradSyncBucket(torch.autograd.Function):
         grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
                  for g, (s, d) in zip(grads, ctx.shapes)]
         flat = _flat_cat(grads)
+        deferred = ctx.deferred
+        if deferred is not None and CHECK_BEFORE_ISSUE:
+            n = deferred.count()
+            flat = flat.div_(n) if not torch.is_grad_enabled() else flat / n
+            deferred = None
         # compiled (a train step under torch.compile runs its backward's frames through dynamo): the functional,
         # out-of-place reduction, waited here; inductor cannot functionalize the in-place one
         if local_tensor_mode() is None and type(flat) is torch.Tensor and not torch.compiler.is_compiling():
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
             flat = _c10d.all_reduce_(flat, "sum", ctx.axis.group_name)
             cast = any(g.dtype != d for g, (_, d) in zip(grads, ctx.shapes))  # a cast back reads the buffer now
-            reduced = _Reduced(flat, ctx.deferred)
+            reduced = _Reduced(flat, deferred)
             if ctx.hooked and not cast and not torch.is_grad_enabled():
                 ctx.pending.append(reduced)
                 torch.autograd.Variable._execution_engine.queue_callback(reduced.settle)
@@ -656,8 +664,8 @@ class _GradSyncBucket(torch.autograd.Function):
                 flat = reduced.settle()
         else:
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
-            if ctx.deferred is not None:
-                flat = flat / ctx.deferred.count()
+            if deferred is not None:
+                flat = flat / deferred.count()
         views = (v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads))
         return (None, None, None, *(_to_input(v, d) for v, (_, d) in zip(views, ctx.shapes)))
 
