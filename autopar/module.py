@@ -25,7 +25,6 @@ fills every parameter and persistent buffer, `forward` raises.
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 
 import torch
@@ -34,7 +33,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed._local_tensor import local_tensor_mode
 from torch.utils import _pytree as pytree
 
 from autopar.agree import SummedAgreement, agree_on_call, one_process
@@ -47,9 +45,7 @@ from autopar.plan import GATHER_PERSIST, DirectiveKind, Plan
 from autopar.precision import Precision, cast_inputs, cast_outputs
 from autopar.relower import Program, describe_key, guard_key, make_program, relower
 from autopar.replaced import mark_replaced
-from autopar.runtime.collectives import (after_backward, before_next_collective, deferring, ride_on_loss,
-                                         settle_pending)
-from autopar.runtime.deferred_loss import DeferredCount, defers_loss
+from autopar.runtime.collectives import after_backward, before_next_collective, ride_on_loss, settle_pending
 from autopar.runtime.fsdp import fsdp_step, persist_versions
 from autopar.runtime.ops import advance_rng_stream, riding_loss_axis
 from autopar.runtime import local_step, scalar_ops
@@ -104,9 +100,6 @@ class ParallelModule(nn.Module):
     # inputs="global": every call checks that every rank passed the same values (a digest of each tensor input in
     # the call's all-reduce, left in flight); False skips that check where the ranks are known to agree
     check_inputs: bool = True
-    # plan="dp" on a 1-D mesh with inputs="local": a training call's mean loss waits for its global count in the
-    # backward, not the forward (`autopar.runtime.deferred_loss`); False: waited for in the forward, as before
-    defer_loss: bool = True
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured: Captured, plan: Plan, gm, rng_stream: str,
                  example_inputs=None, local: tuple | None = None):
@@ -168,8 +161,6 @@ class ParallelModule(nn.Module):
         self._persists = any(d.kind is DirectiveKind.GATHER and d.value == GATHER_PERSIST for d in plan.directives)
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         self._riding: dict[tuple, bool] = {}  # program key -> whether the call's agreement rides on its loss
-        # program key -> None where its loss count cannot wait (`_defers`), else its buffers' names (checked per call)
-        self._deferring: dict[tuple, list | None] = {}
         self._summed_agreement: bool | None = None  # `_summed`, decided at the first call
         args, kwargs = split_example_inputs(example_inputs) if example_inputs is not None else (None, None)
         key = self._key(args, kwargs) if args is not None else None
@@ -240,21 +231,19 @@ class ParallelModule(nn.Module):
         cap = prog.captured
         assert spec == cap.in_spec, f"inputs {spec} do not flatten as captured ({cap.in_spec})"
         # resharding is a collective
-        ride = self._rides(prog)
-        settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard), ride=ride)
+        settle = self._check_inputs(key, cap, flat, wait=bool(prog.reshard), ride=self._rides(prog))
         if settle is not None:  # the ranks' agreement on this call completes before the call's first collective
             before_next_collective(settle)
         try:
-            outs = self._run(prog, cap, flat, ride and settle is None and self._defers(prog, flat))
+            outs = self._run(prog, cap, flat)
         except BaseException:
             settle_pending(failed=True)
             raise
         settle_pending()
         return cast_outputs(self._precision, pytree.tree_unflatten(list(outs)[: cap.num_user_outputs], cap.out_spec))
 
-    def _run(self, prog: Program, cap: Captured, flat: list, defer: bool = False):
-        """The program on this call's inputs, the parameters' local tensors fed through one autograd node. `defer`:
-        its loss's count is waited for in the backward (`deferred_loss`)."""
+    def _run(self, prog: Program, cap: Captured, flat: list):
+        """The program on this call's inputs, the parameters' local tensors fed through one autograd node."""
         it = iter(flat)
         feeds, at, dts = [], [], []
         for ph, kind, ref in cap.input_kinds:
@@ -280,8 +269,7 @@ class ParallelModule(nn.Module):
         versions = {id(p._local_tensor): p._version for p in dts} if self._persists else {}
         # FSDP groups resharded after forward: their saved parameters re-gathered backward; ZeRO-2's persisted groups
         # gathered again only after their DTensors or shards changed
-        with fsdp_step(prog.gm), persist_versions(versions), \
-                deferring(DeferredCount()) if defer else contextlib.nullcontext():
+        with fsdp_step(prog.gm), persist_versions(versions):
             return prog.gm(*feeds)
 
     def _plain_grads(self) -> None:
@@ -311,28 +299,6 @@ class ParallelModule(nn.Module):
             while len(self._riding) > max(8, self.max_programs):
                 self._riding.pop(next(iter(self._riding)))
         return rides
-
-    def _defers(self, prog: Program, flat: list) -> bool:
-        """Whether this call's loss count can wait for the backward (`deferred_loss`, called where the agreement
-        rides on the loss): a training call with grad enabled, on real process groups, no input or buffer requiring
-        grad, and a program `deferred_loss.defers_loss` accepts (one loss output; parameters only through exclusive
-        buckets; no other collective)."""
-        if not (self.defer_loss and self.training and torch.is_grad_enabled()) or local_tensor_mode() is not None:
-            return False
-        defers = self._deferring.get(prog.key)
-        if defers is None:
-            cap = prog.captured
-            params = {ph for ph, kind, _ in cap.input_kinds if kind == "param"}
-            buffers = [ref for _, kind, ref in cap.input_kinds if kind == "buffer"]
-            defers = buffers if cap.num_user_outputs == 1 and defers_loss(prog.gm, params) else None
-            self._deferring[prog.key] = defers
-            while len(self._deferring) > max(8, self.max_programs):
-                self._deferring.pop(next(iter(self._deferring)))
-        if defers is None:
-            return False
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-            return False
-        return not any(self._lookup(ref).requires_grad for ref in defers)
 
     @property
     def _summed(self) -> bool:

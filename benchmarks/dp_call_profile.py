@@ -5,8 +5,6 @@ passing its shard (inputs="local"). Rank 0 prints, as medians of interleaved rou
 (`time.process_time`: gloo's threads included): the forward and the backward of autopar, DDP and the eager model;
 then the ParallelModule forward wrapper's pieces timed alone (the guard key, the per-call agreement with its
 all-reduce, the parameters' `to_local`, a bare 3-int64 all-reduce for scale, the program without the wrapper).
-Where the checkout has them, the same program with its agreement all-reduced alone, and with its loss's count waited
-for in the forward (`pm.defer_loss = False`, the path before `autopar.runtime.deferred_loss`), run interleaved.
 `--cprofile` prints rank 0's cProfile (CPU timer) of autopar's forward + backward instead. For an A/B of two
 checkouts, run this script with PYTHONPATH at each in turn (the script reads autopar from the path).
 
@@ -50,11 +48,6 @@ def body(rounds: int, cprofile: bool) -> None:
         alone = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
         alone._rides = lambda prog: False
         models = {"autopar": pm, "autopar, agreement alone": alone, **{n: m for n, m in models.items() if n != "autopar"}}
-    if hasattr(pm, "defer_loss"):  # the A/B of the loss's count waited for in the backward (`deferred_loss`)
-        counted = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
-        counted.defer_loss = False
-        models = {"autopar": pm, "autopar, count in forward": counted,
-                  **{n: m for n, m in models.items() if n != "autopar"}}
     times: dict[str, list[tuple[float, float, float, float]]] = {n: [] for n in models}
 
     def step(name: str) -> None:
@@ -89,9 +82,8 @@ def body(rounds: int, cprofile: bool) -> None:
     if rank == 0:
         for n, v in times.items():
             f, b, wf, wb = (statistics.median(x[i] for x in v) * 1e3 for i in range(4))
-            step_wall = statistics.median(x[2] + x[3] for x in v) * 1e3
             print(f"{n:26s} forward {f:6.2f} ms  backward {b:6.2f} ms  (CPU per step, median of {rounds}); "
-                  f"wall {wf:6.2f} / {wb:6.2f} ms, step {step_wall:6.2f} ms")
+                  f"wall {wf:6.2f} / {wb:6.2f} ms")
     key = pm._key(local, {})
     prog = pm._programs[key]
     cap = prog.captured

@@ -14,20 +14,17 @@ dispatch the default single-tensor AdamW on CPU pays once per parameter and op, 
 `--slow-scalars` adds autopar with DTensor's pointwise ops on Python numbers dispatched as torch does
 (`autopar.runtime.scalar_ops.fast_path(False)`: the figure before that fast path, in the same run);
 `--dtensor-step` adds autopar with the optimizer stepping the DTensor parameters themselves
-(`autopar.runtime.local_step.enabled(False)`: the figure before the step ran on the local tensors);
-`--count-in-forward` adds autopar with its loss's global count waited for in the forward (`pm.defer_loss = False`:
-the path before `autopar.runtime.deferred_loss`).
+(`autopar.runtime.local_step.enabled(False)`: the figure before the step ran on the local tensors).
 Each comparison ends with one headline line, `RESULT dp/DDP <model> <ratio> (...)`: the ratio of the slowest
 rank's median wall-clock step times, its spread over 5 blocks of consecutive rounds, and the same in CPU time;
 then the step's phases (forward, backward, optimizer step) timed apart on rank 0, where they differ.
 
     python benchmarks/dp_vs_ddp.py [--quick] [--global] [--one-bucket] [--profile] [--foreach] [--slow-scalars]
-                                   [--dtensor-step] [--count-in-forward] [--only llama|gpt|nn_llama|convnet|lstm|census]
+                                   [--dtensor-step] [--only llama|gpt|nn_llama|convnet|lstm|census]
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import sys
@@ -48,8 +45,8 @@ BATCH = 8  # sequences per step, global
 
 
 def run(quick: bool, with_global: bool, one_bucket: bool, profile: bool, only: str | None, foreach: bool,
-        slow_scalars: bool, dtensor_step: bool, count_in_forward: bool = False) -> None:
-    variants = (with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step, count_in_forward)
+        slow_scalars: bool, dtensor_step: bool) -> None:
+    variants = (with_global, one_bucket, profile, foreach, slow_scalars, dtensor_step)
     cfg = LlamaConfig(vocab_size=2048, seq_len=256, num_layers=4, num_heads=8, num_kv_heads=4, hidden=512,
                       ffn_hidden=1536)
     torch.manual_seed(0)  # same model and data on every rank
@@ -75,8 +72,7 @@ def _shape(cfg) -> str:
 
 
 def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_global: bool, one_bucket: bool,
-             profile: bool, foreach: bool, slow_scalars: bool, dtensor_step: bool,
-             count_in_forward: bool = False) -> None:
+             profile: bool, foreach: bool, slow_scalars: bool, dtensor_step: bool) -> None:
     rank = dist.get_rank()
     local = tuple(t.chunk(WORLD_SIZE)[rank] for t in batch)
     mesh = init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("dp",))
@@ -136,10 +132,9 @@ def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_globa
             collectives.GRAD_BUCKET_BYTES, collectives.FIRST_GRAD_BUCKET_BYTES = sizes
         opt_1 = adamw(p1.parameters(), lr=1e-4)
         steps["autopar_one_bucket"] = lambda: losses.__setitem__("autopar_one_bucket", train_step(p1, opt_1, local))
-    def variant(key: str, context, defer_loss: bool = True) -> None:
+    def variant(key: str, context) -> None:
         """autopar once more, each of its steps under `context()`."""
         pv = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
-        pv.defer_loss = defer_loss
         opt_v = adamw(pv.parameters(), lr=1e-4)
 
         def step():
@@ -152,8 +147,6 @@ def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_globa
         variant("autopar_slow_scalars", lambda: scalar_ops.fast_path(False))
     if dtensor_step:
         variant("autopar_dtensor_step", lambda: local_step.enabled(False))
-    if count_in_forward:
-        variant("autopar_count_in_forward", contextlib.nullcontext, defer_loss=False)
     if profile:
         profile_steps({"autopar": lambda: train_step(pm, opt_a, local), "DDP": lambda: train_step(ddp, opt_b, local)})
     times = interleaved(steps, warmup=3, rounds=10 if quick else 100, budget_s=40.0 if quick else 120.0)
@@ -162,8 +155,7 @@ def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_globa
         print(f"  after {n} training steps: " + "  ".join(f"loss {k} {v.item():.6f}" for k, v in losses.items()))
         label = f"{name}, AdamW foreach" if foreach else name
         for what, a in (("", "autopar"), (", one bucket", "autopar_one_bucket"), (", inputs=global", "autopar_global"),
-                        (", slow scalars", "autopar_slow_scalars"), (", DTensor step", "autopar_dtensor_step"),
-                        (", count in forward", "autopar_count_in_forward")):
+                        (", slow scalars", "autopar_slow_scalars"), (", DTensor step", "autopar_dtensor_step")):
             if a in times.wall_s:
                 report(f"dp_vs_ddp[{label}{what}]", times, a, "DDP")
                 result(f"dp/DDP {label}{what}", times, a, "DDP")
@@ -178,8 +170,7 @@ def _compare(name: str, model, batch: tuple, shape: str, quick: bool, with_globa
 def main() -> None:
     launch(run, WORLD_SIZE, "--quick" in sys.argv, "--global" in sys.argv, "--one-bucket" in sys.argv,
            "--profile" in sys.argv, sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None,
-           "--foreach" in sys.argv, "--slow-scalars" in sys.argv, "--dtensor-step" in sys.argv,
-           "--count-in-forward" in sys.argv)
+           "--foreach" in sys.argv, "--slow-scalars" in sys.argv, "--dtensor-step" in sys.argv)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ appended to the loss's (sum, count) pair, so the forward synchronises the ranks 
 - the forward's collectives: that one all-reduce of 2 + 4 + 2 entries, and no agreement all-reduced alone;
 - the loss, every gradient and the parameters after an SGD step equal one device's on the global batch;
 - a call at which rank 1 passes a shorter batch raises `RankMismatchError` on both ranks (rank 0 detects it in the
-  summed row at its loss, rank 1 in the same all-reduce), and no loss value is returned (a training call's loss is
-  checked at its first read, `autopar.runtime.deferred_loss`: here `.item()`); the next call is exact again;
+  summed row at its loss, rank 1 in the same all-reduce), and no loss is returned; the next call is exact again;
 - a call whose program raises on rank 1 before the loss: rank 1 raises its own error, rank 0 a RuntimeError naming
   rank 1 (it does not return a loss summed without rank 1's share);
 - a bad label on rank 1 only: both raise `IndexError` naming rank 1.
@@ -86,7 +85,7 @@ def rides_worker() -> dict:
         out["err"] = err
 
         n = 4 if rank == 0 else 2
-        out["short"] = _outcome(lambda: pm(mine(x)[:n], mine(y)[:n]).item())
+        out["short"] = _outcome(lambda: pm(mine(x)[:n], mine(y)[:n]))
         x1, y1 = _batch(1)
         out["again"] = abs(pm(mine(x1), mine(y1)).item() - ref(x1, y1).item())
 
@@ -96,14 +95,14 @@ def rides_worker() -> dict:
                 raise ValueError("boom on rank 1")
             pm._run = failing
         alone.clear()
-        out["failed"] = _outcome(lambda: pm(mine(x), mine(y)).item())
+        out["failed"] = _outcome(lambda: pm(mine(x), mine(y)))
         out["alone_failed"] = list(alone)
         pm._run = run
 
         bad = mine(y).clone()
         if rank == 1:
             bad[2] = 7
-        out["bad_label"] = _outcome(lambda: pm(mine(x), bad).item())
+        out["bad_label"] = _outcome(lambda: pm(mine(x), bad))
         out["after"] = abs(pm(mine(x1), mine(y1)).item() - ref(x1, y1).item())
     finally:
         A.SummedAgreement.alone = issue

@@ -85,31 +85,6 @@ def take_riding():
 def take_ridden():
     """The agreement whose row was appended to the loss's pair, to check on the summed pair (None if none)."""
     return _RIDDEN.pop() if _RIDDEN else None
-
-
-# At most one `autopar.runtime.deferred_loss.DeferredCount`: the running call's loss count, waited for in the
-# backward (`deferring`): the program's loss `all_reduce` passes its pair on unreduced, `ops.sum_over_count` issues
-# it, and each gradient bucket made meanwhile divides by the count once reduced.
-_DEFERRING: list = []
-
-
-@contextlib.contextmanager
-def deferring(deferred):
-    """Run a program (one `deferred_loss.defers_loss` accepts) with its loss's count deferred to `deferred`."""
-    _DEFERRING[:] = [deferred]
-    try:
-        yield deferred
-    finally:
-        _DEFERRING.clear()
-        if isinstance(deferred.issued, torch.Tensor):  # the program raised before the pair was issued
-            deferred.issued = True
-
-
-def deferred_pair(x: torch.Tensor):
-    """The running call's `DeferredCount` if `x` is the pair its loss all-reduce passed on, else None."""
-    if _DEFERRING and _DEFERRING[0].issued is x:
-        return _DEFERRING[0]
-    return None
 _TRACKERS: list[list] = []  # the innermost list gets every collective issued (`tracking`); empty: nothing recorded
 
 
@@ -540,11 +515,7 @@ class _RegatherLinears(torch.autograd.Function):
 # ----------------------------------------------------------------------------- graph-callable API
 
 def all_reduce(x: torch.Tensor, axis: AxisRef) -> torch.Tensor:
-    """P -> R: sum over the axis; backward identity. Under `deferring`, the program's one all-reduce (its loss's
-    pair) is passed on unreduced, for `ops.sum_over_count` to issue without waiting."""
-    if _DEFERRING and _DEFERRING[0].issued is False:
-        _DEFERRING[0].axis, _DEFERRING[0].issued = resolve_axis(axis), x
-        return x
+    """P -> R: sum over the axis; backward identity."""
     return _AllReduce.apply(x, resolve_axis(axis))
 
 
@@ -608,9 +579,6 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 FIRST_GRAD_BUCKET_BYTES = 2**20
 
 
-CHECK_BEFORE_ISSUE = True
-
-
 class _GradSyncBucket(torch.autograd.Function):
     """Identity on several tensors; backward all-reduces all their gradients in one flat buffer.
 
@@ -629,8 +597,6 @@ class _GradSyncBucket(torch.autograd.Function):
         ctx.axis, ctx.mp = axis, mp
         ctx.shapes = [(x.shape, x.dtype) for x in xs]
         ctx.pending = []  # the flat buffer in flight, once the backward issued it; the pre-hooks wait for it
-        # the call's loss count, deferred (`deferring`): the reduced gradients are divided by it
-        ctx.deferred = _DEFERRING[0] if _DEFERRING else None
         nodes = {x.grad_fn for x in xs} if exclusive else {None}
         ctx.hooked = None not in nodes
         if ctx.hooked:
@@ -644,28 +610,20 @@ class _GradSyncBucket(torch.autograd.Function):
         grads = [_to_reduce(g if g is not None else torch.zeros(s, dtype=d), ctx.mp)
                  for g, (s, d) in zip(grads, ctx.shapes)]
         flat = _flat_cat(grads)
-        deferred = ctx.deferred
-        if deferred is not None and CHECK_BEFORE_ISSUE:
-            n = deferred.count()
-            flat = flat.div_(n) if not torch.is_grad_enabled() else flat / n
-            deferred = None
         # compiled (a train step under torch.compile runs its backward's frames through dynamo): the functional,
         # out-of-place reduction, waited here; inductor cannot functionalize the in-place one
         if local_tensor_mode() is None and type(flat) is torch.Tensor and not torch.compiler.is_compiling():
             _record("all_reduce", ctx.axis, flat, flat.numel(), True)
             flat = _c10d.all_reduce_(flat, "sum", ctx.axis.group_name)
             cast = any(g.dtype != d for g, (_, d) in zip(grads, ctx.shapes))  # a cast back reads the buffer now
-            reduced = _Reduced(flat, deferred)
             if ctx.hooked and not cast and not torch.is_grad_enabled():
-                ctx.pending.append(reduced)
-                torch.autograd.Variable._execution_engine.queue_callback(reduced.settle)
+                ctx.pending.append(flat)
+                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_wait, flat))
                 torch.autograd.Variable._execution_engine.queue_callback(_after_backward)
             else:
-                flat = reduced.settle()
+                _wait(flat)
         else:
             flat = _raw_all_reduce(flat, ctx.axis, backward=True)
-            if deferred is not None:
-                flat = flat / deferred.count()
         views = (v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads))
         return (None, None, None, *(_to_input(v, d) for v, (_, d) in zip(views, ctx.shapes)))
 
@@ -717,30 +675,10 @@ def _flat_cat(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, out=pooled_empty(sum(p.numel() for p in parts), first.dtype, first))
 
 
-class _Reduced:
-    """A bucket's flat gradient buffer, its all-reduce in flight; `settle` waits for it once and, under a deferred
-    loss count, divides it by the global count (whose all-reduce, issued first, is waited for and the call's
-    agreement checked there: before any of these gradients reaches a `.grad`)."""
-
-    __slots__ = ("flat", "deferred", "done")
-
-    def __init__(self, flat: torch.Tensor, deferred):
-        self.flat, self.deferred, self.done = flat, deferred, False
-
-    def settle(self) -> torch.Tensor:
-        if not self.done:
-            _wait(self.flat)
-            if self.deferred is not None:
-                n = self.deferred.count()
-                self.flat = self.flat.div_(n) if not torch.is_grad_enabled() else self.flat / n
-            self.done = True
-        return self.flat
-
-
 def _wait_pending(pending: list, grad_inputs):
     """Pre-hook of the autograd node a bucket's gradient flows to: its all-reduce is complete before the node runs."""
-    for reduced in pending:
-        reduced.settle()  # idempotent: waits only the first time
+    for flat in pending:
+        _wait(flat)  # idempotent: waits only the first time
 
 
 # Called once at the end of a backward that reduced gradients asynchronously (registered by `ParallelModule.forward`):

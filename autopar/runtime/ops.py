@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from torch.distributed._local_tensor import maybe_run_for_local_tensor
 
 from autopar.mesh import AxisRef, resolve_axis
-from autopar.runtime.collectives import _c10d, _raw_all_reduce, _record, _wait, deferred_pair, take_ridden, take_riding
-from autopar.runtime.deferred_loss import deferred_mean
+from autopar.runtime.collectives import _c10d, _raw_all_reduce, _record, _wait, take_ridden, take_riding
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, ignore_index: int | None = None) -> None:
@@ -184,13 +183,7 @@ def cross_entropy_sum_count(logits: torch.Tensor, target: torch.Tensor, ignore_i
 def sum_over_count(sum_count: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The global (sum, count) pair of `cross_entropy_sum_count`, all-reduced: the mean loss, replicated. With the
     call's agreement riding on it (more than 2 entries), the summed row is checked first: ranks that differ, or one
-    that failed, raise here on every rank, before any of this call's results is returned. Under a deferred count
-    (`collectives.deferring`): the pair is issued here unwaited and the mean returned lazily
-    (`deferred_loss.deferred_mean`), checked at its first read or before the first gradient is divided."""
-    deferred = deferred_pair(sum_count)
-    if deferred is not None:
-        agreement = take_ridden() if sum_count.numel() > 2 else None
-        return deferred_mean(sum_count, deferred, agreement, out_dtype)
+    that failed, raise here on every rank, before any of this call's results is returned."""
     if sum_count.numel() > 2:
         agreement = take_ridden()
         assert agreement is not None, "a summed agreement row without its agreement"
