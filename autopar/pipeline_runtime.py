@@ -1227,8 +1227,9 @@ class PipelineModule(nn.Module):
                             dist.send(t.contiguous(), dst=dist.get_global_rank(group, where[k + 1]), group=group)
                         carried = ()
                 elif k + 1 < n and where[k + 1] == me:  # stage k's outputs are stage k+1's inputs
-                    carried = tuple(torch.empty(u.meta["val"].shape, dtype=u.meta["val"].dtype, device=self._device)
-                                    for u in self._split.acts[k + 1])
+                    metas = getattr(self._stage_modules[k + 1], "in_metas", None) or [
+                        (u.meta["val"].shape, u.meta["val"].dtype) for u in self._split.acts[k + 1]]
+                    carried = tuple(torch.empty(shape, dtype=dtype, device=self._device) for shape, dtype in metas)
                     for t in carried:
                         dist.recv(t, src=dist.get_global_rank(group, where[k]), group=group)
         return losses

@@ -268,6 +268,8 @@ class TPStage(nn.Module):
                   for n, s in zip(cap.user_inputs, cap.example_shapes)]
         examples = tuple(torch.empty(s, dtype=cap.placeholder(n).meta["val"].dtype, device=device)
                          for n, s in zip(cap.user_inputs, shapes))
+        # what this stage receives (the zbv forward-only walk's receive buffers): local shards
+        self.in_metas = [(s, e.dtype) for s, e in zip(shapes, examples)][:len(cap.user_inputs) - len(user)]
         (out,) = [n for n in cap.gm.graph.nodes if n.op == "output"]
         vals = [o.meta["val"] for o in out.args[0]]
         # what this stage sends on (the stand-ins of a failed computation have these shapes): local shards

@@ -22,12 +22,12 @@ B, S, M, H = 4, 16, 2, 32  # batch, sequence, microbatches, hidden
 TP = 2
 
 
-def _llama():
+def _llama(layers: int = 2):
     from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2))
+    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
 
 
-def _pp_tp_sp(form: str):
+def _pp_tp_sp(form: str, layers: int = 2):
     import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -37,7 +37,7 @@ def _pp_tp_sp(form: str):
     torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama()
+        ref = _llama(layers)
         model = copy.deepcopy(ref)
         g = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, 128, (B, S), generator=g)
