@@ -163,6 +163,13 @@ def sp_overrides(value: str, plan: str, overrides: dict | None, names: tuple, ax
             f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: inside a "
             f"tensor-parallel stage the norms are replicated (megatron) or sequence-parallel on the tensor axis "
             f"{tp!r} ('sequence' or 'sequence@{tp}'), not {norm!r}. Fix: 'norm': 'sequence', or drop it.")
+    if len(names) != 2:
+        raise NotImplementedError(
+            f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: sequence "
+            f"parallelism across stage boundaries runs on a (pipeline, tensor) mesh; with a data axis as well "
+            "((pp, dp, tp)) it is not tested against one device yet, so it is refused rather than run unchecked. "
+            f"Fix: a 2-D mesh ({axis!r}, {tp!r}), or drop 'norm' (megatron's replicated boundaries run on "
+            "(pp, dp, tp)).")
     return {"norm": "sequence"}
 
 
