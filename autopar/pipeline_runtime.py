@@ -66,7 +66,8 @@
   and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
   rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
   ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
-  (`_sum_over_data`). Refused there: sequence parallelism across a boundary.
+  (`_sum_over_data`). With `norm: sequence` in the overrides (pp x tp): Megatron sequence parallelism in every
+  stage, the boundary activations crossing as each tp rank's sequence shard (`pipeline_tp.boundary_placements`).
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -176,7 +177,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only "
             f"{STAGE_PLANS + TP_STAGE_PLANS} are implemented yet (issue #23: data parallelism or FSDP on the "
             "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) or (pp, dp, tp) mesh), not the "
-            "planner's other forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, "
+            "planner's other forms (auto's per-stage choice, ring or ulysses attention, "
             "expert parallelism in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
     tp = plan in TP_STAGE_PLANS
     stage_overrides = {}  # what the stage plans take besides the pipeline: megatron's `norm: sequence`

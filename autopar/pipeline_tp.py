@@ -8,8 +8,9 @@ user inputs it reads are its user inputs, its parameters, buffers and constants 
 names), recognised (`passes.pipeline.RECOGNISE`), planned with the named plan on the stage's sub-mesh (the mesh
 without the pipeline axis; `autopar.planner.build_plan`), lowered (`passes.lower.lower_pass`) and run as an
 `autopar.module.ParallelModule` on that sub-mesh (`TPStage`), which is what `PipelineStage` runs. Its contract is
-ParallelModule's: every rank of the stage passes the whole (microbatch) inputs and gets the whole outputs, so the
-activations p2p carries are plain local tensors replicated over tp that both sides agree on, and the gradients it
+ParallelModule's: every rank of the stage passes the whole (microbatch) inputs and gets the whole outputs (under
+plain megatron; sequence parallelism below keeps the boundary activations sharded), so the activations p2p carries
+are plain local tensors replicated over tp that both sides agree on, and the gradients it
 sends back are the whole input gradients (the lowering's collectives are autograd-correct: megatron's all-reduce of
 a row-parallel output forward, of a column-parallel input's gradient backward). The last stage keeps the loss (its
 sum form, weighed by the schedule's loss_fn as under `dp`).
@@ -31,10 +32,21 @@ A weight used by stages on several ranks (GPT-2's embedding and head) is one DTe
 summed shard by shard over those ranks. `zbv` runs torch's split backward on the stage programs (exact; the weight
 step re-runs each fused linear-and-reduce node, issuing its backward all-reduce a second time).
 
+Megatron sequence parallelism across the boundaries: `overrides={"pipeline": "1f1b@pp", "norm": "sequence"}` (the
+flat megatron plan's own request, `sp_overrides`) plans every stage with sequence-parallel norms on tp. What
+crosses a boundary is then the sequence-sharded residual stream: each stage's received activation arrives in the
+placement its own program first takes it to (`boundary_placements`: a trial propagation of the stage's plan;
+`Shard(1)` on tp here) and is taken so (`lower_context(arrivals=)`, no collective), and the stage before leaves it
+so (`LowerContext.output_placements`; a no-op after SP's reduce-scatter of the last row linear), so each tp rank
+sends its own shard to the same tp rank of the next stage, 1/tp of the bytes (as `pipeline_estimate` prices it).
+The first stage's embedding output is reduce-scattered onto the sequence and the last stage's final norm
+all-gathered before the vocab-parallel head, as in the flat plan. Runs under gpipe, 1f1b and zbv
+(tests/test_pipeline_tp_sp.py); on (pp, dp, tp) it is refused (not tested against one device yet).
+
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
 pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently
-or that two stages of one rank hold, and any stage plan whose placements leave a boundary value sharded (sequence
-parallelism across a boundary: the plan's input placements must be replicated).
+or that two stages of one rank hold, a boundary value a stage's plan takes as a partial sum, sequence parallelism
+on a (pp, dp, tp) mesh or on an axis other than tp.
 """
 
 from __future__ import annotations
