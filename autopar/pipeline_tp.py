@@ -166,15 +166,17 @@ def sp_overrides(value: str, plan: str, overrides: dict | None, names: tuple, ax
     megatron plan takes it, `norm: sequence` (or `sequence@TP`, TP the tensor axis: the last axis the pipeline
     leaves), next to `pipeline`; {} when not asked. Any other override is left to the caller (`pipeline_ep`
     refuses what it does not run)."""
+    from autopar.forms.sequence_norm import SequenceNorm
+    sp = SequenceNorm.name
     norm = (overrides or {}).get("norm")
     if norm is None:
         return {}
     tp = [n for n in names if n != axis][-1]
-    if norm not in ("sequence", f"sequence@{tp}"):
+    if norm not in (sp, f"{sp}@{tp}"):
         raise NotImplementedError(
             f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: inside a "
             f"tensor-parallel stage the norms are replicated (megatron) or sequence-parallel on the tensor axis "
-            f"{tp!r} ('sequence' or 'sequence@{tp}'), not {norm!r}. Fix: 'norm': 'sequence', or drop it.")
+            f"{tp!r} ({sp!r} or '{sp}@{tp}'), not {norm!r}. Fix: 'norm': {sp!r}, or drop it.")
     if len(names) != 2:
         raise NotImplementedError(
             f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: sequence "
@@ -182,7 +184,7 @@ def sp_overrides(value: str, plan: str, overrides: dict | None, names: tuple, ax
             "((pp, dp, tp)) it is not tested against one device yet, so it is refused rather than run unchecked. "
             f"Fix: a 2-D mesh ({axis!r}, {tp!r}), or drop 'norm' (megatron's replicated boundaries run on "
             "(pp, dp, tp)).")
-    return {"norm": "sequence"}
+    return {"norm": sp}
 
 
 def boundary_placements(cap, info, plan, acts: list[str]) -> dict[str, tuple]:

@@ -1,5 +1,5 @@
 """Megatron sequence parallelism across pipeline stage boundaries (issue #23, `autopar.pipeline_tp`), gloo, fp64,
-4 ranks: pp2 x tp2, plan='megatron', overrides={"pipeline": "1f1b@pp", "norm": "sequence"}.
+4 ranks: pp2 x tp2, plan='megatron', overrides={"pipeline": "1f1b@pp", "norm": "sequence"}, and under zbv.
 
 A 2-layer Llama-style model (autopar.models.Llama) against one device: the global loss on every rank, every
 parameter's gradient (on the ranks of its stage, every parameter checked on some rank), every parameter after two
@@ -83,7 +83,8 @@ def _pp_tp_sp(form: str, layers: int = 2):
                                microbatches=M)
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch,
                   "offline p2p": offline.estimate.p2p_bytes_per_microbatch}
-        return {"errs": errs, "mine": mine, "all": sorted(refs), "counts": counts, "norms": norms, "priced": priced, "arrivals": arrivals,
+        return {"errs": errs, "mine": mine, "all": sorted(refs), "counts": counts, "norms": norms, "priced": priced,
+                "arrivals": arrivals,
                 "stages": pm.local_stages, "rank": dist.get_rank()}
     finally:
         torch.set_default_dtype(torch.float32)
@@ -107,7 +108,7 @@ def _collectives(ag: int, rs: int, ce: int = 0, buckets=()) -> list:
 
 
 def _common(results, layers: int):
-    _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked on some rank
+    _check(results)  # every error <= TOL (1e-10) on its rank, every parameter checked on some rank
     for r in results:
         assert r["norms"] == [("sequence", "tp")], r["norms"]  # every stage's norms sequence-parallel on tp
         # every boundary crosses as the sequence shard (one activation each: the rotary tables are recomputed)
