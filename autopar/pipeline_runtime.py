@@ -66,7 +66,8 @@
   and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
   rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
   ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
-  (`_sum_over_data`). Refused there: sequence parallelism across a boundary.
+  (`_sum_over_data`). With `norm: sequence` in the overrides (pp x tp): Megatron sequence parallelism in every
+  stage, the boundary activations crossing as each tp rank's sequence shard (`pipeline_tp.boundary_placements`).
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages
   compute, gather and send activations in `param_dtype`, reduce-scatter in `reduce_dtype` (a plain SUM,
@@ -176,13 +177,17 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
             f"override 'pipeline': {value!r} with plan={plan!r}: inside a pipeline stage only "
             f"{STAGE_PLANS + TP_STAGE_PLANS} are implemented yet (issue #23: data parallelism or FSDP on the "
             "remaining mesh axes, or megatron's tensor parallelism on a (pp, tp) or (pp, dp, tp) mesh), not the "
-            "planner's other forms (auto's per-stage choice, sequence parallelism, ring or ulysses attention, "
+            "planner's other forms (auto's per-stage choice, ring or ulysses attention, "
             "expert parallelism in a stage). Fix: plan='dp', 'fsdp' or 'megatron'.")
     tp = plan in TP_STAGE_PLANS
+    stage_overrides = {}  # what the stage plans take besides the pipeline: megatron's `norm: sequence`
     if tp:
+        from autopar.pipeline_tp import sp_overrides
         check_tp_stage(value, plan, names, axis, form)
+        stage_overrides = sp_overrides(value, plan, overrides, names, axis)
     from autopar.pipeline_ep import ep_stage_axis
-    ep = ep_stage_axis(value, plan, overrides, names, axis, form)  # moe=expert@AXIS in the stages, or None
+    rest = {k: v for k, v in (overrides or {}).items() if k not in stage_overrides}
+    ep = ep_stage_axis(value, plan, rest, names, axis, form)  # moe=expert@AXIS in the stages, or None
     if inputs != "global":
         raise NotImplementedError(f"inputs={inputs!r} with a 'pipeline' override is not implemented yet: every rank "
                                   "passes the whole batch. Fix: inputs='global'.")
@@ -207,7 +212,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     priced = chosen_note = None
     if microbatches is None:  # the planner's choice: the cost model's least step among the counts that split
         microbatches, priced, chosen_note = _choose_microbatches(model, mesh, names, example_inputs, value,
-                                                                 stages_per_rank, degree, plan)
+                                                                 stages_per_rank, degree, plan, stage_overrides)
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive int, got {microbatches!r}")
 
@@ -257,22 +262,26 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
                          cut=split.cut)
     stage_plans = None
     if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
-        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan)
+        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan, stage_overrides)
     if ep is not None:
         stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
                                       (mb_args, mb_kwargs), degree)
     pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                         shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
                         data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans, ep_axis=ep)
-    pm._priced = (model, example_inputs, priced, chosen_note, auto, plan)
+    pm._priced = (model, example_inputs, priced, chosen_note, auto, plan, stage_overrides)
     return pm
 
 
-def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: PipelinePlan) -> dict:
-    """Stage k -> (its Captured, MeshInfo, Plan) on the sub-mesh of the ranks that run it (`autopar.pipeline_tp`).
+def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: PipelinePlan,
+                    overrides: dict | None = None) -> dict:
+    """Stage k -> (its Captured, MeshInfo, Plan, user inputs, tp mesh, sub-mesh, (its received activations'
+    boundary placements, its outputs' placements)) on the sub-mesh of the ranks that run it
+    (`autopar.pipeline_tp`), planned with `overrides` (`pipeline_tp.sp_overrides`: sequence parallelism).
     Refuses a weight used at two places of one stage (tied weights: one tensor, two placeholders), and a weight
     shared by several stages that their plans place differently (`pipeline_tp.check_shared_placements`)."""
-    from autopar.pipeline_tp import check_shared_placements, plan_stage, stage_captured, stage_meshes
+    from autopar.pipeline_tp import (boundary_placements, check_shared_placements, plan_stage, stage_captured,
+                                     stage_meshes)
     for names_, phs in _param_groups(model, captured):
         used = [ph for ph in phs if captured.placeholder(ph).users]
         if len(used) > 1:
@@ -287,8 +296,17 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: Pip
         gm, acts, user, st = split.stage_graph(k)
         cap = stage_captured(captured, gm, acts, user, st)
         rank = pplan.stage_rank(k, p)
-        out[k] = (cap, *plan_stage(cap, lines[rank], plan), user, lines[rank], subs[rank])
+        out[k] = (cap, *plan_stage(cap, lines[rank], plan, overrides), user, lines[rank], subs[rank])
     check_shared_placements(_param_groups(model, captured), captured, split, out, plan)
+    # the boundaries: each stage's received activations arrive as its plan places them, and the stage before
+    # leaves its outputs so (p2p then carries each tp rank's own shard: 1/tp of the bytes under sequence
+    # parallelism); the last stage's loss leaves replicated
+    arrive = {k: boundary_placements(out[k][0], out[k][1], out[k][2], [u.name for u in split.acts[k]])
+              if overrides and k > 0 else {} for k in out}
+    for k in out:
+        nxt = [u.name for u in split.acts[k + 1]] if k + 1 < split.n_stages else []
+        leave = [arrive[k + 1].get(n) for n in nxt]
+        out[k] = (*out[k], (arrive[k], leave if any(pls is not None for pls in leave) else None))
     return out
 
 
@@ -323,7 +341,7 @@ def _plan_ep_stages(model, mesh, captured, split, ax: int, overrides: dict, mb_i
     return out
 
 
-def _choose_microbatches(model, mesh, names, example_inputs, value, v, degree, stage_plan="dp"):
+def _choose_microbatches(model, mesh, names, example_inputs, value, v, degree, stage_plan="dp", overrides=None):
     """(m, the priced Plan, None) by the cost model (`pipeline_estimate.plan_pipeline` with microbatches=None, the stage
     plan in the stages, counts splitting over the data-parallel degree); where the cost model cannot price this model,
     (the number of stages, None, a note saying why)."""
@@ -331,7 +349,7 @@ def _choose_microbatches(model, mesh, names, example_inputs, value, v, degree, s
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     try:
         priced = plan_pipeline(model, sizes, example_inputs, pipeline=value, microbatches=None, stages_per_rank=v,
-                               plan=stage_plan, divides=degree)
+                               plan=stage_plan, divides=degree, overrides=overrides or None)
     except (ValueError, NotImplementedError) as e:
         m = sizes[value.split("@", 1)[1]] * v
         return m, None, (f"microbatches: {m} (one per stage), not the cost model's choice: it could not price this "
@@ -896,6 +914,7 @@ class PipelineModule(nn.Module):
         def stage(sub, k):
             outs = split.acts[k + 1] if k + 1 < n_stages else [split.loss]
             metas = [(tuple(u.meta["val"].shape), u.meta["val"].dtype) for u in outs]
+            metas = getattr(sub, "out_metas", None) or metas  # a tensor-parallel stage's: its local shards
             return _guarded_stage(sub, k, n_stages, device, group=group, failure=self._failure, metas=metas,
                                   microbatches=pplan.microbatches)
         self._stages = []
@@ -953,12 +972,16 @@ class PipelineModule(nn.Module):
         sub-mesh; its DTensor parameters become the pm's under their names (the optimizer steps them)."""
         from autopar.pipeline_tp import TPStage, outer_parameter
         from autopar.runtime.ops import new_rng_stream
-        cap, info, plan, user, sub_mesh, stage_mesh = planned
+        cap, info, plan, user, sub_mesh, stage_mesh, *boundary = planned
         from autopar.pipeline_ep import EPStage
         stream = f"pp{id(self)}-stage{k}"
         new_rng_stream(stream, seed + k)
-        cls = EPStage if self._ep_axis is not None else TPStage
-        sub = cls(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
+        if self._ep_axis is not None:
+            sub = EPStage(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream)
+        else:
+            arrivals, leaves = boundary[0]
+            sub = TPStage(cap, info, plan, sub_mesh, user, tensors, buffers, device, stream, arrivals=arrivals,
+                          leaves=leaves)
         for ph, fqn in cap.param_fqns.items():
             rep = self._leaf_of[ph]
             inner = sub.pm.get_parameter(fqn)  # the leaf the stage's backward accumulates into
@@ -1205,8 +1228,9 @@ class PipelineModule(nn.Module):
                             dist.send(t.contiguous(), dst=dist.get_global_rank(group, where[k + 1]), group=group)
                         carried = ()
                 elif k + 1 < n and where[k + 1] == me:  # stage k's outputs are stage k+1's inputs
-                    carried = tuple(torch.empty(u.meta["val"].shape, dtype=u.meta["val"].dtype, device=self._device)
-                                    for u in self._split.acts[k + 1])
+                    metas = getattr(self._stage_modules[k + 1], "in_metas", None) or [
+                        (u.meta["val"].shape, u.meta["val"].dtype) for u in self._split.acts[k + 1]]
+                    carried = tuple(torch.empty(shape, dtype=dtype, device=self._device) for shape, dtype in metas)
                     for t in carried:
                         dist.recv(t, src=dist.get_global_rank(group, where[k]), group=group)
         return losses
@@ -1482,7 +1506,7 @@ __all__ = ["IMPLEMENTED", "PipelineModule", "check_form", "parallelize_pipeline"
 
 
 def _runtime_plan(mesh: DeviceMesh, pplan: PipelinePlan, model, example_inputs, priced, chosen_note, auto,
-                  stage_plan="dp"):
+                  stage_plan="dp", overrides=None):
     """`PipelineModule.plan`: the cost model's Plan for the pipeline this module runs (its cut, microbatches and
     stages per rank; 'dp' inside the stages, as run), with `pipeline` the runtime's own PipelinePlan. `priced`: the
     plan the microbatch count was chosen with (its decision kept); `auto`: the `plan='auto'` Plan that chose this
@@ -1494,7 +1518,7 @@ def _runtime_plan(mesh: DeviceMesh, pplan: PipelinePlan, model, example_inputs, 
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     notes = [chosen_note] if chosen_note else []
     kw = dict(pipeline=pplan.label, microbatches=pplan.microbatches, stages_per_rank=pplan.stages_per_rank,
-              plan=stage_plan)
+              plan=stage_plan, overrides=overrides or None)
     try:
         try:
             made = plan_pipeline(model, sizes, example_inputs, cut=pplan.cut, **kw)

@@ -8,8 +8,9 @@ user inputs it reads are its user inputs, its parameters, buffers and constants 
 names), recognised (`passes.pipeline.RECOGNISE`), planned with the named plan on the stage's sub-mesh (the mesh
 without the pipeline axis; `autopar.planner.build_plan`), lowered (`passes.lower.lower_pass`) and run as an
 `autopar.module.ParallelModule` on that sub-mesh (`TPStage`), which is what `PipelineStage` runs. Its contract is
-ParallelModule's: every rank of the stage passes the whole (microbatch) inputs and gets the whole outputs, so the
-activations p2p carries are plain local tensors replicated over tp that both sides agree on, and the gradients it
+ParallelModule's: every rank of the stage passes the whole (microbatch) inputs and gets the whole outputs (under
+plain megatron; sequence parallelism below keeps the boundary activations sharded), so the activations p2p carries
+are plain local tensors replicated over tp that both sides agree on, and the gradients it
 sends back are the whole input gradients (the lowering's collectives are autograd-correct: megatron's all-reduce of
 a row-parallel output forward, of a column-parallel input's gradient backward). The last stage keeps the loss (its
 sum form, weighed by the schedule's loss_fn as under `dp`).
@@ -31,10 +32,21 @@ A weight used by stages on several ranks (GPT-2's embedding and head) is one DTe
 summed shard by shard over those ranks. `zbv` runs torch's split backward on the stage programs (exact; the weight
 step re-runs each fused linear-and-reduce node, issuing its backward all-reduce a second time).
 
+Megatron sequence parallelism across the boundaries: `overrides={"pipeline": "1f1b@pp", "norm": "sequence"}` (the
+flat megatron plan's own request, `sp_overrides`) plans every stage with sequence-parallel norms on tp. What
+crosses a boundary is then the sequence-sharded residual stream: each stage's received activation arrives in the
+placement its own program first takes it to (`boundary_placements`: a trial propagation of the stage's plan;
+`Shard(1)` on tp here) and is taken so (`lower_context(arrivals=)`, no collective), and the stage before leaves it
+so (`LowerContext.output_placements`; a no-op after SP's reduce-scatter of the last row linear), so each tp rank
+sends its own shard to the same tp rank of the next stage, 1/tp of the bytes (as `pipeline_estimate` prices it).
+The first stage's embedding output is reduce-scattered onto the sequence and the last stage's final norm
+all-gathered before the vocab-parallel head, as in the flat plan. Runs under gpipe, 1f1b and zbv
+(tests/test_pipeline_tp_sp.py); on (pp, dp, tp) it is refused (not tested against one device yet).
+
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
 pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently
-or that two stages of one rank hold, and any stage plan whose placements leave a boundary value sharded (sequence
-parallelism across a boundary: the plan's input placements must be replicated).
+or that two stages of one rank hold, a boundary value a stage's plan takes as a partial sum, sequence parallelism
+on a (pp, dp, tp) mesh or on an axis other than tp.
 """
 
 from __future__ import annotations
@@ -149,9 +161,68 @@ def outer_parameter(inner, sub_mesh):
     return param
 
 
-def plan_stage(cap, sub_mesh, plan: str):
-    """Recognise and plan one stage on its sub-mesh with the named plan, as `autopar.parallelize` does for a captured
-    model (`_resolve_plan`); offline, the same on every rank. Returns (the PassContext, MeshInfo, Plan)."""
+def sp_overrides(value: str, plan: str, overrides: dict | None, names: tuple, axis: str) -> dict:
+    """The overrides a megatron stage takes (`plan_stage`): Megatron sequence parallelism, asked for as the flat
+    megatron plan takes it, `norm: sequence` (or `sequence@TP`, TP the tensor axis: the last axis the pipeline
+    leaves), next to `pipeline`; {} when not asked. Any other override is left to the caller (`pipeline_ep`
+    refuses what it does not run)."""
+    from autopar.forms.sequence_norm import SequenceNorm
+    sp = SequenceNorm.name
+    norm = (overrides or {}).get("norm")
+    if norm is None:
+        return {}
+    tp = [n for n in names if n != axis][-1]
+    if norm not in (sp, f"{sp}@{tp}"):
+        raise NotImplementedError(
+            f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: inside a "
+            f"tensor-parallel stage the norms are replicated (megatron) or sequence-parallel on the tensor axis "
+            f"{tp!r} ({sp!r} or '{sp}@{tp}'), not {norm!r}. Fix: 'norm': {sp!r}, or drop it.")
+    if len(names) != 2:
+        raise NotImplementedError(
+            f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: sequence "
+            f"parallelism across stage boundaries runs on a (pipeline, tensor) mesh; with a data axis as well "
+            "((pp, dp, tp)) it is not tested against one device yet, so it is refused rather than run unchecked. "
+            f"Fix: a 2-D mesh ({axis!r}, {tp!r}), or drop 'norm' (megatron's replicated boundaries run on "
+            "(pp, dp, tp)).")
+    return {"norm": sp}
+
+
+def boundary_placements(cap, info, plan, acts: list[str]) -> dict[str, tuple]:
+    """How stage k's received activations `acts` cross the boundary into it, by name (those left out: replicated
+    over the stage's sub-mesh, as under plain megatron): each in the placement stage k's own program first takes
+    it to. Found by a trial propagation of stage k's plan (the lowering up to `propagate_pass`, offline, on a copy
+    of its graph) with the activation arriving replicated: where every use of it is a slice to one sharded
+    placement P (Megatron SP: the residual stream `Shard(1)` on tp, for the norm and the residual add), P is the
+    boundary placement. Stage k takes the activation so (`TPStage`: arrivals and its input placement P, no
+    collective, each tp rank holds its own shard) and stage k-1 leaves it so (`LowerContext.output_placements`:
+    a no-op where its propagation placed it so already, Megatron SP's reduce-scatter after the last row linear),
+    so the two sides agree by construction and p2p carries each tp rank's shard to the same tp rank of the next
+    stage: 1/tp of the bytes. Offline, the same on every rank (every rank plans every stage)."""
+    from passes import meta as M
+    from passes.lower import LOWER, lower_context, propagate_pass
+    from autopar.runtime import collectives as C
+    from passes.pipeline import run_passes
+    gm = fx.GraphModule(cap.gm, _copy_graph(cap.gm))
+    lctx = lower_context(plan, cap, info)
+    gm = run_passes(gm, lctx, LOWER[:LOWER.index(propagate_pass) + 1])
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    out = {}
+    for name in acts:
+        users = list(phs[name].users)
+        pls = {tuple(u.meta.get(M.PLACEMENTS, ())) for u in users if u.target is C.split}
+        if not users or len(pls) != 1 or any(u.target is not C.split for u in users):
+            continue
+        (placed,) = pls
+        if len(placed) == len(info.sizes) and all(p.is_shard() or p.is_replicate() for p in placed):
+            out[name] = placed
+    return out
+
+
+def plan_stage(cap, sub_mesh, plan: str, overrides: dict | None = None):
+    """Recognise and plan one stage on its sub-mesh with the named plan and `overrides` (`sp_overrides`), as
+    `autopar.parallelize` does for a captured model (`_resolve_plan`); offline, the same on every rank. Returns
+    (MeshInfo, Plan). The received activations' placements in the plan are how they cross the boundary
+    (`boundary_placements`)."""
     import dataclasses
     from autopar.inputs import batch_dims
     from autopar.mesh import mesh_info
@@ -163,16 +234,20 @@ def plan_stage(cap, sub_mesh, plan: str):
     run_passes(cap.gm, ctx, RECOGNISE)
     batch = dict(zip(cap.user_inputs, batch_dims(cap.example_shapes)))
     shapes = dict(zip(cap.user_inputs, cap.example_shapes))
-    made = build_plan(ctx, info, plan, None, batch, input_shapes=shapes)
+    made = build_plan(ctx, info, plan, dict(overrides) if overrides else None, batch, input_shapes=shapes)
     made = dataclasses.replace(made, precision=cap.precision.spec() if cap.precision else "")
     check_batch(made)
-    for name, pls in made.input_placements().items():
-        if any(not p.is_replicate() for p in pls):
-            raise NotImplementedError(
-                f"tensor parallelism inside a pipeline stage: plan {plan!r} places the stage input {name!r} as "
-                f"{tuple(pls)}; a value crossing a stage boundary sharded (sequence parallelism across a boundary) "
-                "is not implemented yet: p2p carries values replicated over the stage's sub-mesh. Fix: plan='dp'.")
     return info, made
+
+
+def local_shape(shape: tuple, placements: tuple, sizes: tuple) -> tuple:
+    """A value's local shape on a mesh of `sizes` under `placements` (the plan checked that each shard divides)."""
+    out = list(shape)
+    for p, n in zip(placements, sizes):
+        if p.is_shard():
+            assert out[p.dim] % n == 0, (shape, placements, sizes)
+            out[p.dim] //= n
+    return tuple(out)
 
 
 def _holder(cap, tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], device) -> nn.Module:
@@ -191,17 +266,36 @@ class TPStage(nn.Module):
     """One stage as `PipelineStage` runs it, `forward(*received, **user_inputs)`: autopar's ParallelModule of the
     stage's program on the stage's sub-mesh (`self.pm`), fed the whole microbatch on every rank of the stage."""
 
-    def __init__(self, cap, info, plan, sub_mesh, user: list[str], tensors, buffers, device, rng_stream: str):
+    def __init__(self, cap, info, plan, sub_mesh, user: list[str], tensors, buffers, device, rng_stream: str,
+                 arrivals: dict | None = None, leaves: list | None = None):
+        """`arrivals`: received activation -> the placements it crosses the boundary in (its local shard arrives;
+        `boundary_placements`), else replicated; `leaves`: per output, the placements it leaves in for the next
+        stage (the next stage's arrivals; None: replicated, as the loss)."""
         super().__init__()
         from autopar.module import ParallelModule
         from autopar.planner import tie_placements
         from passes.lower import lower_context, lower_pass
         holder = _holder(cap, tensors, buffers, device)
         plan = tie_placements(plan, holder)
-        lctx = lower_context(plan, cap, info, rng_stream=rng_stream, arrivals={})
+        arrivals = dict(arrivals or {})
+        lctx = lower_context(plan, cap, info, rng_stream=rng_stream, arrivals=arrivals)
+        lctx.placements.update(arrivals)  # taken as they arrive: no slice (nor a gather) at the placeholder
+        if leaves is not None and any(pls is not None for pls in leaves):
+            from torch.distributed.tensor import Replicate
+            lctx.output_placements = tuple(tuple(pls) if pls is not None else (Replicate(),) * len(info.sizes)
+                                           for pls in leaves)
         gm = lower_pass(cap.gm, lctx)
+        shapes = [local_shape(s, arrivals[n], info.sizes) if n in arrivals else s
+                  for n, s in zip(cap.user_inputs, cap.example_shapes)]
         examples = tuple(torch.empty(s, dtype=cap.placeholder(n).meta["val"].dtype, device=device)
-                         for n, s in zip(cap.user_inputs, cap.example_shapes))
+                         for n, s in zip(cap.user_inputs, shapes))
+        # what this stage receives (the zbv forward-only walk's receive buffers): local shards
+        self.in_metas = [(s, e.dtype) for s, e in zip(shapes, examples)][:len(cap.user_inputs) - len(user)]
+        (out,) = [n for n in cap.gm.graph.nodes if n.op == "output"]
+        vals = [o.meta["val"] for o in out.args[0]]
+        # what this stage sends on (the stand-ins of a failed computation have these shapes): local shards
+        self.out_metas = [(local_shape(tuple(v.shape), pls, info.sizes) if pls is not None else tuple(v.shape),
+                           v.dtype) for v, pls in zip(vals, leaves or [None] * len(vals))]
         self.pm = ParallelModule(holder, sub_mesh, cap, plan, gm, rng_stream, example_inputs=examples)
         self.pm.check_inputs = False  # the pipeline checks the batch once per call, on the whole mesh
         self.user = user
@@ -213,5 +307,5 @@ class TPStage(nn.Module):
         return out.contiguous()
 
 
-__all__ = ["TP_STAGE_PLANS", "TPStage", "check_tp_stage", "outer_parameter", "plan_stage", "stage_captured",
-           "stage_meshes"]
+__all__ = ["TP_STAGE_PLANS", "TPStage", "boundary_placements", "check_tp_stage", "local_shape", "outer_parameter",
+           "plan_stage", "sp_overrides", "stage_captured", "stage_meshes"]

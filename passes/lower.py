@@ -99,6 +99,9 @@ class LowerContext:
     arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
     # outputs leave as propagated, not replicated (a pipeline stage's rows and partial loss, `autopar.pipeline_ep`)
     keep_outputs: bool = False
+    # per graph output, the placements it leaves in (a pipeline stage's activations in the next stage's boundary
+    # placements, `autopar.pipeline_tp.boundary_placements`), redistributed to them; None: replicated
+    output_placements: tuple | None = None
     precision: object = None  # `autopar.precision.Precision` of the plan, or None (`mixed_precision_pass`)
     # checkpointed layers: (module path, level, captured node names), outlined by `passes.checkpoint`
     checkpoint: list = field(default_factory=list)
@@ -702,7 +705,10 @@ class _Lowerer:
         if self.ctx.keep_outputs:
             return
         flat, spec = pytree.tree_flatten(node.args)
-        flat = [self.redistribute(a, self.all_r, (), node) if _is_tensor_node(a) and a in self.pl else a for a in flat]
+        want = self.ctx.output_placements or (self.all_r,) * len(flat)
+        assert len(want) == len(flat), (len(want), len(flat))
+        flat = [self.redistribute(a, tuple(w), (), node) if _is_tensor_node(a) and a in self.pl else a
+                for a, w in zip(flat, want)]
         node.args = pytree.tree_unflatten(flat, spec)
 
     def _sharded_axes(self, pls, dims=None):

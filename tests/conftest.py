@@ -81,6 +81,7 @@ FILE_SECONDS = {
     "test_pipeline_tp.py": 20,  # one 4-rank case (pp2 x tp2, 2 steps); most of it is the 4-rank pool start
     "test_pipeline_tp_errors.py": 13,  # one 4-rank job, 13 s at load 26 (2026-12-07), the 4-rank pool started
     "test_pipeline_ep.py": 12,  # pp2 x ep2 on the 4-rank pool: 4 s warm, 55 s at load 24-35 with the pool start (2026-12-07)
+    "test_pipeline_tp_sp.py": 22,  # 1f1b (2 steps) + zbv + refusals, 4-rank pool: 24 s with its start, load 7 (2026-12-07)
     "test_pipeline_tp_forms.py": 15,  # two 4-rank jobs (tied GPT, zbv): 19.7 s with the pool start, load ~20 (2026-12-07)
     "test_pipeline_errors.py": 30,  # 21-40 s alone at load 5-8 (2026-12-07); all but ~3 s of it starts the 2- and 4-rank pools
     "test_pipeline_runtime.py": 95,  # measured at load 8-11 on 2 cores; ~60 s of it starts the 2- and 4-rank pools
