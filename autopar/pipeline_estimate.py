@@ -755,10 +755,12 @@ def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
 
 
 def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
-    """(per rank its layer costs, `price_pipeline` of them): every rank the fastest stage plan that fits it; a rank
-    that none fits asks `make(in_flight, budget)` for the ILP's plan under its in-flight count and its budget scaled
-    to the two-layer model (tried again with the budget shrunk by what was still over, `rounds` times); the cut
-    re-balanced on the chosen plans' per-layer times until it no longer moves. `make` None: `lc` everywhere."""
+    """(per rank its layer costs, `price_pipeline` of them): every rank the fastest stage plan that fits it. For a
+    rank the unconstrained plan `lc` does not fit, `make(in_flight, budget)` gives the ILP's plan for its in-flight
+    count within a budget for the two-layer model: `lc`'s two-layer peak less what the rank is over, scaled from
+    its L layers to two (the ILP's choices change every layer alike); over again: the budget shrunk by what is still
+    over; fitting with room: grown by the room once (a faster plan may fit), `rounds` tries in all. The cut is then
+    re-balanced on the chosen plans' per-layer times, until it no longer moves. `make` None: `lc` everywhere."""
     p, limit = kw["p"], kw["memory_limit"]
     priced = price_pipeline(lc, **kw)
     if make is None:
@@ -766,27 +768,38 @@ def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
     limit = priced[1]["memory_limit_bytes"] if limit is None else limit
     pool = [lc]
     rank_lcs = [lc] * p
+
+    def key(budget):  # rounded down to an 8th of a power of two: near budgets share a solve (`make`'s cache)
+        return 2.0 ** (math.floor(math.log2(budget) * 8) / 8) if budget > 0 else 0.0
     for _ in range(rounds):
         cut = priced[0].cut
         peaks = {id(x): [s.peak_bytes for s in price_pipeline(x, **kw, cut=cut)[1]["stages"]] for x in pool}
-        for r in range(p):
+
+        def add(x):
+            if all(y is not x for y in pool):
+                pool.append(x)
+                peaks[id(x)] = [s.peak_bytes for s in price_pipeline(x, **kw, cut=cut)[1]["stages"]]
+        for r, st in enumerate(priced[1]["stages"]):
+            if peaks[id(lc)][r] > limit:
+                # the in-flight count rounded up to a power of two (counting more activations than held: on the
+                # safe side), so that ranks of near counts share a solve
+                f = 2 ** math.ceil(math.log2(max(1.0, pipe_cost.in_flight(kw["form"], p, kw["m"], kw["v"], r))))
+                per = 2.0 / max(1, st.layers)  # the two-layer model's bytes per byte of this rank's layers
+                budget = _two_layer_bytes(lc, f) - (peaks[id(lc)][r] - limit) * per
+                grown = False
+                for _ in range(rounds):
+                    x = make(f, key(budget)) if key(budget) > 0 else None
+                    if x is None:
+                        break
+                    add(x)
+                    over = peaks[id(x)][r] - limit
+                    if over > 0:
+                        budget = _two_layer_bytes(x, f) - over * per * 1.02
+                    elif -over > 0.05 * limit and not grown:
+                        budget, grown = _two_layer_bytes(x, f) - over * per * 0.98, True
+                    else:
+                        break
             fits = [x for x in pool if peaks[id(x)][r] <= limit]
-            f = max(1, math.ceil(pipe_cost.in_flight(kw["form"], p, kw["m"], kw["v"], r)))
-            base, peak = lc, peaks[id(lc)][r]
-            for _ in range(rounds if not fits else 0):  # the ILP for this rank's in-flight count and budget
-                budget = _two_layer_bytes(base, f) * limit / peak * 0.98
-                # rounded down to a 64th of a power of two: the cache key of `make`
-                budget = 2.0 ** (math.floor(math.log2(budget) * 64) / 64) if budget > 0 else 0.0
-                x = make(f, budget) if budget > 0 else None
-                if x is None:
-                    break
-                if all(y is not x for y in pool):
-                    pool.append(x)
-                    peaks[id(x)] = [s.peak_bytes for s in price_pipeline(x, **kw, cut=cut)[1]["stages"]]
-                if peaks[id(x)][r] <= limit:
-                    fits = [x]
-                    break
-                base, peak = x, peaks[id(x)][r]
             rank_lcs[r] = min(fits, key=layer_time_s) if fits else lc
         priced = price_pipeline(lc, **kw, rank_lcs=rank_lcs)
         if priced[0].cut == cut:
