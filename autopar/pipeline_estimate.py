@@ -215,10 +215,11 @@ class LayerCosts:
     sub_plan: Plan  # the one-layer model's plan on the sub-mesh
     gather_degree: int = 1  # plan 'fsdp': the ranks a stage's parameters are sharded over, gathered for the step
     between: Cost = dataclasses.field(default_factory=lambda: _combine([]))  # what no structure holds, per layer
+    data_axes: tuple[str, ...] | None = None  # the sub-plan's data axes (its memory-fit variants keep them)
 
 
 def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None,
-              memory_limit=None, in_flight=1):
+              memory_limit=None, in_flight=1, data_axes_only=None):
     from autopar.agree import _local_tensor_off
     from autopar.prepare import _prepare
     from autopar.inputs import batch_dims
@@ -232,7 +233,8 @@ def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, opt
     batch = dict(zip(captured.user_inputs, batch_dims(captured.example_shapes)))
     shapes = dict(zip(captured.user_inputs, captured.example_shapes))
     with _local_tensor_off():
-        kw = dict(memory_limit=memory_limit, in_flight=in_flight) if memory_limit is not None else {}
+        kw = dict(memory_limit=memory_limit, in_flight=in_flight, data_axes_only=data_axes_only) \
+            if memory_limit is not None else {}
         made, sol = build_priced(ctx, info, plan, overrides, batch, cluster=cluster, optimizer=optimizer,
                                  input_shapes=shapes, **kw)
     return info, ctx, made, sol
@@ -319,6 +321,7 @@ def layer_costs(model, sub_sizes: dict, mb_inputs, *, plan="megatron", cluster=N
     return LayerCosts(layer=layer, first=pre_c, last=post_c, checkpoint=ck,
                       boundary_bytes=_boundary_bytes(ctx1, sol1, plan1, info), grad_share=mc.grad_share(),
                       param_share=mc.param_share(), sub_plan=plan1, between=between,
+                      data_axes=tuple(sol1.data_axes) if plan == "auto" else None,
                       gather_degree=math.prod(info.sizes[info.names.index(a)] for a in sol1.data_axes)
                       if plan == "fsdp" else 1)
 
@@ -347,7 +350,8 @@ def stage_variant(model, sub_sizes: dict, mb_inputs, base: LayerCosts, *, memory
     try:
         info, ctx2, plan2, sol2 = _sub_plan(_truncated(model, parent, 2), sub_sizes, mb_inputs, "auto", cluster,
                                             overrides, precision, optimizer, cache, (2, mb),
-                                            memory_limit=memory_limit, in_flight=in_flight)
+                                            memory_limit=memory_limit, in_flight=in_flight,
+                                            data_axes_only=base.data_axes)
     except InfeasibleError:
         return None
     pre, post, per2 = _split(ctx2, sol2)
