@@ -214,9 +214,12 @@ class LayerCosts:
     param_share: float
     sub_plan: Plan  # the one-layer model's plan on the sub-mesh
     gather_degree: int = 1  # plan 'fsdp': the ranks a stage's parameters are sharded over, gathered for the step
+    between: Cost = dataclasses.field(default_factory=lambda: _combine([]))  # what no structure holds, per layer
+    data_axes: tuple[str, ...] | None = None  # the sub-plan's data axes (its memory-fit variants keep them)
 
 
-def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None):
+def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, optimizer="adam", cache=None, key=None,
+              memory_limit=None, in_flight=1, data_axes_only=None):
     from autopar.agree import _local_tensor_off
     from autopar.prepare import _prepare
     from autopar.inputs import batch_dims
@@ -230,8 +233,10 @@ def _sub_plan(model, sub_sizes, inputs, plan, cluster, overrides, precision, opt
     batch = dict(zip(captured.user_inputs, batch_dims(captured.example_shapes)))
     shapes = dict(zip(captured.user_inputs, captured.example_shapes))
     with _local_tensor_off():
+        kw = dict(memory_limit=memory_limit, in_flight=in_flight, data_axes_only=data_axes_only) \
+            if memory_limit is not None else {}
         made, sol = build_priced(ctx, info, plan, overrides, batch, cluster=cluster, optimizer=optimizer,
-                                 input_shapes=shapes)
+                                 input_shapes=shapes, **kw)
     return info, ctx, made, sol
 
 
@@ -315,50 +320,120 @@ def layer_costs(model, sub_sizes: dict, mb_inputs, *, plan="megatron", cluster=N
         ck = dataclasses.replace(ck, memory_bytes=ck.act_bytes + ck.transient_bytes)
     return LayerCosts(layer=layer, first=pre_c, last=post_c, checkpoint=ck,
                       boundary_bytes=_boundary_bytes(ctx1, sol1, plan1, info), grad_share=mc.grad_share(),
-                      param_share=mc.param_share(), sub_plan=plan1,
+                      param_share=mc.param_share(), sub_plan=plan1, between=between,
+                      data_axes=tuple(sol1.data_axes) if plan == "auto" else None,
                       gather_degree=math.prod(info.sizes[info.names.index(a)] for a in sol1.data_axes)
                       if plan == "fsdp" else 1)
 
 
+def _without_layer(plan: Plan, parent: str, i: int) -> Plan:
+    """`plan` less layer i's strategies, placements and checkpoint level (a two-layer plan as a one-layer one)."""
+    path = f"{parent}.{i}" if parent else str(i)
+    inside = lambda t: t == path or t.startswith(path + ".")  # noqa: E731
+    return dataclasses.replace(plan, strategies=tuple(s for s in plan.strategies if not inside(s.key)),
+                               params=tuple(x for x in plan.params if not inside(x[0])),
+                               checkpoint=tuple(x for x in plan.checkpoint if not inside(x[0])))
+
+
+def stage_variant(model, sub_sizes: dict, mb_inputs, base: LayerCosts, *, memory_limit: float, in_flight: int,
+                  cluster=None, overrides=None, precision=None, optimizer="adam", cache: dict | None = None):
+    """The layer costs of the ILP's forms and checkpoint levels for a stage that holds `in_flight` microbatches at
+    once within `memory_limit` (the two-layer model's budget, `auto_pipeline`), or None when no plan fits it: the
+    ILP (`solver.solve(in_flight=)`) on the two-layer model of one microbatch, its second layer the per-layer cost
+    (what no structure holds between layers as `base`'s, the unconstrained plan's), its levels' recompute and saved
+    bytes half the two layers'."""
+    from autopar.solver import InfeasibleError
+    parent, layers = repeated_layers(model)
+    if len(layers) < 2:
+        return None
+    mb = _batch_of(mb_inputs)
+    try:
+        info, ctx2, plan2, sol2 = _sub_plan(_truncated(model, parent, 2), sub_sizes, mb_inputs, "auto", cluster,
+                                            overrides, precision, optimizer, cache, (2, mb),
+                                            memory_limit=memory_limit, in_flight=in_flight,
+                                            data_axes_only=base.data_axes)
+    except InfeasibleError:
+        return None
+    pre, post, per2 = _split(ctx2, sol2)
+    other2 = sol2.other or _combine([])
+    stats, other, _ = gather_stats(ctx2)
+    from cost_model.hardware import load_cluster
+    mc = mesh_costing(ctx2, stats, other, info.names, info.sizes, sol2.data_axes, load_cluster(cluster, info.sizes),
+                      optimizer=optimizer, seq_axes=sol2.seq_axes)
+    layer = _combine(per2[-1] + [base.between])
+    fixed_other = _combine([other2, base.between, base.between], [1.0, -1.0, -1.0])
+    pre_c, post_c = _combine(pre), _combine(post)
+    if pre_c.compute_s > post_c.compute_s:
+        pre_c = _combine([pre_c, fixed_other])
+    else:
+        post_c = _combine([post_c, fixed_other])
+    ck2 = sol2.checkpoint_cost
+    ck = None if ck2 is None else dataclasses.replace(_scaled(ck2, 0.5), transient_bytes=ck2.transient_bytes)
+    if ck is not None:
+        ck = dataclasses.replace(ck, memory_bytes=ck.act_bytes + ck.transient_bytes)
+    return LayerCosts(layer=layer, first=pre_c, last=post_c, checkpoint=ck,
+                      boundary_bytes=_boundary_bytes(ctx2, sol2, plan2, info), grad_share=mc.grad_share(),
+                      param_share=mc.param_share(), sub_plan=_without_layer(plan2, parent, 1), between=base.between)
+
+
 # ----------------------------------------------------------------------------- the pipeline priced
+
+def layer_time_s(lc: LayerCosts) -> float:
+    """One layer's time per microbatch under `lc`'s forms and checkpoint level (what the cut balances)."""
+    ck = lc.checkpoint
+    return exposed_s(lc.layer) + (exposed_s(ck) if ck is not None else 0.0)
+
 
 def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: int, num_layers: int, cluster,
                    full_sizes: tuple[int, ...], full_names: tuple[str, ...], optimizer: str = "adam",
-                   memory_limit: float | None = None, cut: tuple[int, ...] | None = None):
-    """(PipelinePlan, Estimate fields) of `num_layers` layers on p ranks x v stages, m microbatches."""
+                   memory_limit: float | None = None, cut: tuple[int, ...] | None = None,
+                   rank_lcs: list[LayerCosts] | None = None):
+    """(PipelinePlan, Estimate fields) of `num_layers` layers on p ranks x v stages, m microbatches. `rank_lcs`: per
+    rank of the pipeline axis, the layer costs of its stages' own forms and checkpoint level (`auto_pipeline` plans
+    each rank's stages for the microbatches it holds in flight); default `lc` for every rank. The cut (unless given)
+    balances the per-layer times of each stage's own costs."""
     from cost_model.analytical import collective_time_s
     from cost_model.hardware import axis_link, load_cluster
     clus = load_cluster(cluster, full_sizes)
     n = p * v
-    ck = lc.checkpoint
-    layer_s = exposed_s(lc.layer) + (exposed_s(ck) if ck is not None else 0.0)
-    first_s, last_s = exposed_s(lc.first), exposed_s(lc.last)
-    layer_c = lc.layer.compute_s + (ck.compute_s if ck is not None else 0.0)
-    if cut is None:
-        cut = balanced_cut([layer_s] * num_layers, n, first_s, last_s)
+    rank_lcs = list(rank_lcs) if rank_lcs is not None else [lc] * p
+    if len(rank_lcs) != p:
+        raise ValueError(f"rank_lcs holds {len(rank_lcs)} ranks' layer costs, the pipeline axis {p}")
+    rank_of = [PipelinePlan(form, axis, m, v).stage_rank(k, p) for k in range(n)]
+    lcs = [rank_lcs[rank_of[k]] for k in range(n)]  # per stage
+    if cut is None and all(x is lcs[0] for x in lcs):
+        cut = balanced_cut([layer_time_s(lcs[0])] * num_layers, n, exposed_s(lcs[0].first), exposed_s(lcs[0].last))
+    elif cut is None:
+        cut = balanced_cut([1.0] * num_layers, n, exposed_s(lcs[0].first), exposed_s(lcs[-1].last),
+                           stage_layer_s=[layer_time_s(x) for x in lcs])
     pplan = PipelinePlan(form, axis, m, v, tuple(cut))
     link = axis_link(clus, full_sizes, full_names.index(axis))
-    p2p_one = collective_time_s("p2p", int(lc.boundary_bytes), 2, link) if p > 1 else 0.0
-    rank_of = [pplan.stage_rank(k, p) for k in range(n)]
+
+    def p2p(nbytes):
+        return collective_time_s("p2p", int(nbytes), 2, link) if p > 1 else 0.0
     stage_cost, stage_ck, chunk_s, stage_p2p, stage_compute = [], [], [], [], []
     for k in range(n):
-        layers = cut[k + 1] - cut[k]
-        parts = [_scaled(lc.layer, layers)] + ([lc.first] if k == 0 else []) + ([lc.last] if k == n - 1 else [])
+        lk, layers = lcs[k], cut[k + 1] - cut[k]
+        ck = lk.checkpoint
+        layer_s = layer_time_s(lk)
+        layer_c = lk.layer.compute_s + (ck.compute_s if ck is not None else 0.0)
+        parts = [_scaled(lk.layer, layers)] + ([lk.first] if k == 0 else []) + ([lk.last] if k == n - 1 else [])
         c = _combine(parts)
         stage_cost.append(c)
         stage_ck.append(None if ck is None else dataclasses.replace(_scaled(ck, layers),
                                                                     transient_bytes=ck.transient_bytes))
-        # its activation to the next stage, its input's gradient to the previous one: over the link unless that stage
-        # is on the same rank (the turn of a V-shaped schedule)
-        sends = (k < n - 1 and rank_of[k + 1] != rank_of[k]) + (k > 0 and rank_of[k - 1] != rank_of[k])
-        stage_p2p.append(sends * p2p_one)
-        chunk_s.append(layers * layer_s + (first_s if k == 0 else 0.0) + (last_s if k == n - 1 else 0.0)
-                       + stage_p2p[-1])
-        stage_compute.append(layers * layer_c + (lc.first.compute_s if k == 0 else 0.0)
-                             + (lc.last.compute_s if k == n - 1 else 0.0))
+        # its activation to the next stage, its input's gradient (of the previous stage's output) to the previous
+        # one: over the link unless that stage is on the same rank (the turn of a V-shaped schedule)
+        stage_p2p.append((p2p(lk.boundary_bytes) if k < n - 1 and rank_of[k + 1] != rank_of[k] else 0.0)
+                         + (p2p(lcs[k - 1].boundary_bytes) if k > 0 and rank_of[k - 1] != rank_of[k] else 0.0))
+        chunk_s.append(layers * layer_s + (exposed_s(lk.first) if k == 0 else 0.0)
+                       + (exposed_s(lk.last) if k == n - 1 else 0.0) + stage_p2p[-1])
+        stage_compute.append(layers * layer_c + (lk.first.compute_s if k == 0 else 0.0)
+                             + (lk.last.compute_s if k == n - 1 else 0.0))
     pipe_s, bubble_s = pipe_cost.pipeline_time(form, p, m, chunk_s, rank_of)
     ranks = []
     for r in range(p):
+        lc = rank_lcs[r]
         ks = [k for k in range(n) if rank_of[k] == r]
         held = [stage_cost[k] for k in ks]
         f = pipe_cost.in_flight(form, p, m, v, r)
@@ -414,8 +489,10 @@ def price_pipeline(lc: LayerCosts, *, form: str, axis: str, p: int, m: int, v: i
     fields = dict(step_time_s=step, compute_time_s=compute_total, comm_time_s=comm_total,
                   exposed_comm_s=exposed_total,
                   memory_bytes_per_device=int(memory), fits=memory <= limit, memory_limit_bytes=int(limit),
-                  cluster=clus.name, bubble_s=bubble_s, p2p_bytes_per_microbatch=int(lc.boundary_bytes),
-                  stages=tuple(ranks), comm_bytes_per_step=int(m * 2 * lc.boundary_bytes * (n - 1) / p))
+                  cluster=clus.name, bubble_s=bubble_s,
+                  p2p_bytes_per_microbatch=int(max(x.boundary_bytes for x in lcs[:-1] or lcs)),
+                  stages=tuple(ranks),
+                  comm_bytes_per_step=int(m * 2 * sum(x.boundary_bytes for x in lcs[:-1]) / p))
     return pplan, fields, dict(pipe_s=pipe_s, bubble_fraction=bubble_fraction(form, p, m, v), chunk_s=chunk_s)
 
 
@@ -519,22 +596,33 @@ def _relabel(text: str, parent: str, i: int) -> str:
 
 
 def _full_plan(sub_plan: Plan, pplan: PipelinePlan, fields: dict, extra: dict, mesh: dict, sub: dict, parent: str,
-               num_layers: int, decided_by: str | None = None, rows: tuple = (), name: str | None = None) -> Plan:
-    """The one-layer sub-plan's choices over every layer and the whole mesh, with the pipeline and its estimate."""
+               num_layers: int, decided_by: str | None = None, rows: tuple = (), name: str | None = None,
+               layer_plans: list[Plan] | None = None) -> Plan:
+    """The one-layer sub-plan's choices over every layer and the whole mesh, with the pipeline and its estimate.
+    `layer_plans`: per layer, the sub-plan of its stage (`auto_pipeline`'s per-rank plans); the structures outside
+    the layers take `sub_plan`'s (the first stage's)."""
     first = f"{parent}.0" if parent else "0"
     in_layer = lambda t: t == first or t.startswith(first + ".")  # noqa: E731
+    layer_plans = layer_plans or [sub_plan] * num_layers
+    by_key = [{x.key: x for x in lp.strategies} for lp in layer_plans]
+    by_fqn = [dict(lp.params) for lp in layer_plans]
     strategies, params = [], []
-    for s in sub_plan.strategies:
-        copies = range(num_layers) if in_layer(s.key) else [0]
-        for i in copies:
+    for s in sub_plan.strategies:  # the one-layer plan's order, each layer structure copied over every layer
+        for i in (range(num_layers) if in_layer(s.key) else [None]):
+            x = s if i is None else by_key[i].get(s.key, s)
+            i = 0 if i is None else i
             strategies.append(dataclasses.replace(
-                s, key=_relabel(s.key, parent, i), members=tuple(_relabel(x, parent, i) for x in s.members),
-                params=tuple((_relabel(f, parent, i), _widen(pl, sub, mesh)) for f, pl in s.params)))
+                x, key=_relabel(x.key, parent, i), members=tuple(_relabel(y, parent, i) for y in x.members),
+                params=tuple((_relabel(f, parent, i), _widen(pl, sub, mesh)) for f, pl in x.params)))
     for fqn, pl in sub_plan.params:
-        for i in (range(num_layers) if in_layer(fqn) else [0]):
-            params.append((_relabel(fqn, parent, i), _widen(pl, sub, mesh)))
-    (level,) = {lv for _, lv in sub_plan.checkpoint} or {"none"}
-    checkpoint = tuple((f"{parent}.{i}" if parent else str(i), level) for i in range(num_layers))
+        for i in (range(num_layers) if in_layer(fqn) else [None]):
+            got = pl if i is None else by_fqn[i].get(fqn, pl)
+            params.append((_relabel(fqn, parent, 0 if i is None else i), _widen(got, sub, mesh)))
+
+    def level_of(lp):
+        (level,) = {lv for _, lv in lp.checkpoint} or {"none"}
+        return level
+    checkpoint = tuple((f"{parent}.{i}" if parent else str(i), level_of(lp)) for i, lp in enumerate(layer_plans))
     ranks = fields["stages"]
     worst = max(ranks, key=lambda s: s.peak_bytes)
     label = pplan.label
@@ -600,25 +688,28 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
                   overrides=None, precision=None, microbatches: int | None = None, optimizer: str = "adam",
                   quick: bool = False, runnable: bool = False) -> list[Tried]:
     """Every pipeline over `axis` that `auto` weighs, priced: the outer search of Alpa's stage DP (Zheng et al.
-    2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count (and checkpoint
-    level, the next one tried only when no schedule fits at the one before), the ILP plans one microbatch of the
-    one- and two-layer model on the sub-mesh (`layer_costs`, plan "auto"); every schedule and its balanced cut is
-    then priced from those costs without solving again (`price_pipeline`). An outer search rather than one ILP:
-    the microbatch count changes the shapes the ILP prices, and the bubble and the in-flight activations multiply
-    the stage time and memory by functions of m, p and v that are not linear in the ILP's variables; identical
-    layers make every stage's forms the same, so one solve per microbatch size serves every schedule and cut.
+    2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count, the ILP plans
+    one microbatch of the one- and two-layer model on the sub-mesh (`layer_costs`, plan "auto", no memory limit:
+    the fastest forms); every schedule is priced from those costs (`price_pipeline`). A rank whose peak (its
+    layers, its in-flight microbatches under that schedule) is over the limit gets its own stage plan: the ILP on
+    the two-layer model again with its in-flight count (`solver.solve(in_flight=)`: the activations and the levels'
+    saved bytes counted that many times) and the rank's budget scaled to two layers (`stage_variant`), so the ILP
+    itself trades FSDP, ZeRO, tensor parallelism and checkpoint levels for that rank; each rank then takes the
+    fastest stage plan that fits it, and the cut is re-balanced on the ranks' own per-layer times (`_fit_ranks`).
+    Stage plans are cached by (microbatch, in-flight count, budget): identical stages solve once.
+    An outer search rather than one ILP: the microbatch count changes the shapes the ILP prices, and the bubble
+    and the in-flight activations multiply the stage time and memory by functions of m, p and v that are not
+    linear in the ILP's variables; identical layers make the ILP's classes one per layer kind whatever a stage's
+    layer count, so one solve per (microbatch, in-flight count, budget) serves every stage.
     `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all).
     `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`): the stages data parallel
     on the remaining axes ('dp' for the sub-mesh plan, not the ILP's forms), no checkpoint level, microbatches that
     split over the data-parallel degree, and no 'zbv' for a model with tied weights (the runtime refuses it there)."""
-    from autopar.forms import checkpoint as ckpt
     p = mesh[axis]
     parent, layers = repeated_layers(model)
     batch = _batch_of(example_inputs)
     ms = [microbatches] if microbatches else microbatch_candidates(batch, p)[-1:] if quick else \
         microbatch_candidates(batch, p)
-    forced_level = any(ckpt.is_key(k) for k in (overrides or {}))
-    levels = [None] if forced_level or runnable else list(ckpt.LEVELS)
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
     stage_plan, forms = "auto", AUTO_FORMS
     if runnable:
@@ -633,29 +724,111 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         if batch % m:
             continue
         mb = _microbatch(example_inputs, batch, m)
-        for lv in levels:
-            ov = dict(overrides or {})
-            if lv is not None:
-                ov[ckpt.KEY] = lv
-            lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=ov or None,
-                             precision=precision, optimizer=optimizer, cache=cache)
-            fit_here = False
-            for form, v in forms:
-                if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
-                    continue
-                pplan, fields, extra = price_pipeline(lc, form=form, axis=axis, p=p, m=m, v=v,
-                                                      num_layers=len(layers), cluster=cluster,
-                                                      full_sizes=tuple(mesh.values()), full_names=tuple(mesh),
-                                                      optimizer=optimizer, memory_limit=memory_limit)
-                slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
-                label = f"{form}@{axis}, {m} microbatches" + (f", checkpoint {lv}" if lv else "")
-                tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
-                                   fields["memory_bytes_per_device"], fields["fits"],
-                                   (lc, pplan, fields, extra, sub, parent, len(layers))))
-                fit_here |= fields["fits"]
-            if fit_here:
-                break
+        lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
+                         precision=precision, optimizer=optimizer, cache=cache)
+        variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
+
+        def make(f, budget, mb=mb, lc=lc):
+            key = (f, budget)
+            if key not in variants:
+                variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f, cluster=cluster,
+                                              overrides=overrides, precision=precision, optimizer=optimizer,
+                                              cache=cache)
+            return variants[key]
+        for form, v in forms:
+            if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
+                continue
+            kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
+                      full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
+                      memory_limit=memory_limit)
+            rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else make)
+            slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
+            label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
+            tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
+                               fields["memory_bytes_per_device"], fields["fits"],
+                               (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs)))
     return tried
+
+
+def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
+    """The two-layer model's peak with f microbatches in flight under `lc` (what `solver.solve(in_flight=f)` caps)."""
+    ck = lc.checkpoint
+    parts = [_with_activations(c, f) for c in (lc.first, lc.layer, lc.layer, lc.last)]
+    start = (2 * f * ck.act_bytes + ck.transient_bytes) if ck is not None else 0.0
+    return peak_bytes(parts, lc.grad_share, start)
+
+
+def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
+    """(per rank its layer costs, `price_pipeline` of them): every rank the fastest stage plan that fits it. For a
+    rank the unconstrained plan `lc` does not fit, `make(in_flight, budget)` gives the ILP's plan for its in-flight
+    count within a budget for the two-layer model: `lc`'s two-layer peak less what the rank is over, scaled from
+    its L layers to two (the ILP's choices change every layer alike); over again: the budget shrunk by what is still
+    over; fitting with room: grown by the room once (a faster plan may fit), `rounds` tries in all. The cut is then
+    re-balanced on the chosen plans' per-layer times, until it no longer moves. `make` None: `lc` everywhere."""
+    p, limit = kw["p"], kw["memory_limit"]
+    priced = price_pipeline(lc, **kw)
+    if make is None:
+        return [lc] * p, priced
+    limit = priced[1]["memory_limit_bytes"] if limit is None else limit
+    pool = [lc]
+    rank_lcs = [lc] * p
+
+    def key(budget):  # rounded down to an 8th of a power of two: near budgets share a solve (`make`'s cache)
+        return 2.0 ** (math.floor(math.log2(budget) * 8) / 8) if budget > 0 else 0.0
+    for _ in range(rounds):
+        cut = priced[0].cut
+        peaks = {id(x): [s.peak_bytes for s in price_pipeline(x, **kw, cut=cut)[1]["stages"]] for x in pool}
+
+        def add(x):
+            if all(y is not x for y in pool):
+                pool.append(x)
+                peaks[id(x)] = [s.peak_bytes for s in price_pipeline(x, **kw, cut=cut)[1]["stages"]]
+        for r, st in enumerate(priced[1]["stages"]):
+            if peaks[id(lc)][r] > limit:
+                # the in-flight count rounded up to a power of two (counting more activations than held: on the
+                # safe side), so that ranks of near counts share a solve
+                f = 2 ** math.ceil(math.log2(max(1.0, pipe_cost.in_flight(kw["form"], p, kw["m"], kw["v"], r))))
+                per = 2.0 / max(1, st.layers)  # the two-layer model's bytes per byte of this rank's layers
+                budget = _two_layer_bytes(lc, f) - (peaks[id(lc)][r] - limit) * per
+                grown = False
+                for _ in range(rounds):
+                    x = make(f, key(budget)) if key(budget) > 0 else None
+                    if x is None:
+                        break
+                    add(x)
+                    over = peaks[id(x)][r] - limit
+                    if over > 0:
+                        budget = _two_layer_bytes(x, f) - over * per * 1.02
+                    elif -over > 0.05 * limit and not grown:
+                        budget, grown = _two_layer_bytes(x, f) - over * per * 0.98, True
+                    else:
+                        break
+            fits = [x for x in pool if peaks[id(x)][r] <= limit]
+            rank_lcs[r] = min(fits, key=layer_time_s) if fits else lc
+        priced = price_pipeline(lc, **kw, rank_lcs=rank_lcs)
+        if priced[0].cut == cut:
+            break
+    return rank_lcs, priced
+
+
+def _stage_plan_text(x: LayerCosts) -> str:
+    """A stage plan in a few words: its layer's forms, the share of its parameters sharded, its checkpoint level."""
+    parts = sorted({f"{s.kind} {s.label}" for s in x.sub_plan.strategies if _layer_index_of(s.key)})
+    params = [pl for fqn, pl in x.sub_plan.params if _layer_index_of(fqn)]
+    sharded = sum(1 for pl in params if "S(" in pl)
+    (level,) = {lv for _, lv in x.sub_plan.checkpoint} or {"none"}
+    return f"{', '.join(parts)}; {sharded}/{len(params)} layer parameters sharded; checkpoint {level}"
+
+
+def _layer_index_of(key: str) -> bool:
+    return any(part.isdigit() for part in key.split("."))
+
+
+def _stage_plans_text(rank_lcs: list[LayerCosts], lc: LayerCosts, axis: str) -> str:
+    if all(x is lc for x in rank_lcs):
+        return ""
+    own = [f"{axis}={r}" for r, x in enumerate(rank_lcs) if x is not lc]
+    return f" (memory-fit stage plans on {', '.join(own)})"
 
 
 def choose(tried: list[Tried], unpipelined: Plan | None, unpipelined_why: str = "") -> tuple[object, str, tuple]:
@@ -699,6 +872,14 @@ def choose(tried: list[Tried], unpipelined: Plan | None, unpipelined_why: str = 
 
 
 def build_chosen(t: Tried, why: str, rows: tuple, mesh: dict) -> Plan:
-    lc, pplan, fields, extra, sub, parent, n = t.build
-    return _full_plan(lc.sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}", rows=rows,
-                      name="auto")
+    lc, pplan, fields, extra, sub, parent, n, rank_lcs = t.build
+    p = mesh[pplan.axis]
+    cut = pplan.cut
+    layer_plans = [rank_lcs[pplan.stage_rank(k, p)].sub_plan for k in range(len(cut) - 1)
+                   for _ in range(cut[k], cut[k + 1])]
+    stage_lcs = [rank_lcs[pplan.stage_rank(k, p)] for k in range(len(cut) - 1)]
+    if any(x is not lc for x in rank_lcs):
+        plans = "; ".join(f"{pplan.axis}={r}: {_stage_plan_text(x)}" for r, x in enumerate(rank_lcs))
+        why += f"; every rank's stage plan (the ILP's for its in-flight microbatches and memory): {plans}"
+    return _full_plan(stage_lcs[0].sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}",
+                      rows=rows, name="auto", layer_plans=layer_plans)

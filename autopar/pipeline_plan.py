@@ -90,11 +90,16 @@ def bubble_fraction(form: str, p: int, m: int, v: int = 1) -> float:
     raise ValueError(f"pipeline form {form!r} is not one of {', '.join(PIPELINE_FORMS)}")
 
 
-def balanced_cut(costs: list[float], n_stages: int, first: float = 0.0, last: float = 0.0) -> tuple[int, ...]:
+def balanced_cut(costs: list[float], n_stages: int, first: float = 0.0, last: float = 0.0,
+                 stage_layer_s: list[float] | None = None) -> tuple[int, ...]:
     """The cut of len(costs) consecutive layers into n_stages non-empty stages that minimises the largest stage
     cost, where stage 0 also pays `first` (embedding) and the last stage `last` (head and loss). Exact (dynamic
-    programme over prefix sums, O(n_stages * L^2)); ties break toward earlier cuts. Returns n_stages+1 indices."""
+    programme over prefix sums, O(n_stages * L^2)); ties break toward earlier cuts. Returns n_stages+1 indices.
+    `stage_layer_s`: per stage, a factor on its layers' costs (stages whose forms or checkpoint levels differ run the
+    same layer at different speeds)."""
     L = len(costs)
+    if stage_layer_s is not None and len(stage_layer_s) != n_stages:
+        raise ValueError(f"stage_layer_s has {len(stage_layer_s)} factors for {n_stages} stages")
     if n_stages < 1 or n_stages > L:
         raise ValueError(f"cannot cut {L} layers into {n_stages} pipeline stages (each stage needs at least one "
                          f"layer): use at most {L} stages, or fewer stages per rank")
@@ -103,7 +108,8 @@ def balanced_cut(costs: list[float], n_stages: int, first: float = 0.0, last: fl
         pre.append(pre[-1] + c)
 
     def seg(i, j, k):  # layers i..j-1 as stage k
-        return pre[j] - pre[i] + (first if k == 0 else 0.0) + (last if k == n_stages - 1 else 0.0)
+        scale = stage_layer_s[k] if stage_layer_s is not None else 1.0
+        return (pre[j] - pre[i]) * scale + (first if k == 0 else 0.0) + (last if k == n_stages - 1 else 0.0)
 
     INF = float("inf")
     # best[k][j]: min over cuts of layers 0..j-1 into k+1 stages of the max stage cost

@@ -439,12 +439,13 @@ def _data_axes_of(plan: Plan, mesh: MeshInfo) -> tuple[str, ...]:
 def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, input_batch: dict[str, int], *,
            cluster=None, memory_limit: float | None = None, optimizer: str = "adam",
            input_shapes: dict[str, tuple] | None = None, data_axes: tuple[str, ...] | None = None, exclude=(),
-           top: int = 1, explain: bool = True):
+           top: int = 1, explain: bool = True, in_flight: int = 1, data_axes_only: tuple | None = None):
     """`build_plan` without re-ranking: (the plan, the ILP's solution or None). `top` ("auto"): the ILP's best
     distinct solutions re-ranked on the timeline (`solver.solve`); `explain=False`: without the decisions and the
     per-structure breakdown (a candidate `_reranked` only compares). The solution returned is the one the estimate
     priced: the ILP's for "auto", the hand plan's evaluation (`solver.evaluate`) otherwise (its `per_site` costs are
-    what `autopar.pipeline_estimate` composes into stages)."""
+    what `autopar.pipeline_estimate` composes into stages). `in_flight` ("auto"): the microbatches a pipeline stage
+    holds at once, its activations counted that many times against `memory_limit` (`solver.solve`)."""
     from autopar import solver as ilp
     from cost_model.hardware import load_cluster
 
@@ -467,6 +468,8 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         model_axes = {a for s, c in parsed for a, ok in _roles_used(s, c) if Role.DATA not in ok}
         options = [tuple(c) for r in range(len(mesh.names) + 1) for c in itertools.combinations(mesh.names, r)
                    if not model_axes & set(c)]
+        if data_axes_only is not None:  # a pipeline stage's memory-fit plan: the unconstrained plan's data axes
+            options = [o for o in options if o == tuple(data_axes_only)]
         batch = max(input_batch.values(), default=0)
         # lone linears are priced replicated whatever their form: the ILP plans the rest, their overrides apply after
         rank = lambda sol: step_timeline(ctx, sol, sol.choices, sol.data_axes, sol.seq_axes, clus,  # noqa: E731
@@ -474,7 +477,8 @@ def _build(ctx: PassContext, mesh: MeshInfo, name: str, overrides: dict | None, 
         solution = ilp.solve(ctx, mesh, clus, memory_limit=memory_limit,
                              forced={k: c for k, c in forced.items() if planning[k].kind is not Kind.LINEAR},
                              optimizer=optimizer, data_axes_options=options, batch=batch, layers=layers,
-                             checkpoint_forced=ck_forced, exclude=exclude, top=top, rank=rank)
+                             checkpoint_forced=ck_forced, exclude=exclude, top=top, rank=rank,
+                             in_flight=in_flight)
         choices = {s.key: solution.choices[s.key] for s in ctx.planning_sites()}
         levels = {la.path: ckpt.LEVELS[solution.checkpoint[la.path]] for la in layers}
         choices.update({k: c for k, c in forced.items() if planning[k].kind is Kind.LINEAR})

@@ -43,6 +43,8 @@ Constraints
              + sum_k,g n_kg v[k,g] (gathered weights kept),
       peak >= sum_k n_k sum_c act[k,c] x[k,c] + act_other + momentary
                 + sum_g,l kept[g,l] y[g,l] + sum_g z[g] - sum_k,g n_kg r[k,g] + T        (start of backward),
+      (under a pipeline, `solve(in_flight=f)`: the activation and saved-bytes terms times f, the microbatches a
+      stage holds at once; T and momentary once)
       peak >= sum_k n_k sum_c grad[k,c] x[k,c] + grad_other + min(GRAD_BUCKET_BYTES, bucketed gradients)
                 + reducing                                                (end of backward; a boolean picks the min),
       momentary >= buf[k,c] where x[k,c], and >= buf_other (the largest momentary buffer: the loss' logit gradients)
@@ -530,14 +532,18 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
           forced: dict[str, Candidate] | None = None, optimizer: str = "adam",
           time_limit_s: float = 10.0, data_axes_options=None, batch: int = 0, layers=(),
           checkpoint_forced: dict | None = None, exclude=(), top: int = 1,
-          rank: Callable[[Solution], float] | None = None) -> Solution:
+          rank: Callable[[Solution], float] | None = None, in_flight: int = 1) -> Solution:
     """The best plan under the cost model; raises InfeasibleError (with the least memory any plan needs).
     `layers` (`autopar.layers.find_layers`) take an activation checkpointing level each, per layer class
     (`checkpoint_forced`: layer path -> the level an override forces), and FSDP's gathered weights kept or resharded
     per layer class (`_keep_terms`). `exclude`: assignments ({site key: Candidate}) the plan must differ from in some
     structure's form (`no_good`). `top` > 1 with `rank` (a solution's full estimate, e.g. its timeline's step): the
     ILP's `top` best distinct solutions (`_alternatives`) are ranked by `rank` and the least wins (ties: the ILP's
-    order); `Solution.ranking` records them."""
+    order); `Solution.ranking` records them. `in_flight`: the microbatches whose saved activations the device holds at
+    once (a pipeline stage's, `autopar.pipeline_estimate.auto_pipeline`): the start-of-backward peak counts the
+    activations and the levels' saved bytes that many times (the recompute transient and momentary buffers once)."""
+    if not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight must be a positive integer (microbatches held at once), got {in_flight!r}")
     t0 = time.perf_counter()
     limit = memory_limit if memory_limit is not None else cluster.device_memory_bytes
     stats, other, _ = gather_stats(ctx)
@@ -576,7 +582,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         kp = _keep_terms(ck, classes, cands, costs, stats, mc)
         try:
             sol, mem_min = _solve_one(classes, cands, costs, base, pairs, limit, time_limit_s, stats, ck, exclude,
-                                      grad_share=mc.grad_share(), kp=kp)
+                                      grad_share=mc.grad_share(), kp=kp, in_flight=in_flight)
         except _Conflict as c:
             conflicts.update(c.whys)
             tried.append((data_axes, seq_axes, None, "the forms' constraints conflict: " + "; ".join(c.whys)))
@@ -584,7 +590,7 @@ def solve(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, *, memory_limit: f
         least_memory = min(least_memory, mem_min)
         if sol is None:  # priced without the limit, to say what the limit costs (Plan.explain)
             free, _ = _solve_one(classes, cands, costs, base, pairs, 2.0**62, time_limit_s, stats, ck,
-                                  grad_share=mc.grad_share(), kp=kp)
+                                  grad_share=mc.grad_share(), kp=kp, in_flight=in_flight)
             fastest = f"the fastest needs {free.memory_bytes / 2**30:.2f} GiB per device, " if free is not None else ""
             tried.append((data_axes, seq_axes, free, f"no plan fits the limit: {fastest}the least "
                                                      f"memory {mem_min / 2**30:.2f} GiB"))
@@ -881,7 +887,7 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
     k's choice less M * y[g, none]: Alpa-style linearisation of x * (1 - y)), and the recompute transient, the
     largest over the recomputing groups (T >= transient[g, l] * y[g, l])."""
     if ck is None or not ck.groups:
-        return [], 0, 0, 0
+        return [], 0, 0, 0, 0
     y = [[model.NewBoolVar(f"ck{g}_{i}") for i in range(len(lvs))] for g, lvs in enumerate(ck.costs)]
     for ys in y:
         model.AddExactlyOne(ys)
@@ -902,7 +908,7 @@ def _checkpoint_vars(model, ck: CheckpointTerms | None, x, kib, ns):
         for c, v in zip(cs, ys):
             if c.transient_bytes:
                 model.Add(transient >= kib(c.transient_bytes) * v)
-    return y, time, mem + transient, mem_min
+    return y, time, mem, transient, mem_min
 
 
 def _saved_vars(model, ck: CheckpointTerms, x, y, kib):
@@ -1052,7 +1058,7 @@ def _ranked(best: Solution, tried, classes, pairs, stats, limit, time_limit_s, e
 
 def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limit_s: float, stats,
                ck: CheckpointTerms | None = None, exclude=(), *, grad_share: float, kp: "KeepTerms | None" = None,
-               no_zero: bool = False):
+               no_zero: bool = False, in_flight: int = 1):
     from ortools.sat.python import cp_model  # here, not at import: it costs ~1 s (it imports pandas)
 
     model = cp_model.CpModel()
@@ -1100,9 +1106,10 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
             if ps[3] > bparts[3]:
                 model.Add(momentary >= ps[3]).OnlyEnforceIf(v)
     peak = model.NewIntVar(0, 2**62 // 1024, "peak")
-    y, ck_time, ck_mem, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
+    y, ck_time, ck_saved, ck_transient, ck_mem_min = _checkpoint_vars(model, ck, x, kib, ns)
     kept, keep_time, keep_held = _keep_vars(model, ck, kp, x, kib, ns)
-    model.Add(peak >= total(1) + momentary + ck_mem)  # checkpoint levels: saved bytes they change, recompute
+    # checkpoint levels: saved bytes they change (per microbatch in flight), the recompute transient (once)
+    model.Add(peak >= in_flight * (total(1) + ck_saved) + momentary + ck_transient)
     # a gradient bucket being reduced: its flat copy, min(GRAD_BUCKET_BYTES, the bucketed gradients); `small`: they are
     # fewer
     bucketed = kib(base.bucket_bytes) + sum(len(cls) * kib(c.bucket_bytes) * v for cls, cs, xs in zip(classes, costs, x)
@@ -1113,7 +1120,7 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     model.Add(peak >= total(2) + kib(GRAD_BUCKET_BYTES) + reducing).OnlyEnforceIf(small.Not())
     # the least memory any plan of this family needs (reported when nothing fits): each part at its least
     least = [bparts[i] + sum(len(cls) * min(ps[i] for ps in pcs) for cls, pcs in zip(classes, parts)) for i in range(3)]
-    mem_min = least[0] + max(least[1] + ck_mem_min + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
+    mem_min = least[0] + max(in_flight * (least[1] + ck_mem_min) + max([bparts[3]] + [min(ps[3] for ps in pcs) for pcs in parts]),
                              least[2] + reducing_min)
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
     model.Add(total(0) + keep_held + peak <= top).OnlyEnforceIf(memory_on)

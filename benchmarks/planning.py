@@ -6,6 +6,7 @@ limit (80 GB), the model torchtitan's Llama 3 (`llama_tt_meta`: causal flash SDP
 the meta device in bf16, global batch = dp.
 
     python benchmarks/planning.py [--quick]      # --quick: the 8B 8k shape only
+    python benchmarks/planning.py --pipeline     # auto on {"pp": 16, "dp": 128, "tp": 8}, 126 layers (issue #23)
 
 Shapes: Llama-3-8B at 8k on {"dp": 8, "tp": 8}; 8B at 128k on {"dp": 2, "tp": 8}; 70B at 8k on {"dp": 64, "tp": 8}.
 The table: shape, does auto fit, its peak (GiB), its step (ms), the best fitting hand plan and its level, its step,
@@ -286,12 +287,61 @@ def stages_main() -> None:
               f"{os.getloadavg()[0]:.1f}", flush=True)
 
 
+# issue #23 deliverable 4: `auto` on a mesh with a pipeline axis (the outer search over schedule, microbatches, cut
+# and every stage's forms and checkpoint levels, the ILP inside each stage), Llama 3 405B's shape, 16,384 ranks,
+# Llama 3's 2,048 sequences of 8k per step.
+PIPELINE_SHAPES = {
+    "405b_8k_pp16": (LLAMA_405B, 8192, {"pp": 16, "dp": 128, "tp": 8}, 2048),
+}
+
+
+def pipeline_row(name: str) -> dict:
+    """`autopar.plan(plan="auto")` on one PIPELINE_SHAPES shape, in this process: wall and CPU seconds, the plan."""
+    import autopar
+    shape, seq, mesh, batch = PIPELINE_SHAPES[name]
+    model, inputs = llama_tt_meta(shape, seq, batch)
+    t0, c0 = time.perf_counter(), time.process_time()
+    p = autopar.plan(model, mesh, inputs, plan="auto", cluster="h100")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    (d,) = [d for d in p.decisions if d.kind == "pipeline"] or [None]
+    return dict(name=name, layers=shape["layers"], ranks=_ranks(mesh), wall_s=wall, cpu_s=cpu,
+                chosen=d.chosen if d else "no decision", decided_by=d.decided_by if d else "",
+                pipeline=p.pipeline.label if p.pipeline else None,
+                microbatches=p.pipeline.microbatches if p.pipeline else None,
+                step_s=p.estimate.step_time_s, fits=p.estimate.fits,
+                memory_gib=p.estimate.memory_bytes_per_device / GIB, candidates=len(d.candidates) if d else 0)
+
+
+def pipeline_main() -> None:
+    """`python benchmarks/planning.py --pipeline`: one fresh process per PIPELINE_SHAPES shape."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in PIPELINE_SHAPES:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--pipeline-one", name], env=env,
+                              capture_output=True, text=True)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("JSON ")]
+        if proc.returncode or not lines:
+            sys.exit(f"planning {name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        r = json.loads(lines[0][5:])
+        print(f"PIPELINE planning_{name}: {r['layers']} layers on {r['ranks']} ranks: auto wall {r['wall_s']:.1f} s "
+              f"({r['cpu_s']:.1f} s CPU), goal <= 10 s; chose {r['chosen']} ({r['microbatches']} microbatches), "
+              f"step {r['step_s'] * 1e3:.0f} ms, {r['memory_gib']:.1f} GiB per device "
+              f"({'fits' if r['fits'] else 'DOES NOT FIT'}), {r['candidates']} candidates; {os.cpu_count()} CPU "
+              f"cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+        print(f"  decided by: {r['decided_by']}", flush=True)
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--stage-one":
         print("JSON " + json.dumps(stage_row(sys.argv[2], "--full" in sys.argv)), flush=True)
         return
     if "--stages" in sys.argv:
         stages_main()
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "--pipeline-one":
+        print("JSON " + json.dumps(pipeline_row(sys.argv[2])), flush=True)
+        return
+    if "--pipeline" in sys.argv:
+        pipeline_main()
         return
     if len(sys.argv) > 2 and sys.argv[1] == "--one":
         print("JSON " + json.dumps(_one(sys.argv[2])), flush=True)

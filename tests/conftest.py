@@ -103,6 +103,7 @@ FILE_SECONDS = {
     "test_pipeline_dcp.py": 12,  # measured 8 s alone (2026-12-07), the 2-rank pool started  # measured 19 s alone (2026-12-07), most of it tune measuring every hand plan  # measured 7 s alone with the 2-rank pool started (2026-12-07)
     "test_pipeline_forms.py": 100,  # measured alone, 2026-12-06: 61-76 s before the mp_policy case (+44 s alone; mostly the 4-rank pool starting)
     "test_pipeline_auto.py": 165,  # measured at load 12-14 on 2 cores (2026-12-06), the 2- and 4-rank pools started
+    "test_pipeline_auto_stages.py": 15,  # offline autopar.plan, no process group (2026-12-07)
     "test_rule_sweep.py": 34,  # 2026-12-07 at load 25-35: 76 -> 34 s wall, 18.6 -> 13.7 CPU s (part 6; the first case drew the part's OpInfo samples through torch's stack crawl: 24 -> 3 s)
     "test_verify.py": 45,  # 60 before 2026-12-07: one torchrun instead of two at once (36 s -> 10 + 9 s), 42 s alone
     "test_recognition.py": 57,
