@@ -5,10 +5,12 @@ passing its shard (inputs="local"). Rank 0 prints, as medians of interleaved rou
 (`time.process_time`: gloo's threads included): the forward and the backward of autopar, DDP and the eager model;
 then the ParallelModule forward wrapper's pieces timed alone (the guard key, the per-call agreement with its
 all-reduce, the parameters' `to_local`, a bare 3-int64 all-reduce for scale, the program without the wrapper).
-`--cprofile` prints rank 0's cProfile (CPU timer) of autopar's forward + backward instead. For an A/B of two
-checkouts, run this script with PYTHONPATH at each in turn (the script reads autopar from the path).
+`--cprofile` prints rank 0's cProfile (CPU timer) of autopar's forward + backward instead. `--below-autograd`
+instead times, interleaved in one run, the same program with the runtime's functional collectives called below
+autograd (`collectives._below_autograd`, the default) and as registered (their Python autograd kernel), beside DDP.
+For an A/B of two checkouts, run this script with PYTHONPATH at each in turn (the script reads autopar from the path).
 
-    python benchmarks/dp_call_profile.py [--rounds N] [--cprofile]
+    python benchmarks/dp_call_profile.py [--rounds N] [--cprofile | --below-autograd]
 """
 
 from __future__ import annotations
@@ -37,7 +39,47 @@ from autopar.dtensors import to_locals
 from common import census_model, launch
 
 
-def body(rounds: int, cprofile: bool) -> None:
+def below_autograd_ab(rounds: int) -> None:
+    """The A/B of `collectives._below_autograd`: one ParallelModule, its collectives' lookup table switched per step."""
+    from autopar.runtime import collectives
+    rank = dist.get_rank()
+    model, batch, _, _ = census_model("convnet", 8)
+    local = tuple(t.chunk(2)[rank] for t in batch)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = autopar.parallelize(copy.deepcopy(model), mesh, local, plan="dp", inputs="local")
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    times: dict[str, list[tuple[float, float]]] = {"below autograd": [], "as registered": [], "DDP": []}
+
+    def step(name: str) -> None:
+        collectives._OPS.clear()  # refilled, below autograd, at the next lookup
+        if name == "as registered":
+            collectives._OPS.update({n: getattr(torch.ops._c10d_functional, n)
+                                     for n in ("all_reduce", "all_reduce_", "wait_tensor")})
+        m = ddp if name == "DDP" else pm
+        c0 = time.process_time()
+        loss = m(*local)
+        c1 = time.process_time()
+        loss.backward()
+        times[name].append((c1 - c0, time.process_time() - c1))
+        for p in m.parameters():
+            p.grad = None
+
+    for i in range(rounds + 3):
+        for n in times:
+            step(n)
+        if i == 2:
+            for v in times.values():
+                v.clear()
+    collectives._OPS.clear()
+    if rank == 0:
+        for n, v in times.items():
+            f, b = (statistics.median(x[i] for x in v) * 1e3 for i in range(2))
+            print(f"{n:16s} forward {f:6.2f} ms  backward {b:6.2f} ms  (CPU per step, median of {rounds} interleaved)")
+
+
+def body(rounds: int, cprofile: bool, below: bool = False) -> None:
+    if below:
+        return below_autograd_ab(rounds)
     rank = dist.get_rank()
     model, batch, _, _ = census_model("convnet", 8)
     local = tuple(t.chunk(2)[rank] for t in batch)
@@ -124,4 +166,4 @@ def body(rounds: int, cprofile: bool) -> None:
 if __name__ == "__main__":
     args = sys.argv[1:]
     n = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 30
-    launch(body, 2, n, "--cprofile" in args)
+    launch(body, 2, n, "--cprofile" in args, "--below-autograd" in args)

@@ -50,10 +50,27 @@ class _Functional:
     def __getattr__(self, name: str):
         if _BEFORE_COLLECTIVE or _RIDING:
             settle_pending()
-        op = getattr(torch.ops._c10d_functional, name)
+        op = _OPS.get(name)
+        if op is None:
+            op = _OPS[name] = functools.partial(_below_autograd, getattr(torch.ops._c10d_functional, name))
         if _TRACKERS and name != "wait_tensor":
             return functools.partial(_tracked, _TRACKERS[-1], name, op)
         return op
+
+
+def _below_autograd(op, *args):
+    """`op(*args)` with no autograd to record: straight to the kernels below autograd. The functional collectives'
+    autograd kernel is Python (`torch.library.register_autograd`), whose no-grad path does exactly this
+    (`torch._library.autograd.autograd_impl` -> `forward_no_grad`) at ~20 us of host time per call: the runtime calls
+    them inside its autograd functions (grad mode off), 2-5 times a data-parallel step. Anywhere a gradient could be
+    recorded, and under torch.compile, the op as registered."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args)):
+        return op(*args)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+_OPS: dict[str, functools.partial] = {}  # collective name -> the op called through `_below_autograd`
 
 
 _c10d = _Functional()
