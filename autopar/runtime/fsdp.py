@@ -156,7 +156,9 @@ def _full_shape(shape, i: int, spec: "_Spec") -> list[int]:
     pad = spec.padding(i)
     out = list(shape)
     d = spec.dims[i]
-    out[d] = pad[1] if pad is not None else out[d] * math.prod(a.size for a in spec.axes)
+    # a list, not a generator: dynamo cannot trace a generator into `math.prod` from here (it breaks the graph and,
+    # inside `_finish`'s own generator below, runs the whole gather's copy-out eagerly: every call, recompiled)
+    out[d] = pad[1] if pad is not None else out[d] * math.prod([a.size for a in spec.axes])
     return out
 
 
@@ -194,9 +196,9 @@ def _finish(pending: tuple[torch.Tensor, torch.Tensor], shards, spec: _Spec, bac
         ns = [a.size for a in reversed(spec.axes)]  # outermost first, as the gathered buffer is laid out
         world = math.prod(ns)
         shapes = [_padded_shape(s.shape, i, spec) for i, s in enumerate(shards)]
-        total = sum(math.prod(p) for p in shapes)
+        total = sum([math.prod(p) for p in shapes])
         rows = flat.view(world, total)
-        out = torch.empty(sum(math.prod(_full_shape(s.shape, i, spec)) for i, s in enumerate(shards)),
+        out = torch.empty(sum([math.prod(_full_shape(s.shape, i, spec)) for i, s in enumerate(shards)]),
                           dtype=flat.dtype, device=flat.device)
         off = foff = 0
         for i, (shape, d) in enumerate(zip(shapes, spec.dims)):
@@ -229,7 +231,7 @@ def _reduce_scatter(grads, shards: list[tuple[torch.Size, torch.dtype]], spec: _
     ns = [a.size for a in reversed(spec.axes)]
     world = math.prod(ns)
     padded = [_padded_shape(shape, i, spec) for i, (shape, _) in enumerate(shards)]
-    total = sum(math.prod(shape) for shape in padded)
+    total = sum([math.prod(shape) for shape in padded])
     like = next(g for g in grads if g is not None)
     flat = like.new_empty((world, total), dtype=spec.reduce_dtype or like.dtype)
     off = 0
