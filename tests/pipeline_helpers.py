@@ -128,3 +128,29 @@ class _Reduces(torch.utils._python_dispatch.TorchDispatchMode):
                                                           "reduce_scatter_tensor", "all_to_all_single"):
             self.out.append((name, args[0].numel()))
         return func(*args, **(kwargs or {}))
+
+
+def train_steps(ref, pm, batch: tuple, errs: dict, *, steps: int = 2, counter=Count, clip: float | None = None):
+    """`steps` AdamW steps (lr 0.01) of `ref` (one device) and `pm` side by side on `batch`. Each step: errs
+    f"loss {step}", `pm`'s forward recorded by `counter()`, f"grad {step} {name}" (`stage_grads`), then this
+    generator yields (step, the counter, the names checked) before the optimizer steps; on the last step with `clip`
+    the norm and clipped gradients (`clipped_grads`); after the step f"param {step} {name}" (`stepped_params`)."""
+    refs = dict(ref.named_parameters())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+    for step in range(steps):
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        ref_loss = ref(*batch)
+        ref_loss.backward()
+        with counter() as c:
+            loss = pm(*batch)
+        loss.backward()
+        errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
+        mine = stage_grads(pm, refs, errs, f"grad {step}")
+        yield step, c, mine
+        if clip is not None and step == steps - 1:  # the total norm over every stage and shard, clipped gradients
+            clipped_grads(pm, ref, refs, mine, errs, clip)
+        opt_ref.step()
+        opt.step()
+        stepped_params(pm, refs, mine, errs, f"param {step}")

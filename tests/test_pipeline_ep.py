@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import (Count, check, clipped_grads, held, llama, reference_and_batch, stage_grads,
-                              stepped_params)
+from pipeline_helpers import Count, check, held, llama, reference_and_batch, train_steps
 
 B, S, M, H, E = 8, 8, 2, 32, 4  # batch, sequence, microbatches, hidden, experts
 
@@ -55,29 +54,13 @@ def _pp_ep(path: str):
                                  overrides={"pipeline": "1f1b@pp", "moe": "expert@ep"}, microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
         errs, counts = {}, []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with _CountAllReduce() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        # the last step also checks the total norm over every stage and expert shard, and the clipped gradients
+        for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, counter=_CountAllReduce, clip=0.05):
             counts.append((c.p2p, c.reduces, c.all_reduce))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            checked = stage_grads(pm, refs, errs, f"grad {step}")
             if step == 0:
-                mine = checked
                 placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
                 local = {n: (p.to_local().numel(), p.numel()) for n, p in pm.named_parameters() if n in mine}
-            if step == 1:  # the total norm over every stage and expert shard, and the clipped gradients
-                clipped_grads(pm, ref, refs, mine, errs, 0.05)
-            opt_ref.step()
-            opt.step()
-            stepped_params(pm, refs, mine, errs, f"param {step}")
         # a DCP checkpoint of the stepped pp x ep module loads bit-equal into a plain dp (expert-parallel) plan
         import torch.distributed.checkpoint as dcp
         trained = {}

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import (Count, check, clipped_grads, llama, reference_and_batch, stage_grads,
-                              stepped_params)
+from pipeline_helpers import check, llama, reference_and_batch, train_steps
 
 B, S, M = 4, 16, 2  # batch, sequence, microbatches
 
@@ -31,28 +30,11 @@ def _pp_tp(form: str):
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
         errs, counts = {}, []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, clip=0.05):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            checked = stage_grads(pm, refs, errs, f"grad {step}")
             if step == 0:
-                mine = checked
                 placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
-            if step == 1:  # the total norm over every stage and tp shard, and the clipped gradients
-                clipped_grads(pm, ref, refs, mine, errs, 0.05)
-            opt_ref.step()
-            opt.step()
-            stepped_params(pm, refs, mine, errs, f"param {step}")
         other = llama()  # a single-device state dict loads into the stages' shards
         pm.load_state_dict(other.state_dict())
         assert sorted(pm.state_dict()) == sorted(other.state_dict())

@@ -18,7 +18,7 @@ import torch
 
 from dist_harness import gloo_pool
 from test_pipeline_runtime import _agreement
-from pipeline_helpers import Count, llama, reference_and_batch, stage_grads, stepped_params
+from pipeline_helpers import Count, llama, reference_and_batch, stage_grads, stepped_params, train_steps
 
 B, S, M = 4, 16, 2
 TOL = 1e-10
@@ -128,26 +128,9 @@ def _zbv_pp_tp():
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": "zbv@pp"}, microbatches=M)
-        refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
         errs, counts = {}, []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        for _, c, mine in train_steps(ref, pm, (tokens, labels), errs):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            checked = stage_grads(pm, refs, errs, f"grad {step}")
-            if step == 0:
-                mine = checked
-            opt_ref.step()
-            opt.step()
-            stepped_params(pm, refs, mine, errs, f"param {step}")
         with torch.no_grad():
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
         return {"errs": errs, "mine": mine, "counts": counts, "stages": pm.local_stages, "rank": dist.get_rank()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import Count, check, llama, reference_and_batch, stage_grads, stepped_params
+from pipeline_helpers import check, llama, reference_and_batch, train_steps
 
 B, S, M, H = 4, 16, 2, 32  # batch, sequence, microbatches, hidden
 TP = 2
@@ -39,25 +39,9 @@ def _pp_tp_sp(form: str, layers: int = 2):
                                  microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
         errs, counts = {}, []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        for _, c, mine in train_steps(ref, pm, (tokens, labels), errs):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            checked = stage_grads(pm, refs, errs, f"grad {step}")
-            if step == 0:
-                mine = checked
-            opt_ref.step()
-            opt.step()
-            stepped_params(pm, refs, mine, errs, f"param {step}")
         with torch.no_grad():
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
         norms = sorted({(s.form, s.axis) for k, st in pm._tp.items() for s in st[2].strategies if s.kind == "norm"})
