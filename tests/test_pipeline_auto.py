@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_runtime import _check
+from pipeline_helpers import check
 
 TOL = 1e-10
 
@@ -104,7 +104,7 @@ def test_pm_plan_is_the_priced_plan_and_microbatches_default_to_the_cost_models_
     steps = {int(r.label.split(", ")[1].split()[0]): r.time_s for r in decision.candidates}
     assert len(steps) >= 2 and offline.pipeline.microbatches == min(steps, key=steps.get)
     results = gloo_pool(2).run(_train, dict(plan="dp", overrides={"pipeline": "1f1b@pp"}), 3)
-    _check(results)
+    check(results)
     # the first step makes AdamW's state on the DTensors; the later ones run on the local tensors (the other stage's
     # parameters, without gradient or state, passed over), and still match one device exactly
     assert [r["local"] for r in results] == [[False, True, True]] * 2
@@ -139,7 +139,7 @@ def test_auto_on_a_pp_mesh_runs_the_pipeline_it_chooses_and_trains_exactly():
     offline = _offline("auto", memory_limit=limit)  # what autopar.plan(plan="auto") chooses on {"pp": 2}, and why
     assert offline.pipeline is not None and offline.estimate.memory_bytes_per_device <= limit
     results = gloo_pool(2).run(_train, dict(plan="auto", memory_limit=limit))
-    _check(results)
+    check(results)
     assert all(r["pipelined"] for r in results)
     run = Plan.from_json(results[0]["plan"])
     assert run == Plan.from_json(results[1]["plan"])
@@ -183,7 +183,7 @@ def test_pp2_x_dp2_default_microbatches_split_over_the_data_ranks():
     tried = [int(r.label.split(", ")[1].split()[0]) for r in d.candidates]
     assert tried == [2, 4]  # 8 microbatches of one row cannot split over 2 data ranks
     results = gloo_pool(4).run(_train, dict(plan="dp", overrides={"pipeline": "1f1b@pp"}), 1, (2, 2), ("pp", "dp"))
-    _check(results)
+    check(results)
     run = Plan.from_json(results[0]["plan"])
     assert run.pipeline.microbatches == offline.pipeline.microbatches
     # the estimate is for the run's cut (by FLOPs), which may differ from the cost model's own balanced cut

@@ -8,26 +8,12 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
+from pipeline_helpers import held, llama
 
 
 def _model(seed: int):
-    from autopar.models import Llama, LlamaConfig
     torch.manual_seed(seed)
-    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2))
-
-
-def _held(pm) -> dict:
-    """name -> full value, of the parameters whose (sub-)mesh includes this rank."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    out = {}
-    for n, p in pm.named_parameters():
-        if isinstance(p, DTensor):
-            if dist.get_rank() not in p.device_mesh.mesh.flatten().tolist():
-                continue
-            p = p.full_tensor()
-        out[n] = p.detach().clone()
-    return out
+    return llama()
 
 
 def _round_trip(path: str) -> int:
@@ -49,7 +35,7 @@ def _round_trip(path: str) -> int:
     opt.step()
     ref = {}
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, _held(pp))
+    dist.all_gather_object(parts, held(pp))
     for part in parts:
         ref.update(part)
     assert set(ref) == {n for n, _ in _model(0).named_parameters()}
@@ -59,7 +45,7 @@ def _round_trip(path: str) -> int:
     sd = dp.state_dict()
     dcp.load(sd, checkpoint_id=f"{path}/pp")
     dp.load_state_dict(sd)
-    got = _held(dp)
+    got = held(dp)
     assert set(got) == set(ref)
     bad = [n for n in ref if not torch.equal(got[n], ref[n])]
     assert not bad, f"not bit-equal after pp -> dp: {bad}"
@@ -69,7 +55,7 @@ def _round_trip(path: str) -> int:
     sd = back.state_dict()
     dcp.load(sd, checkpoint_id=f"{path}/dp")
     back.load_state_dict(sd)
-    mine = _held(back)
+    mine = held(back)
     assert mine, "this rank holds no stage parameter"
     bad = [n for n in mine if not torch.equal(mine[n], ref[n])]
     assert not bad, f"not bit-equal after dp -> pp: {bad}"
@@ -77,5 +63,5 @@ def _round_trip(path: str) -> int:
 
 
 def test_dcp_pipeline_to_dp_and_back_bit_equal(tmp_path):
-    held = gloo_pool(2).run(_round_trip, str(tmp_path))
-    assert all(h > 0 for h in held)
+    num_held = gloo_pool(2).run(_round_trip, str(tmp_path))
+    assert all(h > 0 for h in num_held)

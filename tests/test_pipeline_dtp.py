@@ -21,20 +21,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_pipeline_runtime import _check
-from test_pipeline_tp import _Count
+from pipeline_helpers import Count, check, llama, reference_and_batch, stage_grads, stepped_params
 
 B, S, H, M = 4, 8, 16, 2  # batch (dp2 x 2 microbatches x 1 row), sequence, hidden, microbatches per data rank
 
 
 def _llama():
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2, hidden=H, ffn_hidden=2 * H, seq_len=S))
+    return llama(hidden=H, ffn_hidden=2 * H, seq_len=S)
 
 
 class _Reduces:
     """Records (numel, group ranks) of the eager `dist.all_reduce` calls (the data-axis gradient sum, the loss
-    sums, the call check), beside `_Count`'s functional ones of the stage programs."""
+    sums, the call check), beside `Count`'s functional ones of the stage programs."""
 
     def __enter__(self):
         import torch.distributed as dist
@@ -52,21 +50,13 @@ class _Reduces:
 
 
 def _pp_dp_tp():
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama()
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 128, (B, S), generator=g)
-        labels = torch.randint(0, 128, (B, S), generator=g)
-        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches and data ranks
+        ref, model, tokens, labels = reference_and_batch(_llama, B, S)
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": "1f1b@pp"}, microbatches=M)
@@ -74,29 +64,21 @@ def _pp_dp_tp():
         refs = dict(ref.named_parameters())
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
         opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, mine, placements, meshes = {}, [], {}, {}
+        errs = {}
         ref_loss = ref(tokens, labels)
         ref_loss.backward()
-        with _Count() as c, _Reduces() as eager:
+        with Count() as c, _Reduces() as eager:
             loss = pm(tokens, labels)
         loss.backward()
         errs["loss"] = abs(float(loss) - float(ref_loss))
-        sizes = {}
-        for n, p in pm.named_parameters():
-            assert isinstance(p, DTensor)
-            if p.device_mesh.get_coordinate() is None:  # another stage's
-                assert p.grad is None and p.to_local().numel() == 0
-                continue
-            mine.append(n)
-            placements[n] = str(tuple(p.placements))
-            meshes[n] = tuple(p.device_mesh.mesh_dim_names)
-            sizes[n] = p.to_local().numel()
-            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+        mine = stage_grads(pm, refs, errs, "grad")
+        own = {n: p for n, p in pm.named_parameters() if n in mine}
+        placements = {n: str(tuple(p.placements)) for n, p in own.items()}
+        meshes = {n: tuple(p.device_mesh.mesh_dim_names) for n, p in own.items()}
+        sizes = {n: p.to_local().numel() for n, p in own.items()}
         opt_ref.step()
         opt.step()
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        stepped_params(pm, refs, mine, errs, "param")
         offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": 2}, (tokens, labels), plan="megatron",
                                overrides={"pipeline": "1f1b@pp"}, microbatches=M)
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch, "step": pm.plan.estimate.step_time_s,
@@ -113,7 +95,7 @@ def _pp_dp_tp():
 
 def check_pp_dp_tp(results):
     """The assertions on `_pp_dp_tp`'s per-rank results (`benchmarks/pp_dp_tp_gloo.py` runs it on 8 gloo ranks)."""
-    _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked somewhere
+    check(results)  # every error <= pipeline_helpers.TOL (1e-10) on its rank, every parameter checked somewhere
     rows = B // (2 * M)
     act = rows * S * H * 8  # one microbatch's hidden state, fp64 bytes
     for r in results:
@@ -186,7 +168,7 @@ def test_pp_dp_tp_layout_on_a_fake_world():
         # stage 0's program on one microbatch (1 row): the embedding's and each row-parallel output's all-reduce
         # forward, the column-parallel inputs' gradients backward (the values are the fake group's, not checked)
         rows = B // (2 * M)
-        with _Count() as c:
+        with Count() as c:
             assert len(stage.user) == 1  # the tokens (the labels are the last stage's)
             (h,) = stage(**{stage.user[0]: tokens[:rows]})
             h.sum().backward()

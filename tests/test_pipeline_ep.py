@@ -13,14 +13,13 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_runtime import _check
-from test_pipeline_tp import _Count
+from pipeline_helpers import Count, check, held, llama, reference_and_batch, train_steps
 
 B, S, M, H, E = 8, 8, 2, 32, 4  # batch, sequence, microbatches, hidden, experts
 
 
-class _CountAllReduce(_Count):
-    """`_Count`, and the pipeline's own `torch.distributed.all_reduce` calls: (numel, group size)."""
+class _CountAllReduce(Count):
+    """`Count`, and the pipeline's own `torch.distributed.all_reduce` calls: (numel, group size)."""
 
     def __enter__(self):
         import torch.distributed as dist
@@ -39,85 +38,34 @@ class _CountAllReduce(_Count):
 
 
 def _llama():
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2, moe_experts=E, moe_top_k=2,
-                             moe_style="grouped"))
-
-
-def _held(pm) -> dict:
-    """name -> full value, of the parameters whose (sub-)mesh includes this rank."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    out = {}
-    for n, p in pm.named_parameters():
-        if isinstance(p, DTensor):
-            if dist.get_rank() not in p.device_mesh.mesh.flatten().tolist():
-                continue
-            p = p.full_tensor()
-        out[n] = p.detach().clone()
-    return out
+    return llama(moe_experts=E, moe_top_k=2, moe_style="grouped")
 
 
 def _pp_ep(path: str):
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama()
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 128, (B, S), generator=g)
-        labels = torch.randint(0, 128, (B, S), generator=g)
-        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches and ep ranks
+        ref, model, tokens, labels = reference_and_batch(_llama, B, S)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="dp",
                                  overrides={"pipeline": "1f1b@pp", "moe": "expert@ep"}, microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, counts, mine, placements, local = {}, [], [], {}, {}
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with _CountAllReduce() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        errs, counts = {}, []
+        # the last step also checks the total norm over every stage and expert shard, and the clipped gradients
+        for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, counter=_CountAllReduce, clip=0.05):
             counts.append((c.p2p, c.reduces, c.all_reduce))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            for n, p in pm.named_parameters():
-                assert isinstance(p, DTensor)
-                if p.device_mesh.get_coordinate() is None:  # another stage's
-                    assert p.grad is None and p.to_local().numel() == 0
-                    continue
-                if step == 0:
-                    mine.append(n)
-                    placements[n] = str(tuple(p.placements))
-                    local[n] = (p.to_local().numel(), p.numel())
-                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            if step == 1:  # the total norm over every stage and expert shard, and the clipped gradients
-                errs["norm"] = abs(float(pm.clip_grad_norm_(0.05))
-                                   - float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
-                for n, p in pm.named_parameters():
-                    if n in mine:
-                        errs[f"clipped grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            opt_ref.step()
-            opt.step()
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+            if step == 0:
+                placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
+                local = {n: (p.to_local().numel(), p.numel()) for n, p in pm.named_parameters() if n in mine}
         # a DCP checkpoint of the stepped pp x ep module loads bit-equal into a plain dp (expert-parallel) plan
         import torch.distributed.checkpoint as dcp
         trained = {}
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, _held(pm))
+        dist.all_gather_object(parts, held(pm))
         for part in parts:
             trained.update(part)
         dcp.save(pm.state_dict(), checkpoint_id=f"{path}/ppep")
@@ -127,7 +75,7 @@ def _pp_ep(path: str):
         sd = flat.state_dict()
         dcp.load(sd, checkpoint_id=f"{path}/ppep")
         flat.load_state_dict(sd)
-        got = _held(flat)
+        got = held(flat)
         errs["dcp names"] = float(set(got) != set(trained))
         errs["dcp not bit-equal"] = float(sum(not torch.equal(got[n], trained[n]) for n in got))
         replicated = sum(p.numel() for n, p in pm.named_parameters() if n in mine and ".experts." not in n)
@@ -159,7 +107,7 @@ def _refused():
 
 def test_expert_parallel_pp2_x_ep2_stages_match_one_device(tmp_path):
     results = gloo_pool(4).run(_pp_ep, str(tmp_path))
-    _check(results)  # every error <= 1e-10 on its rank, every parameter checked on some rank
+    check(results)  # every error <= 1e-10 on its rank, every parameter checked on some rank
     rows = B // M // 2  # one microbatch's rows on one ep rank
     act = rows * S * H * 8  # its hidden state, fp64 bytes
     routed = 2 * rows * S * H  # the top-2 routed rows this rank sends to the experts (elements)

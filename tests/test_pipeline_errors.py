@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
+from pipeline_helpers import stepped_params
 
 TOL = 1e-10
 
@@ -139,9 +140,7 @@ def _failing_steps(form: str, mesh_shape, names, plan, injections):
                 errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         torch.optim.AdamW(ref.parameters(), lr=0.01).step()
         torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        stepped_params(pm, refs, mine, errs, "param")
         out.update(errs=errs, mine=mine)
         return out
     finally:

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_runtime import H, S, _agreement, _check, _equivalence, _error, _model
+from pipeline_helpers import check
+from test_pipeline_runtime import H, S, _agreement, _equivalence, _error, _model
 
 
 def _padded_numel(model, names, world: int) -> int:
@@ -36,7 +37,7 @@ def _padded_numel(model, names, world: int) -> int:
 def test_pp2_x_dp2_fsdp_matches_one_device_and_gathers_once_per_step(form):
     m, batch = 2, 8
     results = gloo_pool(4).run(_equivalence, form, 4, (2, 2), ("pp", "dp"), m, batch, 1.0, None, 0.05, "fsdp")
-    _check(results)
+    check(results)
     assert results[0]["cut"] == (0, 2, 4) and [r["stages"] for r in results] == [[0], [0], [1], [1]]
     mb_bytes = batch // (2 * m) * S * H * 8
     for r in results:
@@ -61,7 +62,7 @@ def test_pp2_x_dp2_fsdp_matches_one_device_and_gathers_once_per_step(form):
 def test_two_fsdp_stages_per_rank_gather_and_reduce_scatter_once_each(form):
     m, batch = 4, 8
     results = gloo_pool(4).run(_equivalence, form, 4, (2, 2), ("pp", "dp"), m, batch, 1.0, 2, 0.05, "fsdp")
-    _check(results)
+    check(results)
     for r in results:
         assert len(r["stages"]) == 2
         fsdp = r["steady"]["fsdp"]

@@ -13,13 +13,11 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-
-TOL = 1e-10
+from pipeline_helpers import TOL, check, clipped_grads, llama, stage_grads, stepped_params
 
 
 def _llama(layers: int):
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
+    return llama(num_layers=layers)
 
 
 class Twice(torch.nn.Module):
@@ -166,7 +164,6 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
     import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import autopar
 
     torch.manual_seed(0)
@@ -196,25 +193,12 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         with torch.no_grad(), _FSDPComms() as fsdp_no_grad:  # forward only, on this schedule too
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref_loss))
         refs = dict(ref.named_parameters())
-        mine = []
-        for n, p in pm.named_parameters():
-            assert isinstance(p, DTensor)
-            if p.device_mesh.get_coordinate() is None:  # another stage's
-                assert p.grad is None and p.to_local().numel() == 0
-                continue
-            mine.append(n)
-            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+        mine = stage_grads(pm, refs, errs, "grad")
         if clip is not None:  # the total norm, and each gradient after clipping
-            errs["norm"] = abs(float(pm.clip_grad_norm_(clip)) - float(torch.nn.utils.clip_grad_norm_(ref.parameters(),
-                                                                                                      clip)))
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"clipped grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+            clipped_grads(pm, ref, refs, mine, errs, clip)
         torch.optim.AdamW(ref.parameters(), lr=0.01).step()
         torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        stepped_params(pm, refs, mine, errs, "param")
         steady = {}
         if plan != "dp":  # a second step from the stepped shards: the gathered weights must be the new ones
             ref.zero_grad()
@@ -241,15 +225,6 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
         torch.set_default_dtype(torch.float32)
 
 
-def _check(results):
-    seen = set()
-    for r in results:
-        bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
-        assert not bad, f"rank {r['rank']}: {bad}"
-        seen |= set(r["mine"])
-    assert seen == set(results[0]["all"]), "some parameter was checked on no rank"
-
-
 H, S = 32, 16  # hidden, sequence
 
 
@@ -257,7 +232,7 @@ H, S = 32, 16  # hidden, sequence
 def test_pp2_matches_one_device_and_sends_one_activation_per_microbatch(form):
     m, batch = 4, 8
     results = gloo_pool(2).run(_equivalence, form, 4, (2,), ("pp",), m, batch)
-    _check(results)
+    check(results)
     assert results[0]["cut"] == (0, 2, 4)
     mb_bytes = batch // m * S * H * 8
     # stage 0 sends each microbatch's hidden state and receives its gradient; the rotary tables are recomputed
@@ -272,13 +247,13 @@ def test_cross_entropy_with_class_weights_and_label_smoothing_combines_exactly(m
     # ignored labels and weights spread unevenly over the 4 microbatches: each microbatch's sum is weighed by the
     # batch's (weighted) valid count, which a mean per microbatch would get wrong
     results = gloo_pool(2).run(_equivalence, "gpipe", model, (2,), ("pp",), 4, 8)
-    _check(results)
+    check(results)
 
 
 def test_five_layers_on_two_stages_and_a_scaled_loss():
     m, batch = 2, 4
     results = gloo_pool(2).run(_equivalence, "1f1b", 5, (2,), ("pp",), m, batch, 3.0)
-    _check(results)
+    check(results)
     assert results[0]["cut"] == (0, 3, 5)  # the head's FLOPs weigh on the last stage
     assert results[0]["stages"] == [0] and results[1]["stages"] == [1]
     # the ranks' agreement on the call (digests of the batch), then the global loss: one scalar over the pipeline
@@ -289,7 +264,7 @@ def test_five_layers_on_two_stages_and_a_scaled_loss():
 def test_pp2_x_dp2_matches_one_device(model):
     m, batch = 2, 8
     results = gloo_pool(4).run(_equivalence, "1f1b", model, (2, 2), ("pp", "dp"), m, batch, clip=0.05)
-    _check(results)
+    check(results)
     numel = {r["rank"]: sum(_numel(model, n) for n in r["mine"]) for r in results}
     mb_bytes = batch // (2 * m) * S * H * 8
     for r in results:
@@ -305,7 +280,7 @@ def test_pp2_x_dp2_matches_one_device(model):
 def test_pp4_matches_one_device(form):
     m, batch = 4, 8
     results = gloo_pool(4).run(_equivalence, form, 4, (4,), ("pp",), m, batch)
-    _check(results)
+    check(results)
     assert results[0]["cut"] == (0, 1, 2, 3, 4) and [r["stages"] for r in results] == [[0], [1], [2], [3]]
     mb = batch // m * S * H
     for r in results:  # an end stage talks to one neighbour, a middle one to two
@@ -328,7 +303,7 @@ def _numel(model, name: str) -> int:
 def test_interleaved_1f1b_two_stages_per_rank():
     m, batch = 4, 8
     results = gloo_pool(2).run(_equivalence, "interleaved-1f1b", 4, (2,), ("pp",), m, batch, 1.0, 2)
-    _check(results)
+    check(results)
     assert results[0]["cut"] == (0, 1, 2, 3, 4)
     assert results[0]["stages"] == [0, 2] and results[1]["stages"] == [1, 3]  # round-robin, as torch places them
     mb = batch // m * S * H
@@ -340,7 +315,7 @@ def test_interleaved_1f1b_two_stages_per_rank():
 def test_zbv_zero_bubble_v_shaped():
     m, batch = 4, 8
     results = gloo_pool(2).run(_equivalence, "zbv", 4, (2,), ("pp",), m, batch, 1.0, 2)
-    _check(results)
+    check(results)
     assert results[0]["stages"] == [0, 3] and results[1]["stages"] == [1, 2]  # V-shaped
     mb = batch // m * S * H
     # boundaries 0->1 and 2->3 cross ranks; 1->2 stays on rank 1 (no p2p)
@@ -350,7 +325,7 @@ def test_zbv_zero_bubble_v_shaped():
 
 def test_mse_loss_and_a_weight_used_twice():
     # 1f1b: exact (the mean over all microbatches' elements); zbv refuses it (torch's split backward)
-    _check(gloo_pool(2).run(_equivalence, "1f1b", "twice", (2,), ("pp",), 2, 4))
+    check(gloo_pool(2).run(_equivalence, "1f1b", "twice", (2,), ("pp",), 2, 4))
     for r in gloo_pool(2).run(_error, "twice", (2,), ("pp",), "zbv@pp", 2):
         assert r[0] == "NotImplementedError" and "'blocks.0.weight' is used 2 times" in r[1], r
 
@@ -360,7 +335,7 @@ def test_a_weight_tied_across_stages():
     # gradient parts are summed over the pipeline axis, and both ranks step it alike
     m, batch = 2, 4
     results = gloo_pool(2).run(_equivalence, "1f1b", "gpt", (2,), ("pp",), m, batch, clip=0.05)
-    _check(results)
+    check(results)
     for r in results:
         assert "wte.weight" in r["mine"]
         # the agreement, the loss, then the tied weight's gradient (128 x 32) over the pipeline axis
@@ -370,7 +345,7 @@ def test_a_weight_tied_across_stages():
 def test_a_value_passed_through_stages():
     m, batch = 2, 4
     results = gloo_pool(2).run(_equivalence, "interleaved-1f1b", "skip", (2,), ("pp",), m, batch, 1.0, 2)
-    _check(results)
+    check(results)
     rows = batch // m * 8
     # x and x0 cross each of the 3 boundaries forward, their gradients backward (x0's passed back through
     # stages 2 and 1): each rank sends and receives 2 tensors x 3 boundaries x m microbatches
@@ -521,9 +496,7 @@ def _zoo(families):
                 errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         torch.optim.AdamW(ref.parameters(), lr=0.01).step()
         torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        stepped_params(pm, refs, mine, errs, "param")
         out[family] = {"bad": {k: v for k, v in errs.items() if not v <= tol}, "mine": mine, "all": sorted(refs)}
     return out
 

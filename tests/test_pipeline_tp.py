@@ -12,109 +12,30 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_runtime import _check
+from pipeline_helpers import check, llama, reference_and_batch, train_steps
 
 B, S, M = 4, 16, 2  # batch, sequence, microbatches
 
 
-def _llama():
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=2, num_heads=4, num_kv_heads=2))
-
-
-class _Count:
-    """Records (op, numel, group size) of the all-reduces the stage programs issue (autopar's functional
-    collectives, `torch.distributed._functional_collectives`) and the p2p ops of torch's schedules."""
-
-    def __enter__(self):
-        import torch.distributed.pipelining.schedules as S_
-        import torch.distributed._functional_collectives as F
-        self.p2p, self.reduces = [], []
-        self._p2p, self._ar = S_._batch_p2p, torch.ops._c10d_functional.all_reduce.default
-        orig_p2p = self._p2p
-
-        def p2p(ops, desc=None):
-            for op in ops:
-                self.p2p.append((op.op.__name__, op.tensor.numel() * op.tensor.element_size()))
-            return orig_p2p(ops, desc)
-        S_._batch_p2p = p2p
-        self._mode = _Reduces(self.reduces).__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed.pipelining.schedules as S_
-        S_._batch_p2p = self._p2p
-        self._mode.__exit__(*exc)
-
-
-class _Reduces(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self, out):
-        super().__init__()
-        self.out = out
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).split(".")[-1]
-        if "_c10d_functional" in str(func) and name in ("all_reduce", "all_reduce_", "all_gather_into_tensor",
-                                                          "reduce_scatter_tensor", "all_to_all_single"):
-            self.out.append((name, args[0].numel()))
-        return func(*args, **(kwargs or {}))
-
-
 def _pp_tp(form: str):
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama()
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 128, (B, S), generator=g)
-        labels = torch.randint(0, 128, (B, S), generator=g)
-        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches
+        ref, model, tokens, labels = reference_and_batch(llama, B, S)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": f"{form}@pp"}, microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, counts, mine, placements = {}, [], [], {}
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with _Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        errs, counts = {}, []
+        for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, clip=0.05):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            for n, p in pm.named_parameters():
-                assert isinstance(p, DTensor)
-                if p.device_mesh.get_coordinate() is None:  # another stage's
-                    assert p.grad is None and p.to_local().numel() == 0
-                    continue
-                if step == 0:
-                    mine.append(n)
-                    placements[n] = str(tuple(p.placements))
-                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            if step == 1:  # the total norm over every stage and tp shard, and the clipped gradients
-                errs["norm"] = abs(float(pm.clip_grad_norm_(0.05))
-                                   - float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
-                for n, p in pm.named_parameters():
-                    if n in mine:
-                        errs[f"clipped grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            opt_ref.step()
-            opt.step()
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
-        other = _llama()  # a single-device state dict loads into the stages' shards
+            if step == 0:
+                placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
+        other = llama()  # a single-device state dict loads into the stages' shards
         pm.load_state_dict(other.state_dict())
         assert sorted(pm.state_dict()) == sorted(other.state_dict())
         with torch.no_grad():
@@ -132,7 +53,7 @@ def _pp_tp(form: str):
 
 def test_megatron_in_pp2_stages_matches_one_device():
     results = gloo_pool(4).run(_pp_tp, "1f1b")
-    _check(results)  # every error <= test_pipeline_runtime.TOL (1e-10) on its rank, every parameter checked on some rank
+    check(results)  # every error <= pipeline_helpers.TOL (1e-10) on its rank, every parameter checked on some rank
     act = (B // M) * S * 32 * 8  # one microbatch's hidden state, fp64 bytes
     for r in results:
         # pm.plan prices what runs (megatron in the stages, the whole activation per tp rank), as autopar.plan does
@@ -169,7 +90,7 @@ def _refused():
     for shape, names, form in [((4,), ("pp",), "1f1b")]:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         try:
-            autopar.parallelize(_llama(), mesh, (tokens, tokens), plan="megatron",
+            autopar.parallelize(llama(), mesh, (tokens, tokens), plan="megatron",
                                 overrides={"pipeline": f"{form}@pp"}, microbatches=M)
             out.append(None)
         except NotImplementedError as e:

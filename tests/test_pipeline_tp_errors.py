@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_tp import _Count, _llama
+from pipeline_helpers import Count, llama, reference_and_batch, stepped_params
 
 B, S, M = 4, 16, 2
 TOL = 1e-10
@@ -47,32 +47,26 @@ class _RaiseBefore:
 
 
 def _failing_tp_steps():
-    import copy
     import time
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama()
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 128, (B, S), generator=g)
-        labels = torch.randint(0, 128, (B, S), generator=g)
+        ref, model, tokens, labels = reference_and_batch(llama, B, S, ignored=False)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": "1f1b@pp"}, microbatches=M)
         pm(tokens, labels)  # torch's metadata inference runs here; no backward: no gradient
-        with _Count() as normal:
+        with Count() as normal:
             pm(tokens, labels)
         out = {"rank": dist.get_rank(), "failures": []}
         for rank, nth, kind in INJECTIONS:
             inject = _RaiseBefore(rank, nth)
             t0, error = time.perf_counter(), None
             try:
-                with _Count() as c:
+                with Count() as c:
                     pm(tokens, labels)
             except Exception as e:  # noqa: BLE001 - recorded
                 error = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
@@ -95,9 +89,7 @@ def _failing_tp_steps():
                 errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
         torch.optim.AdamW(ref.parameters(), lr=0.01).step()
         torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"param {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+        stepped_params(pm, refs, mine, errs, "param")
         out.update(errs=errs, mine=mine, normal=len(normal.reduces))
         return out
     finally:
@@ -121,4 +113,4 @@ def test_one_tp_rank_raising_inside_a_megatron_stage_is_raised_on_every_rank():
             assert f["grads"] == [], f
         bad = {k: v for k, v in r["errs"].items() if not v <= TOL}
         assert not bad, (r["rank"], bad)
-    assert {n for r in results for n in r["mine"]} == {n for n, _ in _llama().named_parameters()}
+    assert {n for r in results for n in r["mine"]} == {n for n, _ in llama().named_parameters()}

@@ -18,7 +18,7 @@ import torch
 
 from dist_harness import gloo_pool
 from test_pipeline_runtime import _agreement
-from test_pipeline_tp import _Count
+from pipeline_helpers import Count, llama, reference_and_batch, stage_grads, stepped_params, train_steps
 
 B, S, M = 4, 16, 2
 TOL = 1e-10
@@ -31,20 +31,13 @@ def _gpt():
 
 
 def _tied_pp_tp():
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _gpt()
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, V, (B, S), generator=g)
-        labels = torch.randint(0, V, (B, S), generator=g)
-        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches
+        ref, model, tokens, labels = reference_and_batch(_gpt, B, S, V)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": "1f1b@pp"}, microbatches=M)
@@ -52,7 +45,7 @@ def _tied_pp_tp():
         refs = dict(ref.named_parameters())
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
         opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, counts, mine, placements = {}, [], [], {}
+        errs, counts = {}, []
         sums = []
         orig = dist.all_reduce
 
@@ -67,29 +60,24 @@ def _tied_pp_tp():
             sums.clear()
             dist.all_reduce = all_reduce
             try:
-                with _Count() as c:
+                with Count() as c:
                     loss = pm(tokens, labels)
             finally:
                 dist.all_reduce = orig
             loss.backward()
             counts.append((c.p2p, c.reduces, list(sums)))
             errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            for n, p in pm.named_parameters():
-                if p.device_mesh.get_coordinate() is None:  # another stage's
-                    assert p.grad is None and p.to_local().numel() == 0
-                    continue
-                if step == 0:
-                    mine.append(n)
-                    placements[n] = (p.device_mesh.mesh_dim_names, str(tuple(p.placements)))
-                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+            checked = stage_grads(pm, refs, errs, f"grad {step}")
+            if step == 0:
+                mine = checked
+                placements = {n: (p.device_mesh.mesh_dim_names, str(tuple(p.placements)))
+                              for n, p in pm.named_parameters() if n in mine}
             if step == 1:
                 errs["norm"] = abs(float(pm.clip_grad_norm_(0.05))
                                    - float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
             opt_ref.step()
             opt.step()
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
+            stepped_params(pm, refs, mine, errs, f"param {step}")
         return {"errs": errs, "mine": mine, "counts": counts, "placements": placements, "stages": pm.local_stages,
                 "rank": dist.get_rank()}
     finally:
@@ -125,55 +113,24 @@ def test_gpt_tied_embedding_and_head_on_two_megatron_stages():
 
 
 def _llama(layers: int):
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
+    return llama(num_layers=layers)
 
 
 def _zbv_pp_tp():
     """pp2 x tp2 under zbv: 4 stages of one layer, V-shaped (stages 0 and 3 on the first pipeline rank)."""
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama(4)
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, V, (B, S), generator=g)
-        labels = torch.randint(0, V, (B, S), generator=g)
-        labels[0, :5] = -100
+        ref, model, tokens, labels = reference_and_batch(lambda: _llama(4), B, S, V)
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
                                  overrides={"pipeline": "zbv@pp"}, microbatches=M)
-        refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, counts, mine = {}, [], []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with _Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        errs, counts = {}, []
+        for _, c, mine in train_steps(ref, pm, (tokens, labels), errs):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            for n, p in pm.named_parameters():
-                if p.device_mesh.get_coordinate() is None:
-                    assert p.grad is None and p.to_local().numel() == 0
-                    continue
-                if step == 0:
-                    mine.append(n)
-                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            opt_ref.step()
-            opt.step()
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
         with torch.no_grad():
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
         return {"errs": errs, "mine": mine, "counts": counts, "stages": pm.local_stages, "rank": dist.get_rank()}

@@ -15,66 +15,33 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from test_pipeline_runtime import _check
-from test_pipeline_tp import _Count
+from pipeline_helpers import check, llama, reference_and_batch, train_steps
 
 B, S, M, H = 4, 16, 2, 32  # batch, sequence, microbatches, hidden
 TP = 2
 
 
 def _llama(layers: int = 2):
-    from autopar.models import Llama, LlamaConfig
-    return Llama(LlamaConfig(num_layers=layers, num_heads=4, num_kv_heads=2))
+    return llama(num_layers=layers)
 
 
 def _pp_tp_sp(form: str, layers: int = 2):
-    import copy
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     import autopar
 
-    torch.manual_seed(0)
     torch.set_default_dtype(torch.float64)
     try:
-        ref = _llama(layers)
-        model = copy.deepcopy(ref)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, 128, (B, S), generator=g)
-        labels = torch.randint(0, 128, (B, S), generator=g)
-        labels[0, :5] = -100  # ignored labels spread unevenly over the microbatches
+        ref, model, tokens, labels = reference_and_batch(lambda: _llama(layers), B, S)
         mesh = init_device_mesh("cpu", (2, TP), mesh_dim_names=("pp", "tp"))
         overrides = {"pipeline": f"{form}@pp", "norm": "sequence"}
         pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron", overrides=overrides,
                                  microbatches=M)
         assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
         refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs, counts, mine = {}, [], []
-        for step in range(2):
-            opt_ref.zero_grad()
-            opt.zero_grad()
-            ref_loss = ref(tokens, labels)
-            ref_loss.backward()
-            with _Count() as c:
-                loss = pm(tokens, labels)
-            loss.backward()
+        errs, counts = {}, []
+        for _, c, mine in train_steps(ref, pm, (tokens, labels), errs):
             counts.append((c.p2p, c.reduces))
-            errs[f"loss {step}"] = abs(float(loss) - float(ref_loss))
-            for n, p in pm.named_parameters():
-                assert isinstance(p, DTensor)
-                if p.device_mesh.get_coordinate() is None:  # another stage's
-                    assert p.grad is None and p.to_local().numel() == 0
-                    continue
-                if step == 0:
-                    mine.append(n)
-                errs[f"grad {step} {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-            opt_ref.step()
-            opt.step()
-            for n, p in pm.named_parameters():
-                if n in mine:
-                    errs[f"param {step} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
         with torch.no_grad():
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
         norms = sorted({(s.form, s.axis) for k, st in pm._tp.items() for s in st[2].strategies if s.kind == "norm"})
@@ -108,7 +75,7 @@ def _collectives(ag: int, rs: int, ce: int = 0, buckets=()) -> list:
 
 
 def _common(results, layers: int):
-    _check(results)  # every error <= TOL (1e-10) on its rank, every parameter checked on some rank
+    check(results)  # every error <= TOL (1e-10) on its rank, every parameter checked on some rank
     for r in results:
         assert r["norms"] == [("sequence", "tp")], r["norms"]  # every stage's norms sequence-parallel on tp
         # every boundary crosses as the sequence shard (one activation each: the rotary tables are recomputed)

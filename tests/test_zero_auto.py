@@ -14,6 +14,7 @@ from torch import nn
 import autopar
 from autopar.plan import GATHER_PERSIST, DirectiveKind
 from dist_harness import gloo_pool
+from train_helpers import train_against_one_device
 
 NAMED = ("dp", "zero1", "zero2", "fsdp")
 STEPS = 2
@@ -70,7 +71,6 @@ def auto_zero_worker(d: int):
     steps, fp64. Returns (the state form auto chose, the largest errors, each step's collectives, numel)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.collectives import record_comms
     torch.set_default_dtype(torch.float64)
     try:
         ref, x = _mlp(64, 1024)
@@ -79,29 +79,7 @@ def auto_zero_worker(d: int):
         mesh = init_device_mesh("cpu", (d,), mesh_dim_names=("dp",))
         pm = autopar.parallelize(model, mesh, (x,), plan="auto", cluster="h100", memory_limit=limit)
         chosen = _state_form(pm.plan)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-        steps = []
-        g = torch.Generator().manual_seed(1)
-        ref_params = dict(ref.named_parameters())
-        for _ in range(STEPS):
-            batch = torch.randn(x.shape, generator=g)
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            with record_comms() as recs:
-                ref_loss = ref(batch).square().mean()
-                ref_loss.backward()
-                loss = pm(batch).square().mean()
-                loss.backward()
-                errs["loss"] = max(errs["loss"], float((loss.detach() - ref_loss.detach()).abs()))
-                for name, p in pm.named_parameters():
-                    errs["grad"] = max(errs["grad"], float((p.grad.full_tensor() - ref_params[name].grad).abs().max()))
-                ref_opt.step()
-                opt.step()
-            for name, p in pm.named_parameters():
-                errs["param"] = max(errs["param"], float((p.full_tensor() - ref_params[name].detach()).abs().max()))
-            steps.append([(r.kind, r.axis, r.pass_, r.numel) for r in recs])
+        errs, steps = train_against_one_device(ref, pm, x, STEPS)
         return chosen, errs, steps, sum(p.numel() for p in ref.parameters())
     finally:
         torch.set_default_dtype(torch.float32)

@@ -13,6 +13,7 @@ from torch import nn
 import autopar
 from autopar.plan import DirectiveKind
 from dist_harness import gloo_pool
+from train_helpers import train_against_one_device
 
 STEPS = 2
 TOL = 1e-10
@@ -67,7 +68,6 @@ def test_a_limit_between_stages_gives_a_mixed_plan():
 def mixed_worker(d: int):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.runtime.collectives import record_comms
     torch.set_default_dtype(torch.float64)
     try:
         ref, x = _model(64, 1024)
@@ -76,30 +76,8 @@ def mixed_worker(d: int):
         mesh = init_device_mesh("cpu", (d,), mesh_dim_names=("dp",))
         pm = autopar.parallelize(model, mesh, (x,), plan="auto", cluster="h100", memory_limit=limit)
         forms = _forms(pm.plan)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-        errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-        steps = []
-        g = torch.Generator().manual_seed(1)
-        ref_params = dict(ref.named_parameters())
-        for _ in range(STEPS):
-            batch = torch.randn(x.shape, generator=g)
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            with record_comms() as recs:
-                ref_loss = ref(batch).square().mean()
-                ref_loss.backward()
-                loss = pm(batch).square().mean()
-                loss.backward()
-                errs["loss"] = max(errs["loss"], float((loss.detach() - ref_loss.detach()).abs()))
-                for name, p in pm.named_parameters():
-                    errs["grad"] = max(errs["grad"], float((p.grad.full_tensor() - ref_params[name].grad).abs().max()))
-                ref_opt.step()
-                opt.step()
-            for name, p in pm.named_parameters():
-                errs["param"] = max(errs["param"], float((p.full_tensor() - ref_params[name].detach()).abs().max()))
-            steps.append([(r.kind, r.axis, r.pass_, r.numel) for r in recs])
-        numel = {f: ref_params[f].numel() for f in ref_params}
+        errs, steps = train_against_one_device(ref, pm, x, STEPS)
+        numel = {n: p.numel() for n, p in ref.named_parameters()}
         return forms, errs, steps, numel
     finally:
         torch.set_default_dtype(torch.float32)
