@@ -102,9 +102,10 @@ def recipe_of(config, path: str = "") -> str:
 
 def _plain_weight(w: torch.Tensor) -> nn.Parameter:
     """The weight as a plain parameter: torchao's `WeightWithDynamicFloat8CastTensor` unwrapped to its tensor."""
-    cls = type(w.data) if isinstance(w, nn.Parameter) else type(w)
-    if cls.__module__.startswith(FP8_WEIGHT[0]) and cls.__name__ == FP8_WEIGHT[1]:
-        return nn.Parameter(w._tensor, requires_grad=w.requires_grad)
+    for t in (w, w.data):  # a wrapper subclass made a parameter is its own type (`_is_param`)
+        cls = type(t)
+        if cls.__module__.startswith(FP8_WEIGHT[0]) and cls.__name__ == FP8_WEIGHT[1]:
+            return nn.Parameter(t._tensor.detach(), requires_grad=w.requires_grad)
     return w
 
 
