@@ -12,7 +12,7 @@ dim (for the output GEMM: x per row of K, w per row of K; for grad_input: g per 
 grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them, each scale
 rounded down to a power of 2 (`round_scales_to_power_of_2`). Each recipe is torchao's `Float8LinearConfig.
 from_recipe_name(recipe)` (`GRAD_DTYPE`, `POW2_SCALES`, `FAST_ACCUM`): per linear, bit-identical to torchao 0.18's
-`Float8Linear` on the CPU (fp32 and bf16; rowwise in fp32 aside, `_mm`), which is what lets a model converted with
+`Float8Linear` on the CPU (fp32 and bf16; `_mm`: the rowwise GEMMs' bf16 outputs), which is what lets a model converted with
 torchao run here (`autopar.torchao_float8`). `_scaled_mm` wants its second operand column-major: each is passed as a transposed
 row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
 backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
@@ -75,14 +75,18 @@ def _cast_with(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> tuple[to
 
 
 def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-        fast_accum: bool = False):
-    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major). Rowwise
-    scales (`sa` (m, 1)) with an fp32 or fp16 result on CUDA: written in bf16 and cast, as torchao's
-    `addmm_float8_unwrapped` does (CUDA's rowwise `_scaled_mm` writes bf16 only). On the CPU the kernel writes fp32,
-    and it is kept: a rank's partial sums (row-parallel K, dp's tokens) rounded to bf16 before their reduction would
-    move every later fp8 cast off the single device's (torchao rounds there on every device: in an fp32 model its
-    rowwise linears differ from these by that rounding; in bf16, the training dtype, they are bit-identical)."""
-    out = torch.bfloat16 if sa.dim() and out_dtype in (torch.float32, torch.float16) and a.is_cuda else out_dtype
+        fast_accum: bool = False, split: bool = False):
+    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major).
+
+    Rowwise scales (`sa` (m, 1)) with an fp32 or fp16 result are written in bf16 and cast, as torchao's
+    `addmm_float8_unwrapped` does on every device (CUDA's rowwise `_scaled_mm` writes bf16 only): so a rowwise linear
+    is bit-identical to torchao's `Float8Linear` in an fp32 model too. Except where `split` (the GEMM's reduction dim
+    is split over ranks: a row-parallel output, a column-parallel grad_input, a data-parallel grad_weight) on the CPU,
+    whose kernel writes fp32: that rank's partial sum is kept in fp32 for its reduction, since rounding each partial
+    to bf16 before the sum (as torchao under FSDP/TP does, and CUDA must) adds rounding the single device does not
+    have; the sum then lacks the single device's one bf16 rounding, the only difference from it (README, float8)."""
+    bf16_out = sa.dim() and out_dtype in (torch.float32, torch.float16) and (a.is_cuda or not split)
+    out = torch.bfloat16 if bf16_out else out_dtype
     return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb,
                             out_dtype=out, use_fast_accum=fast_accum).to(out_dtype)
 
@@ -95,7 +99,7 @@ class _Float8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         x8, sx = cast(x2, E4M3, -1 if rowwise else None, k_axes if rowwise else m_axes + k_axes, pow2=p2)  # (M, 1)
         w8, sw = cast(weight, E4M3, -1 if rowwise else None, k_axes if rowwise else n_axes + k_axes, pow2=p2)
-        out = _mm(x8, sx, w8, sw, x.dtype, FAST_ACCUM["output"])  # (M, K) @ (K, N)
+        out = _mm(x8, sx, w8, sw, x.dtype, FAST_ACCUM["output"], bool(k_axes))  # (M, K) @ (K, N)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x2, weight)
@@ -113,11 +117,11 @@ class _Float8Linear(torch.autograd.Function):
             g8, sg = cast(g, gd, -1 if rowwise else None, n_axes if rowwise else m_axes + n_axes, True, p2)
             wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None, n_axes if rowwise else k_axes + n_axes, True,
                             p2)
-            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype, FAST_ACCUM["grad_input"]).reshape(ctx.x_shape)
+            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype, FAST_ACCUM["grad_input"], bool(n_axes)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
             gt8, sgt = cast(g.t(), gd, -1 if rowwise else None, m_axes if rowwise else m_axes + n_axes, True, p2)
             xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, m_axes if rowwise else m_axes + k_axes, True, p2)
-            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype, FAST_ACCUM["grad_weight"])
+            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype, FAST_ACCUM["grad_weight"], bool(m_axes))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b, None, None
