@@ -3,7 +3,7 @@
 Against an fp64 emulation of the same quantisation (each operand cast to e4m3 / e5m2 with its tensorwise or rowwise
 scale, then dequantised and multiplied exactly): equal to fp32 rounding with fp32 outputs, to bf16 rounding with bf16
 (measured: <= 2.3e-7 and <= 5.1e-3 relative to the largest entry; rowwise: its scales powers of 2 and its gradient
-e4m3, torchao's ROWWISE recipe); against the high-precision linear, the fp8 error
+e4m3, torchao's ROWWISE recipe, its fp32 outputs rounded to bf16 as torchao's are: measured 2.9e-3); against the high-precision linear, the fp8 error
 (measured 3.6-5.1%: a kernel that silently ran in high precision would be 0 there and fail)."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _rel(a, ref):
 def test_float8_linear_matches_its_emulation_forward_and_backward(recipe):
     torch.manual_seed(0)
     dim, p2, gd = -1 if recipe == "rowwise" else None, POW2_SCALES[recipe], GRAD_DTYPE[recipe]
-    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.5e-2)):
+    # rowwise in fp32: every GEMM written in bf16, as torchao writes it (`autopar.runtime.float8._mm`): <= 2^-8
+    for dtype, tol in ((torch.float32, 4e-3 if recipe == "rowwise" else 1e-6), (torch.bfloat16, 1.5e-2)):
         x = torch.randn(4, 8, 32, dtype=dtype, requires_grad=True)
         w = torch.randn(48, 32, dtype=dtype, requires_grad=True)
         b = torch.randn(48, dtype=dtype, requires_grad=True)
