@@ -3,8 +3,8 @@
 Against an fp64 emulation of the same quantisation (each operand cast to e4m3 / e5m2 with its tensorwise or rowwise
 scale, then dequantised and multiplied exactly): equal to fp32 rounding with fp32 outputs, to bf16 rounding with bf16
 (measured: <= 2.3e-7 and <= 5.1e-3 relative to the largest entry; rowwise: its scales powers of 2 and its gradient
-e4m3, torchao's ROWWISE recipe, its fp32 outputs rounded to bf16 as torchao's are: measured 2.9e-3); against the high-precision linear, the fp8 error
-(measured 3.6-5.1%: a kernel that silently ran in high precision would be 0 there and fail)."""
+e4m3, torchao's ROWWISE recipe, its fp32 outputs rounded to bf16 as torchao's are: measured 2.9e-3); against the
+high-precision linear, the fp8 error (measured 3.6-5.1%: a kernel that silently ran in high precision would be 0 there and fail)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ dim (for the output GEMM: x per row of K, w per row of K; for grad_input: g per 
 grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them, each scale
 rounded down to a power of 2 (`round_scales_to_power_of_2`). Each recipe is torchao's `Float8LinearConfig.
 from_recipe_name(recipe)` (`GRAD_DTYPE`, `POW2_SCALES`, `FAST_ACCUM`): per linear, bit-identical to torchao 0.18's
-`Float8Linear` on the CPU (fp32 and bf16; `_mm`: the rowwise GEMMs' bf16 outputs), which is what lets a model converted with
-torchao run here (`autopar.torchao_float8`). `_scaled_mm` wants its second operand column-major: each is passed as a transposed
-row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
+`Float8Linear` on the CPU (fp32 and bf16; `_mm`: the rowwise GEMMs' bf16 outputs), which is what lets a model
+converted with torchao run here (`autopar.torchao_float8`). `_scaled_mm` wants its second operand column-major: each
+is passed as a transposed row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
 backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
 
 Parallel (`m_axes`, `k_axes`, `n_axes`: the mesh axes splitting the tokens M, the in features K, the out features N
