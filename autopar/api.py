@@ -55,6 +55,15 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
     lower). `mp_policy`: a `torch.distributed.fsdp.MixedPrecisionPolicy` (`autopar.precision`), as in `parallelize`.
     `float8`: None, "tensorwise", "rowwise" or "auto": which linears run their GEMMs in fp8 (`autopar.float8`)."""
     check_model(model)
+    model, float8, torchao_notes = _from_torchao(model, float8, plan)  # a torchao-converted model: plain linears
+    chosen = _plan(model, mesh, example_inputs, plan=plan, cluster=cluster, memory_limit=memory_limit,
+                   overrides=overrides, lower=lower, progress=progress, mp_policy=mp_policy, microbatches=microbatches,
+                   float8=float8)
+    return dataclasses.replace(chosen, notes=chosen.notes + torchao_notes) if torchao_notes else chosen
+
+
+def _plan(model, mesh, example_inputs, *, plan, cluster, memory_limit, overrides, lower, progress, mp_policy,
+          microbatches, float8) -> Plan:
     memory_limit = check_options(plan, cluster, memory_limit)
     precision = precision_of(mp_policy)
     check_float8(float8, plan, overrides)
@@ -73,6 +82,32 @@ def plan(model: nn.Module, mesh, example_inputs, *, plan="auto", cluster=None, m
                              overrides=overrides, lower=lower, progress=progress, precision=precision, float8=float8)
 
 
+def _from_torchao(model, float8, plan) -> tuple:
+    """(model, float8, notes): a model converted with torchao (`autopar.torchao_float8`) as plain linears, with its
+    float8 choice ((module path, recipe), ...) as `float8` (which the user must leave None); a given or saved Plan
+    already holds its float8 choice, which must be the model's. Otherwise as given, no notes."""
+    from autopar.torchao_float8 import check_float8_option, unconvert
+    got = unconvert(model)
+    if got is None:
+        return model, float8, ()
+    plain, choice, notes = got
+    check_float8_option(float8, choice)
+    if isinstance(plan, str) and plan in PLANS:
+        return plain, choice, notes
+    given = plan if isinstance(plan, Plan) else Plan.load(os.fspath(plan))
+    if tuple(sorted(given.float8)) != choice:
+        raise ValueError(f"plan {given.name!r} runs {len(given.float8)} linear(s) in float8 "
+                         f"({given.float8_summary() or 'none'}), but the model's torchao Float8Linear modules are "
+                         f"{len(choice)} ({', '.join(f'{p} {r}' for p, r in choice[:3])}{', ...' if len(choice) > 3 else ''}). "
+                         "Fix: re-plan the converted model (a plan name), or pass the model the plan was made for")
+    return plain, None, notes
+
+
+def _shown(float8) -> str:
+    """`float8` as an error names it: a given choice (tuple) is a torchao-converted model's."""
+    return "a torchao-converted model's float8 linears" if isinstance(float8, tuple) else f"float8={float8!r}"
+
+
 def check_float8(float8, plan, overrides) -> None:
     """`float8=` is one of `autopar.forms.float8.OPTIONS`, on a named plan, without a pipeline."""
     from autopar.forms.float8 import check_option
@@ -83,7 +118,7 @@ def check_float8(float8, plan, overrides) -> None:
         raise ValueError(f"float8={float8!r} with a given or saved Plan: the float8 choice is part of the Plan "
                          "(`Plan.float8`). Fix: plan with a plan name and float8=..., or drop float8")
     if isinstance(overrides, dict) and "pipeline" in overrides:
-        raise NotImplementedError(f"float8={float8!r} with a 'pipeline' override: the stage model "
+        raise NotImplementedError(f"{_shown(float8)} with a 'pipeline' override: the stage model "
                                   "(autopar.pipeline_estimate) does not price float8 linears yet. Fix: drop float8, "
                                   "or plan without a pipeline")
 
@@ -115,7 +150,7 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
         if err is not None:
             raise err
         return dataclasses.replace(unpipelined, notes=unpipelined.notes + (
-            f"float8={float8!r}: pipelines over {', '.join(map(repr, axes))} not weighed (the stage model does not "
+            f"{_shown(float8)}: pipelines over {', '.join(map(repr, axes))} not weighed (the stage model does not "
             "price float8 linears yet)",))
     if not axes:
         if err is not None:
@@ -190,17 +225,24 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
                          f"({', '.join(f8.RATE_KEY.values())} in peak_flops), so auto cannot weigh fp8. Fix: a preset "
                          "with FP8 tensor cores (cluster='h100', 'h100_hbm2e', 'h200'), a named recipe, or float8=None")
     # auto on auto: fp8 a binary per linear class in the ILP, under each recipe (`autopar.float8.set_offer`); on a
-    # named plan: torchao's rule per linear, under each recipe and none
+    # named plan: torchao's rule per linear, under each recipe and none; a torchao-converted model: its linears given
+    given = isinstance(float8, tuple)  # a torchao-converted model's linears (autopar.torchao_float8)
     in_ilp = float8 == "auto" and plan == "auto"
-    recipes = f8.RECIPES if in_ilp else (None, *f8.RECIPES) if float8 == "auto" else (float8,)
     world = f8plan.world_size(info.sizes)
+    if given:
+        options = [("torchao", f8plan.given(ctx, float8))]
+    elif in_ilp:
+        options = [(r, None) for r in f8.RECIPES]
+    else:
+        options = [(r, f8plan.linears(ctx, r, clus, world, rule=float8 == "auto") if r else {})
+                   for r in ((None, *f8.RECIPES) if float8 == "auto" else (float8,))]
     tried, err = [], None
-    for recipe in recipes:
+    for recipe, choice in options:
         if in_ilp:
             f8plan.set_choice(ctx, {})
             f8plan.set_offer(ctx, f8plan.linears(ctx, recipe, clus, world, rule=False))
         else:
-            f8plan.set_choice(ctx, f8plan.linears(ctx, recipe, clus, world, rule=float8 == "auto") if recipe else {})
+            f8plan.set_choice(ctx, choice)
         try:
             p = _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit)
         except InfeasibleError as e:  # noqa: PERF203 - a recipe under which no plan fits
@@ -224,13 +266,16 @@ def _plan_float8(plan, ctx, info: MeshInfo, overrides, captured, cluster, memory
            "auto: each recipe on the linears where torchao's rule says it pays, the plan solved under each recipe "
            "(the ILP weighs that recipe's GEMM rates, casts and amax all-reduces with the forms), the least estimated "
            f"step that fits among the recipes; {f8plan.SEPARABLE}" if float8 == "auto"
+           else "the model's torchao Float8Linear modules, each under the recipe its Float8LinearConfig names "
+                "(autopar.torchao_float8)" if given
            else f"float8={float8!r}: on every nn.Linear")
     skipped = len(f8plan.heads(ctx))
+    kept_head = "" if given else f"; the output head ({skipped} linear(s)) kept in high precision"
     per_class = [d for d in best.decisions if d.kind == "float8-classes"]  # the ILP's per class (`planner`)
     d = Decision(keys=(f8plan.DECISION_KEY,), kind="float8", chosen=recipe or "none",
-                 decided_by=f"{how}; the output head ({skipped} linear(s)) kept in high precision",
+                 decided_by=f"{how}{kept_head}",
                  candidates=rows + tuple(r for pc in per_class for r in pc.candidates))
-    notes = (f"float8={float8!r} on cluster {clus.name!r}, which has no `_scaled_mm` rates: its fp8 GEMMs are priced "
+    notes = (f"{_shown(float8)} on cluster {clus.name!r}, which has no `_scaled_mm` rates: its fp8 GEMMs are priced "
              "at the high-precision fallback rate, plus the casts",) if unpriced else ()
     kept = tuple(x for x in best.decisions if x.kind != "float8-classes")
     return dataclasses.replace(best, float8=tuple(sorted(choice.items())), decisions=kept + (d,),
@@ -316,11 +361,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
         plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
     check_model(model)
+    model, float8, torchao_notes = _from_torchao(model, float8, plan)
     from autopar.forms.float8 import check_option
     check_option(float8)
     if float8 is not None and ((isinstance(overrides, dict) and "pipeline" in overrides)
                                or (isinstance(plan, str) and plan == "auto" and _pipeline_axes(mesh))):
-        raise NotImplementedError(f"parallelize(..., float8={float8!r}) on a pipelined plan (or one auto may "
+        raise NotImplementedError(f"parallelize(..., {_shown(float8)}) on a pipelined plan (or one auto may "
                                   "pipeline): neither the stage model nor the stage runtime handles float8 linears. "
                                   "Fix: float8=None")
     if isinstance(overrides, dict) and "pipeline" in overrides:
@@ -365,6 +411,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
         solve = lambda: _resolve_plan(plan, ctx, info, overrides, captured, cluster, memory_limit,  # noqa: E731
                                       _names(model))
     chosen = solve_on_rank0(solve)
+    if torchao_notes:
+        chosen = dataclasses.replace(chosen, notes=chosen.notes + torchao_notes)
     if auto_note is not None:  # auto weighed a pipeline and kept this plan: say why in explain()
         chosen = dataclasses.replace(chosen, decisions=chosen.decisions + (auto_note,))
     arrivals, call_shapes = {}, None

@@ -85,6 +85,21 @@ def set_offer(ctx: PassContext, offer: dict[str, str]) -> None:
     ctx.float8_offer = dict(offer)
 
 
+def given(ctx: PassContext, pairs) -> dict[str, str]:
+    """{linear key: recipe} for a choice given as ((module path, recipe), ...) (a torchao-converted model's,
+    `autopar.torchao_float8`), each path an `nn.Linear` of the captured model (an `aten.linear`), else ValueError."""
+    import torch
+    keys = {lin.key for lin in ctx.of_kind(Kind.LINEAR) if lin.node.target is torch.ops.aten.linear.default}
+    missing = [p for p, _ in pairs if p not in keys]
+    if missing:
+        raise ValueError(f"float8 linears {missing[:3]}{' ...' if len(missing) > 3 else ''}: no linear of the "
+                         "captured model (an aten.linear at that module path) is there, so autopar cannot run them "
+                         "in fp8. Why: a torchao Float8Linear whose forward was replaced or wrapped, or a path "
+                         "that is not in the model. Fix: convert the model's nn.Linear modules with "
+                         "convert_to_float8_training and pass that model unchanged")
+    return dict(pairs)
+
+
 def set_choice(ctx: PassContext, chosen: dict[str, str]) -> None:
     """The linears the estimate prices in fp8 (`autopar.estimate.apply_float8`)."""
     ctx.float8 = dict(chosen)

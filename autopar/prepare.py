@@ -18,22 +18,21 @@ from passes.pipeline import RECOGNISE, run_passes
 
 
 def check_not_torchao_float8(model) -> None:
-    """A model converted by torchao (`convert_to_float8_training`: `torchao.float8...Float8Linear` modules,
-    recognised by class path, torchao not imported) is refused with what to do: torch.export fails on its weight
-    subclasses and dynamic-scaling autograd function ("Unable to cast NotImplemented to Tensor"), and mapping each
-    module to autopar's fp8 linear (`float8=`) is not done yet (its config would have to be read field by field:
-    recipes with a high-precision grad_weight, power-of-2 scales, the FSDP fp8 all-gather flag)."""
-    found = [(name, type(m)) for name, m in model.named_modules()
-             if type(m).__module__.startswith("torchao.float8") and type(m).__name__ == "Float8Linear"]
+    """A model still holding torchao `Float8Linear` modules here (recognised by class path, torchao not imported) came
+    through an entry point that does not map them (`autopar.torchao_float8.unconvert`, which `autopar.plan` and
+    `autopar.parallelize` call first): refused, with what to do, rather than failing inside torch.export on their
+    weight subclasses and autograd function ("Unable to cast NotImplemented to Tensor")."""
+    from autopar.torchao_float8 import is_float8_linear
+    found = [(name, type(m)) for name, m in model.named_modules() if is_float8_linear(m)]
     if found:
         names = ", ".join(repr(n) for n, _ in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise NotImplementedError(
             f"the model holds {len(found)} torchao Float8Linear module(s) ({names}: "
-            f"{found[0][1].__module__}.{found[0][1].__name__}): a model converted with torchao's "
-            "convert_to_float8_training is not captured (torch.export fails on its float8 weight subclasses and "
-            "autograd functions) and autopar does not map its modules to its own fp8 linears yet. Fix: pass the "
-            "unconverted model (plain nn.Linear) and float8='tensorwise', 'rowwise' or 'auto' to autopar.plan / "
-            "autopar.parallelize, which run the same recipes on torch._scaled_mm")
+            f"{found[0][1].__module__}.{found[0][1].__name__}), and this entry point (autopar.tune, a pipeline's "
+            "stages) does not map them to autopar's fp8 linears: torch.export fails on their float8 weight "
+            "subclasses and autograd functions. Fix: autopar.plan / autopar.parallelize without a pipeline (they map "
+            "a converted model), or pass the unconverted model (plain nn.Linear) with float8='tensorwise', "
+            "'rowwise' or 'auto'")
 
 
 def _prepare(model, mesh, example_inputs, overrides=None, *, copies: int = 1, progress=None, precision=None,

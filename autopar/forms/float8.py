@@ -67,6 +67,11 @@ WEIGHT_CAST_BYTES = {"tensorwise": 6.0, "rowwise": 6.0}
 
 
 def check_option(float8) -> None:
+    """One of `OPTIONS`, or a given choice: ((linear module path, recipe), ...), a torchao-converted model's
+    (`autopar.torchao_float8`)."""
+    if isinstance(float8, tuple) and all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                         and p[1] in RECIPES for p in float8):
+        return
     if float8 not in OPTIONS:
         raise ValueError(f"float8={float8!r} is not a float8 option. Why: autopar prices and runs float8 linears with "
                          f"torchao's recipes. Fix: one of {OPTIONS}")

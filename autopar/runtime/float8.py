@@ -3,15 +3,18 @@
 `float8_linear(x, weight, bias, recipe)` computes `x @ weight.T + bias` with all three GEMMs in `torch._scaled_mm`:
 
 - output = x8 @ w8.T: x and the weight in e4m3 (`torch.float8_e4m3fn`);
-- grad_input = g8 @ w8: the output gradient in e5m2 (`torch.float8_e5m2`), the weight in e4m3;
-- grad_weight = g8.T @ x8: the output gradient in e5m2, the input in e4m3.
+- grad_input = g8 @ w8: the output gradient in e5m2 (`torch.float8_e5m2`; rowwise: e4m3), the weight in e4m3;
+- grad_weight = g8.T @ x8: the output gradient in e5m2 (rowwise: e4m3), the input in e4m3.
 
 Scales are dynamic (from each operand's amax, every call), fp32, and divide out in `_scaled_mm` (`scale_a`,
 `scale_b` are the inverse scales): `tensorwise` one per tensor; `rowwise` one per row along each GEMM's reduction
 dim (for the output GEMM: x per row of K, w per row of K; for grad_input: g per row of N, w per column over N; for
-grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them (without its
-power-of-2 rounding). `_scaled_mm` wants its second operand column-major: each is passed as a transposed
-row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
+grad_weight: g per column over M, x per column over M), as torchao's `ROWWISE` recipe scales them, each scale
+rounded down to a power of 2 (`round_scales_to_power_of_2`). Each recipe is torchao's `Float8LinearConfig.
+from_recipe_name(recipe)` (`GRAD_DTYPE`, `POW2_SCALES`, `FAST_ACCUM`): per linear, bit-identical to torchao 0.18's
+`Float8Linear` on the CPU (fp32 and bf16; `_mm`: the rowwise GEMMs' bf16 outputs), which is what lets a model
+converted with torchao run here (`autopar.torchao_float8`). `_scaled_mm` wants its second operand column-major: each
+is passed as a transposed row-major tensor. The high-precision x and weight are saved for backward and cast again there along the dims
 backward needs (torchao does the same). The bias gradient is the output gradient summed in high precision.
 
 Parallel (`m_axes`, `k_axes`, `n_axes`: the mesh axes splitting the tokens M, the in features K, the out features N
@@ -34,26 +37,35 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TENSORWISE, ROWWISE = RECIPES
 _EPS = 1e-12  # an all-zero operand keeps a finite scale (torchao's EPS)
 
+# Each recipe as torchao's `Float8LinearConfig.from_recipe_name` configures it (torchao 0.18 `torchao/float8/config.py`):
+# the output gradient's fp8 dtype (tensorwise e5m2; rowwise e4m3 for all three GEMMs), whether every scale is rounded
+# down to a power of 2 (`round_scales_to_power_of_2`: rowwise), and `use_fast_accum` on the output GEMM only (both)
+GRAD_DTYPE = {TENSORWISE: E5M2, ROWWISE: E4M3}
+POW2_SCALES = {TENSORWISE: False, ROWWISE: True}
+FAST_ACCUM = {"output": True, "grad_input": False, "grad_weight": False}
 
-def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
-           ) -> torch.Tensor:
+
+def _scale(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False,
+           pow2: bool = False) -> torch.Tensor:
     """fp32 scale mapping `t`'s amax (over everything, or over `dim` kept; all-reduced MAX over `axes`) to `dtype`'s
-    largest finite value."""
+    largest finite value; `pow2`: rounded down to a power of 2 (torchao's `_round_scale_down_to_power_of_2`), after
+    the all-reduce so that every rank rounds the same amax."""
     with torch.no_grad():
         amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
         for a in axes:
             from autopar.mesh import resolve_axis
             from autopar.runtime.collectives import _raw_all_reduce
             amax = _raw_all_reduce(amax, resolve_axis(a), backward=backward, op="max")
-    return torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS).to(torch.float32)
+        s = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=_EPS)).to(torch.float32)
+        return torch.exp2(torch.floor(torch.log2(s))) if pow2 else s
 
 
-def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+def cast(t: torch.Tensor, dtype: torch.dtype, dim: int | None, axes: tuple = (), backward: bool = False,
+         pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(t in fp8 `dtype`, the inverse scale `_scaled_mm` multiplies back), scaled per tensor (`dim` None) or along
     `dim` (one scale per slice over `dim`); `axes`: mesh axes whose ranks hold the other slices of what the amax
-    reduces over (its amax all-reduced MAX there)."""
-    return _cast_with(t, dtype, _scale(t, dtype, dim, axes, backward))
+    reduces over (its amax all-reduced MAX there); `pow2`: the scale rounded down to a power of 2."""
+    return _cast_with(t, dtype, _scale(t, dtype, dim, axes, backward, pow2))
 
 
 def _cast_with(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,21 +74,32 @@ def _cast_with(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor) -> tuple[to
     return (t.to(torch.float32) * s).clamp(-fmax, fmax).to(dtype), s.reciprocal()
 
 
-def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype):
-    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major)."""
+def _mm(a: torch.Tensor, sa: torch.Tensor, b_t: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+        fast_accum: bool = False, split: bool = False):
+    """a (m, k) row-major @ b (k, n), `b_t` its (n, k) row-major transpose (so `b_t.t()` is column-major).
+
+    Rowwise scales (`sa` (m, 1)) with an fp32 or fp16 result are written in bf16 and cast, as torchao's
+    `addmm_float8_unwrapped` does on every device (CUDA's rowwise `_scaled_mm` writes bf16 only): so a rowwise linear
+    is bit-identical to torchao's `Float8Linear` in an fp32 model too. Except where `split` (the GEMM's reduction dim
+    is split over ranks: a row-parallel output, a column-parallel grad_input, a data-parallel grad_weight) on the CPU,
+    whose kernel writes fp32: that rank's partial sum is kept in fp32 for its reduction, since rounding each partial
+    to bf16 before the sum (as torchao under FSDP/TP does, and CUDA must) adds rounding the single device does not
+    have; the sum then lacks the single device's one bf16 rounding, the only difference from it (README, float8)."""
+    bf16_out = sa.dim() and out_dtype in (torch.float32, torch.float16) and (a.is_cuda or not split)
+    out = torch.bfloat16 if bf16_out else out_dtype
     return torch._scaled_mm(a.contiguous(), b_t.contiguous().t(), scale_a=sa, scale_b=sb.t() if sb.dim() else sb,
-                            out_dtype=out_dtype)
+                            out_dtype=out, use_fast_accum=fast_accum).to(out_dtype)
 
 
 class _Float8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, axes):
         m_axes, k_axes, n_axes = axes
-        rowwise = recipe == ROWWISE
+        rowwise, p2 = recipe == ROWWISE, POW2_SCALES[recipe]
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        x8, sx = cast(x2, E4M3, -1 if rowwise else None, k_axes if rowwise else m_axes + k_axes)  # rowwise (M, 1)
-        w8, sw = cast(weight, E4M3, -1 if rowwise else None, k_axes if rowwise else n_axes + k_axes)  # (N, K)
-        out = _mm(x8, sx, w8, sw, x.dtype)
+        x8, sx = cast(x2, E4M3, -1 if rowwise else None, k_axes if rowwise else m_axes + k_axes, pow2=p2)  # (M, 1)
+        w8, sw = cast(weight, E4M3, -1 if rowwise else None, k_axes if rowwise else n_axes + k_axes, pow2=p2)
+        out = _mm(x8, sx, w8, sw, x.dtype, FAST_ACCUM["output"], bool(k_axes))  # (M, K) @ (K, N)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x2, weight)
@@ -87,17 +110,18 @@ class _Float8Linear(torch.autograd.Function):
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
         m_axes, k_axes, n_axes = ctx.axes
-        rowwise = ctx.recipe == ROWWISE
+        rowwise, p2, gd = ctx.recipe == ROWWISE, POW2_SCALES[ctx.recipe], GRAD_DTYPE[ctx.recipe]
         g = grad_out.reshape(-1, weight.shape[0])  # (M, N)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # (M, N) @ (N, K): g scaled per row (over N), w per column (over N)
-            g8, sg = cast(g, E5M2, -1 if rowwise else None, n_axes if rowwise else m_axes + n_axes, True)
-            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None, n_axes if rowwise else k_axes + n_axes, True)
-            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype).reshape(ctx.x_shape)
+            g8, sg = cast(g, gd, -1 if rowwise else None, n_axes if rowwise else m_axes + n_axes, True, p2)
+            wt8, swt = cast(weight.t(), E4M3, -1 if rowwise else None, n_axes if rowwise else k_axes + n_axes, True,
+                            p2)
+            grad_x = _mm(g8, sg, wt8, swt, grad_out.dtype, FAST_ACCUM["grad_input"], bool(n_axes)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:  # (N, M) @ (M, K): g.T per row (over M), x per column (over M)
-            gt8, sgt = cast(g.t(), E5M2, -1 if rowwise else None, m_axes if rowwise else m_axes + n_axes, True)
-            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, m_axes if rowwise else m_axes + k_axes, True)
-            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype)
+            gt8, sgt = cast(g.t(), gd, -1 if rowwise else None, m_axes if rowwise else m_axes + n_axes, True, p2)
+            xt8, sxt = cast(x2.t(), E4M3, -1 if rowwise else None, m_axes if rowwise else m_axes + k_axes, True, p2)
+            grad_w = _mm(gt8, sgt, xt8, sxt, weight.dtype, FAST_ACCUM["grad_weight"], bool(m_axes))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
         return grad_x, grad_w, grad_b, None, None
@@ -141,7 +165,7 @@ class _Float8GatheredLinear(torch.autograd.Function):
         scale = _scale(shard, E4M3, None, (g_axis,) + n_axes + k_axes)  # the whole weight's amax
         s8, sw = _cast_with(shard, E4M3, scale)
         w8 = _gather_fp8(s8, g_dim, resolve_axis(g_axis))  # (N, K), the single device's fp8 weight
-        out = _mm(x8, sx, w8, sw, x.dtype)
+        out = _mm(x8, sx, w8, sw, x.dtype, FAST_ACCUM["output"])
         if bias is not None:
             out = out + bias
         keep = gather[2]
