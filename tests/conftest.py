@@ -122,6 +122,7 @@ FILE_SECONDS = {
     "test_dp_memory.py": 12,  # not from that run: 2026-12-07, 13 offline plans on dict meshes
     "test_zero_auto.py": 15,  # not from that run: 2026-12-07, 4 offline auto plans + one 2-rank gloo run
     "test_zero_ilp.py": 15,  # 2026-12-07 estimate: 4 offline plans + one 2-rank gloo run of a mixed zero1/fsdp plan
+    "test_zero_ends.py": 5,  # 2026-12-07 estimate: one offline zero2 plan (no processes)
     "test_sharding.py": 24,
     "test_local_step.py": 23,
     "test_inspect.py": 36,  # 40 before 2026-12-07: the HF-config CLI test runs main() in-process (6.4 -> 2.7 s alone)
