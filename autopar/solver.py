@@ -98,7 +98,7 @@ from autopar.forms.replicate import Replicate
 from autopar.mesh import MeshInfo
 from autopar.runtime.collectives import GRAD_BUCKET_BYTES
 from autopar.sites import Kind, PassContext, Site
-from autopar.timeline import overlapped_s
+from autopar.timeline import ends_s, overlapped_s, steady_s
 from autopar.units import fmt_bytes
 from cost_model.hardware import Cluster
 
@@ -1125,9 +1125,14 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
     memory_on = model.NewBoolVar("memory_limit")  # an assumption: dropped to tell a conflict from a lack of memory
     model.Add(total(0) + keep_held + peak <= top).OnlyEnforceIf(memory_on)
     model.AddAssumptions([memory_on])
-    # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`)
-    model.Minimize(sum(len(cls) * ns(overlapped_s(c)) * v for cls, cs, xs in zip(classes, costs, x)
-                       for c, v in zip(cs, xs)) + ck_time + keep_time)
+    # step time with each structure's parameter synchronisation overlapped with its compute (`timeline.overlapped_s`),
+    # and the step's ends: the first and last structure's gathers and reductions no neighbour hides (`timeline.ends_s`)
+    first, last = _ends(classes)
+    ends = [[ns(ends_s(c, first=k == first[0], last=k == last[0] and first[1] is last[1]))
+             + (ns(ends_s(c, first=False, last=True)) if k == last[0] and first[1] is not last[1] else 0)
+             for c in cs] for k, cs in enumerate(costs)]
+    model.Minimize(sum((len(cls) * ns(overlapped_s(c)) + e) * v for cls, cs, es, xs in zip(classes, costs, ends, x)
+                       for c, e, v in zip(cs, es, xs)) + ck_time + keep_time)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
@@ -1160,7 +1165,8 @@ def _solve_one(classes, cands, costs, base: Cost, pairs, limit: float, time_limi
         for g, ys in zip(ck.groups, y):
             levels[g] = next(lv for lv, v in zip(g.levels, ys) if solver.Value(v))
     extra = checkpoint_cost(levels, {k: c for k, c in choices.items()}, ck, classes, cands) if ck else None
-    sol = _total((), choices, per_site, base, gap, name, grad_share, extra)
+    sol = _total((), choices, per_site, base, gap, name, grad_share, extra,
+                 order=[s.key for s in _forward_order([s for cls in classes for s in cls])])
     sol.checkpoint = {la.path: lv.name for g, lv in levels.items() for la in g.layers}
     sol.keep_gathered = frozenset(la.path for g, on in zip(ck.groups if kept else [], keep) if on for la in g.layers)
     sol.site_whys = view.site_whys
@@ -1219,15 +1225,37 @@ def no_good(model, classes, cands, x, exclude) -> None:
             model.Add(sum(chosen) <= len(chosen) - 1)
 
 
+def _forward_order(sites: list[Site]) -> list[Site]:
+    """`sites` in forward order (their anchors' graph order), as `autopar.planner.step_timeline` lays them out."""
+    if not sites:
+        return []
+    order = {nd: i for i, nd in enumerate(sites[0].node.graph.nodes)}
+    return sorted(sites, key=lambda s: order.get(s.node, 0))
+
+
+def _ends(classes: list[list[Site]]) -> tuple[tuple[int, Site | None], tuple[int, Site | None]]:
+    """(class index, site) of the first and of the last structure in forward order (`timeline.ends_s`)."""
+    ordered = _forward_order([s for cls in classes for s in cls])
+    if not ordered:
+        return (-1, None), (-1, None)
+    index = {s.key: k for k, cls in enumerate(classes) for s in cls}
+    return (index[ordered[0].key], ordered[0]), (index[ordered[-1].key], ordered[-1])
+
+
 def _total(data_axes, choices, per_site: dict[str, Cost], base: Cost, gap: float, status: str, grad_share: float,
-           checkpoint: Cost | None = None) -> Solution:
+           checkpoint: Cost | None = None, *, order: list[str]) -> Solution:
+    """The solution's totals; `order`: the structures' keys in forward order (the objective's ends,
+    `timeline.steady_s`)."""
     costs = list(per_site.values()) + [base] + ([checkpoint] if checkpoint is not None else [])
+    ordered = [k for k in order if k in per_site]
+    ordered += [k for k in per_site if k not in set(ordered)]
     # the peak: the checkpoint levels change the start of the backward (saved bytes, recompute transient)
     memory = peak_bytes(costs[:len(per_site) + 1], grad_share, checkpoint.memory_bytes if checkpoint else 0.0)
     return Solution(tuple(data_axes), dict(choices), sum(c.time_s for c in costs), sum(c.compute_s for c in costs),
                     sum(c.comm_s for c in costs), memory,
                     sum(c.comm_bytes for c in costs), gap, status, 0.0, 0, dict(per_site), other=base,
-                    objective_s=sum(overlapped_s(c) for c in costs), checkpoint_cost=checkpoint)
+                    objective_s=steady_s([per_site[k] for k in ordered]) + sum(overlapped_s(c) for c in costs[len(per_site):]),
+                    checkpoint_cost=checkpoint)
 
 
 def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[str, Candidate],
@@ -1283,7 +1311,8 @@ def evaluate(ctx: PassContext, mesh: MeshInfo, cluster: Cluster, choices: dict[s
         ck = _checkpoint_terms(groups, classes, cands, costs, mc, mesh, data_axes, seq_axes, stats)
         extra = checkpoint_cost({g: g.forced for g in groups}, {s.key: c[0] for s, c in zip(sites, cands)}, ck,
                                 classes, cands)
-    sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra)
+    sol = _total(data_axes, choices, per_site, base, 0.0, "evaluated", mc.grad_share(), extra,
+                 order=[s.key for s in _forward_order(ctx.planning_sites())])
     sol.checkpoint = {path: lv.name for path, lv in (checkpoint or {}).items()}
     sol.checkpoint_terms = ck
     return sol
