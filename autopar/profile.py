@@ -230,6 +230,14 @@ def _in_situ_s(op, compute, iters: int, repeats: int, device, group) -> tuple[fl
     return statistics.median(diffs), statistics.median(bases)
 
 
+def _increasing(values: list[float]) -> list[float]:
+    """A non-decreasing sequence made strictly increasing: a value equal to the one before nudged just above it."""
+    out: list[float] = []
+    for v in values:
+        out.append(v if not out or v > out[-1] else out[-1] * (1 + 1e-6) + 1e-12)
+    return out
+
+
 def _monotone(times: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `times` in least squares (pool adjacent violators)."""
     blocks: list[list[float]] = []  # [sum, count]
@@ -397,6 +405,9 @@ def profile(mesh: DeviceMesh, path: str | os.PathLike | None = None, *, dtypes=(
         k += 2 * len(_SYNC_MATMULS)
         added, intervals = sync[0::2], sync[1::2]
         intervals[0] = 0.0  # back to back: no compute between collectives
+        # k matmuls take longer than fewer, but on a busy host one measurement can come out below the one before
+        # (4 matmuls timed under 1): the intervals made increasing, as the times are made non-decreasing
+        intervals = _increasing(_monotone(intervals))
         sync_table = tuple(zip(intervals, _monotone(added)))
         ar = table["all_reduce"]
         fit = _fit_all_reduce([nb for nb, _ in ar], [t for _, t in ar], shape[i])

@@ -510,3 +510,19 @@ def test_monotone_table():
     assert _monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert _monotone([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]  # a violating pair pools to its mean
     assert _monotone([5.0, 1.0, 1.0]) == [7 / 3] * 3
+
+
+def test_profile_sync_intervals_measured_out_of_order_still_make_a_link():
+    """On a busy host the sync table's compute intervals can come out out of order (4 matmuls timed under 1: a
+    fresh clone's `make test` hit it); the profile makes them increasing so the Link it builds is valid."""
+    from autopar.profile import _increasing, _monotone
+    from cost_model.hardware import Link
+    measured = [0.0, 0.000242, 0.000207, 0.000975]
+    intervals = _increasing(_monotone(measured))
+    assert all(b > a for a, b in zip(intervals, intervals[1:])), intervals
+    table = {"all_reduce": ((4.0, 1e-4), (16384.0, 2e-4))}
+    Link(alpha_s=1e-5, bytes_per_s=1e9, table=table, table_group_size=2, table_interval_s=intervals[1],
+         sync_table=tuple(zip(intervals, [0.0054, 0.0058, 0.0058, 0.0063])))
+    with pytest.raises(ValueError, match="strictly increasing"):  # what the unrepaired intervals did
+        Link(alpha_s=1e-5, bytes_per_s=1e9, table=table, table_group_size=2, table_interval_s=measured[1],
+             sync_table=tuple(zip(measured, [0.0054, 0.0058, 0.0058, 0.0063])))
