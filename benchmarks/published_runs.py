@@ -63,11 +63,11 @@ Sources of the published figures:
   the quoted sizes (1.74, 7.11, 16.1, 31.1 B with an untied output layer; autopar.models.GPT ties it, so it
   holds V H fewer parameters: memory only, the FLOP count is the same). Megatron's FLOP count uses the same
   shapes, so the TFLOP/s ratio depends on them only through the MFU the cost model assigns to their matmul
-  sizes. Megatron ran DP with its distributed optimizer (ZeRO-1: the optimizer state sharded over DP); the TP2-TP8
-  rows are priced so, with autopar's `zero1` plan and Megatron's tensor-parallel forms on "tp" (`MEGATRON_TP`: the
-  `megatron` plan's forms, as overrides), DP on "dp"; the TP1 row with `dp` (replicated optimizer state): priced
-  with `zero1` it predicts 1.25x the published figure (its step 1/48 of the AdamW work, less than the gather after
-  it costs), just outside the +-25% band.
+  sizes. Megatron ran DP with its distributed optimizer (ZeRO-1: the optimizer state sharded over DP); every row
+  is priced so, with autopar's `zero1` plan, the TP2-TP8 rows with Megatron's tensor-parallel forms on "tp"
+  (`MEGATRON_TP`: the `megatron` plan's forms, as overrides), DP on "dp". The TP1 row was priced with `dp` until
+  2026-12-07 (zero1 then predicted 1.25x, just outside the band; with the step's ends and the post-step gather
+  priced as the timeline runs them, zero1 predicts 1.248x, dp 1.237x).
 - Megatron-LM GPT with pipeline parallelism, the same README table (TP8, DP48, seq 4096, vocab 131072; shapes and
   global batches as tabulated in notes/pipeline-zero-fp8.md §3.3, `images/model_table.png`, 2024-07): 70B (84
   layers, hidden 8192, 64 heads) PP2 on 768 H100, batch 384: 419.7 TFLOP/s/GPU; 119B (92, 10240, 80) PP4 on 1536,
@@ -166,7 +166,7 @@ RUNS = (
         cluster="h100_hbm2e", ac="selective", mixed=True, compiled=True,
         overrides=(("norm", "sequence@tp"),)),  # torchtitan's TP plan: SequenceParallel on every RMSNorm
     Run("mlm_gpt_1.7b_tp1", "Megatron-LM GPT 1.7B, TP1 x DP48, 48 H100", "gpt", {"size": "1.7b"},
-        {"dp": 48}, 192, GPT_SEQ, "dp", 408.8, "TFLOP/s/GPU"),
+        {"dp": 48}, 192, GPT_SEQ, "zero1", 408.8, "TFLOP/s/GPU"),
     Run("mlm_gpt_7.1b_tp2", "Megatron-LM GPT 7.1B, TP2 x DP48, 96 H100", "gpt", {"size": "7.1b"},
         {"dp": 48, "tp": 2}, 192, GPT_SEQ, "zero1", 465.9, "TFLOP/s/GPU", overrides=MEGATRON_TP),
     Run("mlm_gpt_16b_tp4", "Megatron-LM GPT 16B, TP4 x DP48, 192 H100", "gpt", {"size": "16b"},
