@@ -66,7 +66,7 @@
   and data axes, each tp rank holding it whole). On (pp, dp, tp) each stage program runs on the tp line of this
   rank's (pp, dp) coordinate over its own rows, the parameters are DTensors on the stage's (dp, tp) sub-mesh
   ([Replicate(), megatron's placement], `pipeline_tp.outer_parameter`) and the gradients are summed over dp
-  (`_sum_over_data`). With `norm: sequence` in the overrides (pp x tp): Megatron sequence parallelism in every
+  (`_sum_over_data`). With `norm: sequence` in the overrides (pp x tp, pp x dp x tp): Megatron sequence parallelism in every
   stage, the boundary activations crossing as each tp rank's sequence shard (`pipeline_tp.boundary_placements`).
   `mp_policy` (plan='fsdp' only) is FSDP2's own on each stage module (`fully_shard(..., mp_policy=)`): the graph is
   captured as `autopar.precision` captures it (param_dtype parameters, the layers' input casts), so the stages

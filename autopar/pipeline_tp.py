@@ -41,12 +41,14 @@ so (`LowerContext.output_placements`; a no-op after SP's reduce-scatter of the l
 sends its own shard to the same tp rank of the next stage, 1/tp of the bytes (as `pipeline_estimate` prices it).
 The first stage's embedding output is reduce-scattered onto the sequence and the last stage's final norm
 all-gathered before the vocab-parallel head, as in the flat plan. Runs under gpipe, 1f1b and zbv
-(tests/test_pipeline_tp_sp.py); on (pp, dp, tp) it is refused (not tested against one device yet).
+(tests/test_pipeline_tp_sp.py); on (pp, dp, tp) each data rank's tp line runs it on its own rows, the p2p between
+the stages of one (dp, tp) coordinate carrying that tp rank's shard (checked against one device on 8 gloo ranks by
+`benchmarks/pp_dp_tp_gloo.py --case sp`, its construction and collectives in tests/test_pipeline_dtp_sp.py).
 
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
 pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently
 or that two stages of one rank hold, a boundary value a stage's plan takes as a partial sum, sequence parallelism
-on a (pp, dp, tp) mesh or on an axis other than tp.
+on an axis other than tp.
 """
 
 from __future__ import annotations
@@ -177,13 +179,6 @@ def sp_overrides(value: str, plan: str, overrides: dict | None, names: tuple, ax
             f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: inside a "
             f"tensor-parallel stage the norms are replicated (megatron) or sequence-parallel on the tensor axis "
             f"{tp!r} ({sp!r} or '{sp}@{tp}'), not {norm!r}. Fix: 'norm': {sp!r}, or drop it.")
-    if len(names) != 2:
-        raise NotImplementedError(
-            f"override 'norm': {norm!r} with 'pipeline': {value!r} and plan={plan!r} on mesh axes {names}: sequence "
-            f"parallelism across stage boundaries runs on a (pipeline, tensor) mesh; with a data axis as well "
-            "((pp, dp, tp)) it is not tested against one device yet, so it is refused rather than run unchecked. "
-            f"Fix: a 2-D mesh ({axis!r}, {tp!r}), or drop 'norm' (megatron's replicated boundaries run on "
-            "(pp, dp, tp)).")
     return {"norm": sp}
 
 

@@ -163,6 +163,7 @@ FILE_SECONDS = {
     "test_errors.py": 2,  # was 6; junit
     "test_fake_mesh.py": 2,  # was 4; junit
     "test_pipeline_dtp.py": 2,  # was 10; junit
+    "test_pipeline_dtp_sp.py": 3,  # new (issue #23 SP on pp x dp x tp); fake PG, one test
     "test_ring_attention.py": 2,  # was 4; junit
     "test_timeline.py": 2,  # was 1; junit
     "test_zero_auto.py": 2,  # was 15; junit

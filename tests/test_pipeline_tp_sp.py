@@ -137,7 +137,7 @@ def _refused():
     import autopar
     tokens = torch.randint(0, 128, (B, S))
     out = []
-    for shape, names, norm in [((2, 2), ("pp", "tp"), "sequence@pp"), ((2, 1, 2), ("pp", "dp", "tp"), "sequence")]:
+    for shape, names, norm in [((2, 2), ("pp", "tp"), "sequence@pp")]:  # (pp, dp, tp): test_pipeline_dtp_sp
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         try:
             autopar.parallelize(_llama(), mesh, (tokens, tokens), plan="megatron",
@@ -150,6 +150,5 @@ def _refused():
 
 def test_sp_across_boundary_refusals_on_every_rank():
     for r in gloo_pool(4).run(_refused):
-        wrong_axis, with_dp = r
+        (wrong_axis,) = r
         assert wrong_axis is not None and "'sequence' or 'sequence@tp'" in wrong_axis, wrong_axis
-        assert with_dp is not None and "(pipeline, tensor) mesh" in with_dp and "Fix:" in with_dp, with_dp

@@ -1,0 +1,155 @@
+"""Megatron sequence parallelism inside the stages of a (pp=2, dp=2, tp=2) mesh (issue #23, `autopar.pipeline_tp`):
+`plan="megatron", overrides={"pipeline": "1f1b@pp", "norm": "sequence"}`.
+
+In the suite (`test_pp_dp_tp_sp_layout_on_a_fake_world`, one process, the fake process group of 8 ranks, rank 0):
+every stage's norms sequence-parallel on tp, the boundary crossing as the sequence shard (`Shard(1)` on the tp
+line: stage 1 takes it so, stage 0 leaves it so), each parameter a DTensor on its stage's (dp, tp) sub-mesh with
+[Replicate(), megatron's placement], the stage program on the tp line of this rank's (pp, dp) coordinate, stage 0's
+Megatron-SP collectives on one microbatch exactly (all-gathers of the shard, reduce-scatters of the whole value,
+the norms' gradient bucket over tp), and the cost model's p2p bytes (1/tp of the non-SP boundary).
+
+The run against one device on 8 gloo ranks (`_pp_dp_tp_sp`, checked by `check_pp_dp_tp_sp`) is too slow for the
+suite (the 8-rank pool's start alone is ~50 s on 2 busy cores): `python benchmarks/pp_dp_tp_gloo.py --case sp`
+runs it. fp64, 1f1b, 2 microbatches per data rank, a 2-layer Llama-style model (hidden 16, seq 8): the global loss
+on every rank, every parameter's gradient and every parameter after one AdamW step; each stage's tp collectives
+per microbatch, the dp gradient bucket, the loss sum and the p2p (count and bytes per microbatch) exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline_helpers import Count, check, reference_and_batch, stage_grads, stepped_params
+from test_pipeline_dtp import B, H, M, S, _Reduces, _llama
+
+TP = 2
+OVERRIDES = {"pipeline": "1f1b@pp", "norm": "sequence"}
+ROWS = B // (2 * M)  # one microbatch of one data rank
+SHARD = ROWS * S * H // TP  # its hidden state's sequence shard (elements)
+TOKENS = ROWS * S
+
+
+def _collectives(ag: int, rs: int, ce: int = 0, bucket: int | None = None) -> list:
+    """Megatron SP's functional collectives (elements): all-gathers of the shard, reduce-scatters of the whole
+    value, the vocab-parallel cross-entropy's all-reduces of one value per token, the norms' gradient bucket."""
+    return ([("all_gather_into_tensor", SHARD)] * ag + [("reduce_scatter_tensor", 2 * SHARD)] * rs
+            + [("all_reduce", TOKENS)] * ce + ([("all_reduce_", bucket)] if bucket else []))
+
+
+# per layer and microbatch: forward an all-gather before q/k/v and before gate/up, a reduce-scatter after wo and
+# down; backward their transposes and the gathered inputs gathered again for the weight gradients
+# (`regather_linears`): as on pp x tp (tests/test_pipeline_tp_sp.py)
+FIRST = _collectives(6 + 1, 4 + 1, bucket=2 * H)  # + the embedding's output reduce-scattered onto the sequence
+LAST = _collectives(6 + 2, 4 + 1, 3, bucket=3 * H)  # + the final norm gathered before the head; cross-entropy
+
+
+def _pp_dp_tp_sp():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref, model, tokens, labels = reference_and_batch(_llama, B, S)
+        mesh = init_device_mesh("cpu", (2, 2, TP), mesh_dim_names=("pp", "dp", "tp"))
+        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron", overrides=OVERRIDES,
+                                 microbatches=M)
+        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        refs = dict(ref.named_parameters())
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+        errs = {}
+        ref_loss = ref(tokens, labels)
+        ref_loss.backward()
+        with Count() as c, _Reduces() as eager:
+            loss = pm(tokens, labels)
+        loss.backward()
+        errs["loss"] = abs(float(loss) - float(ref_loss))
+        mine = stage_grads(pm, refs, errs, "grad")
+        local_numel = sum(p.to_local().numel() for n, p in pm.named_parameters() if n in mine)
+        opt_ref.step()
+        opt.step()
+        stepped_params(pm, refs, mine, errs, "param")
+        norms = sorted({(s.form, s.axis) for st in pm._tp.values() for s in st[2].strategies if s.kind == "norm"})
+        arrivals = {k: {n: str(p) for n, p in st[-1][0].items()} for k, st in pm._tp.items()}
+        offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": TP}, (tokens, labels), plan="megatron",
+                               overrides=OVERRIDES, microbatches=M)
+        priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch,
+                  "offline p2p": offline.estimate.p2p_bytes_per_microbatch}
+        groups = {a: tuple(dist.get_process_group_ranks(mesh.get_group(a))) for a in ("pp", "dp")}
+        return {"errs": errs, "mine": mine, "all": sorted(refs), "p2p": c.p2p, "reduces": c.reduces,
+                "eager": eager.calls, "groups": groups, "local_numel": local_numel, "norms": norms,
+                "arrivals": arrivals, "priced": priced, "stages": pm.local_stages, "rank": dist.get_rank()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def check_pp_dp_tp_sp(results):
+    """The assertions on `_pp_dp_tp_sp`'s per-rank results (`benchmarks/pp_dp_tp_gloo.py --case sp`, 8 ranks)."""
+    check(results)  # every error <= pipeline_helpers.TOL (1e-10) on its rank, every parameter checked somewhere
+    shard_bytes = SHARD * 8
+    for r in results:
+        first = r["stages"] == [0]
+        assert r["stages"] == [r["rank"] // 4]
+        assert r["norms"] == [("sequence", "tp")], r["norms"]
+        assert r["arrivals"] == {0: {}, 1: {next(iter(r["arrivals"][1])): "(Shard(dim=1),)"}}, r["arrivals"]
+        assert r["priced"]["p2p"] == r["priced"]["offline p2p"] == shard_bytes, r["priced"]
+        # p2p: per microbatch this tp rank's sequence shard forward and its gradient backward, to the peer stage
+        # of this (dp, tp) coordinate: 1/tp of the non-SP bytes
+        assert sorted(r["p2p"]) == sorted([("isend" if first else "irecv", shard_bytes),
+                                           ("irecv" if first else "isend", shard_bytes)] * M), r["p2p"]
+        # the first call also runs torch's metadata inference on one microbatch (no gradient bucket): stage 0's
+        # forward (the q/k/v and gate/up gathers; the embedding's, wo's and down's reduce-scatters), the last
+        # stage's forward and backward
+        inference = _collectives(2, 3) if first else LAST[:-1]
+        assert sorted(r["reduces"]) == sorted((FIRST if first else LAST) * M + inference), sorted(r["reduces"])
+        dp, pp = r["groups"]["dp"], r["groups"]["pp"]
+        assert len(dp) == 2 and r["rank"] in dp and len(pp) == 2 and r["rank"] in pp
+        # eager: the gradients summed over the dp sub-group in one bucket; the loss one sum over the whole mesh
+        assert [(n, g) for n, g in r["eager"] if g == dp and n > 1] == [(r["local_numel"], dp)], r["eager"]
+        assert [(n, g) for n, g in r["eager"] if n == 1] == [(1, tuple(range(len(results))))], r["eager"]
+
+
+def test_pp_dp_tp_sp_layout_on_a_fake_world():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    import autopar
+    from conftest import set_fake_world
+    set_fake_world(8)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = _llama()
+        tokens = torch.randint(0, 128, (B, S))
+        mesh = init_device_mesh("cpu", (2, 2, TP), mesh_dim_names=("pp", "dp", "tp"))
+        pm = autopar.parallelize(ref, mesh, (tokens, tokens), plan="megatron", overrides=OVERRIDES, microbatches=M)
+        assert pm.local_stages == [0] and pm._data_axes == ("dp",)
+        norms = sorted({(s.form, s.axis) for st in pm._tp.values() for s in st[2].strategies if s.kind == "norm"})
+        assert norms == [("sequence", "tp")]
+        # the boundary: stage 1 takes its one activation as the sequence shard, stage 0 leaves it so
+        (arrive0, leave0), (arrive1, leave1) = pm._tp[0][-1], pm._tp[1][-1]
+        assert arrive0 == {} and list(arrive1.values()) == [(Shard(1),)] and leave0 == [(Shard(1),)], pm._tp[1][-1]
+        assert leave1 is None  # the loss leaves replicated
+        stage = pm._stage_modules[0]
+        assert stage.pm.mesh.mesh.tolist() == [0, 1]  # the tp line of (pp 0, dp 0)
+        assert stage.out_metas == [((ROWS, S // TP, H), torch.float64)]  # what it sends: its sequence shard
+        assert dist.get_process_group_ranks(pm._p2p_group) == [0, 4]
+        inner = dict(stage.pm.named_parameters())
+        for n, p in pm.named_parameters():
+            assert isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("dp", "tp"), n
+            assert p.placements[0] == Replicate(), n
+            if n.startswith(("embed.", "layers.0.")):  # stage 0's: the stage program's storage
+                assert p.to_local().data_ptr() == inner[n].to_local().data_ptr() and p.to_local().numel() > 0, n
+            else:
+                assert p.device_mesh.mesh.tolist() == [[4, 5], [6, 7]] and p.to_local().numel() == 0, n
+        # stage 0 on one microbatch, forward and backward: Megatron SP's collectives exactly (values made up)
+        with Count() as c:
+            (h,) = stage(**{stage.user[0]: tokens[:ROWS]})
+            assert tuple(h.shape) == (ROWS, S // TP, H)
+            h.sum().backward()
+        assert sorted(c.reduces) == sorted(FIRST), sorted(c.reduces)
+        # the cost model prices the boundary as it runs (`autopar.plan` alike: the 8-rank job checks it)
+        assert pm.plan.estimate.p2p_bytes_per_microbatch == SHARD * 8
+    finally:
+        torch.set_default_dtype(torch.float32)
