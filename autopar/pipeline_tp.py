@@ -275,6 +275,10 @@ class TPStage(nn.Module):
         arrivals = dict(arrivals or {})
         lctx = lower_context(plan, cap, info, rng_stream=rng_stream, arrivals=arrivals)
         lctx.placements.update(arrivals)  # taken as they arrive: no slice (nor a gather) at the placeholder
+        # the received activations' gradients go back to the stage before, whole: one consumed directly by
+        # column-parallel work (T5's encoder output by each decoder layer's cross-attention k/v) gets Megatron's f
+        received = cap.user_inputs[:len(cap.user_inputs) - len(user)]
+        lctx.grad_inputs = {n for n in received if cap.placeholder(n).meta["val"].dtype.is_floating_point}
         if leaves is not None and any(pls is not None for pls in leaves):
             from torch.distributed.tensor import Replicate
             lctx.output_placements = tuple(tuple(pls) if pls is not None else (Replicate(),) * len(info.sizes)

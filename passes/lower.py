@@ -97,6 +97,10 @@ class LowerContext:
     parts: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     arrivals: dict = field(default_factory=dict)  # user input placeholder -> placements it is passed in (else all R)
+    # user input placeholders whose gradient flows back to the caller (a pipeline stage's received activations,
+    # `autopar.pipeline_tp.TPStage`): differentiated as a parameter's value is, so an R input consumed into
+    # sharded work is wrapped in `grad_all_reduce` (Megatron's f) and its gradient leaves whole, not partial
+    grad_inputs: set = field(default_factory=set)
     # outputs leave as propagated, not replicated (a pipeline stage's rows and partial loss, `autopar.pipeline_ep`)
     keep_outputs: bool = False
     # per graph output, the placements it leaves in (a pipeline stage's activations in the next stage's boundary
@@ -1068,13 +1072,15 @@ def _takes_as_input(u: fx.Node, x: fx.Node) -> bool:
 
 
 def _depends_on_parameters(graph: fx.Graph, ctx: LowerContext) -> set[fx.Node]:
-    """Values that depend on a floating parameter: only their gradients flow (and need reducing)."""
+    """Values that depend on a floating parameter (or on an input the caller differentiates, `ctx.grad_inputs`):
+    only their gradients flow (and need reducing)."""
     out: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
             v = node.meta.get("val")
-            if node.name not in ctx.user_inputs and isinstance(v, torch.Tensor) and v.dtype.is_floating_point \
-                    and node.name in ctx.placements:
+            if isinstance(v, torch.Tensor) and v.dtype.is_floating_point and (
+                    node.name in ctx.grad_inputs
+                    or (node.name not in ctx.user_inputs and node.name in ctx.placements)):
                 out.add(node)
         elif any(a in out for a in node.all_input_nodes):
             out.add(node)
