@@ -164,6 +164,7 @@ FILE_SECONDS = {
     "test_fake_mesh.py": 2,  # was 4; junit
     "test_pipeline_dtp.py": 2,  # was 10; junit
     "test_pipeline_dtp_sp.py": 3,  # new (issue #23 SP on pp x dp x tp); fake PG, one test
+    "test_pipeline_foreign.py": 12,  # new (issue #23 foreign models): a 2-rank census row, T5 on a fake world
     "test_ring_attention.py": 2,  # was 4; junit
     "test_timeline.py": 2,  # was 1; junit
     "test_zero_auto.py": 2,  # was 15; junit
