@@ -12,7 +12,9 @@ ParallelModule's: every rank of the stage passes the whole (microbatch) inputs a
 plain megatron; sequence parallelism below keeps the boundary activations sharded), so the activations p2p carries
 are plain local tensors replicated over tp that both sides agree on, and the gradients it
 sends back are the whole input gradients (the lowering's collectives are autograd-correct: megatron's all-reduce of
-a row-parallel output forward, of a column-parallel input's gradient backward). The last stage keeps the loss (its
+a row-parallel output forward, of a column-parallel input's gradient backward; the received activations are
+differentiated inputs of the stage's lowering, `LowerContext.grad_inputs`, so one consumed directly by
+column-parallel work, as T5's encoder output by each decoder layer's cross-attention k/v, gets that f too). The last stage keeps the loss (its
 sum form, weighed by the schedule's loss_fn as under `dp`).
 
 Parameters are the stage ParallelModule's DTensors under their names, on the stage's sub-mesh with the placements
