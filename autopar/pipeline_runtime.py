@@ -56,9 +56,11 @@
   gradients accumulated unsharded and reduce-scattered (summed: `set_gradient_divide_factor(1.0)`) once after the
   last backward; the pm's parameters are FSDP's `Shard(0)` DTensors on the sub-mesh (`_shard_stage`), and a
   forward-only call reshards after itself, so the next call gathers the stepped shards. Refused under `fsdp`: a
-  weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
-  their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
-  each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). Every stage's metadata is
+  static (`PipelineStage(input_args=, output_args=)`, meta tensors of the shapes the capture gives: `_examples`),
+  so torch's schedules run no metadata inference (which was one real microbatch forward and backward, gradients
+  dropped, on the first call and on each switch between forward-only and training calls: under FSDP one more
+  all-gather, and a computation outside the stage's guard).
   `plan="megatron"` (a (pp, tp) or (pp, dp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own
   planner and lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`:
   boundary values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
@@ -90,10 +92,17 @@ a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's
 torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
 its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Under plan='megatron' the
 failing rank also issues the rest of its stage program's collectives on NaN (`_GuardedStage._finish`: the sequence
-recorded from the stage's first complete run of that computation, `collectives.tracking` / `replay`), so its tp
+recorded from the stage's last complete run of that computation, `collectives.tracking` / `replay`), so its tp
 peers never wait in an all-reduce it left, and the loss and the failure are summed over one group of the whole
-mesh (the tp ranks but the first add zero). Not covered: a raise in a stage's very first forward or backward
-(torch's metadata inference), before its collectives are known.
+mesh (the tp ranks but the first add zero). Before a stage's first real run the sequence comes from a dry run at
+build (`_GuardedStage.learn_collectives`: the program's forward with and without grad and its backward as the
+schedule splits it, on zeros, every collective a local stand-in of its result's shape, `collectives.dry_run`: no
+communication, so nothing there can leave a peer waiting; the tests check it equals the real runs'), so a raise
+in a stage's very first forward or backward is covered too. `zbv`'s forward-only walk (`_forward_only`) runs each
+stage through the same guard (`_GuardedStage._forward`: stand-ins, replay). Not covered: expert-parallel stages
+(`autopar.pipeline_ep`) before their first complete run: their all-to-all splits follow the routing, which a dry
+run on zeros would not reproduce, so none is taken and a raise in their very first computation leaves the
+peers waiting, as before.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
@@ -1156,7 +1165,7 @@ class PipelineModule(nn.Module):
         losses: list[torch.Tensor] = []
         train = self.training and torch.is_grad_enabled()
         # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
-        # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
+        # aside while the schedule runs (it accumulates into .grad)
         held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp or self._tp is not None else None
         self._failure.clear()
         if train:
