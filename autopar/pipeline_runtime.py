@@ -777,6 +777,8 @@ def _guarded_stage_class():
             a raise in the stage's very first real computation still replays the rest (`_finish`). `kwargs`: the
             user inputs of one microbatch (zeros of their shapes)."""
             from autopar.runtime.collectives import dry_run, tracking
+            from autopar.runtime.ops import _RNG_STREAMS
+            streams = {k: list(v) for k, v in _RNG_STREAMS.items()}  # dropout's steps: put back after
 
             def forward(grad: bool):
                 args = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device).requires_grad_(
@@ -794,7 +796,7 @@ def _guarded_stage_class():
                 self._comms[("backward", kind)] = log
                 return out
 
-            with dry_run():
+            with dry_run(), torch.random.fork_rng(devices=[]):
                 forward(False)
                 kinds = ["full"] + (["input"] if split_backward and not self.is_first else [])
                 for kind in kinds:
@@ -810,6 +812,8 @@ def _guarded_stage_class():
                         backward("weight", {"stage_output": bwd["stage_output"], "param_groups": groups})
             for q in self.submod.parameters():
                 q.grad = None
+            for k, v in streams.items():
+                _RNG_STREAMS[k][:] = v
             self._dry = dict(self._comms)
 
         def _finish(self, what, log: list, failed: bool) -> None:
