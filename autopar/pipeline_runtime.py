@@ -56,9 +56,11 @@
   gradients accumulated unsharded and reduce-scattered (summed: `set_gradient_divide_factor(1.0)`) once after the
   last backward; the pm's parameters are FSDP's `Shard(0)` DTensors on the sub-mesh (`_shard_stage`), and a
   forward-only call reshards after itself, so the next call gathers the stepped shards. Refused under `fsdp`: a
-  weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). torch's schedules re-run
-  their metadata inference (one real microbatch forward and backward, gradients dropped) on the first call and on
-  each switch between forward-only and training calls, which under FSDP costs one more all-gather then.
+  weight used by two stages (`_refuse_weights_across_stages`), several data axes (HSDP). Every stage's metadata is
+  static (`PipelineStage(input_args=, output_args=)`, meta tensors of the shapes the capture gives: `_examples`),
+  so torch's schedules run no metadata inference (which was one real microbatch forward and backward, gradients
+  dropped, on the first call and on each switch between forward-only and training calls: under FSDP one more
+  all-gather, and a computation outside the stage's guard).
   `plan="megatron"` (a (pp, tp) or (pp, dp, tp) mesh): each stage's sub-graph planned and lowered by autopar's own
   planner and lowering on the stage's tp sub-mesh and run as a `ParallelModule` of its own (`autopar.pipeline_tp`:
   boundary values replicated over tp, so p2p carries plain whole activations; parameters DTensors with megatron's
@@ -90,10 +92,17 @@ a timed-out wait cannot be retried, `Work` has no abort, and a destroyed group's
 torch's schedule (issue #23's findings). Under plan='fsdp' a data rank whose every microbatch raised still meets
 its peers in FSDP's reduce-scatter (the stand-ins give each parameter a zero gradient). Under plan='megatron' the
 failing rank also issues the rest of its stage program's collectives on NaN (`_GuardedStage._finish`: the sequence
-recorded from the stage's first complete run of that computation, `collectives.tracking` / `replay`), so its tp
+recorded from the stage's last complete run of that computation, `collectives.tracking` / `replay`), so its tp
 peers never wait in an all-reduce it left, and the loss and the failure are summed over one group of the whole
-mesh (the tp ranks but the first add zero). Not covered: a raise in a stage's very first forward or backward
-(torch's metadata inference), before its collectives are known.
+mesh (the tp ranks but the first add zero). Before a stage's first real run the sequence comes from a dry run at
+build (`_GuardedStage.learn_collectives`: the program's forward with and without grad and its backward as the
+schedule splits it, on zeros, every collective a local stand-in of its result's shape, `collectives.dry_run`: no
+communication, so nothing there can leave a peer waiting; the tests check it equals the real runs'), so a raise
+in a stage's very first forward or backward is covered too. `zbv`'s forward-only walk (`_forward_only`) runs each
+stage through the same guard (`_GuardedStage._forward`: stand-ins, replay). Not covered: expert-parallel stages
+(`autopar.pipeline_ep`) before their first complete run: their all-to-all splits follow the routing, which a dry
+run on zeros would not reproduce, so none is taken and a raise in their very first computation leaves the
+peers waiting, as before.
 
 `zbv` runs torch's `ScheduleZBVZeroBubble` (two stages per rank, V-shaped), refused for a model that uses a weight
 twice (`_refuse_shared_weights`). Not implemented here (each raises `NotImplementedError` saying so): `dualpipev`;
@@ -464,6 +473,17 @@ class _Split:
                         f"pipeline stages: {u.name} ({u.target}) crosses from stage {t - 1} to stage {t} but is a "
                         f"{type(u.meta.get('val')).__name__}, not a tensor; only tensors are sent between stages")
         self.loss = self._loss_node()
+        # the values that carry a gradient: floating point and computed from a parameter (what crosses a boundary
+        # is not free, so it depends on a parameter or a random op; a random mask carries none)
+        self.with_grad: set[fx.Node] = set()
+        for n in nodes:
+            if n.op == "placeholder" and kinds[n.name] == "param" or n.op == "call_function" and \
+                    n.target is not aten.detach.default and any(u in self.with_grad for u in n.all_input_nodes):
+                self.with_grad.add(n)
+
+    def carries_grad(self, node: fx.Node) -> bool:
+        val = node.meta.get("val")
+        return node in self.with_grad and isinstance(val, torch.Tensor) and val.dtype.is_floating_point
 
     def _loss_node(self) -> fx.Node:
         """The loss at the graph's single output: cross-entropy or MSE, which the stage rewrites to a sum."""
@@ -700,6 +720,15 @@ def _stand_in(metas, last: bool, device, args, params=()):
     return out[0] if last else out
 
 
+def _examples(metas, grads) -> tuple[torch.Tensor, ...]:
+    """Meta tensors of the (shape, dtype) `metas`, each requiring a gradient where `grads` says: a stage's inputs
+    or outputs as `PipelineStage(input_args=, output_args=)` takes them, so torch's schedules know every stage's
+    metadata statically and skip their runtime inference (a real forward and backward of one microbatch, on the
+    first call and on each switch between forward-only and training calls)."""
+    return tuple(torch.empty(shape, dtype=dtype, device="meta").requires_grad_(bool(g) and dtype.is_floating_point)
+                 for (shape, dtype), g in zip(metas, grads, strict=True))
+
+
 def _original(e: BaseException) -> BaseException:
     """The user's exception under torch's wrappers ('failed to run forward', 'Failed to run stage backward')."""
     while isinstance(e, RuntimeError) and e.__cause__ is not None and (
@@ -709,17 +738,18 @@ def _original(e: BaseException) -> BaseException:
 
 
 def _guarded_stage(submod: nn.Module, k: int, n: int, device, *, group, failure: _StepFailure, metas,
-                   microbatches: int):
+                   microbatches: int, static):
     """`PipelineStage` for stage k whose computation cannot leave the peers waiting: an exception raised by its
     forward or backward (a forward raising on one rank, a NaN check, an OOM) is recorded in `failure` and the stage
     goes on with `_StandIn` outputs (zeros) or zero input gradients, so the schedule still posts every send and
     receive its peers expect; the schedule is static, so each rank runs it to its end and the call raises after it
     on every rank (`PipelineModule._raise_failure`). Later microbatches run for real (each guarded again): a stage's
     own collectives (FSDP's gather) stay in step. Where torch lets a subclass compute: the forward
-    (`forward_maybe_with_nosync`), the backward (`backward_maybe_with_nosync`) and their metadata-inference
-    counterparts (`_compute_outputs`, `_compute_input_grads`)."""
+    (`forward_maybe_with_nosync`) and the backward (`backward_maybe_with_nosync`). `static`: (input_args,
+    output_args) as `PipelineStage` takes them (`_examples`), so torch runs no metadata inference (a real forward
+    and backward outside these two, on the first call and on each switch between forward-only and training)."""
     return _guarded_stage_class()(submod, k, n, device, group=group, failure=failure, metas=metas,
-                                  microbatches=microbatches)
+                                  microbatches=microbatches, static=static)
 
 
 @functools.cache
@@ -728,13 +758,63 @@ def _guarded_stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     class _GuardedStage(PipelineStage):
-        def __init__(self, submod, k, n, device, *, group, failure, metas, microbatches):
-            super().__init__(submod, k, n, device, group=group)
+        def __init__(self, submod, k, n, device, *, group, failure, metas, microbatches, static):
+            super().__init__(submod, k, n, device, input_args=static[0], output_args=static[1], group=group)
             self._failure, self._metas, self._m = failure, metas, microbatches
             self._chunk: tuple[str, int | None] = ("forward", None)
-            # what -> the collectives of the stage program's first complete run of it (`collectives.tracking`):
-            # "forward", ("backward", torch's backward type), "inference backward"
+            # what -> the collectives of the stage program's last complete run of it (`collectives.tracking`):
+            # "forward" (training, grad enabled), ("backward", torch's backward type); before the first real run,
+            # the dry run's (`learn_collectives`)
             self._comms: dict = {}
+            self._dry: dict = {}  # the dry run's, as learned (compared with the real runs' by the tests)
+
+        def learn_collectives(self, kwargs: dict, split_backward: bool) -> None:
+            """The stage program's collectives for each computation a call can run, learned before its first real
+            run by running it once on zeros with local stand-ins for the collectives (`collectives.dry_run`: no
+            communication, so no peer waits whatever happens here): its forward with and without grad, and its
+            backward as torch's schedule runs it ("full"; under a zero-bubble schedule also "input" then "weight",
+            but on the first stage, whose whole backward runs as "full"). Gradients it leaves are dropped. With them
+            a raise in the stage's very first real computation still replays the rest (`_finish`). `kwargs`: the
+            user inputs of one microbatch (zeros of their shapes)."""
+            from autopar.runtime.collectives import dry_run, tracking
+            from autopar.runtime.ops import _RNG_STREAMS
+            streams = {k: list(v) for k, v in _RNG_STREAMS.items()}  # dropout's steps: put back after
+
+            def forward(grad: bool):
+                args = tuple(torch.zeros(m.shape, dtype=m.dtype, device=self.device).requires_grad_(
+                    m.requires_grad and grad) for m in self._user_meta.inputs)
+                log: list = []
+                with torch.set_grad_enabled(grad), tracking(log):
+                    out = self.submod(*args, **kwargs)
+                self._comms[("forward", self.submod.training, grad)] = log
+                return out, [*args, *(v for v in kwargs.values() if isinstance(v, torch.Tensor))]
+
+            def backward(kind: str, bwd: dict):
+                log: list = []
+                with tracking(log):
+                    out = PipelineStage.backward_maybe_with_nosync(self, kind, bwd)  # torch's, unguarded
+                self._comms[("backward", kind)] = log
+                return out
+
+            with dry_run(), torch.random.fork_rng(devices=[]):
+                forward(False)
+                kinds = ["full"] + (["input"] if split_backward and not self.is_first else [])
+                for kind in kinds:
+                    out, inputs = forward(True)
+                    if self.is_last:
+                        bwd = {"stage_output": out if kind == "full" else (out,), "output_grads": None}
+                    else:
+                        bwd = {"stage_output": out, "output_grads": tuple(
+                            torch.ones_like(o) if o.requires_grad else None for o in out)}
+                    bwd["input_values"] = inputs
+                    _, groups = backward(kind, bwd)
+                    if kind == "input":
+                        backward("weight", {"stage_output": bwd["stage_output"], "param_groups": groups})
+            for q in self.submod.parameters():
+                q.grad = None
+            for k, v in streams.items():
+                _RNG_STREAMS[k][:] = v
+            self._dry = dict(self._comms)
 
         def _finish(self, what, log: list, failed: bool) -> None:
             """After one computation of the stage program (`what`) that issued the collectives `log`: a complete
@@ -742,13 +822,12 @@ def _guarded_stage_class():
             program's; a run that raised, or ran on stand-ins, issues the rest of the program's collectives on NaN
             (`collectives.replay`), so the peers of this rank's tensor-parallel group, which run the whole program,
             meet every collective they wait in, and see NaN. Nothing to replay when the program issues none (plan
-            'dp'). A run that raised before any complete run of it (its collectives not known yet: the stage's first
-            forward, in torch's metadata inference on the first call) cannot replay: its peers wait."""
+            'dp'). Known before the stage's first real run from its dry run (`learn_collectives`, tensor-parallel
+            stages), so its very first computation is covered too."""
             from autopar.runtime.collectives import replay
             known = self._comms.get(what)
             if not failed:
-                if known is None:
-                    self._comms[what] = log
+                self._comms[what] = log
                 return
             if known is not None and len(log) < len(known):
                 replay(known[len(log):])
@@ -791,11 +870,6 @@ def _guarded_stage_class():
         def forward_maybe_with_nosync(self, *args, **kwargs):
             return self._forward(lambda: super(_GuardedStage, self).forward_maybe_with_nosync(*args, **kwargs), args)
 
-        def _compute_outputs(self, *args, module, **kwargs):
-            self._chunk = ("forward", None)
-            return self._forward(lambda: super(_GuardedStage, self)._compute_outputs(*args, module=module, **kwargs),
-                                 args, " (torch's metadata inference)")
-
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
             from autopar.runtime.collectives import tracking
             log: list = []
@@ -810,21 +884,6 @@ def _guarded_stage_class():
                 return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
                              for v in values), None
             self._finish(what, log, self._stood_in())
-            return out
-
-        def _compute_input_grads(self, outputs, all_fwd_inputs, grad_outputs=None):
-            from autopar.runtime.collectives import tracking
-            log: list = []
-            try:
-                with tracking(log):
-                    out = super()._compute_input_grads(outputs, all_fwd_inputs, grad_outputs)
-            except Exception as e:  # noqa: BLE001 - raised on every rank after the schedule
-                self._chunk = ("backward", None)
-                self._failure.record(_original(e), self._where(" (torch's metadata inference)"))
-                self._finish("inference backward", log, True)
-                return tuple(torch.zeros_like(v) if isinstance(v, torch.Tensor) and v.requires_grad else None
-                             for v in all_fwd_inputs)
-            self._finish("inference backward", log, (self.stage_index, None) in self._failure.stood_in)
             return out
 
     return _GuardedStage
@@ -915,8 +974,12 @@ class PipelineModule(nn.Module):
             outs = split.acts[k + 1] if k + 1 < n_stages else [split.loss]
             metas = [(tuple(u.meta["val"].shape), u.meta["val"].dtype) for u in outs]
             metas = getattr(sub, "out_metas", None) or metas  # a tensor-parallel stage's: its local shards
+            ins = getattr(sub, "in_metas", None) or [(tuple(u.meta["val"].shape), u.meta["val"].dtype)
+                                                     for u in split.acts[k]]
+            static = (_examples(ins, [split.carries_grad(u) for u in split.acts[k]]),
+                      _examples(metas, [split.carries_grad(u) for u in outs]))
             return _guarded_stage(sub, k, n_stages, device, group=group, failure=self._failure, metas=metas,
-                                  microbatches=pplan.microbatches)
+                                  microbatches=pplan.microbatches, static=static)
         self._stages = []
         self._stage_modules: dict[int, _StageModule] = {}  # not registered: the stages hold the leaves
         if tp is not None:
@@ -937,6 +1000,12 @@ class PipelineModule(nn.Module):
                 self._shard_stage(sub, mesh, ax, me, leaves)
             self._stages.append(stage(sub, k))
             self._stage_modules[k] = sub
+        if tp is not None and ep_axis is None:  # each stage program's collectives, before its first real run
+            zeros = {n: torch.zeros(captured.placeholder(n).meta["val"].shape,
+                                    dtype=captured.placeholder(n).meta["val"].dtype, device=device)
+                     for n in self._user_inputs}
+            for st in self._stages:
+                st.learn_collectives(zeros, split_backward=pplan.form == "zbv")
         chunk = {n: TensorChunkSpec(0) if b else _Replicate for n, b in zip(self._user_inputs, batched)}
         failure, loss_dtype = self._failure, split.loss.meta["val"].dtype
 
@@ -1100,7 +1169,7 @@ class PipelineModule(nn.Module):
         losses: list[torch.Tensor] = []
         train = self.training and torch.is_grad_enabled()
         # under FSDP the stages' parameters are the pm's own: the gradients a user's earlier backward left are put
-        # aside while the schedule runs (it accumulates into .grad, and its metadata inference clears .grad)
+        # aside while the schedule runs (it accumulates into .grad)
         held = [leaf.grad for leaf in self._leaves.values()] if self._fsdp or self._tp is not None else None
         self._failure.clear()
         if train:
@@ -1213,12 +1282,11 @@ class PipelineModule(nn.Module):
             carried: tuple = ()
             for k in range(n):
                 if where[k] == me:
-                    try:
-                        out = self._stage_modules[k](*carried, **inputs)
-                    except Exception as e:  # noqa: BLE001 - raised on every rank after the loop (_raise_failure)
-                        self._failure.record(e, f"pipeline stage {k}'s forward of microbatch {i} (0-based, of {m})")
-                        out = _stand_in(self._stages[self._local_stages.index(k)]._metas, k == n - 1,
-                                        self._device, carried)
+                    # guarded as in the schedule (`_GuardedStage._forward`): a raise is recorded, stood in for,
+                    # and the rest of a tensor-parallel program's collectives replayed, so its tp peers go on
+                    st, sub = self._stages[self._local_stages.index(k)], self._stage_modules[k]
+                    st._chunk = ("forward", i)
+                    out = st._forward(lambda: sub(*carried, **inputs), carried)
                     if k == n - 1:
                         losses.append(_weigh(out, weight))
                         continue

@@ -121,6 +121,7 @@ FILE_SECONDS = {
     "test_float8_plan.py": 13,  # was 22; junit
     "test_local_step.py": 13,  # was 23; junit
     "test_mixed_precision.py": 13,  # was 22; junit
+    "test_pipeline_first_call_errors.py": 15,  # new: 86 s at load 27 (tp_errors: 75 s there)
     "test_pipeline_tp_errors.py": 13,  # was 13; estimate kept: not in the junit run
     "test_pipeline_ep.py": 12,  # was 12; estimate kept: not in the junit run
     "test_batch_local.py": 11,  # was 35; junit

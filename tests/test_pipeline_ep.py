@@ -125,14 +125,13 @@ def test_expert_parallel_pp2_x_ep2_stages_match_one_device(tmp_path):
                                          * M), p2p
             # inside the stage programs only the expert all-to-alls on the ep sub-group (no per-microbatch
             # gradient all-reduce); per microbatch and MoE layer (one per stage): forward the E split counts, the
-            # routed tokens out and back; backward their gradients out and back. The first call adds torch's
-            # metadata inference on one microbatch: stage 0 its forward, the last stage its forward and backward
+            # routed tokens out and back; backward their gradients out and back. The first call too (the stages'
+            # metadata is static: torch runs no metadata inference)
             assert {c[0] for c in colls} == {"all_to_all_single"}, colls
-            inference = (0, 0) if step else (1, 2) if first else (1, 4)
-            assert sum(1 for c in colls if c[1] == E) == M + inference[0], colls
+            assert sum(1 for c in colls if c[1] == E) == M, colls
             tokens = [c[1] for c in colls if c[1] != E]
-            assert len(tokens) == 4 * M + inference[1], colls
-            assert tokens.count(routed) >= 2 * M + inference[1] // 2, colls  # what this rank sends out
+            assert len(tokens) == 4 * M, colls
+            assert tokens.count(routed) >= 2 * M, colls  # what this rank sends out
             # the pipeline's own: the ranks' agreement on the batch (11 digests), the loss over the whole (pp, ep)
             # mesh in one all-reduce (each ep rank adds its rows' part), and one bucket of the stage's replicated
             # gradients over ep (the experts' are not summed)

@@ -90,7 +90,7 @@ def _failing_steps(form: str, mesh_shape, names, plan, injections):
                                  microbatches=4, stages_per_rank=2 if form == "zbv" else None)
         with _P2P() as normal:
             t0 = time.perf_counter()
-            pm(x, y)  # no backward: no gradient; torch's metadata inference runs here
+            pm(x, y)  # no backward: no gradient
             first_s = time.perf_counter() - t0
         with _P2P() as normal:
             t0 = time.perf_counter()

@@ -207,7 +207,7 @@ def _equivalence(form: str, layers: int, mesh_shape, names, microbatches: int, b
             with _FSDPComms() as fsdp2:
                 loss2 = pm(tokens, labels)
             loss2.backward()
-            # a step after a step (torch's schedules re-run their metadata inference after a switch from eval)
+            # a step after a step (the one before followed a forward-only call)
             pm.zero_grad()
             with _P2P() as rec3, _AllReduces() as reduces3, _FSDPComms() as fsdp3:
                 loss3 = pm(tokens, labels)

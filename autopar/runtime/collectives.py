@@ -48,9 +48,9 @@ class _Functional:
     raising on every rank if they differ) before the first collective of the step is looked up."""
 
     def __getattr__(self, name: str):
-        if _BEFORE_COLLECTIVE or _RIDING:
+        if (_BEFORE_COLLECTIVE or _RIDING) and not _DRY:
             settle_pending()
-        op = _OPS.get(name)
+        op = _DRY_OPS[name] if _DRY else _OPS.get(name)
         if op is None:
             op = _OPS[name] = functools.partial(_below_autograd, getattr(torch.ops._c10d_functional, name))
         if _TRACKERS and name != "wait_tensor":
@@ -121,6 +121,43 @@ def tracking(log: list):
         yield log
     finally:
         _TRACKERS.pop()
+
+
+_DRY: list = []  # non-empty inside `dry_run`: the collectives are local stand-ins
+
+
+def _dry_all_gather(x, group_size, *_):
+    return torch.cat([x] * group_size)
+
+
+def _dry_reduce_scatter(x, _op, group_size, *_):
+    return x.narrow(0, 0, x.shape[0] // group_size).clone()
+
+
+def _dry_all_to_all(x, output_split_sizes, *_):
+    if output_split_sizes is None:
+        return x.clone()
+    return x.new_zeros((sum(output_split_sizes), *x.shape[1:]))
+
+
+# what `dry_run` issues instead of each collective: a local tensor of the result's shape, no communication
+_DRY_OPS = {"all_reduce": lambda x, *_: x.clone(), "all_reduce_": lambda x, *_: x,
+            "all_gather_into_tensor": _dry_all_gather, "reduce_scatter_tensor": _dry_reduce_scatter,
+            "all_to_all_single": _dry_all_to_all, "wait_tensor": lambda x: x}
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Inside, every collective the runtime issues (through `_c10d`) is a local stand-in of the result's shape (an
+    all-reduce returns its input, an all-gather repeats it, a reduce-scatter takes the first chunk): no
+    communication, so one rank can run a program alone, under `tracking`, to learn which collectives it issues and
+    in what order (`autopar.pipeline_runtime`: a tensor-parallel stage's program before its first real run). The
+    values are meaningless; only the sequence counts."""
+    _DRY.append(True)
+    try:
+        yield
+    finally:
+        _DRY.pop()
 
 
 def replay(calls, fill: float = float("nan")) -> None:
