@@ -727,13 +727,19 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
                          precision=precision, optimizer=optimizer, cache=cache)
         variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
+        solved: dict[int, list] = {}  # per in-flight count: (budget, the ILP's answer) as solved, for `_known`
 
-        def make(f, budget, mb=mb, lc=lc):
+        def make(f, budget, mb=mb, lc=lc, solved=solved):
             key = (f, budget)
             if key not in variants:
-                variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f, cluster=cluster,
-                                              overrides=overrides, precision=precision, optimizer=optimizer,
-                                              cache=cache)
+                known = _known(lc, f, budget, solved.get(f, ()))
+                if known is not None:
+                    variants[key] = known[0]
+                else:
+                    variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f,
+                                                  cluster=cluster, overrides=overrides, precision=precision,
+                                                  optimizer=optimizer, cache=cache)
+                    solved.setdefault(f, []).append((budget, variants[key]))
             return variants[key]
         for form, v in forms:
             if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
@@ -756,6 +762,23 @@ def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
     parts = [_with_activations(c, f) for c in (lc.first, lc.layer, lc.layer, lc.last)]
     start = (2 * f * ck.act_bytes + ck.transient_bytes) if ck is not None else 0.0
     return peak_bytes(parts, lc.grad_share, start)
+
+
+def _known(lc: LayerCosts, f: int, budget: float, solved) -> tuple[LayerCosts | None] | None:
+    """The ILP's answer for f microbatches in flight within `budget` (two-layer bytes) when it follows from answers
+    already in hand, else None (solve it): (the answer,). The ILP minimises the step under a memory cap, so its
+    optimum under a cap stays optimal under any smaller cap it still fits: the unconstrained plan `lc` (solved
+    without a limit: the fastest) when its two-layer peak with f in flight is within the budget, or an answer x solved
+    under a larger budget B0 that its own peak fits (peak(x) <= budget <= B0); and no plan fits a budget at or below
+    one no plan fitted. The peak is the stage model's (`_two_layer_bytes`, what `_fit_ranks` budgets by)."""
+    if _two_layer_bytes(lc, f) <= budget:
+        return (lc,)
+    for b0, x in solved:
+        if x is None and budget <= b0:
+            return (None,)
+        if x is not None and _two_layer_bytes(x, f) <= budget <= b0:
+            return (x,)
+    return None
 
 
 def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
