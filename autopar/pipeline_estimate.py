@@ -682,11 +682,12 @@ class Tried:
     memory_bytes: float
     fits: bool
     build: object = None  # () -> Plan
+    pruned: str = ""  # why it was not fitted (`auto_pipeline`'s bound): priced with the unconstrained stage plan only
 
 
 def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cluster=None, memory_limit=None,
                   overrides=None, precision=None, microbatches: int | None = None, optimizer: str = "adam",
-                  quick: bool = False, runnable: bool = False) -> list[Tried]:
+                  quick: bool = False, runnable: bool = False, best_s: float | None = None) -> list[Tried]:
     """Every pipeline over `axis` that `auto` weighs, priced: the outer search of Alpa's stage DP (Zheng et al.
     2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count, the ILP plans
     one microbatch of the one- and two-layer model on the sub-mesh (`layer_costs`, plan "auto", no memory limit:
@@ -718,8 +719,8 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         ms = [m for m in ms if batch % (m * degree) == 0]
         tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
         forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
-    tried: list[Tried] = []
     cache: dict = {}
+    runs = []  # per (microbatch count, schedule): what pricing it needs, and its bound
     for m in ms:
         if batch % m:
             continue
@@ -729,7 +730,7 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
         solved: dict[int, list] = {}  # per in-flight count: (budget, the ILP's answer) as solved, for `_known`
 
-        def make(f, budget, mb=mb, lc=lc, solved=solved):
+        def make(f, budget, mb=mb, lc=lc, variants=variants, solved=solved):
             key = (f, budget)
             if key not in variants:
                 known = _known(lc, f, budget, solved.get(f, ()))
@@ -747,13 +748,39 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
             kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
                       full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
                       memory_limit=memory_limit)
-            rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else make)
-            slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
-            label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
-            tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
-                               fields["memory_bytes_per_device"], fields["fits"],
-                               (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs)))
-    return tried
+            priced = price_pipeline(lc, **kw)
+            runs.append(dict(m=m, form=form, lc=lc, kw=kw, make=make, variants=variants, priced=priced,
+                             bound=priced[2]["pipe_s"]))
+    # the least bound first; a schedule whose bound is no less than a fitting step in hand cannot win (`_bound_ok`)
+    best = best_s if best_s is not None else math.inf
+    out: dict[int, Tried] = {}
+    for i in sorted(range(len(runs)), key=lambda i: runs[i]["bound"]):
+        r = runs[i]
+        m, form, lc, kw = r["m"], r["form"], r["lc"], r["kw"]
+        if r["bound"] >= best and not r["priced"][1]["fits"] and _bound_ok(r["variants"], lc):
+            fields = r["priced"][1]
+            out[i] = Tried(f"{form}@{axis}, {m} microbatches", fields["step_time_s"], fields["bubble_s"], 0.0,
+                           fields["memory_bytes_per_device"], False,
+                           pruned=f"not fitted: its pipeline with the fastest stage plan on every rank takes "
+                                  f"{r['bound'] * 1e3:.1f} ms, no less than a step that fits, {best * 1e3:.1f} ms")
+            continue
+        rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else r["make"], priced=r["priced"])
+        slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
+        label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
+        out[i] = Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
+                       fields["memory_bytes_per_device"], fields["fits"],
+                       (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs))
+        if fields["fits"]:
+            best = min(best, fields["step_time_s"])
+    return [out[i] for i in range(len(runs))]
+
+
+def _bound_ok(variants: dict, lc: LayerCosts) -> bool:
+    """Whether the pipeline time priced with `lc` on every rank bounds this microbatch count's steps from below: the
+    memory-fit stage plans (`stage_variant`) trade speed for memory, so each layer is no faster than under the
+    unconstrained plan (the ILP's fastest) and every chunk, the bubble and the schedule's time no shorter (the tail
+    aside: the bound leaves it out). Checked on the stage plans solved so far: one faster than `lc` voids it."""
+    return all(x is None or layer_time_s(x) >= layer_time_s(lc) * (1 - 1e-9) for x in variants.values())
 
 
 def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
@@ -781,7 +808,7 @@ def _known(lc: LayerCosts, f: int, budget: float, solved) -> tuple[LayerCosts | 
     return None
 
 
-def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
+def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3, priced=None):
     """(per rank its layer costs, `price_pipeline` of them): every rank the fastest stage plan that fits it. For a
     rank the unconstrained plan `lc` does not fit, `make(in_flight, budget)` gives the ILP's plan for its in-flight
     count within a budget for the two-layer model: `lc`'s two-layer peak less what the rank is over, scaled from
@@ -789,7 +816,7 @@ def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
     over; fitting with room: grown by the room once (a faster plan may fit), `rounds` tries in all. The cut is then
     re-balanced on the chosen plans' per-layer times, until it no longer moves. `make` None: `lc` everywhere."""
     p, limit = kw["p"], kw["memory_limit"]
-    priced = price_pipeline(lc, **kw)
+    priced = price_pipeline(lc, **kw) if priced is None else priced
     if make is None:
         return [lc] * p, priced
     limit = priced[1]["memory_limit_bytes"] if limit is None else limit
@@ -859,7 +886,7 @@ def choose(tried: list[Tried], unpipelined: Plan | None, unpipelined_why: str = 
     estimated step among those that fit; when none fits, the pipeline needing the least memory (it says so)."""
     rows = [CandidateRow(label=t.label, compute_s=t.step_s - t.bubble_s - t.p2p_s, comm_s=t.p2p_s,
                          memory_bytes=int(t.memory_bytes), time_s=t.step_s,
-                         excluded="" if t.fits else f"does not fit: {fmt_bytes(t.memory_bytes)} per device")
+                         excluded=t.pruned or ("" if t.fits else f"does not fit: {fmt_bytes(t.memory_bytes)} per device"))
             for t in tried]
     cands: list[tuple[float, str, object, float, float]] = [(t.step_s, t.label, t, t.bubble_s, t.p2p_s)
                                                             for t in tried if t.fits]
