@@ -697,7 +697,11 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     saved bytes counted that many times) and the rank's budget scaled to two layers (`stage_variant`), so the ILP
     itself trades FSDP, ZeRO, tensor parallelism and checkpoint levels for that rank; each rank then takes the
     fastest stage plan that fits it, and the cut is re-balanced on the ranks' own per-layer times (`_fit_ranks`).
-    Stage plans are cached by (microbatch, in-flight count, budget): identical stages solve once.
+    Stage plans are cached by (microbatch, in-flight count, budget): identical stages solve once, and a budget whose
+    answer follows from one in hand is not solved (`_known`). The (schedule, microbatches) pairs are fitted in the
+    order of a lower bound on their step, their pipeline time with the unconstrained stage plan on every rank (no
+    memory-fit plan is faster, `_bound_ok`); a pair whose bound is no less than a fitting step in hand (`best_s`,
+    e.g. the whole mesh's plan) cannot win and is not fitted: it is listed, `Tried.pruned` saying why.
     An outer search rather than one ILP: the microbatch count changes the shapes the ILP prices, and the bubble
     and the in-flight activations multiply the stage time and memory by functions of m, p and v that are not
     linear in the ILP's variables; identical layers make the ILP's classes one per layer kind whatever a stage's
