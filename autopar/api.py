@@ -163,10 +163,15 @@ def _auto_maybe_pipelined(model, mesh, example_inputs, *, cluster, memory_limit,
         return unpipelined
     tried, skipped = [], []
     for axis in axes:
+        # the least step that fits so far (the whole mesh's plan, an axis pipelined before): a pipeline bounded
+        # above it is not fitted (`auto_pipeline`)
+        best_s = min([t.step_s for t in tried if t.fits] + ([unpipelined.estimate.step_time_s] if unpipelined
+                                                             is not None and unpipelined.estimate.fits else []),
+                     default=None)
         try:
             tried += pe.auto_pipeline(model, sizes, example_inputs, axis, cluster=cluster, memory_limit=memory_limit,
                                       overrides=overrides, precision=precision, microbatches=microbatches,
-                                      quick=err is not None, runnable=runnable)
+                                      quick=err is not None, runnable=runnable, best_s=best_s)
         except (ValueError, NotImplementedError) as e:  # noqa: PERF203 - a pipeline this model cannot take
             skipped.append(f"pipeline over {axis!r}: {e}")
     if not tried:

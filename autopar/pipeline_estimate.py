@@ -682,11 +682,12 @@ class Tried:
     memory_bytes: float
     fits: bool
     build: object = None  # () -> Plan
+    pruned: str = ""  # why it was not fitted (`auto_pipeline`'s bound): priced with the unconstrained stage plan only
 
 
 def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cluster=None, memory_limit=None,
                   overrides=None, precision=None, microbatches: int | None = None, optimizer: str = "adam",
-                  quick: bool = False, runnable: bool = False) -> list[Tried]:
+                  quick: bool = False, runnable: bool = False, best_s: float | None = None) -> list[Tried]:
     """Every pipeline over `axis` that `auto` weighs, priced: the outer search of Alpa's stage DP (Zheng et al.
     2022, `alpa/pipeline_parallel/stage_construction.py`) with the ILP inside. Per microbatch count, the ILP plans
     one microbatch of the one- and two-layer model on the sub-mesh (`layer_costs`, plan "auto", no memory limit:
@@ -696,7 +697,11 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     saved bytes counted that many times) and the rank's budget scaled to two layers (`stage_variant`), so the ILP
     itself trades FSDP, ZeRO, tensor parallelism and checkpoint levels for that rank; each rank then takes the
     fastest stage plan that fits it, and the cut is re-balanced on the ranks' own per-layer times (`_fit_ranks`).
-    Stage plans are cached by (microbatch, in-flight count, budget): identical stages solve once.
+    Stage plans are cached by (microbatch, in-flight count, budget): identical stages solve once, and a budget whose
+    answer follows from one in hand is not solved (`_known`). The (schedule, microbatches) pairs are fitted in the
+    order of a lower bound on their step, their pipeline time with the unconstrained stage plan on every rank (no
+    memory-fit plan is faster, `_bound_ok`); a pair whose bound is no less than a fitting step in hand (`best_s`,
+    e.g. the whole mesh's plan) cannot win and is not fitted: it is listed, `Tried.pruned` saying why.
     An outer search rather than one ILP: the microbatch count changes the shapes the ILP prices, and the bubble
     and the in-flight activations multiply the stage time and memory by functions of m, p and v that are not
     linear in the ILP's variables; identical layers make the ILP's classes one per layer kind whatever a stage's
@@ -718,8 +723,8 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         ms = [m for m in ms if batch % (m * degree) == 0]
         tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
         forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
-    tried: list[Tried] = []
     cache: dict = {}
+    runs = []  # per (microbatch count, schedule): what pricing it needs, and its bound
     for m in ms:
         if batch % m:
             continue
@@ -727,13 +732,19 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
                          precision=precision, optimizer=optimizer, cache=cache)
         variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
+        solved: dict[int, list] = {}  # per in-flight count: (budget, the ILP's answer) as solved, for `_known`
 
-        def make(f, budget, mb=mb, lc=lc):
+        def make(f, budget, mb=mb, lc=lc, variants=variants, solved=solved):
             key = (f, budget)
             if key not in variants:
-                variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f, cluster=cluster,
-                                              overrides=overrides, precision=precision, optimizer=optimizer,
-                                              cache=cache)
+                known = _known(lc, f, budget, solved.get(f, ()))
+                if known is not None:
+                    variants[key] = known[0]
+                else:
+                    variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f,
+                                                  cluster=cluster, overrides=overrides, precision=precision,
+                                                  optimizer=optimizer, cache=cache)
+                    solved.setdefault(f, []).append((budget, variants[key]))
             return variants[key]
         for form, v in forms:
             if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
@@ -741,13 +752,39 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
             kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
                       full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
                       memory_limit=memory_limit)
-            rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else make)
-            slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
-            label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
-            tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
-                               fields["memory_bytes_per_device"], fields["fits"],
-                               (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs)))
-    return tried
+            priced = price_pipeline(lc, **kw)
+            runs.append(dict(m=m, form=form, lc=lc, kw=kw, make=make, variants=variants, priced=priced,
+                             bound=priced[2]["pipe_s"]))
+    # the least bound first; a schedule whose bound is no less than a fitting step in hand cannot win (`_bound_ok`)
+    best = best_s if best_s is not None else math.inf
+    out: dict[int, Tried] = {}
+    for i in sorted(range(len(runs)), key=lambda i: runs[i]["bound"]):
+        r = runs[i]
+        m, form, lc, kw = r["m"], r["form"], r["lc"], r["kw"]
+        if r["bound"] >= best and not r["priced"][1]["fits"] and _bound_ok(r["variants"], lc):
+            fields = r["priced"][1]
+            out[i] = Tried(f"{form}@{axis}, {m} microbatches", fields["step_time_s"], fields["bubble_s"], 0.0,
+                           fields["memory_bytes_per_device"], False,
+                           pruned=f"not fitted: its pipeline with the fastest stage plan on every rank takes "
+                                  f"{r['bound'] * 1e3:.1f} ms, no less than a step that fits, {best * 1e3:.1f} ms")
+            continue
+        rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else r["make"], priced=r["priced"])
+        slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
+        label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
+        out[i] = Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
+                       fields["memory_bytes_per_device"], fields["fits"],
+                       (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs))
+        if fields["fits"]:
+            best = min(best, fields["step_time_s"])
+    return [out[i] for i in range(len(runs))]
+
+
+def _bound_ok(variants: dict, lc: LayerCosts) -> bool:
+    """Whether the pipeline time priced with `lc` on every rank bounds this microbatch count's steps from below: the
+    memory-fit stage plans (`stage_variant`) trade speed for memory, so each layer is no faster than under the
+    unconstrained plan (the ILP's fastest) and every chunk, the bubble and the schedule's time no shorter (the tail
+    aside: the bound leaves it out). Checked on the stage plans solved so far: one faster than `lc` voids it."""
+    return all(x is None or layer_time_s(x) >= layer_time_s(lc) * (1 - 1e-9) for x in variants.values())
 
 
 def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
@@ -758,7 +795,24 @@ def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
     return peak_bytes(parts, lc.grad_share, start)
 
 
-def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
+def _known(lc: LayerCosts, f: int, budget: float, solved) -> tuple[LayerCosts | None] | None:
+    """The ILP's answer for f microbatches in flight within `budget` (two-layer bytes) when it follows from answers
+    already in hand, else None (solve it): (the answer,). The ILP minimises the step under a memory cap, so its
+    optimum under a cap stays optimal under any smaller cap it still fits: the unconstrained plan `lc` (solved
+    without a limit: the fastest) when its two-layer peak with f in flight is within the budget, or an answer x solved
+    under a larger budget B0 that its own peak fits (peak(x) <= budget <= B0); and no plan fits a budget at or below
+    one no plan fitted. The peak is the stage model's (`_two_layer_bytes`, what `_fit_ranks` budgets by)."""
+    if _two_layer_bytes(lc, f) <= budget:
+        return (lc,)
+    for b0, x in solved:
+        if x is None and budget <= b0:
+            return (None,)
+        if x is not None and _two_layer_bytes(x, f) <= budget <= b0:
+            return (x,)
+    return None
+
+
+def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3, priced=None):
     """(per rank its layer costs, `price_pipeline` of them): every rank the fastest stage plan that fits it. For a
     rank the unconstrained plan `lc` does not fit, `make(in_flight, budget)` gives the ILP's plan for its in-flight
     count within a budget for the two-layer model: `lc`'s two-layer peak less what the rank is over, scaled from
@@ -766,7 +820,7 @@ def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):
     over; fitting with room: grown by the room once (a faster plan may fit), `rounds` tries in all. The cut is then
     re-balanced on the chosen plans' per-layer times, until it no longer moves. `make` None: `lc` everywhere."""
     p, limit = kw["p"], kw["memory_limit"]
-    priced = price_pipeline(lc, **kw)
+    priced = price_pipeline(lc, **kw) if priced is None else priced
     if make is None:
         return [lc] * p, priced
     limit = priced[1]["memory_limit_bytes"] if limit is None else limit
@@ -836,7 +890,7 @@ def choose(tried: list[Tried], unpipelined: Plan | None, unpipelined_why: str = 
     estimated step among those that fit; when none fits, the pipeline needing the least memory (it says so)."""
     rows = [CandidateRow(label=t.label, compute_s=t.step_s - t.bubble_s - t.p2p_s, comm_s=t.p2p_s,
                          memory_bytes=int(t.memory_bytes), time_s=t.step_s,
-                         excluded="" if t.fits else f"does not fit: {fmt_bytes(t.memory_bytes)} per device")
+                         excluded=t.pruned or ("" if t.fits else f"does not fit: {fmt_bytes(t.memory_bytes)} per device"))
             for t in tried]
     cands: list[tuple[float, str, object, float, float]] = [(t.step_s, t.label, t, t.bubble_s, t.p2p_s)
                                                             for t in tried if t.fits]

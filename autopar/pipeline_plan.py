@@ -14,6 +14,7 @@ schedules place them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 PIPELINE_FORMS = ("gpipe", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
@@ -97,6 +98,13 @@ def balanced_cut(costs: list[float], n_stages: int, first: float = 0.0, last: fl
     programme over prefix sums, O(n_stages * L^2)); ties break toward earlier cuts. Returns n_stages+1 indices.
     `stage_layer_s`: per stage, a factor on its layers' costs (stages whose forms or checkpoint levels differ run the
     same layer at different speeds)."""
+    return _balanced_cut(tuple(costs), n_stages, first, last,
+                         tuple(stage_layer_s) if stage_layer_s is not None else None)
+
+
+@functools.lru_cache(maxsize=256)  # the `auto` search prices one stage model under several schedules alike
+def _balanced_cut(costs: tuple[float, ...], n_stages: int, first: float, last: float,
+                  stage_layer_s: tuple[float, ...] | None) -> tuple[int, ...]:
     L = len(costs)
     if stage_layer_s is not None and len(stage_layer_s) != n_stages:
         raise ValueError(f"stage_layer_s has {len(stage_layer_s)} factors for {n_stages} stages")

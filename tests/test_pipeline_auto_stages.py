@@ -24,10 +24,45 @@ def _model_and_batch():
 
 
 @pytest.fixture(scope="module")
-def chosen():
+def captures():
+    return {}  # `pipeline_estimate`'s capture cache, shared by the tests that price the same sub-models
+
+
+@pytest.fixture(scope="module")
+def chosen(spied):
+    return spied[:3]
+
+
+@pytest.fixture(scope="module")
+def spied():
+    """The plan, and what its search did: the unconstrained layer costs' microbatches (by id), the stage plans
+    `_known` answered (lc, in-flight count, budget, answer) and every (schedule, microbatches) tried."""
     import autopar
+    from autopar import pipeline_estimate as pe
     model, batch = _model_and_batch()
-    return model, batch, autopar.plan(model, {"pp": 2, "dp": 2}, batch, plan="auto", memory_limit=LIMIT)
+    inputs_of, answered, tried = {}, [], []
+    layer_costs, known, auto_pipeline = pe.layer_costs, pe._known, pe.auto_pipeline
+
+    def costs_spy(model, sub_sizes, mb_inputs, **kw):
+        lc = layer_costs(model, sub_sizes, mb_inputs, **kw)
+        inputs_of[id(lc)] = mb_inputs
+        return lc
+
+    def known_spy(lc, f, budget, solved):
+        got = known(lc, f, budget, solved)
+        if got is not None:
+            answered.append((lc, f, budget, got[0]))
+        return got
+
+    def search_spy(*a, **kw):
+        tried.extend(auto_pipeline(*a, **kw))
+        return tried
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pe, "layer_costs", costs_spy)
+        mp.setattr(pe, "_known", known_spy)
+        mp.setattr(pe, "auto_pipeline", search_spy)
+        plan = autopar.plan(model, {"pp": 2, "dp": 2}, batch, plan="auto", memory_limit=LIMIT)
+    return model, batch, plan, inputs_of, answered, tried
 
 
 def _cuts(num_layers: int, n: int):
@@ -35,12 +70,12 @@ def _cuts(num_layers: int, n: int):
         yield (0, *inner, num_layers)
 
 
-def test_auto_picks_memory_fit_stage_plans_no_worse_than_brute_force(chosen):
+def test_auto_picks_memory_fit_stage_plans_no_worse_than_brute_force(chosen, captures):
     from autopar import pipeline_estimate as pe
     model, batch, plan = chosen
     assert plan.pipeline is not None and plan.estimate.fits and plan.estimate.memory_bytes_per_device <= LIMIT
     sub, mesh = {"dp": 2}, {"pp": 2, "dp": 2}
-    cache: dict = {}
+    cache = captures
     best, default_fits = None, False
     for m in (2, 4):
         mb = pe._microbatch(batch, 8, m)
@@ -85,13 +120,49 @@ def test_in_flight_counts_the_activations_against_the_limit():
     from autopar import pipeline_estimate as pe
     from autopar.solver import InfeasibleError
     model, batch = _model_and_batch()
-    least = []
+    least, cache = [], {}
     for f in (1, 4):
-        with pytest.raises(InfeasibleError) as e:
+        with pytest.raises(InfeasibleError) as e:  # one capture of the two-layer model for both
             pe._sub_plan(pe._truncated(model, "layers", 2), {"dp": 2}, batch, "auto", None, None, None,
-                         memory_limit=1, in_flight=f)
+                         memory_limit=1, in_flight=f, cache=cache, key=(2, 8))
         least.append(e.value.least_bytes)
     assert least[1] > least[0]
     with pytest.raises(ValueError, match="in_flight must be a positive integer"):
         pe._sub_plan(pe._truncated(model, "layers", 2), {"dp": 2}, batch, "auto", None, None, None,
                      memory_limit=1, in_flight=0)
+
+
+def test_search_shortcuts_change_no_answer(spied, captures):
+    """`auto_pipeline`'s two shortcuts against doing without them: every stage plan `_known` answered from answers in
+    hand is the ILP's own answer for that (microbatch, in-flight count, budget), and every (schedule, microbatches)
+    its bound left unfitted (at the brute force's microbatch counts) fits no faster than the best step found."""
+    from autopar import pipeline_estimate as pe
+    model, batch, _, inputs_of, answered, tried = spied
+    sub = {"dp": 2}
+    pruned = [t for t in tried if t.pruned]
+    fitted = [t for t in tried if t.fits]
+    assert answered and pruned and fitted  # the premise: both shortcuts were taken here
+    cache = captures
+    for lc, f, budget, got in answered:
+        solved = pe.stage_variant(model, sub, inputs_of[id(lc)], lc, memory_limit=budget, in_flight=f, cache=cache)
+        assert (got is None) == (solved is None), (f, budget)
+        if got is not None:
+            assert pe.layer_time_s(got) == pytest.approx(pe.layer_time_s(solved), rel=1e-9), (f, budget)
+            assert pe._stage_plan_text(got) == pe._stage_plan_text(solved), (f, budget)
+    best = min(t.step_s for t in fitted)
+    checked = 0
+    for t in pruned:
+        form, m = t.label.split("@")[0], int(t.label.split(", ")[1].split()[0])
+        if m not in (2, 4):
+            continue
+        mb = pe._microbatch(batch, 8, m)
+        lc = pe.layer_costs(model, sub, mb, plan="auto", cache=cache)
+        kw = dict(form=form, axis="pp", p=2, m=m, v=dict(pe.AUTO_FORMS)[form], num_layers=4, cluster=None,
+                  full_sizes=(2, 2), full_names=("pp", "dp"), optimizer="adam", memory_limit=LIMIT)
+
+        def plain(f, b, mb=mb, lc=lc):  # the ILP every time
+            return pe.stage_variant(model, sub, mb, lc, memory_limit=b, in_flight=f, cache=cache)
+        _, (_, fields, _) = pe._fit_ranks(lc, kw, plain)
+        assert not fields["fits"] or fields["step_time_s"] >= best * (1 - 1e-9), (t.label, fields["step_time_s"], best)
+        checked += 1
+    assert checked
