@@ -121,3 +121,38 @@ def test_the_ranked_pipelines_are_autos_runnable_ones_in_the_estimates_order():
     (c,) = pipeline_candidates(model, info, (tokens, labels), None, (("1f1b@pp", 2),))
     assert c.name == "pipeline 1f1b@pp m=2" and c.plan.pipeline == ranked[0].plan.pipeline
     assert c.predicted_s == pytest.approx(ranked[0].predicted_s, rel=1e-9)
+
+
+
+def _cli_factory():
+    return llama(), (torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 16, dtype=torch.long))
+
+
+def test_cli_passes_microbatches_to_tune(monkeypatch):
+    """`python -m autopar tune --microbatches 4` reaches `autopar.tune(microbatches=4)`: the world, the mesh and tune
+    stubbed (no process group in the pytest process; the recorder raises a ValueError, which the CLI turns into an
+    exit saying it)."""
+    import argparse
+    import contextlib
+    import sys
+
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as dm
+
+    from autopar import cli_tune, cli_verify
+    seen = {}
+
+    def recorder(model, mesh, inputs, **kw):
+        seen.update(kw, mesh=mesh)
+        raise ValueError("recorded")
+    monkeypatch.setattr(sys.modules["autopar.tune"], "tune", recorder)
+    monkeypatch.setattr(cli_verify, "world", contextlib.nullcontext)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    monkeypatch.setattr(dm, "init_device_mesh", lambda device, shape, mesh_dim_names: (device, shape, mesh_dim_names))
+    parser = argparse.ArgumentParser()
+    cli_tune.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["tune", "--model", "test_tune_pipeline:_cli_factory", "--mesh-names", "pp",
+                              "--microbatches", "4", "--quiet", "--no-cache"])
+    with pytest.raises(SystemExit, match="python -m autopar tune: recorded"):
+        args.run(args)
+    assert seen["microbatches"] == 4 and seen["cache"] is False and seen["mesh"] == ("cpu", (1,), ("pp",))
