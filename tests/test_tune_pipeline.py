@@ -1,10 +1,10 @@
 """`autopar.tune` measures pipeline candidates (issue #23, deliverable 4), 2 gloo ranks, a tiny Llama on a ("pp",)
 mesh: tune includes the pipelines the stage model ranks best (what `parallelize(plan="auto")` would run), measures
 them in the same rounds as the flat plans, picks the MEASURED fastest (a fake clock slows every other candidate, so
-the predicted best loses), caches it, and `plan="tuned"` and the saved plan's path run the same pipeline (schedule,
-microbatches, cut), trained exactly against one device (fp64: loss, every gradient, params after AdamW, the p2p
-sends counted). The clear errors: microbatches that do not split the batch, or with given pairs; a bad pair or
-axis; a saved pipelined plan run with other microbatches."""
+the predicted best loses), caches it, and `plan="tuned"` (and the saved plan's path, the same Plan) runs the same
+pipeline (schedule, microbatches, cut), trained exactly against one device (fp64: loss, every gradient, params
+after AdamW, the p2p sends counted). The clear errors: microbatches that do not split the batch, or with given
+pairs; a bad pair or axis; a saved pipelined plan run with other microbatches or overrides."""
 
 from __future__ import annotations
 
@@ -64,19 +64,26 @@ def _tune_pipelines(cache_dir: str):
             assert c.plan.pipeline.cut == (0, 1, 2) and c.plan.pipeline.form == "1f1b"
         table = res.table()
         row = next(line for line in table.splitlines() if line.startswith(WINNER))
-        assert "fastest" in row and "pipeline 1f1b@pp, 4 microbatches" in row and f"{pipes[0].predicted_s * 1e3:.2f}" in row
+        assert "fastest" in row and "pipeline 1f1b@pp, 4 microbatches" in row
+        assert f"{pipes[0].predicted_s * 1e3:.2f}" in row  # predicted and measured, side by side
 
-        # the cached winner: plan="tuned" measures nothing and runs the same pipeline; so does the saved plan
-        pm_tuned = autopar.parallelize(copy.deepcopy(ref), mesh, batch, plan="tuned", microbatches=4)
-        assert isinstance(pm_tuned, PipelineModule) and pm_tuned.pipeline_plan == res.plan.pipeline
+        # the cached winner: plan="tuned" measures nothing (a step now raises) and runs the same pipeline; the saved
+        # plan's path names the same Plan, run by the same code (`autopar.tune.parallelize_given_pipeline`)
+        def no_step(lv, *args):
+            raise AssertionError(f"plan='tuned' measured {lv.cand.name} again instead of reading the cache")
+        T._step = no_step
+        pm = autopar.parallelize(model, mesh, batch, plan="tuned", microbatches=4)
+        T._step = old_step
+        assert isinstance(pm, PipelineModule) and pm.pipeline_plan == res.plan.pipeline
+        assert pm.pipeline_plan.microbatches == 4 and pm.pipeline_plan.label == "1f1b@pp"
+        assert pm.plan.name == res.plan.name and pm.plan.pipeline == res.plan.pipeline
         path = os.path.join(cache_dir, f"plan{dist.get_rank()}.json")
         res.plan.save(path)
+        assert T.given_pipeline(path) == res.plan and T.given_pipeline(res.plan) == res.plan
         with pytest.raises(ValueError, match=r"microbatches=2, but plan .* microbatches=4\. Fix"):
             autopar.parallelize(copy.deepcopy(ref), mesh, batch, plan=path, microbatches=2)
-        pm = autopar.parallelize(model, mesh, batch, plan=path)
-        assert isinstance(pm, PipelineModule) and pm.pipeline_plan == pm_tuned.pipeline_plan == res.plan.pipeline
-        assert pm.pipeline_plan.microbatches == 4 and pm.pipeline_plan.label == "1f1b@pp"
-        assert pm.plan.name == res.plan.name
+        with pytest.raises(ValueError, match=r"overrides=.* a given Plan holds its pipeline"):
+            autopar.parallelize(copy.deepcopy(ref), mesh, batch, plan=path, overrides={"mlp": "tp"})
         errs, sends = {}, []
         for _, counter, mine in train_steps(ref, pm, batch, errs, steps=1, counter=Count):
             sends = counter.p2p
