@@ -107,7 +107,8 @@ class TuneCandidate:
     """One plan tried: its prediction (as loaded, and after this run's calibration), the parts a calibration
     scales, and what was measured (None with `skipped` saying why)."""
 
-    name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both
+    name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both;
+    # 'pipeline 1f1b@pp m=4' a pipeline (module docstring, 6)
     plan: Plan
     predicted_s: float
     components: tuple[tuple[str, float], ...] = ()  # 'compute:<kind>', 'axis:<index>', ..., 'rest' -> seconds;
@@ -395,6 +396,17 @@ def ranked_pipelines(model: nn.Module, info, example_inputs, cluster, top_k: int
                                      predicted_s=math.nan, skipped=f"not run: {type(e).__name__}: {e}"))
             continue
         fits = sorted((t for t in tried if t.fits), key=lambda t: t.step_s)[:top_k]
+        if top_k and not fits:  # said in the table, not dropped silently
+            why = (f"none of the {len(tried)} pipelines priced fits the memory limit ("
+                   + ", ".join(f"{t.label}: {t.memory_bytes / 2**20:.1f} MiB" for t in tried) + ")" if tried else
+                   f"the stage runtime runs no schedule of {', '.join(f for f, _ in pe.AUTO_FORMS)} on {sizes[axis]} "
+                   f"ranks of {axis!r} for this model and batch"
+                   + (f" with microbatches={microbatches}" if microbatches else "")
+                   + " (1F1B needs at least as many microbatches as ranks; interleaved 1F1B and ZB-V two layers "
+                     "per rank; the microbatches must split the batch over the data-parallel ranks)")
+            out.append(TuneCandidate(name=f"pipeline over {axis}", plan=Plan(name="dp", mesh=tuple(sizes.items())),
+                                     predicted_s=math.nan, skipped=f"not run: {why}"))
+            continue
         _, _, rows = pe.choose(tried, None)
         for i, t in enumerate(fits):
             why = (f"autopar.tune: the stage model's #{i + 1} of {len(tried)} pipelines over {axis!r} "

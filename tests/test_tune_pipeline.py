@@ -125,6 +125,8 @@ def test_the_ranked_pipelines_are_autos_runnable_ones_in_the_estimates_order():
     for c in ranked:
         assert stage_plan_of(c.plan) == "dp" and c.predicted_s == c.plan.estimate.step_time_s > 0
         assert "autopar.tune: the stage model's" in c.plan.explain()
+    (none,) = ranked_pipelines(model, info, (tokens, labels), None, top_k=2, microbatches=1)  # 1F1B needs m >= p
+    assert none.skipped.startswith("not run: the stage runtime runs no schedule") and "microbatches=1" in none.skipped
     (c,) = pipeline_candidates(model, info, (tokens, labels), None, (("1f1b@pp", 2),))
     assert c.name == "pipeline 1f1b@pp m=2" and c.plan.pipeline == ranked[0].plan.pipeline
     assert c.predicted_s == pytest.approx(ranked[0].predicted_s, rel=1e-9)
