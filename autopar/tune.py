@@ -261,7 +261,8 @@ def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, 
         cal = _on_rank0(lambda: _update_calibration(profile, base, info.sizes, captured.fingerprint(), fits,
                                                     save=calibrate and profile is not None), mesh)
         cal_path = str(calibration_path(profile)) if profile is not None and calibrate else ""
-        cands = [dataclasses.replace(c, calibrated_s=apply_calibration(dict(c.components), cal)) for c in cands]
+        cands = [dataclasses.replace(c, calibrated_s=apply_calibration(dict(c.components), cal))
+                 if c.plan.pipeline is None else c for c in cands]  # a pipeline's prediction is not calibrated
     result = TuneResult(candidates=cands, key=key, measured=True, calibration=cal, cache_path=str(where),
                         calibration_path=cal_path)
     if cache and any(c.measured_s is not None for c in cands) and _rank() == 0:
