@@ -324,6 +324,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
 
     `plan="tuned"`: the plan `autopar.tune` measured fastest for this model, mesh, cluster and dtypes (its cache), or,
     when it has not been tuned yet, `autopar.tune` runs now (every rank measures the candidates) and caches it.
+    A pipelined winner (on a mesh with a "pp" axis tune measures pipelines too), like any given or saved Plan whose
+    `pipeline` is set, runs its pipeline again (`autopar.tune.parallelize_given_pipeline`: its schedule,
+    microbatches, stages per rank and cut); `microbatches=` with "tuned" is tune's (the pipelines' count).
 
     `overrides` ({key: form}): where several keys name one structure, the most specific wins whatever the dict's
     order (an exact module path beats a glob, which beats a kind: `{"h.0.attn": "heads", "attention":
@@ -364,7 +367,18 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                 f"plan='tuned' with inputs={inputs!r}: autopar.tune measures plans on the global batch every rank "
                 "passes, so it cannot tune for local shards yet. Fix: inputs='global', or tune once with the global "
                 "batch and pass the saved plan (TuneResult.plan.save(path); plan=path).")
-        plan = tuned_plan(model, mesh, example_inputs, cluster=cluster)
+        plan = tuned_plan(model, mesh, example_inputs, cluster=cluster, microbatches=microbatches)
+        if plan.pipeline is None:  # microbatches only set the pipeline candidates' count; a flat plan won
+            microbatches = None
+    from autopar.tune import given_pipeline, parallelize_given_pipeline
+    piped = given_pipeline(plan)  # a pipelined Plan (tune's winner, a saved one): its pipeline runs again
+    if piped is not None:
+        if float8 is not None:
+            raise NotImplementedError(f"parallelize(..., float8={float8!r}) with the pipelined plan {piped.name!r}: "
+                                      "the stage runtime does not handle float8 linears. Fix: float8=None")
+        return parallelize_given_pipeline(model, mesh, example_inputs, piped, overrides=overrides,
+                                          microbatches=microbatches, stages_per_rank=stages_per_rank, inputs=inputs,
+                                          mp_policy=mp_policy)
     check_model(model)
     model, float8, torchao_notes = _from_torchao(model, float8, plan)
     from autopar.forms.float8 import check_option

@@ -1,12 +1,14 @@
 """`torchrun --nproc-per-node N -m autopar tune --model pkg.module:factory [--mesh 2x2 --mesh-names dp,tp]
-[--top-k 8] [--steps 10] [--warmup 3] [--out plan.json] [--cluster PATH] [--no-cache] [--quiet]`.
+[--top-k 8] [--steps 10] [--warmup 3] [--microbatches M] [--out plan.json] [--cluster PATH] [--no-cache] [--quiet]`.
 
 `factory()` returns `(model, example_inputs)`, the same on every rank (seed it). The command joins the process
 group torchrun set up (nccl on GPUs, gloo otherwise; a single process without torchrun is a 1-rank world), builds
 the mesh (`autopar.cli_verify`'s world and mesh handling), runs `autopar.tune` with a progress bar per candidate
 on rank 0, prints the table of every candidate (predicted before and after calibration, measured, peak memory)
-and writes the fastest plan with `--out` (load it with `parallelize(..., plan="plan.json")`). Exit status 0 when
-a plan was measured, 1 when every candidate was skipped.
+and writes the fastest plan with `--out` (load it with `parallelize(..., plan="plan.json")`; a pipelined one runs
+its pipeline again). On a mesh with a pipeline axis (`--mesh-names pp,...`) the pipelines the estimate ranks best
+are measured too; `--microbatches M` fixes their microbatch count. Exit status 0 when a plan was measured, 1 when
+every candidate was skipped.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=8, help="the ILP's best distinct plans to measure (default: 8)")
     p.add_argument("--steps", type=int, default=10, help="timed training steps per candidate (default: 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per candidate first (default: 3)")
+    p.add_argument("--microbatches", type=int, help="the pipeline candidates' microbatch count on a mesh with a "
+                                                    "pipeline axis (default: each count the estimate tries)")
     p.add_argument("--cluster", help="the cluster profile (JSON) to price with and calibrate (default: this "
                                      "machine's)")
     p.add_argument("--out", help="write the fastest plan as JSON")
@@ -47,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         mesh = init_device_mesh(device, shape, mesh_dim_names=names)
         try:
             result = tune(model, mesh, inputs, top_k=args.top_k, steps=args.steps, warmup=args.warmup,
-                          cache=not args.no_cache, progress=not args.quiet, cluster=args.cluster)
+                          cache=not args.no_cache, progress=not args.quiet, cluster=args.cluster,
+                          microbatches=args.microbatches)
         except ValueError as e:
             raise SystemExit(f"python -m autopar tune: {e}") from None
         measured = any(c.measured_s is not None for c in result.candidates)

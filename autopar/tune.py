@@ -40,12 +40,21 @@ Run under `torchrun` (every rank calls it with the same model, mesh and example 
    captured graph (`Captured.fingerprint`), the mesh, the cluster and the parameter and input dtypes; a second
    call (and `parallelize(..., plan="tuned")`) returns it without measuring.
 
-6. **Pipeline candidates** (`pipelines=(("1f1b@pp", 4), ...)`: a pipeline override and its microbatch count each):
-   priced offline on rank 0 (`autopar.pipeline_estimate.plan_pipeline`, plan 'dp' inside the stages, as
-   `parallelize(plan="dp", overrides={"pipeline": ...}, microbatches=m)` runs them), built by `parallelize` with that
-   override and timed in the same interleaved rounds, named 'pipeline 1f1b@pp m=4' in the table. Their prediction
-   is the pipeline estimate's step (its bubble and overlap do not decompose into the parts a calibration scales),
-   so they are measured and compared but left out of the calibration fit.
+6. **Pipeline candidates**. On a mesh with an axis named like a pipeline axis (`autopar.pipeline_estimate.
+   PIPELINE_AXIS_NAMES`: "pp", ...), the `top_k` pipelines the stage model ranks best among those that fit
+   (`autopar.pipeline_estimate.auto_pipeline` with `runnable=True`, the search `parallelize(plan="auto")` runs
+   restricted as `autopar.api._auto_runnable` restricts it: 'dp' inside the stages, no checkpoint level, no 'zbv'
+   for tied weights; each a schedule x microbatch count, `microbatches=` fixing the count), planned on rank 0.
+   `pipelines=(("1f1b@pp", 4), ...)` measures the given (pipeline override, microbatches) pairs instead (plan 'dp'
+   inside the stages, `autopar.pipeline_estimate.plan_pipeline`), `pipelines=()` none. Each is built as
+   `parallelize(plan="dp", overrides={"pipeline": ...}, microbatches=m)` builds it
+   (`autopar.pipeline_runtime.parallelize_pipeline`), its PipelinePlan then the one that runs (the runtime's cut),
+   and timed in the same interleaved rounds (forward, backward and optimizer step; the slowest rank's time),
+   named 'pipeline 1f1b@pp m=4' ('... m=4 v=2' for interleaved 1F1B) in the table. Their prediction is the
+   pipeline estimate's step (its bubble and overlap do not decompose into the parts a calibration scales), so
+   they are measured and compared but left out of the calibration fit. A pipelined winner, cached or saved
+   (`TuneResult.plan.save(path)`), runs through `parallelize(..., plan="tuned")` or `plan=path`
+   (`parallelize_given_pipeline`): the same schedule, microbatches, stages per rank and cut.
 
 `TuneResult.plan` is the fastest measured plan, `.table()` prints every candidate's prediction before and after
 calibration against its measurement, `.candidates` holds them.
@@ -80,7 +89,8 @@ from autopar.plan import GATHER_KEEP, DirectiveKind, Plan
 from cost_model.analytical import KINDS
 from cost_model.hardware import Calibration, Cluster, axis_link, calibration_path, load_cluster, profile_of
 
-__all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key", "mirror"]
+__all__ = ["tune", "tuned_plan", "TuneResult", "TuneCandidate", "fit_calibration", "candidates", "cache_key", "mirror",
+           "ranked_pipelines", "parallelize_given_pipeline"]
 
 _STREAMS = itertools.count()  # dropout streams of the candidates' programs
 REST = "rest"  # the part of a prediction no calibration factor scales
@@ -97,7 +107,8 @@ class TuneCandidate:
     """One plan tried: its prediction (as loaded, and after this run's calibration), the parts a calibration
     scales, and what was measured (None with `skipped` saying why)."""
 
-    name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both
+    name: str  # 'auto#1' (the ILP's best), 'auto#2', ..., or a hand plan's name; 'auto#2=megatron' when both;
+    # 'pipeline 1f1b@pp m=4' a pipeline (module docstring, 6)
     plan: Plan
     predicted_s: float
     components: tuple[tuple[str, float], ...] = ()  # 'compute:<kind>', 'axis:<index>', ..., 'rest' -> seconds;
@@ -127,8 +138,11 @@ class TuneCandidate:
             axes = sorted({d.axis for d in gathers}, key=names.index)
             fsdp = (f"; fsdp@{'+'.join(axes)} {len(params)} params"
                     + (f", {len(kept)} kept gathered" if kept else ""))
-        return (f"batch over {'+'.join(data) or '-'}; " + "; ".join(f"{k} {'/'.join(v)}" for k, v in by.items())
-                + fsdp)
+        pp = self.plan.pipeline
+        piped = (f"pipeline {pp.label}, {pp.microbatches} microbatches, {pp.stages_per_rank} stage(s) per rank, cut "
+                 f"{list(pp.cut)}; in the stages: " if pp is not None else "")
+        return (piped + f"batch over {'+'.join(data) or '-'}; "
+                + "; ".join(f"{k} {'/'.join(v)}" for k, v in by.items()) + fsdp)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -206,21 +220,27 @@ def _mib(b: float) -> str:
 
 def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, steps: int = 10, warmup: int = 3,
          optimizer: Callable | None = None, cache: bool = True, progress: bool = True, cluster=None,
-         memory_limit: float | None = None, calibrate: bool = True, pipelines=()) -> TuneResult:
+         memory_limit: float | None = None, calibrate: bool = True, pipelines=None,
+         microbatches: int | None = None) -> TuneResult:
     """Measure the ILP's `top_k` best distinct plans and the hand plans on `mesh`; see the module docstring.
 
     `optimizer(params) -> torch.optim.Optimizer` (default AdamW); `cluster` as in `parallelize` (the profile to
     calibrate; a preset name is used as published and not calibrated on disk); `memory_limit` (bytes per rank): a
     candidate that measures more is skipped; `calibrate=False` leaves the calibration on disk alone; `pipelines`:
-    (pipeline override, microbatches) pairs measured as candidates too (module docstring, 6)."""
+    None (default) the `top_k` pipelines the estimate ranks best on a mesh with a pipeline axis, or the
+    (pipeline override, microbatches) pairs to measure, () none; `microbatches`: the pipelines' microbatch count
+    (default: each count the estimate tries) (module docstring, 6)."""
     _check(model, mesh, top_k, steps, warmup, optimizer)
     pipelines = _check_pipelines(pipelines, mesh)
+    _check_microbatches(microbatches, pipelines, mesh, example_inputs)
     info, captured, ctx = _prepare(model, mesh, example_inputs)
     loaded = load_cluster(cluster, info.sizes)
     base = dataclasses.replace(loaded, calibration=None)
     key = cache_key(captured, info, base, model, example_inputs)
     if pipelines:  # other candidates, another result
         key += "-pp" + hashlib.sha256(repr(pipelines).encode()).hexdigest()[:8]
+    elif pipelines is None and microbatches is not None:
+        key += f"-m{microbatches}"
     where = _cache_dir() / f"{key}.json"
     if cache:
         hit = _on_rank0(lambda: where.read_text() if where.is_file() else None, mesh)
@@ -228,7 +248,9 @@ def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, 
             result = _from_cache(hit, key, str(where))
             return result
     rows = _on_rank0(lambda: [c.to_dict() for c in candidates(model, ctx, info, captured, loaded, top_k)
-                              + pipeline_candidates(model, info, example_inputs, cluster, pipelines)], mesh)
+                              + (ranked_pipelines(model, info, example_inputs, cluster, top_k, microbatches)
+                                 if pipelines is None else
+                                 pipeline_candidates(model, info, example_inputs, cluster, pipelines))], mesh)
     cands = [TuneCandidate.from_dict(r) for r in rows]
     cands = _measure(model, mesh, example_inputs, cands, steps=steps, warmup=warmup, optimizer=optimizer,
                      cluster=cluster, memory_limit=memory_limit, progress=progress and _rank() == 0)
@@ -239,7 +261,8 @@ def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, 
         cal = _on_rank0(lambda: _update_calibration(profile, base, info.sizes, captured.fingerprint(), fits,
                                                     save=calibrate and profile is not None), mesh)
         cal_path = str(calibration_path(profile)) if profile is not None and calibrate else ""
-        cands = [dataclasses.replace(c, calibrated_s=apply_calibration(dict(c.components), cal)) for c in cands]
+        cands = [dataclasses.replace(c, calibrated_s=apply_calibration(dict(c.components), cal))
+                 if c.plan.pipeline is None else c for c in cands]  # a pipeline's prediction is not calibrated
     result = TuneResult(candidates=cands, key=key, measured=True, calibration=cal, cache_path=str(where),
                         calibration_path=cal_path)
     if cache and any(c.measured_s is not None for c in cands) and _rank() == 0:
@@ -251,10 +274,11 @@ def tune(model: nn.Module, mesh: DeviceMesh, example_inputs, *, top_k: int = 8, 
     return result
 
 
-def tuned_plan(model: nn.Module, mesh: DeviceMesh, example_inputs, *, cluster=None) -> Plan:
+def tuned_plan(model: nn.Module, mesh: DeviceMesh, example_inputs, *, cluster=None, microbatches=None) -> Plan:
     """`parallelize(..., plan="tuned")`: the cached tuned plan for this model, mesh, cluster and dtypes, or, when
-    there is none, the plan `tune` finds (measured now, then cached)."""
-    return tune(model, mesh, example_inputs, cluster=cluster, progress=_rank() == 0).plan
+    there is none, the plan `tune` finds (measured now, then cached). `microbatches`: as `tune`'s (the pipeline
+    candidates' count; another cache entry)."""
+    return tune(model, mesh, example_inputs, cluster=cluster, progress=_rank() == 0, microbatches=microbatches).plan
 
 
 def _prepare(model, mesh, example_inputs):
@@ -291,8 +315,14 @@ def _lower(model, mesh, example_inputs, plan: Plan, stream: str):
     return ParallelModule(model, mesh, captured, plan, gm, stream, example_inputs=example_inputs)
 
 
-def _check_pipelines(pipelines, mesh) -> tuple[tuple[str, int], ...]:
+def _check_pipelines(pipelines, mesh) -> tuple[tuple[str, int], ...] | None:
+    """None (the estimate's best pipelines) as is; otherwise the (override, microbatches) pairs, checked."""
     from autopar.pipeline_plan import parse_pipeline
+    if pipelines is None:
+        return None
+    if isinstance(pipelines, str) or not isinstance(pipelines, (tuple, list)):
+        raise ValueError(f"autopar.tune: pipelines takes None (the pipelines the estimate ranks best) or "
+                         f"(pipeline override, microbatches) pairs such as (('1f1b@pp', 4),), got {pipelines!r}")
     out = []
     for item in pipelines:
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
@@ -302,6 +332,92 @@ def _check_pipelines(pipelines, mesh) -> tuple[tuple[str, int], ...]:
         parse_pipeline(item[0], tuple(mesh.mesh_dim_names or ()))  # a clear error for a bad form or axis
         out.append((item[0], item[1]))
     return tuple(out)
+
+
+def pipeline_axes(info) -> list[str]:
+    """The mesh axes tune offers the pipeline role: named like a pipeline axis ("pp", ...), of size > 1 (as
+    `parallelize(plan="auto")` does)."""
+    from autopar.pipeline_estimate import PIPELINE_AXIS_NAMES
+    return [a for a, n in zip(info.names, info.sizes) if a in PIPELINE_AXIS_NAMES and n > 1]
+
+
+def _check_microbatches(microbatches, pipelines, mesh, example_inputs) -> None:
+    """`microbatches=` sets the count of the estimate's pipelines: a positive int splitting the batch over every
+    pipeline axis' data-parallel ranks, on a mesh with a pipeline axis; with given pairs each pair has its own."""
+    if microbatches is None:
+        return
+    from autopar.mesh import mesh_info
+    from autopar.pipeline_estimate import PIPELINE_AXIS_NAMES, _batch_of
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"autopar.tune: microbatches must be a positive int (the pipeline candidates' microbatch "
+                         f"count), got {microbatches!r}")
+    if pipelines is not None:
+        raise ValueError(f"autopar.tune: microbatches={microbatches} with pipelines={pipelines!r}: each given pair "
+                         "names its own microbatch count. Fix: drop microbatches, or drop pipelines (the estimate's "
+                         "best pipelines, with that count)")
+    info = mesh_info(mesh)
+    axes = pipeline_axes(info)
+    if not axes:
+        raise ValueError(f"autopar.tune: microbatches={microbatches} splits the batch of a pipelined candidate, but "
+                         f"the mesh ({', '.join(f'{a}={n}' for a, n in zip(info.names, info.sizes))}) has no axis "
+                         f"of size > 1 named {' or '.join(map(repr, PIPELINE_AXIS_NAMES))}, so tune measures no "
+                         "pipeline. Fix: name the axis to pipeline 'pp', or drop microbatches")
+    batch = _batch_of(example_inputs)
+    for axis in axes:
+        degree = math.prod(n for a, n in zip(info.names, info.sizes) if a != axis)
+        if batch % (degree * microbatches):
+            raise ValueError(f"autopar.tune: microbatches={microbatches} does not split the batch of {batch} rows "
+                             f"over the {degree} data-parallel rank(s) beside pipeline axis {axis!r} ({degree} x "
+                             f"{microbatches} must divide {batch}). Fix: microbatches dividing {batch // degree}"
+                             if batch % degree == 0 else f"autopar.tune: the batch of {batch} rows does not split "
+                             f"over the {degree} data-parallel rank(s) beside pipeline axis {axis!r}. Fix: a batch "
+                             f"that is a multiple of {degree}")
+
+
+def _pipeline_name(pp) -> str:
+    """'pipeline 1f1b@pp m=4' ('... m=4 v=2' for interleaved 1F1B, whose stages per rank vary)."""
+    return f"pipeline {pp.label} m={pp.microbatches}" + (f" v={pp.stages_per_rank}"
+                                                         if pp.form == "interleaved-1f1b" else "")
+
+
+def ranked_pipelines(model: nn.Module, info, example_inputs, cluster, top_k: int, microbatches=None
+                     ) -> list[TuneCandidate]:
+    """The `top_k` pipelines the stage model ranks best over each pipeline axis (`pipeline_axes`), among those that
+    fit, as `parallelize(plan="auto")` weighs them (`auto_pipeline(runnable=True)`: what the stage runtime runs);
+    a model the pipeline cannot take is one skipped candidate saying why."""
+    from autopar import pipeline_estimate as pe
+    sizes = dict(zip(info.names, info.sizes))
+    out: list[TuneCandidate] = []
+    for axis in pipeline_axes(info):
+        try:
+            tried = pe.auto_pipeline(model, sizes, example_inputs, axis, cluster=cluster, microbatches=microbatches,
+                                     runnable=True)
+        except (ValueError, NotImplementedError) as e:
+            out.append(TuneCandidate(name=f"pipeline over {axis}", plan=Plan(name="dp", mesh=tuple(sizes.items())),
+                                     predicted_s=math.nan, skipped=f"not run: {type(e).__name__}: {e}"))
+            continue
+        fits = sorted((t for t in tried if t.fits), key=lambda t: t.step_s)[:top_k]
+        if top_k and not fits:  # said in the table, not dropped silently
+            why = (f"none of the {len(tried)} pipelines priced fits the memory limit ("
+                   + ", ".join(f"{t.label}: {t.memory_bytes / 2**20:.1f} MiB" for t in tried) + ")" if tried else
+                   f"the stage runtime runs no schedule of {', '.join(f for f, _ in pe.AUTO_FORMS)} on {sizes[axis]} "
+                   f"ranks of {axis!r} for this model and batch"
+                   + (f" with microbatches={microbatches}" if microbatches else "")
+                   + " (1F1B needs at least as many microbatches as ranks; interleaved 1F1B and ZB-V two layers "
+                     "per rank; the microbatches must split the batch over the data-parallel ranks)")
+            out.append(TuneCandidate(name=f"pipeline over {axis}", plan=Plan(name="dp", mesh=tuple(sizes.items())),
+                                     predicted_s=math.nan, skipped=f"not run: {why}"))
+            continue
+        _, _, rows = pe.choose(tried, None)
+        for i, t in enumerate(fits):
+            why = (f"autopar.tune: the stage model's #{i + 1} of {len(tried)} pipelines over {axis!r} "
+                   f"({t.label}, estimated {t.step_s * 1e3:.2f} ms: bubble {t.bubble_s * 1e3:.2f} ms, p2p "
+                   f"{t.p2p_s * 1e3:.2f} ms), measured against the other candidates")
+            plan = pe.build_chosen(t, why, rows, sizes)
+            out.append(TuneCandidate(name=_pipeline_name(plan.pipeline), plan=plan,
+                                     predicted_s=plan.estimate.step_time_s,
+                                     components=((REST, plan.estimate.step_time_s),)))
+    return out
 
 
 def pipeline_candidates(model: nn.Module, info, example_inputs, cluster, pipelines) -> list[TuneCandidate]:
@@ -315,6 +431,79 @@ def pipeline_candidates(model: nn.Module, info, example_inputs, cluster, pipelin
         out.append(TuneCandidate(name=f"pipeline {override} m={m}", plan=plan, predicted_s=step_s,
                                  components=((REST, step_s),)))
     return out
+
+
+# ----------------------------------------------------------------------------- a pipelined Plan, run again
+
+def given_pipeline(plan) -> Plan | None:
+    """The Plan `plan` names (a Plan, or the path of a saved one) when it pipelines an axis, else None (a plan name,
+    an unpipelined plan, or a path that is not a plan: `autopar.api` says what is wrong with it)."""
+    from autopar.planner import PLANS
+    if isinstance(plan, Plan):
+        return plan if plan.pipeline is not None else None
+    if isinstance(plan, (str, os.PathLike)) and os.fspath(plan) not in PLANS + ("tuned",) \
+            and os.path.isfile(plan):
+        try:
+            loaded = Plan.load(os.fspath(plan))
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return loaded if loaded.pipeline is not None else None
+    return None
+
+
+def stage_plan_of(plan: Plan) -> str:
+    """What runs inside the stages of a pipelined Plan: its name when it names a stage plan the runtime runs
+    ('dp', 'fsdp', 'megatron'); a plan of another name (auto's, tune's) whose parameters are all replicated on the
+    sub-mesh and which checkpoints no layer runs as 'dp' (what `auto_pipeline(runnable=True)` plans)."""
+    from autopar.pipeline_runtime import STAGE_PLANS
+    from autopar.pipeline_tp import TP_STAGE_PLANS
+    if plan.name in STAGE_PLANS + TP_STAGE_PLANS:
+        return plan.name
+    sharded = [f for f, pls in plan.params if "S(" in pls]
+    levels = sorted({lv for _, lv in plan.checkpoint} - {"none"})
+    if not sharded and not levels:
+        return "dp"
+    raise NotImplementedError(
+        f"plan {plan.name!r} pipelines {plan.pipeline.label} with its own forms inside the stages ("
+        + (f"{len(sharded)} parameters sharded, e.g. {sharded[0]!r}" if sharded else "")
+        + ("; " if sharded and levels else "") + (f"checkpoint levels {levels}" if levels else "")
+        + "): the stage runtime runs 'dp', 'fsdp' or 'megatron' inside a stage, not a plan's per-stage forms "
+        "(autopar.plan's auto plans those offline only). Fix: run parallelize(plan='auto') or name the stage plan: "
+        f"plan='fsdp', overrides={{'pipeline': {plan.pipeline.label!r}}}, microbatches={plan.pipeline.microbatches}")
+
+
+def parallelize_given_pipeline(model: nn.Module, mesh: DeviceMesh, example_inputs, plan: Plan, *, overrides,
+                               microbatches, stages_per_rank, inputs, mp_policy):
+    """`parallelize(..., plan=P)` for a pipelined Plan P (tune's winner, `plan="tuned"`, or a saved one): the
+    pipeline P names (form, axis, microbatches, stages per rank) run by `autopar.pipeline_runtime` with P's stage
+    plan (`stage_plan_of`); the module's PipelinePlan must be P's, cut included (the runtime cuts the captured graph
+    itself), else a ValueError on every rank (each computes the same cut). `pm.plan` keeps P's name and decision."""
+    from autopar.pipeline_runtime import parallelize_pipeline
+    pp = plan.pipeline
+    mesh_axes = tuple((n, mesh.size(i)) for i, n in enumerate(mesh.mesh_dim_names or ()))
+    if tuple(tuple(x) for x in plan.mesh) != mesh_axes:
+        raise ValueError(f"plan {plan.name!r} pipelines {pp.label} on mesh {dict(plan.mesh)}, but this mesh is "
+                         f"{dict(mesh_axes)}. Fix: the mesh the plan was made for, or re-plan on this one")
+    if overrides:
+        raise ValueError(f"overrides={overrides!r} with the pipelined plan {plan.name!r} ({pp.label}): a given Plan "
+                         "holds its pipeline and forms. Fix: drop overrides, or plan by name with them")
+    for what, got, want in (("microbatches", microbatches, pp.microbatches),
+                            ("stages_per_rank", stages_per_rank, pp.stages_per_rank)):
+        if got is not None and got != want:
+            raise ValueError(f"{what}={got!r}, but plan {plan.name!r} pipelines {pp.label} with {what}={want}. Fix: "
+                             f"drop {what} (the plan's is used), or plan again with {what}={got}")
+    stage_plan = stage_plan_of(plan)
+    pm = parallelize_pipeline(model, mesh, example_inputs, value=pp.label, microbatches=pp.microbatches,
+                              stages_per_rank=pp.stages_per_rank, plan=stage_plan,
+                              overrides={"pipeline": pp.label}, inputs=inputs, mp_policy=mp_policy,
+                              auto=plan if plan.name != stage_plan else None)
+    run = pm.pipeline_plan
+    if pp.cut and run.cut != pp.cut:
+        raise ValueError(f"plan {plan.name!r} pipelines {pp.label} with the stage cut {list(pp.cut)}, but the "
+                         f"runtime cuts this model {list(run.cut)} (it balances the captured layers' FLOPs): the "
+                         "model or its example inputs differ from those the plan was made for. Fix: the same model "
+                         "and inputs, or re-plan (autopar.tune again, or plan='auto')")
+    return pm
 
 
 def _check(model, mesh, top_k, steps, warmup, optimizer) -> None:
@@ -742,10 +931,14 @@ def _measure(model, mesh, example_inputs, cands: list[TuneCandidate], *, steps, 
         pp = lv.cand.plan.pipeline
         if pp is not None:  # run as parallelize runs the override (module docstring, 6)
             from autopar.pipeline_runtime import parallelize_pipeline
-            value = f"{pp.form}@{pp.axis}"
-            lv.pm = parallelize_pipeline(model, mesh, example_inputs, value=value, microbatches=pp.microbatches,
-                                         stages_per_rank=pp.stages_per_rank, plan="dp",
-                                         overrides={"pipeline": value}, inputs="global", mp_policy=None)
+            lv.pm = parallelize_pipeline(model, mesh, example_inputs, value=pp.label, microbatches=pp.microbatches,
+                                         stages_per_rank=pp.stages_per_rank, plan=stage_plan_of(lv.cand.plan),
+                                         overrides={"pipeline": pp.label}, inputs="global", mp_policy=None)
+            run = lv.pm.pipeline_plan  # the runtime's cut (the same on every rank): what a saved plan runs again
+            if run != pp:
+                plan = lv.cand.plan
+                lv.cand = dataclasses.replace(lv.cand, plan=dataclasses.replace(plan, pipeline=run, notes=plan.notes + (
+                    f"autopar.tune: the estimate priced the cut {list(pp.cut)}; the runtime runs {list(run.cut)}",)))
         else:
             lv.pm = _lower(model, mesh, example_inputs, lv.cand.plan, f"tune{next(_STREAMS)}")
         lv.opt = make_opt(list(lv.pm.parameters()))

@@ -139,7 +139,7 @@ FILE_SECONDS = {
     "test_moe_permute_kernel.py": 8,  # was 6; junit
     "test_pipeline_census.py": 8,  # was 15; junit
     "test_pipeline_dcp.py": 8,  # was 12; junit
-    "test_tune_pipeline.py": 8,  # was 30; junit
+    "test_tune_pipeline.py": 20,  # was 8; the tune job 15-19 s at load 24 on a warm pool (pp_tune)
     "test_attention_masks.py": 7,  # was 10; junit
     "test_meta_moe.py": 7,  # was 30; junit
     "test_reduce_transient.py": 7,  # was 6; junit
