@@ -702,20 +702,21 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     linear in the ILP's variables; identical layers make the ILP's classes one per layer kind whatever a stage's
     layer count, so one solve per (microbatch, in-flight count, budget) serves every stage.
     `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all).
-    `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`): the stages data parallel
-    on the remaining axes ('dp' for the sub-mesh plan, not the ILP's forms), no checkpoint level, microbatches that
-    split over the data-parallel degree, and no 'zbv' for a model with tied weights (the runtime refuses it there)."""
+    `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`,
+    `autopar.pipeline_auto_run`): the named stage plans it lowers ('dp', 'fsdp', 'megatron' where the mesh takes
+    them, not the ILP's free forms), each rank at the fastest checkpoint level that fits it (none under 'zbv'),
+    microbatches that split over the stage plan's data-parallel degree, and no 'zbv' for a model with tied weights
+    (the runtime refuses it there)."""
     p = mesh[axis]
     parent, layers = repeated_layers(model)
     batch = _batch_of(example_inputs)
     ms = [microbatches] if microbatches else microbatch_candidates(batch, p)[-1:] if quick else \
         microbatch_candidates(batch, p)
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
-    stage_plan, forms = "auto", AUTO_FORMS
-    if runnable:
-        degree = math.prod(s for a, s in mesh.items() if a != axis)
-        stage_plan = "dp"
-        ms = [m for m in ms if batch % (m * degree) == 0]
+    plans, forms = [("auto", 1)], AUTO_FORMS
+    if runnable:  # the named stage plans the runtime runs, at each checkpoint level (`autopar.pipeline_auto_run`)
+        from autopar.pipeline_auto_run import level_variants, stage_plans
+        plans = stage_plans(model, mesh, axis)
         tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
         forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
     tried: list[Tried] = []
@@ -724,29 +725,37 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         if batch % m:
             continue
         mb = _microbatch(example_inputs, batch, m)
-        lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
-                         precision=precision, optimizer=optimizer, cache=cache)
-        variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
-
-        def make(f, budget, mb=mb, lc=lc):
-            key = (f, budget)
-            if key not in variants:
-                variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f, cluster=cluster,
-                                              overrides=overrides, precision=precision, optimizer=optimizer,
-                                              cache=cache)
-            return variants[key]
-        for form, v in forms:
-            if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
+        for stage_plan, degree in plans:
+            if batch % (m * degree):  # the runtime splits each microbatch over the data-parallel ranks
                 continue
-            kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
-                      full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
-                      memory_limit=memory_limit)
-            rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else make)
-            slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
-            label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
-            tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
-                               fields["memory_bytes_per_device"], fields["fits"],
-                               (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs)))
+            lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
+                             precision=precision, optimizer=optimizer, cache=cache)
+            variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
+
+            def make(f, budget, mb=mb, lc=lc, variants=variants):
+                key = (f, budget)
+                if key not in variants:
+                    variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f,
+                                                  cluster=cluster, overrides=overrides, precision=precision,
+                                                  optimizer=optimizer, cache=cache)
+                return variants[key]
+            if runnable:
+                make = level_variants(model, sub, mb, stage_plan, lc, cluster=cluster, overrides=overrides,
+                                      precision=precision, optimizer=optimizer, cache=cache)
+            for form, v in forms:
+                if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
+                    continue
+                kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
+                          full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
+                          memory_limit=memory_limit)
+                # zbv under parallelize: no checkpoint level (`autopar.pipeline_auto_run`)
+                rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable and form == "zbv" else make)
+                slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
+                label = f"{form}@{axis}, {m} microbatches" + (f", {stage_plan!r} stages" if runnable else "") \
+                    + _stage_plans_text(rank_lcs, lc, axis)
+                tried.append(Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
+                                   fields["memory_bytes_per_device"], fields["fits"],
+                                   (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs)))
     return tried
 
 
@@ -817,7 +826,8 @@ def _stage_plan_text(x: LayerCosts) -> str:
     params = [pl for fqn, pl in x.sub_plan.params if _layer_index_of(fqn)]
     sharded = sum(1 for pl in params if "S(" in pl)
     (level,) = {lv for _, lv in x.sub_plan.checkpoint} or {"none"}
-    return f"{', '.join(parts)}; {sharded}/{len(params)} layer parameters sharded; checkpoint {level}"
+    return (f"plan {x.sub_plan.name!r}: {', '.join(parts)}; {sharded}/{len(params)} layer parameters sharded; "
+            f"checkpoint {level}")
 
 
 def _layer_index_of(key: str) -> bool:
@@ -878,8 +888,12 @@ def build_chosen(t: Tried, why: str, rows: tuple, mesh: dict) -> Plan:
     layer_plans = [rank_lcs[pplan.stage_rank(k, p)].sub_plan for k in range(len(cut) - 1)
                    for _ in range(cut[k], cut[k + 1])]
     stage_lcs = [rank_lcs[pplan.stage_rank(k, p)] for k in range(len(cut) - 1)]
+    plans = "; ".join(f"{pplan.axis}={r}: {_stage_plan_text(x)}" for r, x in enumerate(rank_lcs))
     if any(x is not lc for x in rank_lcs):
-        plans = "; ".join(f"{pplan.axis}={r}: {_stage_plan_text(x)}" for r, x in enumerate(rank_lcs))
         why += f"; every rank's stage plan (the ILP's for its in-flight microbatches and memory): {plans}"
-    return _full_plan(stage_lcs[0].sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}",
+    else:
+        why += f"; every rank's stage plan (the same on each): {plans}"
+    from autopar.pipeline_auto_run import STAGE_PLAN_NOTE
+    made = _full_plan(stage_lcs[0].sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}",
                       rows=rows, name="auto", layer_plans=layer_plans)
+    return dataclasses.replace(made, notes=made.notes + (STAGE_PLAN_NOTE + lc.sub_plan.name,))
