@@ -474,9 +474,12 @@ def _auto_runnable(model, mesh, example_inputs, *, overrides, cluster, memory_li
     limit = check_options("auto", cluster, memory_limit)
 
     def solve():
-        return _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=limit,
-                                     overrides=overrides, progress=None, mp_policy=None, precision=None,
-                                     microbatches=microbatches, runnable=True)
+        from autopar.pipeline_auto_run import with_search_note
+        chosen = _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=limit,
+                                       overrides=overrides, progress=None, mp_policy=None, precision=None,
+                                       microbatches=microbatches, runnable=True)
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        return with_search_note(chosen, model, sizes, _pipeline_axes(mesh)[0])
     return solve_on_rank0(solve)
 
 

@@ -9,19 +9,19 @@ lowers exactly as they were priced, and runs the winner; `pm.plan` is that price
 |---|---|---|
 | `dp` | any | the stage's captured sub-graph, rows split over the data axes, gradients summed once per step |
 | `fsdp` | exactly one data axis, no weight used by two stages | torch's FSDP2 on the stage module (gathered once per step) |
-| `megatron` | the last axis named `tp`, at most one data axis before it, no tied weight | autopar's lowering of the stage's megatron plan on its tp line (`autopar.pipeline_tp`) |
+| `megatron` | tensor parallel on the last axis, at most one data axis before it, no tied weight | autopar's lowering of the stage's megatron plan on its tp line (`autopar.pipeline_tp`) |
 
 each with every activation-checkpoint level (`autopar.forms.checkpoint`: none, selective, full) per rank: a rank's
-layers take one level (`level_variants`, the fastest that fits the rank's budget, what `_fit_ranks` asks for), which
+layers take one level (`pipeline_estimate.level_variants`, the fastest that fits the rank's budget, what `_fit_ranks` asks for), which
 the runtime lowers into that stage's program (`Plan.checkpoint`: per layer, its stage's level; the dp / fsdp stage
 graphs outlined by `passes.checkpoint.checkpoint_layers_pass`, the megatron stage plans built with the level as a
 `checkpoint:<layer>` override). One stage plan for every rank (the runtime runs one), the level per rank. `zbv` is
 weighed without checkpoint levels (torch's split backward with checkpointed regions is not checked against one
 device here).
 
-Not runnable, so not searched (said in the plan's notes, `excluded`): the ILP's free per-class forms (FSDP or ZeRO
-on some classes only, sequence or context parallelism on a data axis, a mix of forms per rank), which the stage
-runtime has no lowering for yet.
+Not runnable, so not searched (said in the plan's '(pipeline)' decision, `with_search_note`): the ILP's free
+per-class forms (FSDP or ZeRO on some classes only, sequence or context parallelism on a data axis, a mix of forms
+per rank), which the stage runtime has no lowering for yet; a level under `zbv`.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from __future__ import annotations
 import math
 
 STAGE_PLAN_NOTE = "pipeline stage plan: "  # + the named stage plan every stage runs (`stage_plan_of`)
-EXCLUDED = ("not searched by parallelize(plan='auto'): the ILP's free per-class stage forms (FSDP or ZeRO on some "
-            "classes, sequence / context parallelism on a data axis), which the stage runtime cannot lower yet; "
-            "searched instead: the named stage plans it runs ({plans}) at each checkpoint level per rank")
+SEARCH_NOTE = ("parallelize(plan='auto') weighs only the stage plans the pipeline runtime runs: {plans} inside every "
+               "stage, each rank at its own checkpoint level (none under zbv); not weighed: the ILP's free per-class "
+               "stage forms (FSDP or ZeRO on some classes only, sequence or context parallelism on a data axis, "
+               "forms differing per rank), which the stage runtime cannot lower yet (autopar.plan prices them "
+               "offline)")
 
 
 def _tied(model) -> bool:
@@ -47,34 +49,18 @@ def stage_plans(model, mesh: dict, axis: str) -> list[tuple[str, int]]:
     tied = _tied(model)
     if len(rest) == 1 and mesh[rest[0]] > 1 and not tied:
         out.append(("fsdp", degree))
-    if rest and rest[-1] == "tp" and len(rest) in (1, 2) and mesh["tp"] > 1 and not tied:
-        out.append(("megatron", degree // mesh["tp"]))
+    if len(rest) in (1, 2) and mesh[rest[-1]] > 1 and not tied:  # megatron: tensor parallel on the last axis
+        out.append(("megatron", degree // mesh[rest[-1]]))
     return out
 
 
-def level_variants(model, sub: dict, mb_inputs, stage_plan: str, base, *, cluster, overrides, precision, optimizer,
-                   cache):
-    """`make(in_flight, budget)` for `pipeline_estimate._fit_ranks`: the layer costs of `stage_plan` at the fastest
-    checkpoint level whose two-layer peak with that many microbatches in flight is within `budget`, else the
-    leanest (the rank's own peak decides whether it fits). `base`: `stage_plan`'s costs at no level."""
-    from autopar import pipeline_estimate as pe
-    from autopar.forms import checkpoint as ckpt
-    variants = {ckpt.DEFAULT.name: base}
-
-    def at(level: str):
-        if level not in variants:
-            variants[level] = pe.layer_costs(model, sub, mb_inputs, plan=stage_plan, cluster=cluster,
-                                             overrides={**(overrides or {}), ckpt.KEY: level}, precision=precision,
-                                             optimizer=optimizer, cache=cache)
-        return variants[level]
-
-    def make(f: int, budget: float):
-        every = [at(lv) for lv in ckpt.LEVELS]
-        fits = [x for x in every if pe._two_layer_bytes(x, f) <= budget]
-        if fits:
-            return min(fits, key=pe.layer_time_s)
-        return min(every, key=lambda x: pe._two_layer_bytes(x, f))
-    return make
+def with_search_note(plan, model, mesh: dict, axis: str):
+    """`plan` (auto's, from `parallelize`) with `SEARCH_NOTE` in its '(pipeline)' decision: what was weighed."""
+    import dataclasses
+    text = SEARCH_NOTE.format(plans=", ".join(repr(n) for n, _ in stage_plans(model, mesh, axis)))
+    decisions = tuple(dataclasses.replace(d, decided_by=f"{d.decided_by}; {text}") if d.kind == "pipeline" else d
+                      for d in plan.decisions)
+    return dataclasses.replace(plan, decisions=decisions)
 
 
 def stage_plan_of(plan) -> str:
@@ -94,4 +80,4 @@ def checkpoint_levels(plan) -> dict[str, str]:
     return {path: lv for path, lv in plan.checkpoint if ckpt.level(lv, f"plan {plan.name!r}").recomputes}
 
 
-__all__ = ["EXCLUDED", "STAGE_PLAN_NOTE", "checkpoint_levels", "level_variants", "stage_plan_of", "stage_plans"]
+__all__ = ["SEARCH_NOTE", "STAGE_PLAN_NOTE", "checkpoint_levels", "stage_plan_of", "stage_plans", "with_search_note"]

@@ -715,7 +715,7 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
     plans, forms = [("auto", 1)], AUTO_FORMS
     if runnable:  # the named stage plans the runtime runs, at each checkpoint level (`autopar.pipeline_auto_run`)
-        from autopar.pipeline_auto_run import level_variants, stage_plans
+        from autopar.pipeline_auto_run import stage_plans
         plans = stage_plans(model, mesh, axis)
         tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
         forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
@@ -765,6 +765,30 @@ def _two_layer_bytes(lc: LayerCosts, f: int) -> float:
     parts = [_with_activations(c, f) for c in (lc.first, lc.layer, lc.layer, lc.last)]
     start = (2 * f * ck.act_bytes + ck.transient_bytes) if ck is not None else 0.0
     return peak_bytes(parts, lc.grad_share, start)
+
+
+def level_variants(model, sub: dict, mb_inputs, stage_plan: str, base: LayerCosts, *, cluster, overrides, precision,
+                   optimizer, cache):
+    """`make(in_flight, budget)` for `_fit_ranks` under `auto_pipeline(runnable=True)`: the layer costs of the named
+    `stage_plan` at the fastest checkpoint level whose two-layer peak with that many microbatches in flight is
+    within `budget`, else the leanest (the rank's own peak decides whether it fits). `base`: its costs at no level."""
+    from autopar.forms import checkpoint as ckpt
+    variants = {ckpt.DEFAULT.name: base}
+
+    def at(level: str) -> LayerCosts:
+        if level not in variants:
+            variants[level] = layer_costs(model, sub, mb_inputs, plan=stage_plan, cluster=cluster,
+                                          overrides={**(overrides or {}), ckpt.KEY: level}, precision=precision,
+                                          optimizer=optimizer, cache=cache)
+        return variants[level]
+
+    def make(f: int, budget: float) -> LayerCosts:
+        every = [at(lv) for lv in ckpt.LEVELS]
+        fits = [x for x in every if _two_layer_bytes(x, f) <= budget]
+        if fits:
+            return min(fits, key=layer_time_s)
+        return min(every, key=lambda x: _two_layer_bytes(x, f))
+    return make
 
 
 def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3):

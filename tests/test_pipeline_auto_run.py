@@ -67,7 +67,8 @@ def test_auto_runs_the_priced_pipeline_with_its_stage_checkpoint_levels_exactly(
     assert results[0]["regions"] == [("layers.0", "selective", m)]  # recomputed once per microbatch
     assert results[1]["regions"] == []
     # explain() names each rank's stage plan
-    for words in ("pp=0: plan 'dp'", "checkpoint selective", "pp=1: plan 'dp'", "checkpoint none"):
+    for words in ("pp=0: plan 'dp'", "checkpoint selective", "pp=1: plan 'dp'", "checkpoint none",
+                  "weighs only the stage plans the pipeline runtime runs: 'dp'", "not weighed: the ILP's free"):
         assert words in results[0]["explain"], words
     # the collectives: one activation per microbatch forward, its gradient back; no collective inside the
     # stages (the sub-mesh of a (pp,) mesh is one device)
