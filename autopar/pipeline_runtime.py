@@ -266,7 +266,7 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
     stage_plans = None
     if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
         stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan, stage_overrides,
-                                      checkpoint)
+                                      checkpoint, priced=auto)
     if ep is not None:
         stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
                                       (mb_args, mb_kwargs), degree)
@@ -311,8 +311,21 @@ def _checkpoint_stage(gm: fx.GraphModule, levels: list) -> fx.GraphModule:
     return checkpoint_layers_pass(gm, types.SimpleNamespace(checkpoint=levels))
 
 
+def _check_priced(priced, stage_plan, k: int) -> None:
+    """Stage k's plan takes every structure's form as the auto Plan `priced` did (what runs is what was priced)."""
+    want = {s.key: (s.form, tuple(s.axes)) for s in priced.strategies}
+    got = {s.key: (s.form, tuple(s.axes)) for s in stage_plan.strategies}
+    differ = sorted(key for key in got if key in want and want[key] != got[key])
+    missing = sorted(set(dict(stage_plan.checkpoint)) - set(dict(priced.checkpoint)))
+    levels = dict(priced.checkpoint)
+    differ += [f"checkpoint {p}" for p, lv in stage_plan.checkpoint if p in levels and levels[p] != lv]
+    if differ or missing:
+        raise AssertionError(f"stage {k}'s plan differs from the priced plan {priced.name!r} at "
+                             f"{', '.join(differ + missing)}: {[(x, got.get(x), want.get(x)) for x in differ[:3]]}")
+
+
 def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: PipelinePlan,
-                    overrides: dict | None = None, checkpoint: list = ()) -> dict:
+                    overrides: dict | None = None, checkpoint: list = (), priced=None) -> dict:
     """Stage k -> (its Captured, MeshInfo, Plan, user inputs, tp mesh, sub-mesh, (its received activations'
     boundary placements, its outputs' placements)) on the sub-mesh of the ranks that run it
     (`autopar.pipeline_tp`), planned with `overrides` (`pipeline_tp.sp_overrides`: sequence parallelism).
@@ -339,6 +352,9 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: Pip
         out[k] = (cap, *plan_stage(cap, lines[rank], plan, {**(overrides or {}), **levels} or None), user,
                   lines[rank], subs[rank])
     check_shared_placements(_param_groups(model, captured), captured, split, out, plan)
+    if priced is not None:
+        for k in out:
+            _check_priced(priced, out[k][2], k)
     # the boundaries: each stage's received activations arrive as its plan places them, and the stage before
     # leaves its outputs so (p2p then carries each tp rank's own shard: 1/tp of the bytes under sequence
     # parallelism); the last stage's loss leaves replicated
