@@ -154,3 +154,26 @@ def train_steps(ref, pm, batch: tuple, errs: dict, *, steps: int = 2, counter=Co
         opt_ref.step()
         opt.step()
         stepped_params(pm, refs, mine, errs, f"param {step}")
+
+
+def pp_tp_train(build, form: str, batch: int, seq: int, microbatches: int, *, tp: int = 2, overrides=None,
+                clip: float | None = None):
+    """The setup tests/test_pipeline_tp.py and tests/test_pipeline_tp_sp.py share, on 2 x `tp` gloo ranks:
+    `build()`'s reference and copy (`reference_and_batch`), the copy under plan="megatron" on a (pp, tp) mesh with
+    `form`@pp (and `overrides`), its parameter names checked against the reference's, then `train_steps` (fp64 is the
+    caller's). Returns (ref, pm, tokens, labels, errs, counts, mine, placements): counts each step's (p2p, reduces),
+    placements those of this rank's parameters at the first step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+
+    ref, model, tokens, labels = reference_and_batch(build, batch, seq)
+    mesh = init_device_mesh("cpu", (2, tp), mesh_dim_names=("pp", "tp"))
+    pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
+                             overrides={"pipeline": f"{form}@pp", **(overrides or {})}, microbatches=microbatches)
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    errs, counts, placements, mine = {}, [], {}, []
+    for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, clip=clip):
+        counts.append((c.p2p, c.reduces))
+        if step == 0:
+            placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
+    return ref, pm, tokens, labels, errs, counts, mine, placements

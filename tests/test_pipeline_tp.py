@@ -12,29 +12,19 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import check, llama, reference_and_batch, train_steps
+from pipeline_helpers import check, llama, pp_tp_train
 
 B, S, M = 4, 16, 2  # batch, sequence, microbatches
 
 
 def _pp_tp(form: str):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
     torch.set_default_dtype(torch.float64)
     try:
-        ref, model, tokens, labels = reference_and_batch(llama, B, S)
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
-                                 overrides={"pipeline": f"{form}@pp"}, microbatches=M)
-        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        ref, pm, tokens, labels, errs, counts, mine, placements = pp_tp_train(llama, form, B, S, M, clip=0.05)
         refs = dict(ref.named_parameters())
-        errs, counts = {}, []
-        for step, c, mine in train_steps(ref, pm, (tokens, labels), errs, clip=0.05):
-            counts.append((c.p2p, c.reduces))
-            if step == 0:
-                placements = {n: str(tuple(p.placements)) for n, p in pm.named_parameters() if n in mine}
         other = llama()  # a single-device state dict loads into the stages' shards
         pm.load_state_dict(other.state_dict())
         assert sorted(pm.state_dict()) == sorted(other.state_dict())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import check, llama, reference_and_batch, train_steps
+from pipeline_helpers import check, llama, pp_tp_train
 
 B, S, M, H = 4, 16, 2, 32  # batch, sequence, microbatches, hidden
 TP = 2
@@ -27,21 +27,14 @@ def _llama(layers: int = 2):
 
 def _pp_tp_sp(form: str, layers: int = 2):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
     torch.set_default_dtype(torch.float64)
     try:
-        ref, model, tokens, labels = reference_and_batch(lambda: _llama(layers), B, S)
-        mesh = init_device_mesh("cpu", (2, TP), mesh_dim_names=("pp", "tp"))
         overrides = {"pipeline": f"{form}@pp", "norm": "sequence"}
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron", overrides=overrides,
-                                 microbatches=M)
-        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+        ref, pm, tokens, labels, errs, counts, mine, _ = pp_tp_train(lambda: _llama(layers), form, B, S, M, tp=TP,
+                                                                     overrides={"norm": "sequence"})
         refs = dict(ref.named_parameters())
-        errs, counts = {}, []
-        for _, c, mine in train_steps(ref, pm, (tokens, labels), errs):
-            counts.append((c.p2p, c.reduces))
         with torch.no_grad():
             errs["no_grad loss"] = abs(float(pm(tokens, labels)) - float(ref(tokens, labels)))
         norms = sorted({(s.form, s.axis) for k, st in pm._tp.items() for s in st[2].strategies if s.kind == "norm"})

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.models import Llama, LlamaConfig
 from dist_harness import gloo_pool
+from train_helpers import grad_error, param_error
 
 LAYERS = 2
 CFG = LlamaConfig(vocab_size=64, seq_len=8, num_layers=LAYERS, num_heads=4, num_kv_heads=2, hidden=16, ffn_hidden=32)
@@ -85,13 +86,10 @@ def train_worker(plan: str, d: int, accumulate: bool, shape: tuple[int, ...] | N
                     loss = pm(*part)
                     loss.backward()
                     errs["loss"] = max(errs["loss"], float((loss.detach() - ref_loss.detach()).abs()))
-                ref_params = dict(ref.named_parameters())
-                for name, p in pm.named_parameters():
-                    errs["grad"] = max(errs["grad"], float((p.grad.full_tensor() - ref_params[name].grad).abs().max()))
+                errs["grad"] = max(errs["grad"], grad_error(ref, pm))
                 ref_opt.step()
                 opt.step()
-            for name, p in pm.named_parameters():
-                errs["param"] = max(errs["param"], float((p.full_tensor() - ref_params[name].detach()).abs().max()))
+            errs["param"] = max(errs["param"], param_error(ref, pm))
             steps.append([(r.kind, r.axis, r.pass_, r.numel) for r in recs])
         numel = sum(p.numel() for p in ref.parameters())
         return errs, steps, _state_numel(opt), numel, _groups(ref)

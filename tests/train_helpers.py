@@ -7,6 +7,18 @@ from __future__ import annotations
 import torch
 
 
+def grad_error(ref, pm) -> float:
+    """The largest |difference| between every parameter's gradient under `pm` (DTensors, gathered) and on `ref`."""
+    ref_params = dict(ref.named_parameters())
+    return max(float((p.grad.full_tensor() - ref_params[name].grad).abs().max()) for name, p in pm.named_parameters())
+
+
+def param_error(ref, pm) -> float:
+    """The largest |difference| between every parameter under `pm` (DTensors, gathered) and on `ref`."""
+    ref_params = dict(ref.named_parameters())
+    return max(float((p.full_tensor() - ref_params[name].detach()).abs().max()) for name, p in pm.named_parameters())
+
+
 def train_against_one_device(ref, pm, x, steps: int):
     """Train `ref` (one device) and `pm` (its parallelized copy) side by side for `steps` AdamW steps on batches
     shaped like `x`. Returns (errs, steps): errs the largest |difference| of the loss, of every parameter's gradient
@@ -18,7 +30,6 @@ def train_against_one_device(ref, pm, x, steps: int):
     errs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     out = []
     g = torch.Generator().manual_seed(1)
-    ref_params = dict(ref.named_parameters())
     for _ in range(steps):
         batch = torch.randn(x.shape, generator=g)
         opt.zero_grad(set_to_none=True)
@@ -29,11 +40,9 @@ def train_against_one_device(ref, pm, x, steps: int):
             loss = pm(batch).square().mean()
             loss.backward()
             errs["loss"] = max(errs["loss"], float((loss.detach() - ref_loss.detach()).abs()))
-            for name, p in pm.named_parameters():
-                errs["grad"] = max(errs["grad"], float((p.grad.full_tensor() - ref_params[name].grad).abs().max()))
+            errs["grad"] = max(errs["grad"], grad_error(ref, pm))
             ref_opt.step()
             opt.step()
-        for name, p in pm.named_parameters():
-            errs["param"] = max(errs["param"], float((p.full_tensor() - ref_params[name].detach()).abs().max()))
+        errs["param"] = max(errs["param"], param_error(ref, pm))
         out.append([(r.kind, r.axis, r.pass_, r.numel) for r in recs])
     return errs, out
