@@ -403,11 +403,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, example_inputs, *, plan="aut
                                 memory_limit=memory_limit, mp_policy=mp_policy, inputs=inputs,
                                 microbatches=microbatches)
         if chosen.pipeline is not None:
+            from autopar.pipeline_auto_run import stage_plan_of
             from autopar.pipeline_runtime import parallelize_pipeline
             pp = chosen.pipeline
+            # the plan auto priced: its stage plan, cut, microbatches and per-layer checkpoint levels (`auto=`)
             return parallelize_pipeline(model, mesh, example_inputs, value=pp.label, microbatches=pp.microbatches,
-                                        stages_per_rank=pp.stages_per_rank, plan="dp", overrides={"pipeline": pp.label},
-                                        inputs=inputs, mp_policy=mp_policy, auto=chosen)
+                                        stages_per_rank=pp.stages_per_rank, plan=stage_plan_of(chosen),
+                                        overrides={"pipeline": pp.label}, inputs=inputs, mp_policy=mp_policy,
+                                        auto=chosen)
         auto_note = next((d for d in chosen.decisions if d.kind == "pipeline"), None)
     elif microbatches is not None or stages_per_rank is not None:
         raise ValueError(f"microbatches={microbatches!r} / stages_per_rank={stages_per_rank!r} apply to a pipelined "
@@ -475,8 +478,10 @@ def _auto_runnable(model, mesh, example_inputs, *, overrides, cluster, memory_li
                    microbatches) -> Plan:
     """`parallelize(plan='auto')` on a mesh with a pipeline axis: `autopar.plan`'s auto (the ILP's plan on the whole
     mesh weighed against pipelining that axis, `_auto_maybe_pipelined`), its pipelined candidates restricted to what
-    the stage runtime runs (`runnable=True`: 'dp' inside the stages, no checkpoint level, no 'zbv' for a model with
-    tied weights), solved on rank 0 and shared. Returns the chosen Plan: `pipeline` set when a pipeline won."""
+    the stage runtime runs (`runnable=True`, `autopar.pipeline_auto_run`: the named stage plans 'dp', 'fsdp',
+    'megatron' where the mesh takes them, each rank at its own checkpoint level; no 'zbv' for a model with tied
+    weights, nor with a checkpoint level), solved on rank 0 and shared. Returns the chosen Plan: `pipeline` set when
+    a pipeline won; the runtime then runs exactly it (its stage plan, cut, microbatches and levels)."""
     from autopar.agree import solve_on_rank0
     if inputs != "global" or mp_policy is not None:
         raise NotImplementedError(
@@ -488,9 +493,12 @@ def _auto_runnable(model, mesh, example_inputs, *, overrides, cluster, memory_li
     limit = check_options("auto", cluster, memory_limit)
 
     def solve():
-        return _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=limit,
-                                     overrides=overrides, progress=None, mp_policy=None, precision=None,
-                                     microbatches=microbatches, runnable=True)
+        from autopar.pipeline_auto_run import with_search_note
+        chosen = _auto_maybe_pipelined(model, mesh, example_inputs, cluster=cluster, memory_limit=limit,
+                                       overrides=overrides, progress=None, mp_policy=None, precision=None,
+                                       microbatches=microbatches, runnable=True)
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        return with_search_note(chosen, model, sizes, _pipeline_axes(mesh)[0])
     return solve_on_rank0(solve)
 
 

@@ -707,20 +707,21 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
     linear in the ILP's variables; identical layers make the ILP's classes one per layer kind whatever a stage's
     layer count, so one solve per (microbatch, in-flight count, budget) serves every stage.
     `quick`: only the most microbatches (the least activation memory: the search for a plan that fits at all).
-    `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`): the stages data parallel
-    on the remaining axes ('dp' for the sub-mesh plan, not the ILP's forms), no checkpoint level, microbatches that
-    split over the data-parallel degree, and no 'zbv' for a model with tied weights (the runtime refuses it there)."""
+    `runnable`: only what `autopar.pipeline_runtime` runs (for `parallelize(plan='auto')`,
+    `autopar.pipeline_auto_run`): the named stage plans it lowers ('dp', 'fsdp', 'megatron' where the mesh takes
+    them, not the ILP's free forms), each rank at the fastest checkpoint level that fits it (none under 'zbv'),
+    microbatches that split over the stage plan's data-parallel degree, and no 'zbv' for a model with tied weights
+    (the runtime refuses it there)."""
     p = mesh[axis]
     parent, layers = repeated_layers(model)
     batch = _batch_of(example_inputs)
     ms = [microbatches] if microbatches else microbatch_candidates(batch, p)[-1:] if quick else \
         microbatch_candidates(batch, p)
     sub = {a: s for a, s in mesh.items() if a != axis} or {axis: 1}
-    stage_plan, forms = "auto", AUTO_FORMS
-    if runnable:
-        degree = math.prod(s for a, s in mesh.items() if a != axis)
-        stage_plan = "dp"
-        ms = [m for m in ms if batch % (m * degree) == 0]
+    plans, forms = [("auto", 1)], AUTO_FORMS
+    if runnable:  # the named stage plans the runtime runs, at each checkpoint level (`autopar.pipeline_auto_run`)
+        from autopar.pipeline_auto_run import stage_plans
+        plans = stage_plans(model, mesh, axis)
         tied = len({id(q) for q in model.parameters()}) < len(list(model.named_parameters(remove_duplicate=False)))
         forms = tuple(f for f in AUTO_FORMS if not (tied and f[0] == "zbv"))
     cache: dict = {}
@@ -729,48 +730,57 @@ def auto_pipeline(model: nn.Module, mesh: dict, example_inputs, axis: str, *, cl
         if batch % m:
             continue
         mb = _microbatch(example_inputs, batch, m)
-        lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
-                         precision=precision, optimizer=optimizer, cache=cache)
-        variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
-        solved: dict[int, list] = {}  # per in-flight count: (budget, the ILP's answer) as solved, for `_known`
-
-        def make(f, budget, mb=mb, lc=lc, variants=variants, solved=solved):
-            key = (f, budget)
-            if key not in variants:
-                known = _known(lc, f, budget, solved.get(f, ()))
-                if known is not None:
-                    variants[key] = known[0]
-                else:
-                    variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f,
-                                                  cluster=cluster, overrides=overrides, precision=precision,
-                                                  optimizer=optimizer, cache=cache)
-                    solved.setdefault(f, []).append((budget, variants[key]))
-            return variants[key]
-        for form, v in forms:
-            if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
+        for stage_plan, degree in plans:
+            if batch % (m * degree):  # the runtime splits each microbatch over the data-parallel ranks
                 continue
-            kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
-                      full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
-                      memory_limit=memory_limit)
-            priced = price_pipeline(lc, **kw)
-            runs.append(dict(m=m, form=form, lc=lc, kw=kw, make=make, variants=variants, priced=priced,
-                             bound=priced[2]["pipe_s"]))
+            lc = layer_costs(model, sub, mb, plan=stage_plan, cluster=cluster, overrides=overrides,
+                             precision=precision, optimizer=optimizer, cache=cache)
+            variants = {(): lc}  # stage plans by (in-flight count, two-layer budget); () the unconstrained one
+            solved: dict[int, list] = {}  # per in-flight count: (budget, the ILP's answer) as solved, for `_known`
+
+            def make(f, budget, mb=mb, lc=lc, variants=variants, solved=solved):
+                key = (f, budget)
+                if key not in variants:
+                    known = _known(lc, f, budget, solved.get(f, ()))
+                    if known is not None:
+                        variants[key] = known[0]
+                    else:
+                        variants[key] = stage_variant(model, sub, mb, lc, memory_limit=budget, in_flight=f,
+                                                      cluster=cluster, overrides=overrides, precision=precision,
+                                                      optimizer=optimizer, cache=cache)
+                        solved.setdefault(f, []).append((budget, variants[key]))
+                return variants[key]
+            if runnable:  # checkpoint levels only, each no faster than `lc` (no level): the bound below holds
+                make = level_variants(model, sub, mb, stage_plan, lc, cluster=cluster, overrides=overrides,
+                                      precision=precision, optimizer=optimizer, cache=cache)
+            for form, v in forms:
+                if p * v > len(layers) or (runnable and not torch_schedule_takes(form, p, m)):
+                    continue
+                kw = dict(form=form, axis=axis, p=p, m=m, v=v, num_layers=len(layers), cluster=cluster,
+                          full_sizes=tuple(mesh.values()), full_names=tuple(mesh), optimizer=optimizer,
+                          memory_limit=memory_limit)
+                priced = price_pipeline(lc, **kw)
+                runs.append(dict(m=m, form=form, lc=lc, kw=kw, make=make, variants=variants, priced=priced,
+                                 bound=priced[2]["pipe_s"], stage_plan=stage_plan))
     # the least bound first; a schedule whose bound is no less than a fitting step in hand cannot win (`_bound_ok`)
     best = best_s if best_s is not None else math.inf
     out: dict[int, Tried] = {}
     for i in sorted(range(len(runs)), key=lambda i: runs[i]["bound"]):
         r = runs[i]
         m, form, lc, kw = r["m"], r["form"], r["lc"], r["kw"]
+        named = f", {r['stage_plan']!r} stages" if runnable else ""
         if r["bound"] >= best and not r["priced"][1]["fits"] and _bound_ok(r["variants"], lc):
             fields = r["priced"][1]
-            out[i] = Tried(f"{form}@{axis}, {m} microbatches", fields["step_time_s"], fields["bubble_s"], 0.0,
+            out[i] = Tried(f"{form}@{axis}, {m} microbatches{named}", fields["step_time_s"], fields["bubble_s"], 0.0,
                            fields["memory_bytes_per_device"], False,
                            pruned=f"not fitted: its pipeline with the fastest stage plan on every rank takes "
                                   f"{r['bound'] * 1e3:.1f} ms, no less than a step that fits, {best * 1e3:.1f} ms")
             continue
-        rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable else r["make"], priced=r["priced"])
+        # zbv under parallelize: no checkpoint level (`autopar.pipeline_auto_run`)
+        rank_lcs, (pplan, fields, extra) = _fit_ranks(lc, kw, None if runnable and form == "zbv" else r["make"],
+                                                      priced=r["priced"])
         slow = max(fields["stages"], key=lambda s: s.compute_s + s.p2p_s)
-        label = f"{form}@{axis}, {m} microbatches" + _stage_plans_text(rank_lcs, lc, axis)
+        label = f"{form}@{axis}, {m} microbatches{named}" + _stage_plans_text(rank_lcs, lc, axis)
         out[i] = Tried(label, fields["step_time_s"], fields["bubble_s"], m * slow.p2p_s,
                        fields["memory_bytes_per_device"], fields["fits"],
                        (lc, pplan, fields, extra, sub, parent, len(layers), rank_lcs))
@@ -810,6 +820,30 @@ def _known(lc: LayerCosts, f: int, budget: float, solved) -> tuple[LayerCosts | 
         if x is not None and _two_layer_bytes(x, f) <= budget <= b0:
             return (x,)
     return None
+
+
+def level_variants(model, sub: dict, mb_inputs, stage_plan: str, base: LayerCosts, *, cluster, overrides, precision,
+                   optimizer, cache):
+    """`make(in_flight, budget)` for `_fit_ranks` under `auto_pipeline(runnable=True)`: the layer costs of the named
+    `stage_plan` at the fastest checkpoint level whose two-layer peak with that many microbatches in flight is
+    within `budget`, else the leanest (the rank's own peak decides whether it fits). `base`: its costs at no level."""
+    from autopar.forms import checkpoint as ckpt
+    variants = {ckpt.DEFAULT.name: base}
+
+    def at(level: str) -> LayerCosts:
+        if level not in variants:
+            variants[level] = layer_costs(model, sub, mb_inputs, plan=stage_plan, cluster=cluster,
+                                          overrides={**(overrides or {}), ckpt.KEY: level}, precision=precision,
+                                          optimizer=optimizer, cache=cache)
+        return variants[level]
+
+    def make(f: int, budget: float) -> LayerCosts:
+        every = [at(lv) for lv in ckpt.LEVELS]
+        fits = [x for x in every if _two_layer_bytes(x, f) <= budget]
+        if fits:
+            return min(fits, key=layer_time_s)
+        return min(every, key=lambda x: _two_layer_bytes(x, f))
+    return make
 
 
 def _fit_ranks(lc: LayerCosts, kw: dict, make, rounds: int = 3, priced=None):
@@ -871,7 +905,8 @@ def _stage_plan_text(x: LayerCosts) -> str:
     params = [pl for fqn, pl in x.sub_plan.params if _layer_index_of(fqn)]
     sharded = sum(1 for pl in params if "S(" in pl)
     (level,) = {lv for _, lv in x.sub_plan.checkpoint} or {"none"}
-    return f"{', '.join(parts)}; {sharded}/{len(params)} layer parameters sharded; checkpoint {level}"
+    return (f"plan {x.sub_plan.name!r}: {', '.join(parts)}; {sharded}/{len(params)} layer parameters sharded; "
+            f"checkpoint {level}")
 
 
 def _layer_index_of(key: str) -> bool:
@@ -932,8 +967,12 @@ def build_chosen(t: Tried, why: str, rows: tuple, mesh: dict) -> Plan:
     layer_plans = [rank_lcs[pplan.stage_rank(k, p)].sub_plan for k in range(len(cut) - 1)
                    for _ in range(cut[k], cut[k + 1])]
     stage_lcs = [rank_lcs[pplan.stage_rank(k, p)] for k in range(len(cut) - 1)]
+    plans = "; ".join(f"{pplan.axis}={r}: {_stage_plan_text(x)}" for r, x in enumerate(rank_lcs))
     if any(x is not lc for x in rank_lcs):
-        plans = "; ".join(f"{pplan.axis}={r}: {_stage_plan_text(x)}" for r, x in enumerate(rank_lcs))
         why += f"; every rank's stage plan (the ILP's for its in-flight microbatches and memory): {plans}"
-    return _full_plan(stage_lcs[0].sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}",
+    else:
+        why += f"; every rank's stage plan (the same on each): {plans}"
+    from autopar.pipeline_auto_run import STAGE_PLAN_NOTE
+    made = _full_plan(stage_lcs[0].sub_plan, pplan, fields, extra, mesh, sub, parent, n, decided_by=f"auto: {why}",
                       rows=rows, name="auto", layer_plans=layer_plans)
+    return dataclasses.replace(made, notes=made.notes + (STAGE_PLAN_NOTE + lc.sub_plan.name,))

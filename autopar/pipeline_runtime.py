@@ -260,7 +260,10 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
                "this model has no repeated layers to cut between (autopar.layers.find_layers found none: e.g. one "
                "nn.LSTM holding all its layers): drop the 'pipeline' override and use a plan without a pipeline "
                "(dp, fsdp, megatron, auto), or pipeline a model built from a list of layers."))
-    split = _Split(captured, layers, n_stages)
+    cut, checkpoint = None, []
+    if auto is not None:  # parallelize(plan='auto'): the cut and per-layer levels it priced (`pipeline_auto_run`)
+        cut, checkpoint = _auto_cut_and_levels(auto, layers, n_stages, value)
+    split = _Split(captured, layers, n_stages, cut=cut)
     if form == "zbv":  # before any collective of the construction: every rank refuses alike
         _refuse_shared_weights(model, captured)
     if plan == "fsdp":
@@ -271,19 +274,67 @@ def _build(model, mesh, example_inputs, form, axis, names, microbatches, stages_
                          cut=split.cut)
     stage_plans = None
     if tp:  # every stage planned on every rank (offline, the same everywhere): every parameter's placements known
-        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan, stage_overrides)
+        stage_plans = _plan_tp_stages(model, mesh, captured, split, names.index(axis), plan, pplan, stage_overrides,
+                                      checkpoint, priced=auto)
     if ep is not None:
         stage_plans = _plan_ep_stages(model, mesh, captured, split, names.index(axis), overrides,
                                       (mb_args, mb_kwargs), degree)
     pm = PipelineModule(model, mesh, captured, split, pplan, flat_spec=spec,
                         shapes=[tuple(a.shape) for a in flat], batched=[bool(b) for b in sizes],
-                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans, ep_axis=ep)
+                        data_axes=tuple(data), fsdp=plan == "fsdp", mp_policy=mp_policy, tp=stage_plans, ep_axis=ep,
+                        checkpoint=checkpoint)
     pm._priced = (model, example_inputs, priced, chosen_note, auto, plan, stage_overrides)
     return pm
 
 
+def _auto_cut_and_levels(auto, layers, n_stages: int, value: str) -> tuple[tuple, list]:
+    """(the cut, [(layer path, level, its node names)] of the layers it recomputes) of the auto Plan `auto`, checked
+    against this capture's layers (`autopar.pipeline_auto_run`)."""
+    from autopar.pipeline_auto_run import checkpoint_levels
+    cut = tuple(auto.pipeline.cut)
+    paths = [la.path for la in layers]
+    levels = checkpoint_levels(auto)
+    unknown = sorted(set(levels) - set(paths))
+    if len(cut) != n_stages + 1 or cut[-1] != len(layers) or unknown:
+        raise ValueError(f"plan {auto.name!r} ({value}) was priced for a cut {list(cut)} of its layers and "
+                         f"checkpoint levels on {sorted(levels)}, but this capture has {len(layers)} layers "
+                         f"({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''}) in {n_stages} stages: the plan "
+                         "was made for another model or mesh. Fix: re-plan with parallelize(plan='auto') on this model")
+    return cut, [(la.path, levels[la.path], la.nodes) for la in layers if la.path in levels]
+
+
+def _stage_levels(checkpoint: list, split, k: int) -> list:
+    """The checkpointed layers (`_auto_cut_and_levels`) that stage k holds."""
+    names = {n.name for n, s in split.stage.items() if s == k}
+    return [c for c in checkpoint if names & set(c[2])]
+
+
+def _checkpoint_stage(gm: fx.GraphModule, levels: list) -> fx.GraphModule:
+    """Stage k's graph (`_Split.stage_graph`) with its checkpointed layers outlined into `Checkpointed` regions
+    (`passes.checkpoint.checkpoint_layers_pass`, as lowering outlines a flat plan's): recomputed in backward at
+    their level."""
+    import types
+    from passes.checkpoint import checkpoint_layers_pass
+    if not levels:
+        return gm
+    return checkpoint_layers_pass(gm, types.SimpleNamespace(checkpoint=levels))
+
+
+def _check_priced(priced, stage_plan, k: int) -> None:
+    """Stage k's plan takes every structure's form as the auto Plan `priced` did (what runs is what was priced)."""
+    want = {s.key: (s.form, tuple(s.axes)) for s in priced.strategies}
+    got = {s.key: (s.form, tuple(s.axes)) for s in stage_plan.strategies}
+    from autopar.forms import checkpoint as ckpt
+    differ = sorted(key for key in got if key in want and want[key] != got[key])
+    levels = dict(priced.checkpoint)  # a layer it names not: no level
+    differ += [f"checkpoint {p}" for p, lv in stage_plan.checkpoint if levels.get(p, ckpt.DEFAULT.name) != lv]
+    if differ:
+        raise AssertionError(f"stage {k}'s plan differs from the priced plan {priced.name!r} at {', '.join(differ)}: "
+                             f"{[(x, got.get(x), want.get(x)) for x in differ[:3]]}")
+
+
 def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: PipelinePlan,
-                    overrides: dict | None = None) -> dict:
+                    overrides: dict | None = None, checkpoint: list = (), priced=None) -> dict:
     """Stage k -> (its Captured, MeshInfo, Plan, user inputs, tp mesh, sub-mesh, (its received activations'
     boundary placements, its outputs' placements)) on the sub-mesh of the ranks that run it
     (`autopar.pipeline_tp`), planned with `overrides` (`pipeline_tp.sp_overrides`: sequence parallelism).
@@ -305,8 +356,14 @@ def _plan_tp_stages(model, mesh, captured, split, ax: int, plan: str, pplan: Pip
         gm, acts, user, st = split.stage_graph(k)
         cap = stage_captured(captured, gm, acts, user, st)
         rank = pplan.stage_rank(k, p)
-        out[k] = (cap, *plan_stage(cap, lines[rank], plan, overrides), user, lines[rank], subs[rank])
+        # the stage's layers at the levels auto priced for them: `checkpoint:<layer>` overrides of its plan
+        levels = {f"checkpoint:{path}": lv for path, lv, _ in _stage_levels(list(checkpoint), split, k)}
+        out[k] = (cap, *plan_stage(cap, lines[rank], plan, {**(overrides or {}), **levels} or None), user,
+                  lines[rank], subs[rank])
     check_shared_placements(_param_groups(model, captured), captured, split, out, plan)
+    if priced is not None:
+        for k in out:
+            _check_priced(priced, out[k][2], k)
     # the boundaries: each stage's received activations arrive as its plan places them, and the stage before
     # leaves its outputs so (p2p then carries each tp rank's own shard: 1/tp of the bytes under sequence
     # parallelism); the last stage's loss leaves replicated
@@ -897,7 +954,7 @@ class PipelineModule(nn.Module):
 
     def __init__(self, model: nn.Module, mesh: DeviceMesh, captured, split: _Split, pplan: PipelinePlan, *,
                  flat_spec, shapes, batched, data_axes, fsdp: bool = False, mp_policy=None, tp: dict | None = None,
-                 ep_axis: str | None = None):
+                 ep_axis: str | None = None, checkpoint: list = ()):
         super().__init__()
         from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
         from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -994,6 +1051,7 @@ class PipelineModule(nn.Module):
                 self._stage_modules[k] = sub
                 continue
             gm, acts, user, st = split.stage_graph(k)
+            gm = _checkpoint_stage(gm, _stage_levels(list(checkpoint), split, k))
             leaves = {n: self._leaves[self._leaf_of[n]] for n in st if self._leaf_of.get(n) in self._leaves}
             sub = _StageModule(gm, acts, user, st, {n: state[n] for n in st if n not in leaves}, leaves)
             if fsdp:
@@ -1585,6 +1643,8 @@ def _runtime_plan(mesh: DeviceMesh, pplan: PipelinePlan, model, example_inputs, 
     names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(mesh.ndim)))
     sizes = {n: mesh.size(i) for i, n in enumerate(names)}
     notes = [chosen_note] if chosen_note else []
+    if auto is not None and auto.pipeline == pplan:  # parallelize(plan='auto') ran what it priced: that plan
+        return auto
     kw = dict(pipeline=pplan.label, microbatches=pplan.microbatches, stages_per_rank=pplan.stages_per_rank,
               plan=stage_plan, overrides=overrides or None)
     try:

@@ -77,6 +77,7 @@ FILE_SECONDS = {
     "test_zero_ends.py": 5,  # the zero2 objective against the timeline, offline (6 s busy, 2026-12-07)
     "test_pipeline_tp_sp.py": 22,  # (from main at merge)
     "test_pipeline_auto_stages.py": 22,  # 22.3 s alone at load 20, 4 tests (2026-12-07)
+    "test_pipeline_auto_run.py": 25,  # 60 s alone at load 24 (2 + 4 gloo ranks, cold pools), 2026-12-07
     "test_float8_ilp.py": 5,  # (from main at merge)
     "test_contract_compile.py": 87,  # was 100; alone, 2026-12-07
     "test_nn_census.py": 72,  # was 70; alone, 2026-12-07
