@@ -26,8 +26,8 @@ from pipeline_helpers import Count, check, llama, reference_and_batch, stage_gra
 B, S, H, M = 4, 8, 16, 2  # batch (dp2 x 2 microbatches x 1 row), sequence, hidden, microbatches per data rank
 
 
-def _llama():
-    return llama(hidden=H, ffn_hidden=2 * H, seq_len=S)
+def _llama(layers: int = 2):
+    return llama(hidden=H, ffn_hidden=2 * H, seq_len=S, num_layers=layers)
 
 
 class _Reduces:
