@@ -68,6 +68,28 @@ def stepped_params(pm, refs: dict, mine: list[str], errs: dict, key: str) -> Non
             errs[f"{key} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
 
 
+def exact_step(ref, pm, batch, *, nonempty: bool = False) -> tuple[dict, list[str]]:
+    """One training step of `pm` against `ref` (one device): errs["loss"], f"grad {name}" of every parameter of this
+    rank's stages (`nonempty`: only those with local values), f"param {name}" after one AdamW step (lr 0.01).
+    Returns (errs, the names checked)."""
+    errs = {}
+    loss = pm(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    errs["loss"] = abs(float(loss) - float(ref_loss))
+    refs = dict(ref.named_parameters())
+    mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None
+            and (not nonempty or p._local_tensor.numel())]
+    for n, p in pm.named_parameters():
+        if n in mine:
+            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+    torch.optim.AdamW(ref.parameters(), lr=0.01).step()
+    torch.optim.AdamW(pm.parameters(), lr=0.01).step()
+    stepped_params(pm, refs, mine, errs, "param")
+    return errs, mine
+
+
 def held(pm) -> dict:
     """name -> full value, of the parameters whose (sub-)mesh includes this rank."""
     import torch.distributed as dist
