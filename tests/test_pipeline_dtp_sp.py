@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline_helpers import Count, check, reference_and_batch, stage_grads, stepped_params
+from pipeline_helpers import Count, check, pp_dp_tp_step
 from test_pipeline_dtp import B, H, M, S, _Reduces, _llama
 
 TP = 2
@@ -54,32 +54,14 @@ ZBV_MIDDLE = _collectives(2 * (6 + AGAIN["ag"]), 2 * (4 + AGAIN["rs"]), buckets=
 
 def _pp_dp_tp_sp(form: str = "1f1b"):
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
     torch.set_default_dtype(torch.float64)
     try:
         overrides = {**OVERRIDES, "pipeline": f"{form}@pp"}
-        ref, model, tokens, labels = reference_and_batch(lambda: _llama(LAYERS[form]), B, S)
-        mesh = init_device_mesh("cpu", (2, 2, TP), mesh_dim_names=("pp", "dp", "tp"))
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron", overrides=overrides,
-                                 microbatches=M)
-        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
-        refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs = {}
-        ref_loss = ref(tokens, labels)
-        ref_loss.backward()
-        with Count() as c, _Reduces() as eager:
-            loss = pm(tokens, labels)
-        loss.backward()
-        errs["loss"] = abs(float(loss) - float(ref_loss))
-        mine = stage_grads(pm, refs, errs, "grad")
+        ref, pm, mesh, tokens, labels, errs, mine, c, eager = pp_dp_tp_step(
+            lambda: _llama(LAYERS[form]), overrides, B, S, M, _Reduces)
         local_numel = sum(p.to_local().numel() for n, p in pm.named_parameters() if n in mine)
-        opt_ref.step()
-        opt.step()
-        stepped_params(pm, refs, mine, errs, "param")
         norms = sorted({(s.form, s.axis) for st in pm._tp.values() for s in st[2].strategies if s.kind == "norm"})
         arrivals = {k: {n: str(p) for n, p in st[-1][0].items()} for k, st in pm._tp.items()}
         offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": TP}, (tokens, labels), plan="megatron",
@@ -87,7 +69,7 @@ def _pp_dp_tp_sp(form: str = "1f1b"):
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch,
                   "offline p2p": offline.estimate.p2p_bytes_per_microbatch}
         groups = {a: tuple(dist.get_process_group_ranks(mesh.get_group(a))) for a in ("pp", "dp")}
-        return {"errs": errs, "mine": mine, "all": sorted(refs), "p2p": c.p2p, "reduces": c.reduces,
+        return {"errs": errs, "mine": mine, "all": sorted(n for n, _ in ref.named_parameters()), "p2p": c.p2p, "reduces": c.reduces,
                 "eager": eager.calls, "groups": groups, "local_numel": local_numel, "norms": norms,
                 "arrivals": arrivals, "priced": priced, "stages": pm.local_stages, "rank": dist.get_rank()}
     finally:
