@@ -44,8 +44,9 @@ sends its own shard to the same tp rank of the next stage, 1/tp of the bytes (as
 The first stage's embedding output is reduce-scattered onto the sequence and the last stage's final norm
 all-gathered before the vocab-parallel head, as in the flat plan. Runs under gpipe, 1f1b and zbv
 (tests/test_pipeline_tp_sp.py); on (pp, dp, tp) each data rank's tp line runs it on its own rows, the p2p between
-the stages of one (dp, tp) coordinate carrying that tp rank's shard (checked against one device on 8 gloo ranks by
-`benchmarks/pp_dp_tp_gloo.py --case sp`, its construction and collectives in tests/test_pipeline_dtp_sp.py).
+the stages of one (dp, tp) coordinate carrying that tp rank's shard (checked against one device on 8 gloo ranks
+under 1f1b, gpipe and zbv by `benchmarks/pp_dp_tp_gloo.py --case all`, its construction and collectives in
+tests/test_pipeline_dtp_sp.py).
 
 Not implemented (NotImplementedError, raised on every rank before any collective): a mesh with no axis besides the
 pipeline axis, a weight used at two places of a stage under two names, a shared weight the stages place differently

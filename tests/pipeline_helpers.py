@@ -68,6 +68,58 @@ def stepped_params(pm, refs: dict, mine: list[str], errs: dict, key: str) -> Non
             errs[f"{key} {n}"] = float((p.full_tensor() - refs[n].detach()).abs().max())
 
 
+def exact_step(ref, pm, batch, *, nonempty: bool = False) -> tuple[dict, list[str]]:
+    """One training step of `pm` against `ref` (one device): errs["loss"], f"grad {name}" of every parameter of this
+    rank's stages (`nonempty`: only those with local values), f"param {name}" after one AdamW step (lr 0.01).
+    Returns (errs, the names checked)."""
+    errs = {}
+    loss = pm(*batch)
+    loss.backward()
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    errs["loss"] = abs(float(loss) - float(ref_loss))
+    refs = dict(ref.named_parameters())
+    mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None
+            and (not nonempty or p._local_tensor.numel())]
+    for n, p in pm.named_parameters():
+        if n in mine:
+            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
+    torch.optim.AdamW(ref.parameters(), lr=0.01).step()
+    torch.optim.AdamW(pm.parameters(), lr=0.01).step()
+    stepped_params(pm, refs, mine, errs, "param")
+    return errs, mine
+
+
+def pp_dp_tp_step(build, overrides: dict, batch: int, seq: int, microbatches: int, eager):
+    """The 8-rank job tests/test_pipeline_dtp.py and tests/test_pipeline_dtp_sp.py share: `build()`'s reference and
+    copy (`reference_and_batch`), the copy under plan="megatron" with `overrides` on a (pp=2, dp=2, tp=2) mesh, its
+    parameter names checked, one step against one device with the call recorded by `Count` and `eager()` (the
+    eager all-reduces), errs: the loss, every gradient of this rank's stages (`stage_grads`) and every parameter
+    after one AdamW step (lr 0.01). Returns (ref, pm, mesh, tokens, labels, errs, mine, count, eager record)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    import autopar
+    ref, model, tokens, labels = reference_and_batch(build, batch, seq)
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron", overrides=overrides,
+                             microbatches=microbatches)
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    refs = dict(ref.named_parameters())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
+    errs = {}
+    ref_loss = ref(tokens, labels)
+    ref_loss.backward()
+    with Count() as c, eager() as rec:
+        loss = pm(tokens, labels)
+    loss.backward()
+    errs["loss"] = abs(float(loss) - float(ref_loss))
+    mine = stage_grads(pm, refs, errs, "grad")
+    opt_ref.step()
+    opt.step()
+    stepped_params(pm, refs, mine, errs, "param")
+    return ref, pm, mesh, tokens, labels, errs, mine, c, rec
+
+
 def held(pm) -> dict:
     """name -> full value, of the parameters whose (sub-)mesh includes this rank."""
     import torch.distributed as dist

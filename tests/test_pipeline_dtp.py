@@ -21,13 +21,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline_helpers import Count, check, llama, reference_and_batch, stage_grads, stepped_params
+from pipeline_helpers import Count, check, llama, pp_dp_tp_step
 
 B, S, H, M = 4, 8, 16, 2  # batch (dp2 x 2 microbatches x 1 row), sequence, hidden, microbatches per data rank
 
 
-def _llama():
-    return llama(hidden=H, ffn_hidden=2 * H, seq_len=S)
+def _llama(layers: int = 2):
+    return llama(hidden=H, ffn_hidden=2 * H, seq_len=S, num_layers=layers)
 
 
 class _Reduces:
@@ -51,34 +51,16 @@ class _Reduces:
 
 def _pp_dp_tp():
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     import autopar
 
     torch.set_default_dtype(torch.float64)
     try:
-        ref, model, tokens, labels = reference_and_batch(_llama, B, S)
-        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
-        pm = autopar.parallelize(model, mesh, (tokens, labels), plan="megatron",
-                                 overrides={"pipeline": "1f1b@pp"}, microbatches=M)
-        assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
-        refs = dict(ref.named_parameters())
-        opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
-        opt = torch.optim.AdamW(pm.parameters(), lr=0.01)
-        errs = {}
-        ref_loss = ref(tokens, labels)
-        ref_loss.backward()
-        with Count() as c, _Reduces() as eager:
-            loss = pm(tokens, labels)
-        loss.backward()
-        errs["loss"] = abs(float(loss) - float(ref_loss))
-        mine = stage_grads(pm, refs, errs, "grad")
+        ref, pm, mesh, tokens, labels, errs, mine, c, eager = pp_dp_tp_step(
+            _llama, {"pipeline": "1f1b@pp"}, B, S, M, _Reduces)
         own = {n: p for n, p in pm.named_parameters() if n in mine}
         placements = {n: str(tuple(p.placements)) for n, p in own.items()}
         meshes = {n: tuple(p.device_mesh.mesh_dim_names) for n, p in own.items()}
         sizes = {n: p.to_local().numel() for n, p in own.items()}
-        opt_ref.step()
-        opt.step()
-        stepped_params(pm, refs, mine, errs, "param")
         offline = autopar.plan(ref, {"pp": 2, "dp": 2, "tp": 2}, (tokens, labels), plan="megatron",
                                overrides={"pipeline": "1f1b@pp"}, microbatches=M)
         priced = {"p2p": pm.plan.estimate.p2p_bytes_per_microbatch, "step": pm.plan.estimate.step_time_s,
@@ -86,7 +68,7 @@ def _pp_dp_tp():
                   "offline step": offline.estimate.step_time_s,
                   "cut": tuple(pm.plan.pipeline.cut), "offline cut": tuple(offline.pipeline.cut)}
         groups = {a: tuple(dist.get_process_group_ranks(mesh.get_group(a))) for a in ("pp", "dp")}
-        return {"priced": priced, "errs": errs, "mine": mine, "all": sorted(refs), "placements": placements,
+        return {"priced": priced, "errs": errs, "mine": mine, "all": sorted(n for n, _ in ref.named_parameters()), "placements": placements,
                 "meshes": meshes, "p2p": c.p2p, "reduces": c.reduces, "eager": eager.calls, "groups": groups,
                 "local_numel": sum(sizes.values()), "stages": pm.local_stages, "rank": dist.get_rank()}
     finally:

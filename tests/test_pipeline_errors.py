@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import stepped_params
+from pipeline_helpers import exact_step
 
 TOL = 1e-10
 
@@ -127,20 +127,7 @@ def _failing_steps(form: str, mesh_shape, names, plan, injections):
         # a NaN loss with no failure (a NaN in the batch): the ranks find no error to raise; the loss is NaN
         out["nan loss"] = float(pm(torch.full_like(x, float("nan")), y))
         # the model stays usable: the next step is exact
-        errs = {}
-        loss = pm(x, y)
-        loss.backward()
-        ref_loss = ref(x, y)
-        ref_loss.backward()
-        errs["loss"] = abs(float(loss) - float(ref_loss))
-        refs = dict(ref.named_parameters())
-        mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None and p._local_tensor.numel()]
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-        torch.optim.AdamW(ref.parameters(), lr=0.01).step()
-        torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        stepped_params(pm, refs, mine, errs, "param")
+        errs, mine = exact_step(ref, pm, (x, y), nonempty=True)
         out.update(errs=errs, mine=mine)
         return out
     finally:

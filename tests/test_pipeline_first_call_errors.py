@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
+from pipeline_helpers import exact_step
 
 TOL = 1e-10
 PG_TIMEOUT_S = 15
@@ -40,27 +41,6 @@ def _error(call):
     except Exception as e:  # noqa: BLE001 - recorded
         error = (type(e).__name__, str(e), "\n".join(getattr(e, "__notes__", [])))
     return error, time.perf_counter() - t0
-
-
-def _exact_step(ref, pm, batch) -> tuple[dict, list[str]]:
-    """One training step of `pm` against `ref` (one device): loss, every gradient of this rank's parameters, every
-    parameter after AdamW."""
-    from pipeline_helpers import stepped_params
-    errs = {}
-    loss = pm(*batch)
-    loss.backward()
-    ref_loss = ref(*batch)
-    ref_loss.backward()
-    errs["loss"] = abs(float(loss) - float(ref_loss))
-    refs = dict(ref.named_parameters())
-    mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None]
-    for n, p in pm.named_parameters():
-        if n in mine:
-            errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-    torch.optim.AdamW(ref.parameters(), lr=0.01).step()
-    torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-    stepped_params(pm, refs, mine, errs, "param")
-    return errs, mine
 
 
 def _raise_on(pm, rank: int, stage: int, kind: str):
@@ -113,7 +93,7 @@ def _data_stages(plan: str):
                                         "elapsed": elapsed,
                                         "grads": [n for n, p in pm.named_parameters() if p.grad is not None]})
             one = copy.deepcopy(ref)
-            errs, mine = _exact_step(one, pm, (x, y))
+            errs, mine = exact_step(one, pm, (x, y))
             out["errs"].update({f"{form} {k}": v for k, v in errs.items()})
             out["mine"] = sorted(set(out["mine"]) | set(mine))
         return out
@@ -156,7 +136,7 @@ def _megatron_stages():
                     "form": form, "rank": rank, "nth": nth, "kind": kind, "error": error, "elapsed": elapsed,
                     "same reduces": sorted(failing.reduces) == sorted(normal.reduces) and bool(normal.reduces),
                     "grads": [n for n, p in pm.named_parameters() if p.grad is not None]})
-            errs, mine = _exact_step(ref, pm, (tokens, labels))
+            errs, mine = exact_step(ref, pm, (tokens, labels))
             out["errs"].update({f"{form} {k}": v for k, v in errs.items()})
             out["mine"].append(sorted(mine))
             # the dry run's collectives are the real runs' (each computation's last complete run)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dist_harness import gloo_pool
-from pipeline_helpers import Count, llama, reference_and_batch, stepped_params
+from pipeline_helpers import Count, exact_step, llama, reference_and_batch
 
 B, S, M = 4, 16, 2
 TOL = 1e-10
@@ -76,20 +76,7 @@ def _failing_tp_steps():
                 "rank": rank, "nth": nth, "kind": kind, "error": error, "elapsed": time.perf_counter() - t0,
                 "same reduces": sorted(c.reduces) == sorted(normal.reduces), "same p2p": sorted(c.p2p) == sorted(
                     normal.p2p), "grads": [n for n, p in pm.named_parameters() if p.grad is not None]})
-        errs = {}
-        loss = pm(tokens, labels)
-        loss.backward()
-        ref_loss = ref(tokens, labels)
-        ref_loss.backward()
-        errs["loss"] = abs(float(loss) - float(ref_loss))
-        refs = dict(ref.named_parameters())
-        mine = [n for n, p in pm.named_parameters() if p.device_mesh.get_coordinate() is not None]
-        for n, p in pm.named_parameters():
-            if n in mine:
-                errs[f"grad {n}"] = float((p.grad.full_tensor() - refs[n].grad).abs().max())
-        torch.optim.AdamW(ref.parameters(), lr=0.01).step()
-        torch.optim.AdamW(pm.parameters(), lr=0.01).step()
-        stepped_params(pm, refs, mine, errs, "param")
+        errs, mine = exact_step(ref, pm, (tokens, labels))
         out.update(errs=errs, mine=mine, normal=len(normal.reduces))
         return out
     finally:
