@@ -177,14 +177,18 @@ class ParallelModule(nn.Module):
         register_at(self, fqn, value, buffer=buffer, persistent=persistent)
 
     def _lookup(self, fqn: str):
-        """The parameter or buffer `fqn` (its owning submodule found once: every call feeds every parameter)."""
+        """The parameter or buffer `fqn` (its owning submodule found once: every call feeds every parameter). Not
+        cached while dynamo traces: a dict mutated inside the traced frame is a guard, and the first compiled calls
+        (before the eager ones filled it) recompiled each time it grew."""
         owner = self._owners.get(fqn)
         if owner is None:
             mod = self
             *path, leaf = fqn.split(".")
             for part in path:
                 mod = getattr(mod, part)
-            owner = self._owners[fqn] = (mod, leaf)
+            owner = (mod, leaf)
+            if not torch.compiler.is_compiling():
+                self._owners[fqn] = owner
         return getattr(*owner)
 
     def init_weights(self, seed: int = 0) -> "ParallelModule":

@@ -76,38 +76,38 @@ def _local_world(world_size: int):
 FILE_SECONDS = {
     "test_zero_ends.py": 5,  # the zero2 objective against the timeline, offline (6 s busy, 2026-12-07)
     "test_pipeline_tp_sp.py": 22,  # (from main at merge)
-    "test_pipeline_auto_stages.py": 22,  # 22.3 s alone at load 20, 4 tests (2026-12-07)
-    "test_pipeline_auto_run.py": 25,  # 60 s alone at load 24 (2 + 4 gloo ranks, cold pools), 2026-12-07
+    "test_pipeline_auto_stages.py": 10,  # was 22; fresh clone, make test --durations=0 (2026-12-08)
+    "test_pipeline_auto_run.py": 15,  # 14.7 s alone at load 3 (2 + 4 gloo ranks), 2026-12-08
     "test_float8_ilp.py": 5,  # (from main at merge)
     "test_contract_compile.py": 87,  # was 100; alone, 2026-12-07
     "test_nn_census.py": 72,  # was 70; alone, 2026-12-07
     "test_zoo.py": 68,  # was 160; junit
     "test_sequence_parallel.py": 67,  # was 185; junit
     "test_equivalence_local.py": 66,  # was 90; junit
-    "test_verify.py": 57,  # was 45; junit
-    "test_tune.py": 55,  # was 50; junit
+    "test_verify.py": 16,  # was 57; fresh clone, make test --durations=0 (2026-12-08)
+    "test_tune.py": 25,  # was 55; fresh clone, make test --durations=0 (2026-12-08)
     "test_zero.py": 55,  # was 92; junit
     "test_pipeline_runtime.py": 47,  # was 95; junit
-    "test_rule_check.py": 45,  # was 120; junit
+    "test_rule_check.py": 83,  # was 45; fresh clone, make test --durations=0 (2026-12-08)
     "test_moe.py": 44,  # was 58; junit
     "test_meta.py": 40,  # was 60; junit
     "test_checkpoint_levels.py": 39,  # was 165; junit
-    "test_rule_sweep.py": 34,  # was 34; junit
-    "test_contract_ranks.py": 33,  # was 14; junit
-    "test_fsdp_layers.py": 30,  # was 24; junit
-    "test_tp_overlap.py": 30,  # was 34; junit
+    "test_rule_sweep.py": 9,  # was 34; fresh clone, make test --durations=0 (2026-12-08)
+    "test_contract_ranks.py": 15,  # was 33; fresh clone, make test --durations=0 (2026-12-08)
+    "test_fsdp_layers.py": 15,  # was 30; fresh clone, make test --durations=0 (2026-12-08)
+    "test_tp_overlap.py": 17,  # was 30; fresh clone, make test --durations=0 (2026-12-08)
     "test_release.py": 28,  # was 30; junit
     "test_published_runs.py": 26,  # was 30; junit
     "test_two_axis_attention.py": 26,  # was 68; junit
-    "test_recognition.py": 25,  # was 57; junit
-    "test_float8_runtime.py": 24,  # was 12; junit
-    "test_grad_buckets.py": 23,  # was 9; alone, 2026-12-07
-    "test_pipeline_forms.py": 23,  # was 100; junit
+    "test_recognition.py": 13,  # was 25; fresh clone, make test --durations=0 (2026-12-08)
+    "test_float8_runtime.py": 14,  # was 24; fresh clone, make test --durations=0 (2026-12-08)
+    "test_grad_buckets.py": 4,  # was 23; fresh clone, make test --durations=0 (2026-12-08)
+    "test_pipeline_forms.py": 36,  # was 23; fresh clone, make test --durations=0 (2026-12-08)
     "test_shapes.py": 22,  # was 36; junit
     "test_pipeline_auto.py": 21,  # was 165; junit
     "test_solver.py": 20,  # was 44; junit
     "test_dist_harness.py": 19,  # was 30; junit
-    "test_fsdp_uneven.py": 19,  # was 14; alone, 2026-12-07
+    "test_fsdp_uneven.py": 5,  # was 19; fresh clone, make test --durations=0 (2026-12-08)
     "test_pipeline_memory_schedules.py": 19,  # was 25; junit
     "test_ring_hf.py": 19,  # was 36; junit
     "test_contract_data.py": 18,  # was 19; alone, 2026-12-07
@@ -116,14 +116,14 @@ FILE_SECONDS = {
     "test_model_ops.py": 16,  # was 29; junit
     "test_moe_dispatch.py": 16,  # was 86; junit
     "test_pipeline_cost.py": 16,  # was 30; junit
-    "test_estimate.py": 15,  # was 73; junit
+    "test_estimate.py": 30,  # was 15; fresh clone, make test --durations=0 (2026-12-08)
     "test_pipeline_tp_forms.py": 15,  # was 15; estimate kept: not in the junit run
     "test_moe_flops.py": 14,  # was 13; junit
     "test_float8_plan.py": 13,  # was 22; junit
     "test_local_step.py": 13,  # was 23; junit
     "test_mixed_precision.py": 13,  # was 22; junit
-    "test_pipeline_first_call_errors.py": 15,  # new: 86 s at load 27 (tp_errors: 75 s there)
-    "test_pipeline_tp_errors.py": 13,  # was 13; estimate kept: not in the junit run
+    "test_pipeline_first_call_errors.py": 38,  # was 15; fresh clone, make test --durations=0 (2026-12-08)
+    "test_pipeline_tp_errors.py": 5,  # was 13; fresh clone, make test --durations=0 (2026-12-08)
     "test_pipeline_ep.py": 12,  # was 12; estimate kept: not in the junit run
     "test_batch_local.py": 11,  # was 35; junit
     "test_block_attention_kernel.py": 11,  # was 17; junit
@@ -140,9 +140,9 @@ FILE_SECONDS = {
     "test_moe_permute_kernel.py": 8,  # was 6; junit
     "test_pipeline_census.py": 8,  # was 15; junit
     "test_pipeline_dcp.py": 8,  # was 12; junit
-    "test_tune_pipeline.py": 20,  # was 8; the tune job 15-19 s at load 24 on a warm pool (pp_tune)
+    "test_tune_pipeline.py": 6,  # was 20; fresh clone, make test --durations=0 (2026-12-08)
     "test_attention_masks.py": 7,  # was 10; junit
-    "test_meta_moe.py": 7,  # was 30; junit
+    "test_meta_moe.py": 19,  # was 7; fresh clone, make test --durations=0 (2026-12-08)
     "test_reduce_transient.py": 7,  # was 6; junit
     "test_repeated_capture.py": 7,  # was 8; junit
     "test_agree_rides.py": 6,  # was 8; alone, 2026-12-07
@@ -150,13 +150,13 @@ FILE_SECONDS = {
     "test_cost_model.py": 5,  # was 3; junit
     "test_decompose.py": 5,  # was -; junit
     "test_mixed_precision_tp.py": 5,  # was 30; junit
-    "test_precision_inputs.py": 5,  # was 38; junit
+    "test_precision_inputs.py": 13,  # was 5; fresh clone, make test --durations=0 (2026-12-08)
     "test_structure.py": 5,  # was 2; junit
     "test_checkpoint.py": 4,  # was 5; junit
-    "test_float8_fsdp_gather.py": 4,  # was 8; junit
+    "test_float8_fsdp_gather.py": 24,  # was 4; fresh clone, make test --durations=0 (2026-12-08)
     "test_tune_mirror.py": 4,  # was 18; junit
     "test_dp_overhead.py": 3,  # was 11; junit
-    "test_embedding_bag.py": 3,  # was -; junit
+    "test_embedding_bag.py": 12,  # was 3; fresh clone, make test --durations=0 (2026-12-08)
     "test_fsdp_compile_graph.py": 3,  # was 3; alone, 2026-12-07
     "test_numerics_modes.py": 3,  # was 4; junit
     "test_canonical_losses.py": 2,  # was -; junit
@@ -166,7 +166,7 @@ FILE_SECONDS = {
     "test_fake_mesh.py": 2,  # was 4; junit
     "test_pipeline_dtp.py": 2,  # was 10; junit
     "test_pipeline_dtp_sp.py": 3,  # new (issue #23 SP on pp x dp x tp); fake PG, one test
-    "test_pipeline_foreign.py": 12,  # new (issue #23 foreign models): a 2-rank census row, T5 on a fake world
+    "test_pipeline_foreign.py": 4,  # was 12; fresh clone, make test --durations=0 (2026-12-08)
     "test_ring_attention.py": 2,  # was 4; junit
     "test_timeline.py": 2,  # was 1; junit
     "test_zero_auto.py": 2,  # was 15; junit
@@ -174,7 +174,7 @@ FILE_SECONDS = {
     "test_dtensor_rules.py": 1,  # was 1; junit
     "test_embedding_forms.py": 1,  # was 2; junit
     "test_float8_kernel.py": 1,  # was 2; junit
-    "test_float8_torchao_model.py": 12,  # 5 plans on the shared 2-rank pool (real torchao) + 2 offline lowerings
+    "test_float8_torchao_model.py": 20,  # was 12; fresh clone, make test --durations=0 (2026-12-08)
     "test_fsdp_dims.py": 1,  # was 1; junit
     "test_fsdp_units.py": 1,  # was 2; junit
     "test_layers.py": 1,  # was 1; junit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dist_harness import GlooPool, gloo_pool
+from dist_harness import gloo_pool
 
 TOL = 1e-5  # the Llama loss upcasts its logits to fp32 (tests/zoo.py)
 LR = 0.1
@@ -359,6 +359,7 @@ def test_uncomputable_meta_buffer_is_refused():
 
 
 def _rss_job(path):
+    import ctypes
     import gc
 
     import autopar
@@ -371,6 +372,8 @@ def _rss_job(path):
         raise AssertionError(field)
 
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # on the shared pool: freed heap of earlier jobs back to the OS, so
+    # that `load` cannot grow into memory already resident (the peak below would read too low)
     model = _meta_llama(dtype=torch.float32, **_BIG)
     inputs = {k: v[:, :8] for k, v in zoo.causal_batch(0).items()}
     start = status("VmRSS:")
@@ -389,7 +392,7 @@ _BIG = dict(vocab_size=16384, hidden_size=768, intermediate_size=2048, num_hidde
 
 
 def test_peak_memory_per_rank_while_loading_tp4(tmp_path):
-    """Each of 4 fresh ranks' peak RSS while `load` runs grows by less than half the model's bytes above what it
+    """Each of 4 ranks' peak RSS while `load` runs grows by less than half the model's bytes above what it
     held before (its shards, allocated but untouched, are a quarter of the model, plus replicated k/v and norms;
     the checkpoint is read in slices, one file mapped at a time)."""
     import transformers
@@ -399,8 +402,7 @@ def test_peak_memory_per_rank_while_loading_tp4(tmp_path):
     assert full_bytes > 100 * 2**20, full_bytes
     model.save_pretrained(tmp_path, max_shard_size="32MB")
     del model
-    with GlooPool(4, timeout=300) as pool:
-        results = pool.run(_rss_job, str(tmp_path))
+    results = gloo_pool(4).call(_rss_job, (str(tmp_path),), timeout=300)  # the shared pool: no 4 fresh imports
     for rank, (grown, parallelize_grown, shards, loss) in enumerate(results):
         print(f"rank {rank}: peak RSS growth while loading {grown / 2**20:.1f} MiB = {grown / full_bytes:.3f} x the "
               f"model's {full_bytes / 2**20:.1f} MiB ({grown / shards:.2f} x its shards' {shards / 2**20:.1f} MiB); "

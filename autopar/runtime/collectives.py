@@ -52,7 +52,9 @@ class _Functional:
             settle_pending()
         op = _DRY_OPS[name] if _DRY else _OPS.get(name)
         if op is None:
-            op = _OPS[name] = functools.partial(_below_autograd, getattr(torch.ops._c10d_functional, name))
+            op = functools.partial(_below_autograd, getattr(torch.ops._c10d_functional, name))
+            if not torch.compiler.is_compiling():  # a global dict grown while dynamo traces guards and recompiles
+                _OPS[name] = op
         if _TRACKERS and name != "wait_tensor":
             return functools.partial(_tracked, _TRACKERS[-1], name, op)
         return op
